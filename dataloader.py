@@ -1,0 +1,155 @@
+"""Sharded token files and the loader that gives each rank its own slice of them.
+
+Shard format (llm.c's, so data is interchangeable with it): a header of 256 little-endian int32
+[MAGIC, VERSION, num_tokens, 0, ...] followed by num_tokens little-endian uint16 token ids. Shards live in
+one directory as <anything>_train_<NNNNNN>.bin and <anything>_val_<NNNNNN>.bin.
+
+The stream is cut into chunks of B·T tokens (plus the one next token as the last target). Every micro-step
+consumes world_size consecutive chunks, rank r taking the r-th; every optimizer step consumes
+chunks_per_step = world_size·grad_accum_steps of them. A shard is used up to a whole number of optimizer
+steps, then all ranks move to the next shard together. So the chunks a step trains on depend only on B, T and
+the total batch, never on how they are split across ranks, and the loader's position is the same on every
+rank: a 2-rank snapshot resumes on 1 rank at exactly the next tokens.
+"""
+
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+MAGIC = 20240520
+VERSION = 1
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+TOKEN_DTYPE = np.dtype("<u2")
+
+
+def write_shard(path: str | Path, tokens: np.ndarray) -> None:
+    """Write tokens as a shard, atomically: a crash leaves either no file or a complete one under `path`."""
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
+        raise ValueError(f"{path}: token ids must fit in uint16 (0..65535), got range {tokens.min()}..{tokens.max()}")
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:3] = (MAGIC, VERSION, tokens.size)
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype(TOKEN_DTYPE).tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_shard_header(path: str | Path) -> int:
+    """Check a shard's header against its size; returns the number of tokens. Raises ValueError naming the file."""
+    path = Path(path)
+    size = path.stat().st_size
+    if size < HEADER_BYTES:
+        raise ValueError(f"{path}: file is {size} bytes, shorter than the {HEADER_BYTES}-byte shard header; "
+                         "it is truncated or not a token shard. Delete it and re-run the data preparation script.")
+    header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+    if header[0] != MAGIC:
+        raise ValueError(f"{path}: bad magic number {header[0]} (expected {MAGIC}); this is not a token shard of the "
+                         "llm.c format. Re-create it with data/prepare.py or data/fineweb.py.")
+    if header[1] != VERSION:
+        raise ValueError(f"{path}: unsupported shard version {header[1]} (expected {VERSION}). "
+                         "Re-create it with data/prepare.py or data/fineweb.py.")
+    num_tokens = int(header[2])
+    expected = HEADER_BYTES + num_tokens * TOKEN_DTYPE.itemsize
+    if size != expected:
+        raise ValueError(f"{path}: header says {num_tokens} tokens ({expected} bytes) but the file has {size} bytes; "
+                         "it was cut off mid-write or corrupted. Delete it and re-run the data preparation script.")
+    return num_tokens
+
+
+def find_shards(data_dir: str | Path, split: str) -> list[Path]:
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise FileNotFoundError(f"data directory {data_dir} does not exist; prepare data first, e.g. "
+                                "`python data/prepare.py --source shakespeare`, or point --data_dir at your shards.")
+    pattern = re.compile(rf".*_{split}_\d+\.bin")
+    shards = sorted(p for p in data_dir.iterdir() if pattern.fullmatch(p.name))
+    if not shards:
+        raise FileNotFoundError(f"no {split} shards (files named <name>_{split}_<NNNNNN>.bin) in {data_dir}; "
+                                "prepare data first, e.g. `python data/prepare.py --source shakespeare`.")
+    return shards
+
+
+class DistributedDataLoader:
+    def __init__(self, data_dir: str | Path, split: str, B: int, T: int, rank: int = 0, world_size: int = 1,
+                 grad_accum_steps: int = 1, shuffle: bool = False, seed: int = 0):
+        self.B, self.T, self.rank, self.world_size = B, T, rank, world_size
+        self.chunks_per_step = world_size * grad_accum_steps
+        self.shuffle, self.seed = shuffle, seed
+        self.shards = find_shards(data_dir, split)
+        # Check every header now, so a bad shard fails the run in its first second rather than hours in.
+        self.shard_tokens = [read_shard_header(p) for p in self.shards]
+        step_tokens = self.chunks_per_step * B * T + 1
+        for path, n in zip(self.shards, self.shard_tokens):
+            if n < step_tokens:
+                raise ValueError(f"{path}: shard has {n} tokens, fewer than one optimizer step needs ({step_tokens} = "
+                                 f"{self.chunks_per_step} chunks of B·T = {B}·{T}, +1). Use a smaller "
+                                 "--total_batch_size / --micro_batch_size / --seq_len, or larger shards.")
+        self.reset()
+
+    def reset(self, epoch: int = 0) -> None:
+        """Back to the start of the stream (validation calls this before every evaluation)."""
+        self.epoch = epoch
+        self.shard_position = 0  # index into this epoch's shard order
+        self.chunk_position = 0  # index into the current shard's chunk order, the same on every rank
+        self._open_shard()
+
+    def _open_shard(self) -> None:
+        if self.shuffle:
+            shard_order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.shards))
+            shard_index = int(shard_order[self.shard_position])
+        else:
+            shard_index = self.shard_position
+        num_tokens = self.shard_tokens[shard_index]
+        self.tokens = np.memmap(self.shards[shard_index], dtype=TOKEN_DTYPE, mode="r", offset=HEADER_BYTES,
+                                shape=(num_tokens,))
+        num_chunks = (num_tokens - 1) // (self.B * self.T)
+        self.usable_chunks = num_chunks - num_chunks % self.chunks_per_step
+        if self.shuffle:  # a fresh chunk order per (seed, epoch, shard), cheap to recompute on resume
+            self.chunk_order = np.random.default_rng([self.seed, self.epoch, shard_index]).permutation(num_chunks)
+        else:
+            self.chunk_order = np.arange(num_chunks)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's (x, y) for one micro-step, each (B, T) int64 on the CPU; y is x shifted by one token."""
+        B, T = self.B, self.T
+        # A micro-step's B rows are B consecutive T-token runs: B·T tokens in one slice, then reshaped.
+        start = int(self.chunk_order[self.chunk_position + self.rank]) * B * T
+        buf = torch.from_numpy(self.tokens[start : start + B * T + 1].astype(np.int64))  # uint16 until here
+        x, y = buf[:-1].view(B, T), buf[1:].view(B, T)
+        self.chunk_position += self.world_size
+        if self.chunk_position >= self.usable_chunks:
+            self.chunk_position = 0
+            self.shard_position += 1
+            if self.shard_position == len(self.shards):
+                self.shard_position = 0
+                self.epoch += 1
+            self._open_shard()
+        return x, y
+
+    def state_dict(self) -> dict[str, int]:
+        # B·T and chunks_per_step give the position its meaning; rank and world size do not (see module doc).
+        return {"epoch": self.epoch, "shard_position": self.shard_position, "chunk_position": self.chunk_position,
+                "chunk_tokens": self.B * self.T, "chunks_per_step": self.chunks_per_step,
+                "num_shards": len(self.shards), "shuffle": int(self.shuffle), "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        mine = self.state_dict()
+        for key in ("chunk_tokens", "chunks_per_step", "num_shards", "shuffle", "seed"):
+            if state[key] != mine[key]:
+                raise ValueError(
+                    f"cannot resume the data loader: the snapshot was taken with {key}={state[key]}, this run has "
+                    f"{key}={mine[key]}. Resuming would re-read or skip data. Keep --micro_batch_size·--seq_len, "
+                    "--total_batch_size, the data directory, --shuffle and --seed as they were (the number of "
+                    "ranks may change), or start a fresh run with --resume never.")
+        self.epoch, self.shard_position = state["epoch"], state["shard_position"]
+        self._open_shard()
+        self.chunk_position = state["chunk_position"]

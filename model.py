@@ -1,0 +1,234 @@
+"""GPT-2, written from scratch, in the order data flows through it.
+
+Parameter names follow Hugging Face's GPT-2 (transformer.h.0.attn.c_attn, ...), so pretrained weights load
+by name and a trained model exports back the same way.
+"""
+
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: "GPTConfig"):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0, "n_embd must be a multiple of n_head"
+        self.n_head = config.n_head
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # query, key, value for all heads at once
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.c_proj.RESIDUAL_SCALED_INIT = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # flash attention where the device has it
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble all head outputs side by side
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: "GPTConfig"):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.gelu = nn.GELU(approximate="tanh")  # the approximation GPT-2 was trained with
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.c_proj.RESIDUAL_SCALED_INIT = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: the residual stream itself is never normalised."""
+
+    def __init__(self, config: "GPTConfig"):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024  # longest context the model can see
+    vocab_size: int = 50257  # 50,000 BPE merges + 256 byte tokens + <|endoftext|>
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+
+    @property
+    def padded_vocab_size(self) -> int:
+        # The embedding table is padded to a multiple of 128 because matmuls with "nice" shapes run faster on
+        # GPUs; the extra rows are never a target and are sliced off the logits, so nobody outside sees them.
+        return math.ceil(self.vocab_size / 128) * 128
+
+
+PRESETS: dict[str, GPTConfig] = {
+    "gpt2": GPTConfig(n_layer=12, n_head=12, n_embd=768),  # 124M
+    "gpt2-medium": GPTConfig(n_layer=24, n_head=16, n_embd=1024),  # 350M
+    "gpt2-large": GPTConfig(n_layer=36, n_head=20, n_embd=1280),  # 774M
+    "gpt2-xl": GPTConfig(n_layer=48, n_head=25, n_embd=1600),  # 1558M
+    # Small models for CPU, laptops and tests.
+    "small": GPTConfig(block_size=256, n_layer=4, n_head=4, n_embd=256),
+    "tiny": GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64),
+}
+
+
+# Hugging Face's GPT-2 stores these linear layers as Conv1D modules, whose weights are nn.Linear's transposed.
+HF_CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.padded_vocab_size, config.n_embd),  # token embedding
+            wpe=nn.Embedding(config.block_size, config.n_embd),  # position embedding
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
+        # Weight tying: reading a token in and writing it out use one matrix (GPT-2 does this; saves 38M params).
+        self.lm_head.weight = self.transformer.wte.weight
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            std = 0.02
+            if getattr(module, "RESIDUAL_SCALED_INIT", False):
+                # Each block adds two projections to the residual stream; scaling them keeps its variance flat
+                # in depth (GPT-2 paper, section 2.3).
+                std *= (2 * self.config.n_layer) ** -0.5
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameter count; by default without the position embeddings (the token embedding is used as the
+        output layer, so it does count)."""
+        n = sum(p.numel() for p in self.parameters())
+        n -= (self.config.padded_vocab_size - self.config.vocab_size) * self.config.n_embd  # padding rows
+        if non_embedding:
+            n -= self.transformer.wpe.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token (forward + backward), as in the PaLM paper, appendix B:
+        6·N for the matmuls with the N weights (2 FLOPs per multiply-add, backward twice forward), plus
+        6·n_layer·2·seq_len·n_embd for attention's Q·Kᵀ and A·V, whose size grows with the sequence.
+        Causal masking is not subtracted, as is the convention."""
+        cfg = self.config
+        return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_embd * seq_len
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        B, T = idx.size()
+        if T > self.config.block_size:
+            raise ValueError(f"sequence of length {T} is longer than the model's block_size {self.config.block_size}")
+        pos = torch.arange(T, dtype=torch.long, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        logits = self.lm_head(x)[..., : self.config.vocab_size]  # (B, T, vocab): padding columns dropped
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+        return logits, loss
+
+    def configure_optimizers(self, weight_decay: float, learning_rate: float, device_type: str) -> torch.optim.AdamW:
+        # Decay only matrices (matmul weights, embeddings); biases and LayerNorm gains stay free.
+        params = [p for p in self.parameters() if p.requires_grad]
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        # The fused kernel does the whole update in one launch per device instead of several per tensor.
+        fused = device_type in ("cuda", "mps")
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """Extend idx (B, T) by max_new_tokens sampled tokens; temperature 0 means greedy."""
+        for _ in range(max_new_tokens):
+            context = idx[:, -self.config.block_size:]
+            logits, _ = self(context)
+            logits = logits[:, -1, :].float()
+            if temperature == 0:
+                next_token = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth_largest = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                    logits[logits < kth_largest] = -float("inf")
+                probs = F.softmax(logits, dim=-1)
+                next_token = torch.multinomial(probs, num_samples=1, generator=generator)
+            idx = torch.cat((idx, next_token), dim=1)
+        return idx
+
+    @classmethod
+    def from_pretrained(cls, name_or_dir: str) -> "GPT":
+        """Load Hugging Face GPT-2 weights: a hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl) or a local
+        directory written by transformers' save_pretrained."""
+        from transformers import GPT2LMHeadModel  # only needed here, so not a hard dependency
+
+        hf_model = GPT2LMHeadModel.from_pretrained(name_or_dir)
+        hf = hf_model.config
+        config = GPTConfig(block_size=hf.n_positions, vocab_size=hf.vocab_size, n_layer=hf.n_layer,
+                           n_head=hf.n_head, n_embd=hf.n_embd)
+        model = cls(config)
+        model.load_hf_state_dict(hf_model.state_dict())
+        return model
+
+    def load_hf_state_dict(self, hf_state: dict[str, torch.Tensor]) -> None:
+        ours = self.state_dict()
+        hf_state = {k: v for k, v in hf_state.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
+        missing = set(ours) - set(hf_state) - {"lm_head.weight"}  # lm_head is tied to wte
+        if missing:
+            raise ValueError(f"Hugging Face checkpoint lacks parameters {sorted(missing)}; is it a GPT-2 model?")
+        with torch.no_grad():
+            for name, tensor in hf_state.items():
+                if name == "lm_head.weight":
+                    continue
+                if name.endswith(HF_CONV1D_WEIGHTS):
+                    tensor = tensor.t()
+                target = ours[name]
+                target[: tensor.shape[0]].copy_(tensor)  # the padded vocabulary rows of wte stay as initialised
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Our weights under Hugging Face GPT2LMHeadModel's names and layouts (the inverse of load_hf_state_dict)."""
+        hf_state = {}
+        for name, tensor in self.state_dict().items():
+            if name == "lm_head.weight":
+                continue
+            if name == "transformer.wte.weight":
+                tensor = tensor[: self.config.vocab_size]
+            if name.endswith(HF_CONV1D_WEIGHTS):
+                tensor = tensor.t()
+            hf_state[name] = tensor.contiguous().clone()
+        hf_state["lm_head.weight"] = hf_state["transformer.wte.weight"]
+        return hf_state
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, map_location: str = "cpu") -> "GPT":
+        """A plain GPT from a training snapshot or a model-only checkpoint ({"model", "model_config"})."""
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+        if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
+            raise ValueError(f"{path} is not a checkpoint of this codebase (it lacks 'model' and 'model_config')")
+        known = {f.name for f in fields(GPTConfig)}
+        model = cls(GPTConfig(**{k: v for k, v in ckpt["model_config"].items() if k in known}))
+        model.load_state_dict(ckpt["model"])
+        return model
