@@ -1,0 +1,74 @@
+"""Where a run's numbers go: a compact line on stdout, metrics.jsonl, and (optionally) a wandb dashboard.
+
+Only rank 0 logs. metrics.jsonl holds one JSON object per event; it is appended to across restarts, so after a
+resume the steps between the last snapshot and the crash appear twice, after a {"event": "resume"} line: readers
+keep the later line for a step. wandb is a mirror: if it fails, training goes on and says so once.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+# metrics.jsonl key -> wandb key, so the dashboard groups train/, val/ and eval/ panels.
+WANDB_KEYS = {
+    "loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "dt_ms": "train/dt_ms",
+    "tokens_per_sec": "train/tokens_per_sec", "mfu": "train/mfu", "skipped": "train/skipped_step",
+    "val_loss": "val/loss", "hellaswag_acc": "eval/hellaswag_acc",
+}
+
+
+class RunLogger:
+    def __init__(self, log_dir: str | Path, enabled: bool = True):
+        self.enabled = enabled
+        self.wandb_run = None
+        self.metrics_path = Path(log_dir) / "metrics.jsonl"
+        if enabled:
+            self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def start_wandb(self, project: str | None, mode: str, run_id: str, run_name: str | None, config: dict) -> None:
+        """Start (or, with the same run_id, resume) the wandb run. Failures are reported, never fatal."""
+        if not self.enabled or mode == "disabled":
+            return
+        try:
+            import wandb
+            self.wandb_run = wandb.init(project=project, name=run_name, id=run_id, resume="allow", mode=mode,
+                                        config=config, dir=str(self.metrics_path.parent))
+            # Plot everything against our optimizer step, so re-logged steps after a resume land in place.
+            self.wandb_run.define_metric("step")
+            for prefix in ("train", "val", "eval"):
+                self.wandb_run.define_metric(f"{prefix}/*", step_metric="step")
+        except Exception as e:  # wandb raises many kinds of errors: no login, no network, bad project name
+            self.wandb_run = None
+            print(f"WARNING: wandb could not start ({type(e).__name__}: {e}). Training continues and logs to "
+                  f"{self.metrics_path} only. Fix: `wandb login`, or --wandb_mode offline (then `wandb sync` later), "
+                  "or --wandb_mode disabled.", file=sys.stderr)
+
+    def log(self, record: dict) -> None:
+        """Append one event to metrics.jsonl and mirror its numbers to wandb."""
+        if not self.enabled:
+            return
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.wandb_run is not None and "step" in record:
+            data = {WANDB_KEYS[k]: v for k, v in record.items() if k in WANDB_KEYS}
+            if data:
+                self._wandb_call(lambda: self.wandb_run.log({"step": record["step"], **data}))
+
+    def log_samples(self, step: int, texts: list[str]) -> None:
+        if self.wandb_run is None:
+            return
+        import wandb
+        table = wandb.Table(columns=["step", "sample"], data=[[step, t] for t in texts])
+        self._wandb_call(lambda: self.wandb_run.log({"step": step, "samples/text": table}))
+
+    def _wandb_call(self, call) -> None:
+        try:
+            call()
+        except Exception as e:
+            print(f"WARNING: wandb stopped working ({type(e).__name__}: {e}); metrics.jsonl keeps logging, "
+                  "wandb is off for the rest of this run.", file=sys.stderr)
+            self.wandb_run = None
+
+    def finish(self) -> None:
+        if self.wandb_run is not None:
+            self._wandb_call(self.wandb_run.finish)
