@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Quickstart: install the pinned dependencies into .venv, prepare Tiny Shakespeare, and train a small GPT for a
+# few minutes on whatever device is there (CUDA, MPS or CPU), printing a falling loss and a sample at the end.
+#
+#   bash quickstart.sh                              # downloads the tokenizer and the corpus
+#   OFFLINE_DATA=../shared/data bash quickstart.sh  # no network: local tokenizer files and corpus
+set -euo pipefail
+cd "$(dirname "$0")"
+[ -d .venv ] || python3 -m venv .venv
+. .venv/bin/activate
+python -m pip install -q -r requirements.txt
+
+corpus=()
+if [ -n "${OFFLINE_DATA:-}" ]; then
+  export TIKTOKEN_CACHE_DIR="$OFFLINE_DATA/gpt2_tokenizer/tiktoken_cache"  # tiktoken reads GPT-2's BPE from here
+  corpus=(--input "$OFFLINE_DATA/tinyshakespeare/input.txt")
+fi
+python data/prepare.py --source shakespeare "${corpus[@]}" --output_dir data/shakespeare
+python train_gpt2.py --data_dir data/shakespeare --model small --micro_batch_size 8 --seq_len 256 \
+  --total_batch_size 4096 --max_steps 150 --warmup_steps 15 --max_lr 1e-3 --val_every 50 --val_tokens 32768 \
+  --hellaswag_every 0 --sample_every 150 --ckpt_every 0 --log_dir logs/quickstart "$@"
