@@ -1,0 +1,151 @@
+"""Download FineWeb-Edu (or FineWeb), tokenize it with GPT-2's tokenizer in a process pool, and write token shards.
+
+    python data/fineweb.py                                  # FineWeb-Edu sample-10BT -> data/fineweb_edu10B/
+    python data/fineweb.py --version classic --size 100B    # FineWeb sample-100BT -> data/fineweb100B/
+    python data/fineweb.py --max_shards 2                   # a quick partial download: the val and one train shard
+    python data/fineweb.py --input a.parquet b.jsonl --output_dir data/fineweb_mine   # local files, `text` column
+
+The documents are streamed from the Hugging Face hub (only the shards are kept on disk) and cut into shards of
+--shard_size tokens (default 100M, 200 MB; sample-10BT gives about 100): the first is val, the rest train, named
+<dir name>_val_000000.bin, <dir name>_train_000000.bin, .... Documents are separated by the EOT token (see
+data/tokenize_shards.py). Shards are byte-identical whatever --num_proc is.
+
+Restarting: after each shard, <output_dir>/progress.json records where in the document stream the next shard
+starts. The stream's order is fixed, so re-running the same command reads past the documents already in shards
+without tokenizing them and carries on from there: an interrupted run (crash, Ctrl-C) loses at most the shard it
+was writing, and never leaves part of one under a shard's name. A run without --max_shards continues one with it;
+re-running a finished command does nothing.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: `import dataloader, data` as a script
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from itertools import islice
+
+import pyarrow.parquet as pq
+
+from data.tokenize_shards import ShardWriter, check_input_files, shard_paths, summary, tokenize_documents
+from dataloader import read_shard_header
+
+DATASETS = {"edu": ("HuggingFaceFW/fineweb-edu", "fineweb_edu"), "classic": ("HuggingFaceFW/fineweb", "fineweb")}
+DATA_DIR = Path(__file__).resolve().parent
+
+
+def hub_texts(repo: str, config: str) -> Iterator[str]:
+    from datasets import load_dataset  # imported here: slow to import, and not needed for --input
+    # Streaming reads the dataset's parquet files in a fixed order, which resuming relies on.
+    for row in load_dataset(repo, name=config, split="train", streaming=True).select_columns(["text"]):
+        yield row["text"]
+
+
+def file_texts(paths: list[Path]) -> Iterator[str]:
+    """The `text` of each row of parquet or JSON-lines files, in order."""
+    for path in paths:
+        if path.suffix == ".parquet":
+            parquet = pq.ParquetFile(path)
+            if "text" not in parquet.schema_arrow.names:
+                raise SystemExit(f"{path} has no `text` column (it has {parquet.schema_arrow.names}); "
+                                 "--input files need one, holding each document's text.")
+            for batch in parquet.iter_batches(columns=["text"]):
+                yield from batch.column("text").to_pylist()
+        else:
+            with open(path, encoding="utf-8") as f:
+                for line_number, line in enumerate(f, 1):
+                    row = json.loads(line)
+                    if "text" not in row:
+                        raise SystemExit(f"{path}, line {line_number}: no \"text\" field; each line of a JSON-lines "
+                                         "--input file must be an object whose \"text\" is a document.")
+                    yield row["text"]
+
+
+def load_progress(path: Path, source: str | list[str], shard_size: int, shard_path: Callable[[int], Path]) -> dict:
+    """The position saved by an earlier run of the same command, checked against the shards it lists as finished."""
+    if not path.exists():
+        return {"shards": 0, "documents": 0, "offset": 0, "complete": False}
+    progress = json.loads(path.read_text())
+    if progress["source"] != source or progress["shard_size"] != shard_size:
+        raise SystemExit(f"{path.parent} already holds shards of {progress['source']} with --shard_size "
+                         f"{progress['shard_size']} (see {path}), not of {source} with --shard_size {shard_size}. "
+                         f"Pass another --output_dir, or delete {path.parent} to start over.")
+    for i in range(progress["shards"]):
+        try:
+            read_shard_header(shard_path(i))
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"{e}\n{path} lists this shard as finished. Delete {path} to write all shards again.")
+    return progress
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", choices=["edu", "classic"], default="edu", help="FineWeb-Edu or FineWeb")
+    parser.add_argument("--size", choices=["10B", "100B"], default="10B", help="the sample-10BT or sample-100BT subset")
+    parser.add_argument("--input", type=Path, nargs="+",
+                        help="local .parquet or .jsonl files with a `text` column, read instead of the hub")
+    parser.add_argument("--output_dir", type=Path,
+                        help="default: data/fineweb_edu10B, data/fineweb100B, ... after --version and --size; "
+                             "data/fineweb_local with --input")
+    parser.add_argument("--shard_size", type=int, default=100_000_000, help="tokens per shard (default 100M)")
+    parser.add_argument("--num_proc", type=int, default=os.cpu_count(), help="tokenizer processes (default: all cores)")
+    parser.add_argument("--max_shards", type=int, help="stop after this many shards, val included")
+    args = parser.parse_args(argv)
+    for flag in ("shard_size", "num_proc", "max_shards"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            parser.error(f"--{flag} {getattr(args, flag)}: must be at least 1")
+    if args.input:
+        check_input_files(parser, args.input)
+        for path in args.input:
+            if path.suffix not in (".parquet", ".jsonl", ".json"):
+                parser.error(f"--input {path}: unknown file type; pass .parquet or .jsonl (JSON lines) files.")
+        source = [str(path.resolve()) for path in args.input]
+        output_dir = args.output_dir or DATA_DIR / "fineweb_local"
+    else:
+        repo, name = DATASETS[args.version]
+        config = f"sample-{args.size}T"
+        source = f"{repo} {config}"
+        output_dir = args.output_dir or DATA_DIR / f"{name}{args.size}"
+    output_dir.mkdir(parents=True, exist_ok=True)
+
+    progress_path = output_dir / "progress.json"
+    paths = shard_paths(output_dir)
+    progress = load_progress(progress_path, source, args.shard_size, paths)
+    if progress["complete"] or (args.max_shards and progress["shards"] >= args.max_shards):
+        print(f"{output_dir} already has its {progress['shards']} shard(s) (see {progress_path}); nothing to do.")
+        return
+    if progress["shards"]:
+        print(f"resuming after {progress['shards']} finished shard(s): skipping the first {progress['documents']:,} "
+              "documents")
+
+    def save_progress(writer: ShardWriter, complete: bool = False) -> None:
+        state = {"source": source, "shard_size": args.shard_size, "shards": writer.shards,
+                 "documents": writer.documents, "offset": writer.offset, "complete": complete}
+        tmp = progress_path.with_name(progress_path.name + ".tmp")
+        tmp.write_text(json.dumps(state, indent=1))
+        os.replace(tmp, progress_path)  # atomic, like the shards it describes
+
+    t0 = time.time()
+    texts = file_texts(args.input) if args.input else hub_texts(repo, config)
+    total = (args.max_shards - progress["shards"]) * args.shard_size if args.max_shards else None
+    writer = ShardWriter(paths, args.shard_size, output_dir.name, total=total, shards=progress["shards"],
+                         documents=progress["documents"], offset=progress["offset"], max_shards=args.max_shards,
+                         on_shard=save_progress)
+    for tokens in tokenize_documents(islice(texts, progress["documents"], None), args.num_proc):
+        writer.add(tokens)
+        if writer.shards == args.max_shards:
+            writer.close(last_shard=False)
+            break
+    else:  # the stream ended: its tail is the last shard
+        writer.close()
+        save_progress(writer, complete=True)
+    print(summary(writer.documents - progress["documents"], writer.tokens_added, writer.shards - progress["shards"],
+                  time.time() - t0, output_dir))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""Tokenize local text files, or Tiny Shakespeare, with GPT-2's tokenizer into val/train token shards.
+
+    python data/prepare.py --source shakespeare                          # downloads input.txt into data/shakespeare/
+    python data/prepare.py --source shakespeare --input path/input.txt   # offline, from a local copy
+    python data/prepare.py --input a.txt b.txt --output_dir data/mytext
+
+Each input file is one document; documents are separated by the EOT token (see data/tokenize_shards.py).
+The val split:
+  --val_fraction F > 0 (default 0.1): the last F of each file's characters is val, the rest train, as nanoGPT
+      splits Tiny Shakespeare (train 301,966 / val 36,059 tokens).
+  --val_fraction 0: the first --shard_size tokens are val, the rest train (llm.c's convention, for corpora of
+      many shards).
+Shards go to --output_dir (default data/shakespeare with --source shakespeare, required otherwise) as
+<dir name>_val_000000.bin, <dir name>_train_000000.bin, ..., of at most --shard_size tokens each (default 100M).
+The files are read into memory whole; for larger corpora use data/fineweb.py --input, which streams.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: `import dataloader, data` as a script
+
+import argparse
+import os
+import time
+import urllib.request
+
+from data.tokenize_shards import ShardWriter, check_input_files, shard_paths, summary, tokenize_documents
+
+SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+DATA_DIR = Path(__file__).resolve().parent
+
+
+def download_shakespeare(path: Path) -> None:
+    """Fetch Tiny Shakespeare to `path`, atomically: a failed download never leaves a partial file to be reused."""
+    print(f"downloading {SHAKESPEARE_URL} to {path}")
+    try:
+        with urllib.request.urlopen(SHAKESPEARE_URL, timeout=60) as response:
+            data = response.read()
+    except OSError as e:  # URLError, timeouts and connection errors are all OSErrors
+        raise SystemExit(f"could not download Tiny Shakespeare from {SHAKESPEARE_URL} ({e}). If this machine is "
+                         "offline, copy input.txt here from elsewhere and pass it with --input path/to/input.txt.")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--source", choices=["shakespeare"],
+                        help="Tiny Shakespeare, downloaded (and cached in --output_dir) unless --input is given")
+    parser.add_argument("--input", type=Path, nargs="+", help="local text files (UTF-8), one document each")
+    parser.add_argument("--output_dir", type=Path, help="default: data/shakespeare with --source shakespeare")
+    parser.add_argument("--shard_size", type=int, default=100_000_000, help="tokens per shard (default 100M)")
+    parser.add_argument("--val_fraction", type=float, default=0.1,
+                        help="fraction of each file's characters, from its end, that is val; 0: the first shard is val")
+    args = parser.parse_args(argv)
+    if args.source is None and (args.input is None or args.output_dir is None):
+        parser.error("pass --source shakespeare, or your own text files with --input and a directory for the shards "
+                     "with --output_dir")
+    if not 0 <= args.val_fraction < 1:
+        parser.error(f"--val_fraction {args.val_fraction}: must be at least 0 and below 1")
+    if args.shard_size < 1:
+        parser.error(f"--shard_size {args.shard_size}: must be a positive number of tokens")
+    output_dir = args.output_dir or DATA_DIR / "shakespeare"
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if args.input:
+        check_input_files(parser, args.input)
+        inputs = args.input
+    else:
+        inputs = [output_dir / "input.txt"]
+        if not inputs[0].exists():
+            download_shakespeare(inputs[0])
+
+    t0 = time.time()
+    texts = [path.read_text(encoding="utf-8") for path in inputs]
+    if args.val_fraction > 0:
+        cuts = [int(len(text) * (1 - args.val_fraction)) for text in texts]
+        streams = {"val": (shard_paths(output_dir, "val"), [text[cut:] for text, cut in zip(texts, cuts)]),
+                   "train": (shard_paths(output_dir, "train"), [text[:cut] for text, cut in zip(texts, cuts)])}
+    else:
+        streams = {"val+train": (shard_paths(output_dir), texts)}
+    tokens = shards = 0
+    for desc, (paths, documents) in streams.items():
+        writer = ShardWriter(paths, args.shard_size, desc)
+        for document_tokens in tokenize_documents(documents):
+            writer.add(document_tokens)
+        writer.close()
+        print(f"{desc}: {writer.tokens_added:,} tokens in {writer.shards} shard(s)")
+        tokens, shards = tokens + writer.tokens_added, shards + writer.shards
+    if args.val_fraction == 0 and shards < 2:
+        raise SystemExit(f"all {tokens:,} tokens fit in the val shard, leaving no train shard. Use --val_fraction "
+                         "(e.g. 0.1) or a smaller --shard_size.")
+    print(summary(len(inputs), tokens, shards, time.time() - t0, output_dir))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""GPT-2 tokenization and the shard writer shared by data/prepare.py and data/fineweb.py.
+
+Documents are separated by one EOT token (<|endoftext|>, id 50256): every document except the first of a token
+stream is preceded by it, so the model learns that a new, unrelated text starts after an EOT. With no separator
+before the first document, a single text tokenizes exactly as nanoGPT's data/shakespeare/prepare.py does it.
+"""
+
+import argparse
+import functools
+import multiprocessing
+import signal
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+import tiktoken
+from tqdm import tqdm
+
+from dataloader import write_shard
+
+
+@functools.cache  # one per process: pool workers build their own on first use
+def gpt2_encoding() -> tiktoken.Encoding:
+    return tiktoken.get_encoding("gpt2")
+
+
+def tokenize(text: str) -> np.ndarray:
+    """The EOT separator followed by the document's tokens (special-token text like "<|endoftext|>" is plain text)."""
+    enc = gpt2_encoding()
+    return np.array([enc.eot_token, *enc.encode_ordinary(text)], dtype=np.int32)  # ShardWriter checks uint16
+
+
+def tokenize_documents(texts: Iterable[str], num_proc: int = 1) -> Iterator[np.ndarray]:
+    """tokenize() of each text, in input order whatever num_proc is (ordered imap), so shards don't depend on it."""
+    if num_proc == 1:
+        yield from map(tokenize, texts)
+        return
+    # Workers ignore Ctrl-C: the main process gets it, and leaving this block (break, Ctrl-C) terminates them.
+    with multiprocessing.Pool(num_proc, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN)) as pool:
+        yield from pool.imap(tokenize, texts, chunksize=16)
+
+
+def shard_paths(output_dir: Path, split: str | None = None) -> Callable[[int], Path]:
+    """Shard i's path, named <output_dir name>_<split>_NNNNNN.bin. With no split, the stream's first shard is val
+    and the rest train (llm.c's convention): val_000000, train_000000, train_000001, ..."""
+    name = output_dir.name
+    if split is not None:
+        return lambda i: output_dir / f"{name}_{split}_{i:06d}.bin"
+    return lambda i: output_dir / (f"{name}_val_000000.bin" if i == 0 else f"{name}_train_{i - 1:06d}.bin")
+
+
+class ShardWriter:
+    """Appends documents' tokens to a stream and writes each `shard_size` tokens of it as shard number 0, 1, ...
+
+    (shards, documents, offset) is the stream position where the next shard starts: the next document added is
+    document number `documents`, and its first `offset` tokens are already in shards. A restarted run passes the
+    position it saved and feeds the documents from number `documents` on. `on_shard(writer)` runs after each
+    shard is written (fineweb.py records the position there). Once `max_shards` shards are written, add() stops
+    and the writer stays at that shard boundary.
+    """
+
+    def __init__(self, shard_path: Callable[[int], Path], shard_size: int, desc: str, total: int | None = None,
+                 shards: int = 0, documents: int = 0, offset: int = 0, max_shards: int | None = None,
+                 on_shard: Callable[["ShardWriter"], None] | None = None):
+        self.shard_path, self.max_shards, self.on_shard = shard_path, max_shards, on_shard
+        self.shards, self.documents, self.offset = shards, documents, offset
+        self.buffer = np.empty(shard_size, dtype=np.uint16)
+        self.fill = 0  # tokens in the buffer, not yet written
+        self.tokens_added = 0  # by this run
+        self.bar = tqdm(desc=desc, total=total, unit="tok", unit_scale=True, dynamic_ncols=True)
+
+    def add(self, tokens: np.ndarray) -> None:
+        """Append one document, as tokenize() returns it."""
+        if self.documents == 0:
+            tokens = tokens[1:]  # nothing to separate the stream's first document from
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
+            raise ValueError(
+                f"document {self.documents} (0-based, in input order; it would go into {self.shard_path(self.shards)}) "
+                f"has token ids {tokens.min()}..{tokens.max()}, but shards store uint16 (0..65535). Use a tokenizer "
+                "with at most 65,536 tokens (GPT-2's has 50,257).")
+        tokens = tokens[self.offset:]
+        while tokens.size:
+            n = min(tokens.size, self.buffer.size - self.fill)
+            self.buffer[self.fill : self.fill + n] = tokens[:n]
+            self.fill, self.offset, self.tokens_added = self.fill + n, self.offset + n, self.tokens_added + n
+            tokens = tokens[n:]
+            self.bar.update(n)
+            if self.fill == self.buffer.size:
+                self._write(self.buffer)
+                if self.shards == self.max_shards:
+                    return
+        self.documents, self.offset = self.documents + 1, 0
+
+    def close(self, last_shard: bool = True) -> None:
+        """Write the tokens left over as a last, shorter shard (unless last_shard=False: the stream goes on)."""
+        if last_shard and self.fill:
+            self._write(self.buffer[: self.fill])
+        self.bar.close()
+
+    def _write(self, tokens: np.ndarray) -> None:
+        write_shard(self.shard_path(self.shards), tokens)  # atomic: an interrupted run leaves no half shard
+        self.shards, self.fill = self.shards + 1, 0
+        if self.on_shard is not None:
+            self.on_shard(self)
+
+
+def check_input_files(parser: argparse.ArgumentParser, paths: list[Path]) -> None:
+    for path in paths:
+        if not path.is_file():
+            parser.error(f"--input {path}: no such file (relative paths start at {Path.cwd()}). Check the path.")
+
+
+def summary(documents: int, tokens: int, shards: int, seconds: float, output_dir: Path) -> str:
+    return (f"wrote {shards} shard(s) to {output_dir}: documents {documents:,}, tokens {tokens:,}, {seconds:.1f} s, "
+            f"{tokens / max(seconds, 1e-9):,.0f} tokens/s")

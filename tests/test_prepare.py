@@ -1,0 +1,69 @@
+"""data/prepare.py: nanoGPT's Tiny Shakespeare split to the token, the llm.c val-first split with EOT between files,
+and clear errors for a missing input or a failed download."""
+
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from data import prepare
+from dataloader import HEADER_BYTES, TOKEN_DTYPE, read_shard_header
+
+
+def shard_tokens(path) -> np.ndarray:
+    num_tokens = read_shard_header(path)  # also checks the header against the file size
+    tokens = np.fromfile(path, dtype=TOKEN_DTYPE, offset=HEADER_BYTES)
+    assert tokens.size == num_tokens
+    return tokens
+
+
+def test_shakespeare_split_matches_nanogpt_token_counts(shared_data, gpt2_encoding, tmp_path):
+    text_path = shared_data / "tinyshakespeare" / "input.txt"
+    prepare.main(["--source", "shakespeare", "--input", str(text_path), "--output_dir", str(tmp_path / "shakespeare")])
+
+    shards = sorted(p.name for p in (tmp_path / "shakespeare").glob("*.bin"))
+    assert shards == ["shakespeare_train_000000.bin", "shakespeare_val_000000.bin"]
+    train = shard_tokens(tmp_path / "shakespeare" / "shakespeare_train_000000.bin")
+    val = shard_tokens(tmp_path / "shakespeare" / "shakespeare_val_000000.bin")
+    assert (train.size, val.size) == (301_966, 36_059)  # nanoGPT's data/shakespeare/prepare.py numbers
+    text = text_path.read_text(encoding="utf-8")
+    cut = int(len(text) * 0.9)
+    assert gpt2_encoding.decode(train.tolist()) == text[:cut]
+    assert gpt2_encoding.decode(val.tolist()) == text[cut:]
+
+
+def test_val_fraction_zero_makes_first_shard_val_and_separates_files_with_eot(gpt2_encoding, tmp_path):
+    texts = ["First file: the quick brown fox jumps over the lazy dog. " * 5, "Second file, ünïcode ✓ and more. " * 7]
+    for i, text in enumerate(texts):
+        (tmp_path / f"{i}.txt").write_text(text, encoding="utf-8")
+    out = tmp_path / "mine"
+    prepare.main(["--input", str(tmp_path / "0.txt"), str(tmp_path / "1.txt"), "--output_dir", str(out),
+                  "--val_fraction", "0", "--shard_size", "50"])
+
+    expected = [*gpt2_encoding.encode_ordinary(texts[0]), gpt2_encoding.eot_token,
+                *gpt2_encoding.encode_ordinary(texts[1])]
+    num_train = -(-(len(expected) - 50) // 50)
+    assert sorted(p.name for p in out.glob("*.bin")) == \
+        [f"mine_train_{i:06d}.bin" for i in range(num_train)] + ["mine_val_000000.bin"]
+    shards = [out / "mine_val_000000.bin", *(out / f"mine_train_{i:06d}.bin" for i in range(num_train))]
+    stream = [shard_tokens(p) for p in shards]
+    assert [s.size for s in stream[:-1]] == [50] * num_train  # all but the last are full
+    assert np.concatenate(stream).tolist() == expected
+    assert gpt2_encoding.decode(expected) == texts[0] + "<|endoftext|>" + texts[1]
+
+
+def test_missing_input_file_is_named_in_the_error(tmp_path, capsys):
+    missing = tmp_path / "no_such_file.txt"
+    with pytest.raises(SystemExit):
+        prepare.main(["--input", str(missing), "--output_dir", str(tmp_path / "out")])
+    assert f"--input {missing}: no such file" in capsys.readouterr().err
+
+
+def test_failed_download_tells_user_to_pass_input(tmp_path, monkeypatch):
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("Name or service not known")
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    with pytest.raises(SystemExit, match="pass it with --input path/to/input.txt"):
+        prepare.main(["--source", "shakespeare", "--output_dir", str(tmp_path)])
+    assert not (tmp_path / "input.txt").exists()  # nothing half-downloaded to be mistaken for the data later
