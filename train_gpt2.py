@@ -270,11 +270,11 @@ def validation_steps(cfg: TrainConfig, loader: DistributedDataLoader, world_size
     return max(1, min(cfg.val_tokens // tokens_per_micro_step, available))
 
 
-def print_samples(model: GPT, step: int, device: torch.device, logger: RunLogger) -> None:
+def print_samples(model: GPT, step: int, logger: RunLogger) -> None:
     from sample import generate_text
 
     texts = generate_text(model, "Hello, I'm a language model,", num_samples=4, max_new_tokens=32,
-                          temperature=1.0, top_k=50, seed=42, device=device)
+                          temperature=1.0, top_k=50, seed=42)
     for text in texts:
         print(f"sample {step}: {text!r}")
     logger.log_samples(step, texts)
@@ -306,35 +306,43 @@ class StopRequest:
 def make_snapshot(raw_model: GPT, optimizer, scaler, step: int, train_loader: DistributedDataLoader,
                   cfg: TrainConfig, wandb_id: str) -> dict | None:
     """Everything needed to continue bit for bit after `step`. Collective: every rank calls it; rank 0 gets it."""
-    rng_states = [capture_rng_state()]
+    mine = (capture_rng_state(), train_loader.state_dict())
+    per_rank = [mine]
     if dist.is_initialized():
-        rng_states = [None] * dist.get_world_size()
-        dist.all_gather_object(rng_states, capture_rng_state())
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, mine)
+    rng_states, loader_states = zip(*per_rank)
+    # The loader's position is the same on every rank by design (see dataloader.py), so one copy resumes any
+    # number of ranks; check that rather than trust it, on every rank so that all of them stop together.
+    if any(s != loader_states[0] for s in loader_states):
+        raise RuntimeError(f"data loader positions differ across ranks at step {step}: {loader_states}")
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
     return {"model": raw_model.state_dict(), "model_config": asdict(raw_model.config),
             "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "step": step,
-            "loader": train_loader.state_dict(), "rng": rng_states, "config": asdict(cfg), "wandb_id": wandb_id}
+            "loader": loader_states[0], "rng": list(rng_states), "config": asdict(cfg), "wandb_id": wandb_id}
 
 
 def choose_snapshot(cfg: TrainConfig, ckpt_dir: str, dist_env: Distributed) -> tuple[str, dict] | None:
-    """Which snapshot to resume from, or None for a fresh start. Rank 0 decides; every rank then reads it."""
+    """Which snapshot to resume from, or None for a fresh start. Every rank reads the same one."""
     if cfg.resume == "never":
         return None
-    path = None
-    if dist_env.is_master:
-        if cfg.resume == "auto":
-            found = find_latest_snapshot(ckpt_dir)
-            path = str(found[0]) if found else None
-        else:
-            if not os.path.isfile(cfg.resume):
-                raise SystemExit(f"--resume {cfg.resume}: no such file. Pass a snapshot path, 'auto' or 'never'.")
-            path = cfg.resume
+    if cfg.resume != "auto":
+        # Every rank checks, so that none is left waiting in a collective for a rank 0 that has exited.
+        if not os.path.isfile(cfg.resume):
+            raise SystemExit(f"--resume {cfg.resume}: no such file. Pass the path of a snapshot_*.pt file, 'auto' "
+                             "(the newest valid snapshot in --ckpt_dir) or 'never' (start fresh).")
+        return cfg.resume, load_snapshot(cfg.resume)
+    # Rank 0 picks the newest snapshot that loads, warning once about broken ones; the others read the same file.
+    found = find_latest_snapshot(ckpt_dir) if dist_env.is_master else None
+    path = str(found[0]) if found else None
     if dist.is_initialized():
         box = [path]
         dist.broadcast_object_list(box, src=0)
         path = box[0]
-    return (path, load_snapshot(path)) if path else None
+    if path is None:
+        return None
+    return path, found[1] if found else load_snapshot(path)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -380,6 +388,9 @@ def run(cfg: TrainConfig, dist_env: Distributed, ckpt_dir: str, log) -> None:
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
 
     # --- resume
+    if cfg.ckpt_every and cfg.keep_last < 1:
+        raise SystemExit(f"--keep_last {cfg.keep_last} would delete every snapshot, so nothing could resume. Keep at "
+                         "least 1, or turn snapshots off with --ckpt_every 0.")
     start_step, wandb_id = 0, uuid.uuid4().hex[:12]
     logger = RunLogger(cfg.log_dir, enabled=master)
     snapshot = choose_snapshot(cfg, ckpt_dir, dist_env)
@@ -389,6 +400,10 @@ def run(cfg: TrainConfig, dist_env: Distributed, ckpt_dir: str, log) -> None:
             log(f"{path} is from step {state['step']}, the last of --max_steps {cfg.max_steps}: the run is already "
                 "finished, nothing to do. (Raise --max_steps to train on, or --resume never to start over.)")
             return
+        if state["model_config"] != asdict(config):
+            raise SystemExit(f"{path} holds a model {state['model_config']}, but this run builds {asdict(config)}. "
+                             "Pass the --model/--n_layer/--n_head/--n_embd/--block_size of the run that wrote it, "
+                             "or --resume never to start over.")
         raw_model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scaler.load_state_dict(state["scaler"])
@@ -438,7 +453,7 @@ def run(cfg: TrainConfig, dist_env: Distributed, ckpt_dir: str, log) -> None:
             log(f"step {step:5d} | hellaswag acc_norm {acc:.4f}")
             logger.log({"step": step, "hellaswag_acc": acc})
         if master and cfg.sample_every and step > 0 and (step % cfg.sample_every == 0 or step == last_step):
-            print_samples(raw_model, step, device, logger)
+            print_samples(raw_model, step, logger)
 
         # --- train
         synchronize(device)

@@ -1,0 +1,109 @@
+"""Plot training runs from their metrics.jsonl files: loss, HellaSwag accuracy and learning rate against step.
+
+    python plot.py logs/run_a/metrics.jsonl logs/run_b/metrics.jsonl --out runs.png
+
+Each run is one labelled line per panel, named after its folder (or after the file, when it is not called
+metrics.jsonl). GPT-2 124M's scores are drawn as dashed reference lines: val loss 3.2924 on FineWeb-Edu and
+HellaSwag acc_norm 0.2955 (completion style, as llm.c and build-nanogpt score it).
+
+metrics.jsonl holds one JSON object per line, written by train_gpt2.py: training steps ("loss", "lr", ...),
+validation ("val_loss"), HellaSwag ("hellaswag_acc"), and events such as {"event": "resume", ...}, which are
+skipped. After a crash and resume, the steps between the last snapshot and the crash are trained and logged a
+second time; the LATER line for a step wins, because it belongs to the run that continued.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # render to a file; no display needed
+import matplotlib.pyplot as plt
+
+GPT2_124M_VAL_LOSS = 3.2924
+GPT2_124M_HELLASWAG = 0.2955
+METRICS = ("loss", "val_loss", "hellaswag_acc", "lr")
+
+
+def read_metrics(path: str | Path) -> dict[str, dict[int, float]]:
+    """{metric: {step: value}} for each metric in METRICS; a later line for the same step replaces an earlier one."""
+    series: dict[str, dict[int, float]] = {name: {} for name in METRICS}
+    with open(path) as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}, line {lineno}: not valid JSON ({e.msg}): {line.strip()[:80]!r}. "
+                                 "Each line must be one JSON object as train_gpt2.py writes it; fix or delete "
+                                 "that line (a run killed mid-write can leave a truncated one).") from e
+            if not isinstance(record, dict) or ("step" not in record and "event" not in record):
+                raise ValueError(f"{path}, line {lineno}: expected a JSON object with a 'step' (or an 'event'), "
+                                 f"got {line.strip()[:80]!r}. Is this a metrics.jsonl written by train_gpt2.py?")
+            if "event" in record:
+                continue
+            for name in METRICS:
+                if name in record:
+                    series[name][record["step"]] = record[name]
+    return series
+
+
+def run_label(path: str | Path) -> str:
+    path = Path(path).resolve()
+    return path.parent.name if path.stem == "metrics" else path.stem
+
+
+def summary(label: str, series: dict[str, dict[int, float]]) -> str:
+    parts = [f"{label}: {len(series['loss'])} train steps"]
+    if series["val_loss"]:
+        parts.append(f"min val loss {min(series['val_loss'].values()):.4f}")
+    if series["hellaswag_acc"]:
+        parts.append(f"max HellaSwag {max(series['hellaswag_acc'].values()):.4f}")
+    return ", ".join(parts)
+
+
+def plot_runs(paths: list[str | Path], out: str | Path) -> None:
+    fig, (ax_loss, ax_hella, ax_lr) = plt.subplots(1, 3, figsize=(18, 5))
+    for i, path in enumerate(paths):
+        series, label, color = read_metrics(path), run_label(path), f"C{i}"
+        # Train loss is noisy and dense, so it is faint; val loss, measured on fixed held-out data, is the headline.
+        for ax, name, style in ((ax_loss, "loss", dict(alpha=0.35, lw=0.8, label=f"{label} train")),
+                                (ax_loss, "val_loss", dict(marker=".", label=f"{label} val")),
+                                (ax_hella, "hellaswag_acc", dict(marker=".", label=label)),
+                                (ax_lr, "lr", dict(label=label))):
+            steps = sorted(series[name])
+            if steps:
+                ax.plot(steps, [series[name][s] for s in steps], color=color, **style)
+        print(summary(label, series))
+
+    ax_loss.axhline(GPT2_124M_VAL_LOSS, color="k", ls="--", lw=1, label=f"GPT-2 124M val ({GPT2_124M_VAL_LOSS})")
+    ax_hella.axhline(GPT2_124M_HELLASWAG, color="k", ls="--", lw=1, label=f"GPT-2 124M ({GPT2_124M_HELLASWAG})")
+    for ax, title in ((ax_loss, "loss"), (ax_hella, "HellaSwag accuracy (acc_norm)"), (ax_lr, "learning rate")):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("metrics", nargs="+", help="metrics.jsonl files written by train_gpt2.py, one per run")
+    parser.add_argument("--out", default="plot.png", help="PNG file to write")
+    args = parser.parse_args(argv)
+    for path in args.metrics:
+        if not Path(path).is_file():
+            parser.error(f"{path}: no such file. Pass the metrics.jsonl that train_gpt2.py writes into its log dir.")
+    try:
+        plot_runs(args.metrics, args.out)
+    except ValueError as e:
+        parser.error(str(e))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Sample text from a checkpoint of this codebase or from a Hugging Face GPT-2.
+
+    python sample.py --ckpt logs/run/model_19072.pt
+    python sample.py --model gpt2 --prompt "The meaning of life is" --num_samples 2 --max_new_tokens 64
+
+The same --seed gives the same text on the same device and software versions (the random stream of a
+torch.Generator differs between CPU, CUDA and MPS, and GPU kernels may differ between versions).
+"""
+
+import argparse
+from pathlib import Path
+
+import tiktoken
+import torch
+
+from model import GPT
+
+
+def generate_text(model: GPT, prompt: str, num_samples: int = 4, max_new_tokens: int = 32,
+                  temperature: float = 1.0, top_k: int | None = 50, seed: int = 42) -> list[str]:
+    """num_samples continuations of prompt, each returned with the prompt in front.
+
+    Runs on the device the model's weights are on. The generator is private, so sampling neither reads nor
+    advances the global RNG: calling this in the middle of training leaves the training run unchanged.
+    An empty prompt samples from <|endoftext|>, i.e. the start of a new document.
+    """
+    enc = tiktoken.get_encoding("gpt2")
+    prompt_tokens = enc.encode(prompt, allowed_special={"<|endoftext|>"}) or [enc.eot_token]
+    device = next(model.parameters()).device
+    idx = torch.tensor(prompt_tokens, dtype=torch.long, device=device).repeat(num_samples, 1)  # (B, T)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator)
+    return [prompt + enc.decode(row[len(prompt_tokens):].tolist()) for row in out]
+
+
+def default_device() -> str:
+    if torch.cuda.is_available():
+        return "cuda"
+    if torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--ckpt", help="checkpoint written by train_gpt2.py (a snapshot or a model-only file)")
+    source.add_argument("--model", help="Hugging Face GPT-2: a hub name (gpt2, gpt2-medium, ...) or a local directory")
+    parser.add_argument("--prompt", default="Hello, I'm a language model,")
+    parser.add_argument("--num_samples", type=int, default=4)
+    parser.add_argument("--max_new_tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=1.0, help="0 means greedy (always the likeliest token)")
+    parser.add_argument("--top_k", type=int, default=50, help="sample only among the k likeliest tokens; 0 = all")
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--device", default=default_device(), help="cuda, mps or cpu (default: the best available)")
+    args = parser.parse_args(argv)
+
+    if args.ckpt is not None:
+        if not Path(args.ckpt).is_file():
+            parser.error(f"--ckpt {args.ckpt}: no such file. Pass the path of a .pt file written by train_gpt2.py, "
+                         "or use --model gpt2 to sample from OpenAI's GPT-2.")
+        try:
+            model = GPT.from_checkpoint(args.ckpt)
+        except ValueError as e:
+            parser.error(f"--ckpt {args.ckpt} could not be loaded as a checkpoint of this codebase "
+                         f"({e}). Pass a .pt file written by train_gpt2.py; for Hugging Face "
+                         "weights use --model instead.")
+    else:
+        model = GPT.from_pretrained(args.model)
+    model.to(args.device)
+
+    texts = generate_text(model, args.prompt, args.num_samples, args.max_new_tokens, args.temperature,
+                          args.top_k or None, args.seed)
+    for i, text in enumerate(texts):
+        print(f"--- sample {i} ---\n{text}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+from dataclasses import asdict
+
+import pytest
+import torch
+
+from export_hf import main
+from model import GPT, GPTConfig
+
+
+@pytest.fixture
+def perturbed_ckpt(tmp_path):
+    """Random weights with every tensor moved far from its init (LayerNorm gains off 1, biases off 0), so a
+    transposed, swapped or dropped tensor changes the logits."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64)
+    model = GPT(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    path = tmp_path / "model.pt"
+    torch.save({"model": model.state_dict(), "model_config": asdict(cfg)}, path)
+    return path
+
+
+def test_transformers_loads_the_export_with_our_logits_and_tokenizer(perturbed_ckpt, shared_data, tmp_path):
+    from transformers import GPT2LMHeadModel, GPT2TokenizerFast
+
+    out = tmp_path / "hf"
+    main([str(perturbed_ckpt), str(out), "--tokenizer_dir", str(shared_data / "gpt2_tokenizer")])
+    assert (out / "model.safetensors").is_file()
+
+    hf_model = GPT2LMHeadModel.from_pretrained(out).eval()
+    assert (hf_model.config.n_positions, hf_model.config.n_layer, hf_model.config.n_head) == (64, 2, 2)
+    assert hf_model.config.activation_function == "gelu_new"
+    ours = GPT.from_checkpoint(perturbed_ckpt)
+    idx = torch.randint(0, 50257, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected, _ = ours(idx)
+        got = hf_model(idx).logits
+    assert got.shape == expected.shape == (2, 64, 50257)
+    assert expected.std() > 0.5  # far from the near-uniform logits of a fresh init, so the check has teeth
+    assert (got - expected).abs().max().item() <= 1e-4
+
+    tokenizer = GPT2TokenizerFast.from_pretrained(out)
+    assert tokenizer("Hello world").input_ids == [15496, 995]
+    assert tokenizer.eos_token_id == 50256
+    assert tokenizer.model_max_length == 64
+
+
+def test_without_tokenizer_dir_says_how_to_add_it(perturbed_ckpt, tmp_path, capsys):
+    main([str(perturbed_ckpt), str(tmp_path / "hf")])
+    assert "tokenizer was NOT included" in capsys.readouterr().out
+    assert (tmp_path / "hf" / "config.json").is_file()
+    assert not (tmp_path / "hf" / "vocab.json").exists()
+
+
+def test_missing_or_foreign_checkpoint_is_refused_clearly(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "nope.pt"), str(tmp_path / "hf")])
+    assert "nope.pt: no such file" in capsys.readouterr().err
+
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"state_dict": {"w": torch.zeros(2)}}, foreign)
+    with pytest.raises(SystemExit):
+        main([str(foreign), str(tmp_path / "hf")])
+    assert "could not be loaded as a checkpoint of this codebase" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()

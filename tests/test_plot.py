@@ -1,0 +1,71 @@
+import json
+import math
+
+import pytest
+
+from plot import main, read_metrics, run_label
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def training_line(step: int, loss: float) -> dict:
+    lr = 6e-4 * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / 200))
+    return {"step": step, "loss": loss, "lr": lr, "grad_norm": 1.0, "dt_ms": 100.0, "tokens_per_sec": 5e6, "mfu": 0.4}
+
+
+def write_crashed_and_resumed_run(path) -> None:
+    """200 steps; the run crashed after step 129, resumed from the snapshot at step 100 and logged 100..129 again.
+    The first attempt's losses are 1.0 higher, so the test can tell which line won."""
+    lines = []
+    for attempt, steps, offset in ((0, range(0, 130), 1.0), (1, range(100, 200), 0.0)):
+        if attempt == 1:
+            lines.append({"event": "resume", "step": 100, "snapshot": "logs/run/snapshot_000100.pt"})
+        for step in steps:
+            lines.append(training_line(step, 3.0 + 8.0 * math.exp(-step / 30) + offset))
+            if step % 25 == 0:
+                lines.append({"step": step, "val_loss": 3.1 + 8.0 * math.exp(-step / 30)})
+            if step % 50 == 0:
+                lines.append({"step": step, "hellaswag_acc": 0.25 + 0.0002 * step})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def test_later_line_for_a_step_wins_after_a_resume(tmp_path):
+    path = tmp_path / "run_a" / "metrics.jsonl"
+    write_crashed_and_resumed_run(path)
+    series = read_metrics(path)
+    assert sorted(series["loss"]) == list(range(200))  # each step once, although 100..129 were logged twice
+    assert series["loss"][110] == pytest.approx(3.0 + 8.0 * math.exp(-110 / 30))  # the resumed run's value
+    assert series["loss"][99] == pytest.approx(4.0 + 8.0 * math.exp(-99 / 30))  # before the snapshot: one line
+    assert sorted(series["val_loss"]) == [0, 25, 50, 75, 100, 125, 150, 175]
+    assert series["hellaswag_acc"][150] == pytest.approx(0.28)
+
+
+def test_writes_a_png_with_one_line_per_run(tmp_path, capsys):
+    write_crashed_and_resumed_run(tmp_path / "run_a" / "metrics.jsonl")
+    write_crashed_and_resumed_run(tmp_path / "run_b.jsonl")
+    out = tmp_path / "runs.png"
+    main([str(tmp_path / "run_a" / "metrics.jsonl"), str(tmp_path / "run_b.jsonl"), "--out", str(out)])
+    data = out.read_bytes()
+    assert data[:8] == PNG_MAGIC
+    assert len(data) > 20_000
+    printed = capsys.readouterr().out
+    assert "run_a: 200 train steps, min val loss 3.1234" in printed  # val loss at step 175
+    assert "run_b: 200 train steps" in printed
+
+
+def test_label_is_the_folder_for_metrics_jsonl_and_the_stem_otherwise(tmp_path):
+    assert run_label(tmp_path / "d12_run" / "metrics.jsonl") == "d12_run"
+    assert run_label(tmp_path / "baseline.jsonl") == "baseline"
+
+
+def test_malformed_line_names_the_file_and_line(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps(training_line(0, 11.0)) + "\n" + json.dumps(training_line(1, 10.0)) + "\n"
+                    + '{"step": 2, "loss": 9.8, "lr"\n')
+    with pytest.raises(ValueError, match=r"metrics\.jsonl, line 3: not valid JSON"):
+        read_metrics(path)
+    with pytest.raises(SystemExit):
+        main([str(path), "--out", str(tmp_path / "x.png")])
+    assert "line 3" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()

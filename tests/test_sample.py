@@ -1,0 +1,72 @@
+import subprocess
+import sys
+from dataclasses import asdict
+
+import pytest
+import torch
+
+from conftest import ROOT
+from model import GPT, GPTConfig
+from sample import generate_text, main
+
+PROMPT = "Hello, I'm a language model,"
+
+
+@pytest.fixture
+def tiny_ckpt(tmp_path):
+    torch.manual_seed(0)
+    cfg = GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64)
+    path = tmp_path / "model.pt"
+    torch.save({"model": GPT(cfg).state_dict(), "model_config": asdict(cfg)}, path)
+    return path
+
+
+def test_same_seed_gives_same_text_and_another_seed_differs(tiny_ckpt, gpt2_encoding):
+    model = GPT.from_checkpoint(tiny_ckpt)
+    first = generate_text(model, PROMPT, num_samples=3, max_new_tokens=8, top_k=50, seed=1)
+    again = generate_text(model, PROMPT, num_samples=3, max_new_tokens=8, top_k=50, seed=1)
+    other = generate_text(model, PROMPT, num_samples=3, max_new_tokens=8, top_k=50, seed=2)
+    assert first == again
+    assert first != other
+    assert len(set(first)) == 3  # the samples of one call differ from each other
+    for text in first + other:
+        assert text.startswith(PROMPT)
+        assert len(gpt2_encoding.encode(text)) > len(gpt2_encoding.encode(PROMPT))
+
+
+def test_sampling_leaves_the_global_rng_alone(tiny_ckpt, gpt2_encoding):
+    model = GPT.from_checkpoint(tiny_ckpt)
+    torch.manual_seed(123)
+    expected = torch.rand(4)
+    torch.manual_seed(123)
+    generate_text(model, PROMPT, num_samples=2, max_new_tokens=4, seed=7)
+    assert torch.equal(torch.rand(4), expected)  # periodic samples in training must not change the training run
+
+
+def test_cli_prints_what_the_function_returns(tiny_ckpt, gpt2_encoding):
+    args = ["--num_samples", "2", "--max_new_tokens", "8", "--temperature", "0.8", "--top_k", "20", "--seed", "5"]
+    result = subprocess.run([sys.executable, str(ROOT / "sample.py"), "--ckpt", str(tiny_ckpt), "--device", "cpu",
+                             *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    expected = generate_text(GPT.from_checkpoint(tiny_ckpt), PROMPT, num_samples=2, max_new_tokens=8,
+                             temperature=0.8, top_k=20, seed=5)
+    assert result.stdout == "".join(f"--- sample {i} ---\n{text}\n" for i, text in enumerate(expected))
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "one of the arguments --ckpt --model is required"),
+    (["--ckpt", "a.pt", "--model", "gpt2"], "not allowed with argument"),
+    (["--ckpt", "does_not_exist.pt"], "does_not_exist.pt: no such file"),
+])
+def test_needs_exactly_one_existing_model_source(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_foreign_checkpoint_is_refused_clearly(tmp_path, capsys):
+    path = tmp_path / "other.pt"
+    torch.save({"state_dict": {}}, path)
+    with pytest.raises(SystemExit):
+        main(["--ckpt", str(path)])
+    assert "could not be loaded as a checkpoint of this codebase" in capsys.readouterr().err
