@@ -29,18 +29,24 @@ TOKEN_DTYPE = np.dtype("<u2")
 def write_shard(path: str | Path, tokens: np.ndarray) -> None:
     """Write tokens as a shard, atomically: a crash leaves either no file or a complete one under `path`."""
     tokens = np.asarray(tokens)
+    if not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"{path}: token ids must be integers, got dtype {tokens.dtype}")
     if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
         raise ValueError(f"{path}: token ids must fit in uint16 (0..65535), got range {tokens.min()}..{tokens.max()}")
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[:3] = (MAGIC, VERSION, tokens.size)
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(header.tobytes())
-        f.write(tokens.astype(TOKEN_DTYPE).tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(header.tobytes())
+            f.write(tokens.astype(TOKEN_DTYPE).tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # disk full, Ctrl-C: leave nothing half-written behind
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_shard_header(path: str | Path) -> int:
@@ -150,6 +156,9 @@ class DistributedDataLoader:
                     f"{key}={mine[key]}. Resuming would re-read or skip data. Keep --micro_batch_size·--seq_len, "
                     "--total_batch_size, the data directory, --shuffle and --seed as they were (the number of "
                     "ranks may change), or start a fresh run with --resume never.")
+        if state["chunk_position"] % self.chunks_per_step:
+            raise ValueError(f"cannot resume the data loader: its state (chunk_position {state['chunk_position']}) "
+                             "was taken in the middle of an optimizer step; snapshots are only valid between steps.")
         self.epoch, self.shard_position = state["epoch"], state["shard_position"]
         self._open_shard()
         self.chunk_position = state["chunk_position"]

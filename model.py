@@ -59,7 +59,7 @@ class Block(nn.Module):
         return x
 
 
-@dataclass
+@dataclass(frozen=True)  # frozen: the presets below are shared, so nobody may change them in place
 class GPTConfig:
     block_size: int = 1024  # longest context the model can see
     vocab_size: int = 50257  # 50,000 BPE merges + 256 byte tokens + <|endoftext|>
@@ -195,18 +195,24 @@ class GPT(nn.Module):
 
     def load_hf_state_dict(self, hf_state: dict[str, torch.Tensor]) -> None:
         ours = self.state_dict()
-        hf_state = {k: v for k, v in hf_state.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
-        missing = set(ours) - set(hf_state) - {"lm_head.weight"}  # lm_head is tied to wte
-        if missing:
-            raise ValueError(f"Hugging Face checkpoint lacks parameters {sorted(missing)}; is it a GPT-2 model?")
+        # Skip the causal-mask buffers some versions save, and lm_head, which GPT-2 ties to wte.
+        hf_state = {k: v for k, v in hf_state.items()
+                    if not k.endswith((".attn.bias", ".attn.masked_bias")) and k != "lm_head.weight"}
+        if set(ours) - {"lm_head.weight"} != set(hf_state):
+            raise ValueError("Hugging Face checkpoint does not match GPT-2's parameters: missing "
+                             f"{sorted(set(ours) - set(hf_state) - {'lm_head.weight'})}, unexpected "
+                             f"{sorted(set(hf_state) - set(ours))}")
         with torch.no_grad():
             for name, tensor in hf_state.items():
-                if name == "lm_head.weight":
-                    continue
                 if name.endswith(HF_CONV1D_WEIGHTS):
                     tensor = tensor.t()
                 target = ours[name]
-                target[: tensor.shape[0]].copy_(tensor)  # the padded vocabulary rows of wte stay as initialised
+                if name == "transformer.wte.weight":
+                    target = target[: tensor.shape[0]]  # the padded vocabulary rows stay as initialised
+                if target.shape != tensor.shape:
+                    raise ValueError(f"Hugging Face parameter {name} has shape {tuple(tensor.shape)}, "
+                                     f"expected {tuple(target.shape)}")
+                target.copy_(tensor)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Our weights under Hugging Face GPT2LMHeadModel's names and layouts (the inverse of load_hf_state_dict)."""

@@ -1,0 +1,271 @@
+"""dataloader.py: which tokens each rank reads, shard changes and epochs, resuming, shuffling, and the errors
+for bad shard files."""
+
+import re
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_shards
+from dataloader import HEADER_BYTES, MAGIC, VERSION, DistributedDataLoader, read_shard_header, write_shard
+
+B, T = 2, 4  # one chunk = B·T = 8 tokens (+1 for the last target)
+
+
+def chunks(n: int) -> int:
+    """Shard size holding exactly n chunks, nothing left over."""
+    return n * B * T + 1
+
+
+class Chunks:
+    """Tells which (shard, offset) a batch came from, after checking it is exactly the shard's tokens there."""
+
+    def __init__(self, arrays: list[np.ndarray]):
+        self.arrays = arrays
+        self.where = {tuple(a[off : off + B * T]): (s, off)
+                      for s, a in enumerate(arrays) for off in range(0, len(a) - B * T, B * T)}
+        assert len(self.where) == sum((len(a) - 1) // (B * T) for a in arrays)  # random tokens: no two chunks alike
+
+    def locate(self, x: torch.Tensor, y: torch.Tensor) -> tuple[int, int]:
+        shard, off = self.where[tuple(x.flatten().tolist())]
+        tokens = torch.from_numpy(self.arrays[shard].astype(np.int64))
+        assert torch.equal(x, tokens[off : off + B * T].view(B, T))
+        assert torch.equal(y, tokens[off + 1 : off + B * T + 1].view(B, T))
+        return shard, off
+
+
+def loaders(data_dir: Path, world_size: int, grad_accum_steps: int, **kw) -> list[DistributedDataLoader]:
+    """One loader per simulated rank."""
+    return [DistributedDataLoader(data_dir, "train", B, T, rank=r, world_size=world_size,
+                                  grad_accum_steps=grad_accum_steps, **kw) for r in range(world_size)]
+
+
+def global_step(ranks: list[DistributedDataLoader], grad_accum_steps: int, where: Chunks) -> list[list[tuple]]:
+    """The chunks each rank reads during one optimizer step: [rank][micro-step] -> (shard, offset)."""
+    return [[where.locate(*loader.next_batch()) for _ in range(grad_accum_steps)] for loader in ranks]
+
+
+def test_batches_are_the_shard_tokens_in_order_with_y_shifted_by_one(tmp_path):
+    arrays = make_shards(tmp_path, "train", [50, 40])  # (50-1)//8 = 6 chunks, (40-1)//8 = 4 chunks
+    loader = DistributedDataLoader(tmp_path, "train", B, T)
+    expected = [(0, 0), (0, 8), (0, 16), (0, 24), (0, 32), (0, 40), (1, 0), (1, 8), (1, 16), (1, 24), (0, 0)]
+    for i, (shard, off) in enumerate(expected):
+        assert loader.epoch == (1 if i == 10 else 0)
+        x, y = loader.next_batch()
+        assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (B, T)
+        tokens = torch.from_numpy(arrays[shard].astype(np.int64))
+        assert torch.equal(x, tokens[off : off + 8].view(B, T)), (i, shard, off)
+        assert torch.equal(y, tokens[off + 1 : off + 9].view(B, T)), (i, shard, off)
+        assert torch.equal(x.flatten()[1:], y.flatten()[:-1])
+
+
+def test_ranks_change_shard_together_skipping_leftover_chunks_then_wrap(tmp_path):
+    where = Chunks(make_shards(tmp_path, "train", [50, 40]))  # 6 and 4 chunks
+    ranks = loaders(tmp_path, world_size=2, grad_accum_steps=2)  # an optimizer step takes 4 chunks
+    # Shard 0: step 1 takes chunks 0-3 (rank r reads chunk 2·micro + r); chunks 4 and 5 (offsets 32, 40) cannot
+    # make a whole step, so both ranks skip them and step 2 reads shard 1. Step 3 is epoch 1, shard 0 again.
+    expected_steps = [[[(0, 0), (0, 16)], [(0, 8), (0, 24)]],
+                      [[(1, 0), (1, 16)], [(1, 8), (1, 24)]],
+                      [[(0, 0), (0, 16)], [(0, 8), (0, 24)]]]
+    for step, expected in enumerate(expected_steps):
+        assert global_step(ranks, 2, where) == expected, step
+        assert ranks[0].state_dict() == ranks[1].state_dict()  # the position is the same on every rank
+    assert [r.epoch for r in ranks] == [1, 1]
+
+
+@pytest.mark.parametrize("shuffle", [False, True], ids=["in_order", "shuffled"])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_ranks_are_disjoint_and_together_read_what_one_rank_reads(tmp_path, world_size, shuffle):
+    k = 2  # micro-steps per rank per optimizer step
+    # 13, 9 and 17 chunks: with 8 chunks a step (4 ranks) shards leave 5, 1, 1 chunks over, with 4 or 2 some.
+    where = Chunks(make_shards(tmp_path, "train", [chunks(13), chunks(9), chunks(17)]))
+    ranks = loaders(tmp_path, world_size=world_size, grad_accum_steps=k, shuffle=shuffle, seed=5)
+    (single,) = loaders(tmp_path, world_size=1, grad_accum_steps=world_size * k, shuffle=shuffle, seed=5)
+    read_in_epoch_0 = set()
+    for step in range(20):  # past one epoch for every world size (the longest: 1 rank, 36 chunks / 2 = 18 steps)
+        epoch = ranks[0].epoch
+        per_rank = global_step(ranks, k, where)
+        union = Counter(c for rank_chunks in per_rank for c in rank_chunks)
+        (reference,) = global_step([single], world_size * k, where)
+        assert union == Counter(reference), step
+        assert len(union) == world_size * k  # no chunk read twice in a step, so ranks are disjoint
+        if epoch == 0:
+            assert read_in_epoch_0.isdisjoint(union)  # and no chunk read twice in an epoch
+            read_in_epoch_0 |= set(union)
+    assert ranks[0].epoch == single.epoch >= 1
+
+
+def states_at(position: str, loader: DistributedDataLoader, where: Chunks) -> None:
+    """Advance loader to a mid-shard position (in epoch 0 or 1) or to right after a shard change."""
+    while position == "mid_shard_epoch_1" and loader.epoch == 0:
+        where.locate(*loader.next_batch())
+    if position.startswith("mid_shard"):
+        for _ in range(4):  # 2 optimizer steps of 2 chunks: every shard below has at least 6
+            where.locate(*loader.next_batch())
+        assert loader.state_dict()["chunk_position"] == 4 and loader.state_dict()["shard_position"] == 0
+        assert loader.epoch == (1 if position == "mid_shard_epoch_1" else 0)
+    else:
+        while loader.state_dict()["shard_position"] == 0:
+            where.locate(*loader.next_batch())
+        assert loader.state_dict()["chunk_position"] == 0 and loader.state_dict()["shard_position"] == 1
+
+
+@pytest.mark.parametrize("shuffle", [False, True], ids=["in_order", "shuffled"])
+@pytest.mark.parametrize("position", ["mid_shard", "shard_boundary", "mid_shard_epoch_1"])
+def test_resumed_loader_continues_with_the_next_batch(tmp_path, position, shuffle):
+    where = Chunks(make_shards(tmp_path, "train", [chunks(7), chunks(6), chunks(9)]))
+    (original,) = loaders(tmp_path, world_size=1, grad_accum_steps=2, shuffle=shuffle, seed=3)
+    states_at(position, original, where)
+    state = original.state_dict()
+    (resumed,) = loaders(tmp_path, world_size=1, grad_accum_steps=2, shuffle=shuffle, seed=3)
+    resumed.load_state_dict(state)
+    start_epoch = original.epoch
+    for i in range(24):  # past the next shard change and into the next epoch (20 chunks an epoch)
+        x, y = original.next_batch()
+        x2, y2 = resumed.next_batch()
+        assert torch.equal(x, x2) and torch.equal(y, y2), i
+    assert resumed.state_dict() == original.state_dict() and original.epoch == start_epoch + 1
+
+
+@pytest.mark.parametrize("shuffle", [False, True], ids=["in_order", "shuffled"])
+@pytest.mark.parametrize("position", ["mid_shard", "shard_boundary"])
+def test_two_rank_state_resumes_on_one_rank_at_the_next_global_step(tmp_path, position, shuffle):
+    where = Chunks(make_shards(tmp_path, "train", [chunks(7), chunks(6), chunks(9)]))
+    ranks = loaders(tmp_path, world_size=2, grad_accum_steps=1, shuffle=shuffle, seed=3)  # 2 chunks a step
+    for _ in range(2):  # 4 chunks in: mid-shard, every shard has at least 6
+        global_step(ranks, 1, where)
+    while position == "shard_boundary" and ranks[0].shard_position == 0:
+        global_step(ranks, 1, where)
+    state = ranks[0].state_dict()
+    assert ranks[1].state_dict() == state
+    expected = (0, 4) if position == "mid_shard" else (1, 0)
+    assert (state["shard_position"], state["chunk_position"]) == expected
+    (single,) = loaders(tmp_path, world_size=1, grad_accum_steps=2, shuffle=shuffle, seed=3)
+    single.load_state_dict(state)
+    for step in range(10):  # the 1-rank loader's two micro-steps read rank 0's chunk, then rank 1's
+        assert global_step([single], 2, where) == [[c[0] for c in global_step(ranks, 1, where)]], step
+
+
+def test_loading_a_state_from_another_batch_shape_or_total_batch_raises(tmp_path):
+    make_shards(tmp_path, "train", [chunks(8)])
+    state = DistributedDataLoader(tmp_path, "train", B, T, grad_accum_steps=2).state_dict()
+    other_chunk = DistributedDataLoader(tmp_path, "train", B, 2 * T, grad_accum_steps=2)
+    with pytest.raises(ValueError, match=r"chunk_tokens=8.*chunk_tokens=16"):
+        other_chunk.load_state_dict(state)
+    other_total = DistributedDataLoader(tmp_path, "train", B, T, grad_accum_steps=4)
+    with pytest.raises(ValueError, match=r"chunks_per_step=2.*chunks_per_step=4"):
+        other_total.load_state_dict(state)
+    other_seed = DistributedDataLoader(tmp_path, "train", B, T, grad_accum_steps=2, seed=1)
+    with pytest.raises(ValueError, match=r"seed=0.*seed=1"):
+        other_seed.load_state_dict(state)
+
+
+def epochs(data_dir: Path, n: int, where: Chunks, **kw) -> list[list[tuple]]:
+    """The chunks a 1-rank loader reads in each of its first n epochs (2 chunks a step)."""
+    (loader,) = loaders(data_dir, world_size=1, grad_accum_steps=2, **kw)
+    out = [[] for _ in range(n)]
+    while loader.epoch < n:
+        epoch = loader.epoch
+        out[epoch].append(where.locate(*loader.next_batch()))
+    return out
+
+
+def test_shuffle_is_a_fresh_permutation_each_epoch_and_seed(tmp_path):
+    where = Chunks(make_shards(tmp_path, "train", [chunks(6), chunks(4), chunks(8)]))  # no leftovers: 18 chunks
+    (in_order,) = epochs(tmp_path, 1, where)
+    seed1 = epochs(tmp_path, 2, where, shuffle=True, seed=1)
+    assert epochs(tmp_path, 2, where, shuffle=True, seed=1) == seed1  # deterministic
+    (seed2_epoch0,) = epochs(tmp_path, 1, where, shuffle=True, seed=2)
+    assert len(in_order) == 18 and len(set(in_order)) == 18
+    for order in (*seed1, seed2_epoch0):
+        assert sorted(order) == sorted(in_order)  # each epoch reads every chunk exactly once
+        assert order != in_order
+    assert seed1[0] != seed1[1]
+    for shard in range(3):  # within each shard, too, the chunk order changes from epoch to epoch
+        assert [c for c in seed1[0] if c[0] == shard] != [c for c in seed1[1] if c[0] == shard]
+    assert seed1[0] != seed2_epoch0
+    # The shard order is shuffled too, not only the chunks within a shard (3 shards: 1 in 6 orders is the identity).
+    shard_orders = [list(dict.fromkeys(s for s, _ in order)) for order in (*seed1, seed2_epoch0)]
+    assert shard_orders[0] != shard_orders[1] and any(o != [0, 1, 2] for o in shard_orders)
+
+
+# Each case: what the error says, besides the file's name.
+BAD_FILE_CASES = {
+    "missing_directory": "does not exist",
+    "no_matching_shards": "no train shards",
+    "bad_magic": "bad magic number 1234",
+    "bad_version": "unsupported shard version 2",
+    "shorter_than_header_claims": "header says 32 tokens",
+    "longer_than_header_claims": "header says 32 tokens",
+    "shorter_than_header": "shorter than the 1024-byte shard header",
+    "too_small_for_a_step": "fewer than one optimizer step needs",
+}
+
+
+@pytest.mark.parametrize("case", BAD_FILE_CASES)
+def test_bad_shard_files_fail_with_an_error_naming_the_file(tmp_path, case):
+    data_dir = tmp_path / "data"
+    make_shards(data_dir, "train", [chunks(4)])  # a good first shard, so the error must name the bad one
+    bad = data_dir / "test_train_000001.bin"
+    write_shard(bad, np.arange(32))
+    error = ValueError
+    if case == "missing_directory":
+        data_dir, bad, error = tmp_path / "nowhere", tmp_path / "nowhere", FileNotFoundError
+    elif case == "no_matching_shards":
+        data_dir, bad, error = tmp_path / "other", tmp_path / "other", FileNotFoundError
+        make_shards(data_dir, "val", [chunks(4)])  # right format, wrong split
+        (data_dir / "train_notes.txt").write_text("not a shard")
+    elif case == "bad_magic":
+        with open(bad, "r+b") as f:
+            f.write(np.array([1234], dtype="<i4").tobytes())
+    elif case == "bad_version":
+        with open(bad, "r+b") as f:
+            f.seek(4)
+            f.write(np.array([2], dtype="<i4").tobytes())
+    elif case == "shorter_than_header_claims":
+        bad.write_bytes(bad.read_bytes()[:-2])  # one token missing
+    elif case == "longer_than_header_claims":
+        bad.write_bytes(bad.read_bytes() + b"\0\0")
+    elif case == "shorter_than_header":
+        bad.write_bytes(bad.read_bytes()[:100])
+    elif case == "too_small_for_a_step":
+        write_shard(bad, np.arange(2 * B * T))  # a step of 2 chunks needs 2·8 + 1 = 17 tokens
+    with pytest.raises(error) as raised:
+        DistributedDataLoader(data_dir, "train", B, T, grad_accum_steps=2)
+    assert str(bad) in str(raised.value) and BAD_FILE_CASES[case] in str(raised.value)
+
+
+def test_shard_with_exactly_one_step_of_tokens_is_accepted(tmp_path):
+    where = Chunks(make_shards(tmp_path, "train", [2 * B * T + 1]))
+    loader = DistributedDataLoader(tmp_path, "train", B, T, grad_accum_steps=2)
+    assert [where.locate(*loader.next_batch()) for _ in range(3)] == [(0, 0), (0, 8), (0, 0)]
+
+
+def test_write_shard_writes_the_llm_c_format(tmp_path):
+    path = tmp_path / "x_train_000000.bin"
+    write_shard(path, np.array([0, 1, 50256, 65535]))
+    header = np.fromfile(path, dtype="<i4", count=3)
+    assert header.tolist() == [MAGIC, VERSION, 4] == [20240520, 1, 4]
+    assert path.stat().st_size == HEADER_BYTES + 4 * 2 == 1032
+    assert np.fromfile(path, dtype="<u2", offset=HEADER_BYTES).tolist() == [0, 1, 50256, 65535]
+    assert read_shard_header(path) == 4
+
+
+@pytest.mark.parametrize("tokens", [[1, 65536], [-1, 2]])
+def test_write_shard_rejects_ids_outside_uint16_and_leaves_no_file(tmp_path, tokens):
+    path = tmp_path / "x_train_000000.bin"
+    with pytest.raises(ValueError, match=re.escape(str(path))):
+        write_shard(path, np.array(tokens))
+    assert list(tmp_path.iterdir()) == []  # neither the shard nor a .tmp
+
+
+def test_loader_memory_maps_shards(tmp_path):
+    make_shards(tmp_path, "train", [chunks(2), chunks(2)])
+    loader = DistributedDataLoader(tmp_path, "train", B, T)
+    assert isinstance(loader.tokens, np.memmap)
+    for _ in range(2):  # on to the second shard
+        loader.next_batch()
+    assert loader.shard_position == 1 and isinstance(loader.tokens, np.memmap)

@@ -1,0 +1,229 @@
+"""model.py: parity with Hugging Face's GPT-2 both ways, parameter and FLOP counts, init, optimizer groups,
+generation and checkpoint loading."""
+
+import math
+from dataclasses import asdict
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from model import GPT, PRESETS, GPTConfig
+
+# Full GPT-2 vocabulary (so the internal padding 50257 -> 50304 is exercised), everything else small.
+PARITY_CONFIG = GPTConfig(block_size=32, vocab_size=50257, n_layer=2, n_head=4, n_embd=32)
+# A small vocabulary for the tests that only need a working model.
+TINY = GPTConfig(block_size=16, vocab_size=97, n_layer=2, n_head=2, n_embd=16)
+
+
+def hf_config(config: GPTConfig) -> GPT2Config:
+    return GPT2Config(vocab_size=config.vocab_size, n_positions=config.block_size, n_embd=config.n_embd,
+                      n_layer=config.n_layer, n_head=config.n_head)
+
+
+def perturb_(model: torch.nn.Module, seed: int) -> None:
+    """Add noise to every parameter, so LayerNorm gains/biases and linear biases are no longer 1/0 and a
+    mix-up between them (or a missed transpose) shows in the logits."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))
+
+
+def random_tokens(config: GPTConfig, B: int, T: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, config.vocab_size, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def hf_model() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(hf_config(PARITY_CONFIG)).eval()  # eval: HF has dropout, we do not
+    perturb_(model, seed=1)
+    return model
+
+
+def test_logits_and_loss_match_hugging_face_loaded_from_save_pretrained(hf_model, tmp_path):
+    hf_model.save_pretrained(tmp_path)
+    ours = GPT.from_pretrained(str(tmp_path)).eval()
+    assert ours.config == PARITY_CONFIG
+
+    idx = random_tokens(PARITY_CONFIG, B=3, T=PARITY_CONFIG.block_size)
+    with torch.no_grad():
+        hf_out = hf_model(idx, labels=idx)
+        logits, _ = ours(idx)
+        # HF shifts labels inside: position t predicts idx[t+1], so its loss is ours on (idx[:-1] -> idx[1:]).
+        _, loss = ours(idx[:, :-1], targets=idx[:, 1:])
+
+    assert logits.shape == (3, PARITY_CONFIG.block_size, 50257)  # padding columns (up to 50304) not visible
+    assert hf_out.logits.abs().max() > 5.0  # non-trivial weights, so the comparison below means something
+    assert (logits - hf_out.logits).abs().max().item() <= 1e-4
+    assert abs(loss.item() - hf_out.loss.item()) <= 1e-5
+
+
+def test_hf_state_dict_loads_into_hugging_face_with_same_logits():
+    torch.manual_seed(0)
+    ours = GPT(PARITY_CONFIG).eval()
+    perturb_(ours, seed=2)
+    hf_model = GPT2LMHeadModel(hf_config(PARITY_CONFIG)).eval()
+    hf_model.load_state_dict(ours.hf_state_dict(), strict=True)  # names, shapes (unpadded wte, Conv1D) all match
+
+    idx = random_tokens(PARITY_CONFIG, B=2, T=20, seed=3)
+    with torch.no_grad():
+        expected, _ = ours(idx)
+        actual = hf_model(idx).logits
+    assert (actual - expected).abs().max().item() <= 1e-4
+
+
+def test_gpt2_preset_has_the_reference_parameter_counts():
+    with torch.device("meta"):  # shapes only: no 500 MB of weights to allocate and initialise
+        model = GPT(PRESETS["gpt2"])
+    assert model.num_params(non_embedding=False) == 124_439_808
+    assert model.num_params() == 123_653_376  # minus the 1024x768 position embedding
+
+
+def test_loss_at_init_is_log_vocab_size():
+    torch.manual_seed(0)
+    config = GPTConfig(block_size=32, vocab_size=50257, n_layer=2, n_head=2, n_embd=64)
+    model = GPT(config)
+    idx = random_tokens(config, B=4, T=32)
+    targets = random_tokens(config, B=4, T=32, seed=1)
+    with torch.no_grad():
+        _, loss = model(idx, targets)
+    assert abs(loss.item() - math.log(50257)) < 0.1  # ln(50257) = 10.825: uniform predictions at init
+
+
+def test_init_scales_residual_projections_and_ties_lm_head():
+    torch.manual_seed(0)
+    n_layer = 4
+    model = GPT(GPTConfig(block_size=64, vocab_size=1000, n_layer=n_layer, n_head=4, n_embd=128))
+    residual_std = 0.02 / math.sqrt(2 * n_layer)  # 0.00707
+    for name, p in model.named_parameters():
+        if name.endswith("c_proj.weight"):
+            assert p.std().item() == pytest.approx(residual_std, rel=0.05), name
+        elif name.endswith(("wte.weight", "wpe.weight", "c_attn.weight", "c_fc.weight")):
+            assert p.std().item() == pytest.approx(0.02, rel=0.05), name
+        elif name.endswith("bias"):
+            assert torch.all(p == 0), name
+        else:
+            assert name.endswith("ln_1.weight") or name.endswith("ln_2.weight") or name == "transformer.ln_f.weight"
+            assert torch.all(p == 1), name
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_flops_per_token_matches_hand_count():
+    config = GPTConfig(block_size=8, vocab_size=100, n_layer=2, n_head=2, n_embd=16)  # wte padded to 128 rows
+    C, L, T = 16, 2, 8
+    # Parameters other than the position embedding, from the shapes (wte counted once, it is also lm_head,
+    # and without its padding rows):
+    wte = 100 * C  # 1600
+    per_layer = (2 * C  # ln_1
+                 + C * 3 * C + 3 * C  # c_attn
+                 + C * C + C  # attn.c_proj
+                 + 2 * C  # ln_2
+                 + C * 4 * C + 4 * C  # c_fc
+                 + 4 * C * C + C)  # mlp.c_proj: 12·C² + 13·C = 3280
+    ln_f = 2 * C
+    n = wte + L * per_layer + ln_f
+    assert n == 8192
+    model = GPT(config)
+    assert model.num_params() == 8192
+    assert model.num_params(non_embedding=False) == 8192 + 8 * C  # + wpe
+    assert model.flops_per_token(T) == 6 * 8192 + 12 * L * C * T == 52_224
+
+
+def test_configure_optimizers_decays_matrices_only():
+    model = GPT(TINY)
+    optimizer = model.configure_optimizers(weight_decay=0.1, learning_rate=6e-4, device_type="cpu")
+    names = {id(p): name for name, p in model.named_parameters()}  # tied lm_head appears once, as wte
+    decay, no_decay = optimizer.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    decayed = {names[id(p)] for p in decay["params"]}
+    free = {names[id(p)] for p in no_decay["params"]}
+    assert all(n.endswith(("wte.weight", "wpe.weight", "c_attn.weight", "c_proj.weight", "c_fc.weight"))
+               for n in decayed)
+    assert all(n.endswith("bias") or ".ln_" in n for n in free)
+    assert len(decayed) == 2 + 4 * TINY.n_layer  # wte, wpe + four matrices per block
+    assert len(free) == 2 + 8 * TINY.n_layer  # ln_f's gain and bias; per block 2 LayerNorms x 2 and 4 biases
+    # Every parameter in exactly one group.
+    ids = [id(p) for g in optimizer.param_groups for p in g["params"]]
+    assert len(ids) == len(set(ids)) == len(names)
+    for group in optimizer.param_groups:
+        assert group["betas"] == (0.9, 0.95) and group["eps"] == 1e-8 and group["lr"] == 6e-4
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> GPT:
+    torch.manual_seed(0)
+    model = GPT(TINY).eval()
+    perturb_(model, seed=4)  # larger logits than at init, so greedy and sampled continuations differ
+    return model
+
+
+def greedy_by_hand(model: GPT, idx: torch.Tensor, n: int) -> torch.Tensor:
+    for _ in range(n):
+        with torch.no_grad():
+            logits, _ = model(idx[:, -model.config.block_size:])
+        idx = torch.cat((idx, logits[:, -1].argmax(-1, keepdim=True)), dim=1)
+    return idx
+
+
+def test_generate_temperature_zero_and_top_k_one_are_greedy(tiny_model):
+    idx = random_tokens(TINY, B=2, T=5)
+    expected = greedy_by_hand(tiny_model, idx, 8)
+    assert expected.shape == (2, 5 + 8)
+    assert torch.equal(tiny_model.generate(idx, 8, temperature=0), expected)
+    g = torch.Generator().manual_seed(0)
+    assert torch.equal(tiny_model.generate(idx, 8, temperature=1.0, top_k=1, generator=g), expected)
+
+
+def test_generate_is_reproducible_with_a_seeded_generator(tiny_model):
+    idx = random_tokens(TINY, B=2, T=5)
+    first = tiny_model.generate(idx, 10, generator=torch.Generator().manual_seed(123))
+    again = tiny_model.generate(idx, 10, generator=torch.Generator().manual_seed(123))
+    other = tiny_model.generate(idx, 10, generator=torch.Generator().manual_seed(124))
+    assert first.shape == (2, 15)
+    assert torch.equal(first[:, :5], idx)
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)  # it does sample: 20 draws from a 97-way softmax
+
+
+def test_generate_top_k_only_samples_from_the_k_most_likely(tiny_model):
+    idx = random_tokens(TINY, B=64, T=4)
+    out = tiny_model.generate(idx, 1, temperature=2.0, top_k=3, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        top3 = tiny_model(idx)[0][:, -1].topk(3).indices
+    assert (out[:, -1:] == top3).any(dim=1).all()
+    assert len(set(out[:, -1].tolist())) > 3  # different rows, different top-3 sets: not just a constant
+
+
+def test_generate_crops_contexts_longer_than_block_size(tiny_model):
+    idx = random_tokens(TINY, B=1, T=TINY.block_size + 7)
+    out = tiny_model.generate(idx, 3, temperature=0)
+    assert out.shape == (1, TINY.block_size + 10)
+    # Only the last block_size tokens matter.
+    cropped = tiny_model.generate(idx[:, -TINY.block_size:], 3, temperature=0)
+    assert torch.equal(out[:, -3:], cropped[:, -3:])
+
+
+def test_forward_rejects_sequences_longer_than_block_size(tiny_model):
+    with pytest.raises(ValueError, match=r"length 17 .*block_size 16"):
+        tiny_model(random_tokens(TINY, B=1, T=17))
+
+
+def test_from_checkpoint_restores_the_same_model(tiny_model, tmp_path):
+    path = tmp_path / "model.pt"
+    torch.save({"model": tiny_model.state_dict(), "model_config": asdict(TINY), "step": 7}, path)
+    loaded = GPT.from_checkpoint(path).eval()
+    assert loaded.config == TINY
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight  # still tied after load_state_dict
+    idx = random_tokens(TINY, B=2, T=TINY.block_size)
+    with torch.no_grad():
+        assert torch.equal(loaded(idx)[0], tiny_model(idx)[0])
+
+
+def test_from_checkpoint_rejects_a_file_without_model_and_config(tmp_path):
+    path = tmp_path / "not_a_checkpoint.pt"
+    torch.save({"weights": torch.zeros(3)}, path)
+    with pytest.raises(ValueError, match=r"not_a_checkpoint\.pt.*'model' and 'model_config'"):
+        GPT.from_checkpoint(path)
