@@ -6,11 +6,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = Path(os.environ.get("SHARED_DATA", ROOT.parent / "shared" / "data"))
 TIKTOKEN_CACHE = SHARED_DATA / "gpt2_tokenizer" / "tiktoken_cache"
 sys.path.insert(0, str(ROOT))
+
+# Test models are tiny: a second intra-op thread only adds spin-waiting on the 2 shared cores, never speed.
+torch.set_num_threads(1)
 
 # tiktoken reads the GPT-2 tokenizer from this cache instead of downloading it (tests never touch the network).
 if TIKTOKEN_CACHE.is_dir():

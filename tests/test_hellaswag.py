@@ -1,0 +1,164 @@
+"""data/hellaswag.py: scoring against an independent Hugging Face computation, rank splitting, data loading."""
+
+import hashlib
+import json
+import socket
+import subprocess
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from data import hellaswag
+from model import GPT, PRESETS
+
+ROOT = Path(__file__).resolve().parent.parent
+VAL_FILE = Path("hellaswag") / "hellaswag_val.jsonl"
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    """A random tiny model saved the way train_gpt2.py saves one. Its block_size of 32 is shorter than most
+    examples, so evaluating it also exercises the left truncation."""
+    torch.manual_seed(0)
+    model = GPT(replace(PRESETS["tiny"], block_size=32))
+    path = tmp_path_factory.mktemp("ckpt") / "model.pt"
+    torch.save({"model": model.state_dict(), "model_config": asdict(model.config)}, path)
+    return path
+
+
+def test_ending_scores_match_hugging_face(tmp_path, shared_data, gpt2_encoding):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, n_positions=256, vocab_size=50257)).eval()
+    with torch.no_grad():  # GPT-2's 0.02 init predicts nearly uniformly; larger weights make the choice non-trivial
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    hf.save_pretrained(tmp_path)
+    ours = GPT.from_pretrained(str(tmp_path))
+    examples = hellaswag.load_examples(str(shared_data / VAL_FILE), limit=50)
+
+    ref_preds, our_preds = [], []
+    with torch.no_grad():
+        for example in examples:
+            # Reference: each ending on its own, no padding, log-probs straight from the HF logits.
+            ctx = gpt2_encoding.encode_ordinary(example["ctx"])
+            ref_losses = []
+            for ending in example["endings"]:
+                end = gpt2_encoding.encode_ordinary(" " + ending)
+                logits = hf(torch.tensor([ctx + end])).logits[0, len(ctx) - 1: -1]  # the ones predicting `end`
+                logprobs = torch.log_softmax(logits, dim=-1)[torch.arange(len(end)), end]
+                ref_losses.append(-logprobs.mean())
+            ref_losses = torch.stack(ref_losses)
+
+            tokens, mask = hellaswag.render_example(example, gpt2_encoding, ours.config.block_size)
+            _, our_losses = hellaswag.ending_losses(ours, tokens, mask)
+            torch.testing.assert_close(our_losses, ref_losses, atol=1e-4, rtol=1e-5)
+            ref_preds.append(int(ref_losses.argmin()))
+            our_preds.append(int(our_losses.argmin()))
+
+    assert our_preds == ref_preds
+    assert len(set(ref_preds)) == 4  # the model does discriminate between endings
+    ref_acc_norm = sum(p == ex["label"] for p, ex in zip(ref_preds, examples)) / len(examples)
+    assert hellaswag.evaluate(ours, examples, "cpu") == ref_acc_norm
+
+
+def test_long_rows_are_cut_from_the_left_keeping_the_ending(shared_data, gpt2_encoding):
+    example = hellaswag.load_examples(str(shared_data / VAL_FILE), limit=1)[0]
+    full, full_mask = hellaswag.render_example(example, gpt2_encoding, block_size=1024)
+    cut, cut_mask = hellaswag.render_example(example, gpt2_encoding, block_size=12)
+    ctx = gpt2_encoding.encode_ordinary(example["ctx"])
+    assert full.shape[0] == cut.shape[0] == 4 and cut.shape[1] == 12
+    for i, ending in enumerate(example["endings"]):
+        row = ctx + gpt2_encoding.encode_ordinary(" " + ending)
+        n_ending = len(row) - len(ctx)
+        assert full[i, : len(row)].tolist() == row and not full[i, len(row):].any()  # right-padded with 0
+        assert full_mask[i].tolist() == [len(ctx) <= t < len(row) for t in range(full.shape[1])]
+        assert cut[i].tolist() == row[-12:]
+        assert cut_mask[i].tolist() == [t >= 12 - n_ending for t in range(12)]
+
+
+def _evaluate_on_rank(rank: int, port: int, ckpt: Path, data_file: Path, out_dir: Path) -> None:
+    torch.set_num_threads(1)  # two processes share the cores
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        model = GPT.from_checkpoint(ckpt)
+        acc = hellaswag.evaluate(model, hellaswag.load_examples(str(data_file), limit=25), "cpu", rank=rank,
+                                 world_size=2)
+        (out_dir / f"rank{rank}.json").write_text(json.dumps(acc))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_match_one_rank(tmp_path, shared_data, tiny_ckpt):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # 25 examples: the ranks get 13 and 12, so an unequal split is covered.
+    mp.spawn(_evaluate_on_rank, args=(port, tiny_ckpt, shared_data / VAL_FILE, tmp_path), nprocs=2)
+    one_rank = hellaswag.evaluate(GPT.from_checkpoint(tiny_ckpt),
+                                  hellaswag.load_examples(str(shared_data / VAL_FILE), limit=25), "cpu")
+    per_rank = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert per_rank == [one_rank, one_rank]
+
+
+def test_evaluate_restores_train_mode(shared_data, tiny_ckpt):
+    model = GPT.from_checkpoint(tiny_ckpt).train()
+    modes = []
+    model.register_forward_hook(lambda module, args, output: modes.append(module.training))
+    hellaswag.evaluate(model, hellaswag.load_examples(str(shared_data / VAL_FILE), limit=2), "cpu")
+    assert modes == [False, False] and model.training
+
+
+def test_load_examples_reads_a_local_file_and_honours_limit(shared_data):
+    path = str(shared_data / VAL_FILE)
+    first = hellaswag.load_examples(path, limit=7)
+    assert len(first) == 7
+    assert (first[0]["ind"], first[0]["label"], first[0]["ctx"]) == (24, 3, "A man is sitting on a roof. he")
+    everything = hellaswag.load_examples(path)
+    assert len(everything) == 10042 and everything[:7] == first
+
+
+def test_missing_hellaswag_path_names_the_file(tmp_path, capsys):
+    missing = tmp_path / "nowhere.jsonl"
+    with pytest.raises(FileNotFoundError, match="nowhere.jsonl"):
+        hellaswag.load_examples(str(missing))
+    with pytest.raises(SystemExit):  # the CLI checks the data before loading any model
+        hellaswag.main(["--model", "gpt2", "--hellaswag_path", str(missing)])
+    err = capsys.readouterr().err
+    assert str(missing) in err and "--hellaswag_path" in err
+
+
+def test_download_is_cached_and_checked(tmp_path, monkeypatch, shared_data):
+    source = shared_data / VAL_FILE
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(hellaswag, "CACHE_DIR", cache)
+    monkeypatch.setattr(hellaswag, "URL", source.as_uri())  # urllib reads file:// URLs, so no network is needed
+    assert len(hellaswag.load_examples(limit=3)) == 3
+    assert [p.name for p in cache.iterdir()] == ["hellaswag_val.jsonl"]  # no temporary file left behind
+    assert hashlib.sha256((cache / "hellaswag_val.jsonl").read_bytes()).hexdigest() == hellaswag.SHA256
+
+    monkeypatch.setattr(hellaswag, "URL", (tmp_path / "gone.jsonl").as_uri())
+    assert len(hellaswag.load_examples(limit=3)) == 3  # served from the cache, no second download
+
+    (cache / "hellaswag_val.jsonl").unlink()
+    wrong = tmp_path / "wrong.jsonl"
+    wrong.write_text('{"ctx": "not hellaswag"}\n')
+    monkeypatch.setattr(hellaswag, "URL", wrong.as_uri())
+    with pytest.raises(RuntimeError, match="sha256"):
+        hellaswag.load_examples()
+    assert not any(cache.iterdir())
+
+
+def test_cli_prints_the_accuracy_of_a_checkpoint(shared_data, tiny_ckpt):
+    data_file = shared_data / VAL_FILE
+    result = subprocess.run([sys.executable, "data/hellaswag.py", "--ckpt", str(tiny_ckpt), "--hellaswag_path",
+                             str(data_file), "--limit", "8", "--device", "cpu"],
+                            cwd=ROOT, capture_output=True, text=True, check=True)
+    expected = hellaswag.evaluate(GPT.from_checkpoint(tiny_ckpt), hellaswag.load_examples(str(data_file), 8), "cpu")
+    assert f"acc_norm {expected:.4f}" in result.stdout and "(8 examples)" in result.stdout
