@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 SNAPSHOT_NAME = re.compile(r"snapshot_(\d+)\.pt")
-REQUIRED_KEYS = ("model", "model_config", "optimizer", "step", "loader", "rng", "config")
+REQUIRED_KEYS = ("model", "model_config", "optimizer", "scaler", "step", "loader", "rng", "config", "wandb_id")
 
 
 def snapshot_path(ckpt_dir: str | Path, step: int) -> Path:
@@ -25,11 +25,15 @@ def snapshot_path(ckpt_dir: str | Path, step: int) -> Path:
 def save_snapshot(state: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # disk full, Ctrl-C: don't leave gigabytes of half a snapshot on a full disk
+        tmp.unlink(missing_ok=True)
+        raise
     dir_fd = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
     try:
         os.fsync(dir_fd)
@@ -41,8 +45,9 @@ def load_snapshot(path: str | Path) -> dict:
     """Load and check a snapshot; raises ValueError naming the file if it is truncated or not ours."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise ValueError(f"{path} could not be read as a snapshot ({type(e).__name__}: {e}); "
+    except Exception as e:  # torch's message can run to a page; its first line says what failed
+        first_line = str(e).strip().split("\n")[0]
+        raise ValueError(f"{path} could not be read as a snapshot ({type(e).__name__}: {first_line}); "
                          "it is truncated, corrupt or not a torch file.") from e
     missing = [k for k in REQUIRED_KEYS if not isinstance(state, dict) or k not in state]
     if missing:
@@ -70,8 +75,12 @@ def find_latest_snapshot(ckpt_dir: str | Path) -> tuple[Path, dict] | None:
 
 
 def prune_snapshots(ckpt_dir: str | Path, keep_last: int) -> None:
+    """Delete all but the keep_last newest snapshots, and the temp files of writes that a crash cut short."""
     for old in list_snapshots(ckpt_dir)[keep_last:]:
         old.unlink(missing_ok=True)
+    # One writer saves one snapshot at a time, so once a save has finished every temp file is a dead run's.
+    for tmp in Path(ckpt_dir).glob("snapshot_*.pt.tmp"):
+        tmp.unlink(missing_ok=True)
 
 
 def capture_rng_state() -> dict:

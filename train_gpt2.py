@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import capture_rng_state, find_latest_snapshot, load_snapshot, prune_snapshots, restore_rng_state
-from checkpoint import save_snapshot, snapshot_path
+from checkpoint import capture_rng_state, find_latest_snapshot, list_snapshots, load_snapshot, prune_snapshots
+from checkpoint import restore_rng_state, save_snapshot, snapshot_path
 from dataloader import DistributedDataLoader
 from mfu import peak_flops, synchronize
 from model import GPT, PRESETS, GPTConfig
@@ -326,6 +326,9 @@ def make_snapshot(raw_model: GPT, optimizer, scaler, step: int, train_loader: Di
 def choose_snapshot(cfg: TrainConfig, ckpt_dir: str, dist_env: Distributed) -> tuple[str, dict] | None:
     """Which snapshot to resume from, or None for a fresh start. Every rank reads the same one."""
     if cfg.resume == "never":
+        if dist_env.is_master and list_snapshots(ckpt_dir):
+            print(f"WARNING: --resume never, but {ckpt_dir} already holds snapshots; a later --resume auto would pick "
+                  "the highest step among them, perhaps the older run's. Use a fresh --ckpt_dir.", file=sys.stderr)
         return None
     if cfg.resume != "auto":
         # Every rank checks, so that none is left waiting in a collective for a rank 0 that has exited.
@@ -481,7 +484,8 @@ def run(cfg: TrainConfig, dist_env: Distributed, ckpt_dir: str, log) -> None:
                 prune_snapshots(ckpt_dir, cfg.keep_last)
                 log(f"snapshot written: {snapshot_path(ckpt_dir, step)}")
         if stopping:
-            log(f"stopping after step {step} on SIGTERM; rerun the same command to resume")
+            log(f"stopping after step {step} on SIGTERM; " + ("rerun the same command to resume" if cfg.ckpt_every
+                else "no snapshot written, as --ckpt_every is 0"))
             break
     logger.finish()
 

@@ -1,0 +1,145 @@
+"""checkpoint.py: snapshots survive crashes mid-write, broken files are skipped by name, RNG states round-trip.
+
+These use small stand-in snapshots; tests/test_resume.py checks real ones written by train_gpt2.py.
+"""
+
+import io
+import os
+import random
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from checkpoint import (REQUIRED_KEYS, capture_rng_state, find_latest_snapshot, list_snapshots, load_snapshot,
+                        prune_snapshots, restore_rng_state, save_snapshot, snapshot_path)
+from conftest import ROOT
+
+
+def fake_snapshot(step: int) -> dict:
+    """A snapshot with every required key; its weights say which step wrote it."""
+    state = {key: {} for key in REQUIRED_KEYS}
+    model = torch.nn.Linear(4, 4)
+    torch.nn.init.constant_(model.weight, float(step))
+    state.update(model=model.state_dict(), step=step, rng=[capture_rng_state()], wandb_id="abc123")
+    return state
+
+
+def test_snapshot_round_trips_through_weights_only_loading(tmp_path):
+    state = fake_snapshot(7)
+    save_snapshot(state, snapshot_path(tmp_path, 7))
+    loaded = load_snapshot(snapshot_path(tmp_path, 7))  # weights_only: would raise on anything but plain data
+    assert loaded["step"] == 7
+    assert torch.equal(loaded["model"]["weight"], state["model"]["weight"])
+    assert [p.name for p in tmp_path.iterdir()] == ["snapshot_0000007.pt"]  # no temp file left behind
+
+
+REAL_TORCH_SAVE = torch.save
+
+
+def save_half(obj, f, then) -> None:
+    """A torch.save that writes the first half of the file, then calls then() to crash."""
+    whole = io.BytesIO()
+    REAL_TORCH_SAVE(obj, whole)
+    f.write(whole.getvalue()[: len(whole.getvalue()) // 2])
+    f.flush()
+    then()
+
+
+def raise_disk_full():
+    raise OSError(28, "No space left on device")
+
+
+def test_failed_write_leaves_previous_snapshot_and_no_temp_file(tmp_path, monkeypatch):
+    save_snapshot(fake_snapshot(3), snapshot_path(tmp_path, 3))
+    monkeypatch.setattr(torch, "save", lambda obj, f: save_half(obj, f, then=raise_disk_full))
+    with pytest.raises(OSError, match="No space left"):
+        save_snapshot(fake_snapshot(4), snapshot_path(tmp_path, 4))
+    assert [p.name for p in tmp_path.iterdir()] == ["snapshot_0000003.pt"]
+    assert find_latest_snapshot(tmp_path)[1]["step"] == 3
+
+
+# A process killed half-way through a write has no chance to clean up: run one and SIGKILL it mid-write.
+KILLED_MID_WRITE = """
+import os, signal, sys, torch
+import checkpoint
+from test_checkpoint import fake_snapshot, save_half
+torch.save = lambda obj, f: save_half(obj, f, then=lambda: os.kill(os.getpid(), signal.SIGKILL))
+checkpoint.save_snapshot(fake_snapshot(4), checkpoint.snapshot_path(sys.argv[1], 4))
+"""
+
+
+def test_killed_write_leaves_previous_snapshot_and_the_next_save_removes_its_temp_file(tmp_path):
+    save_snapshot(fake_snapshot(3), snapshot_path(tmp_path, 3))
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    killed = subprocess.run([sys.executable, "-c", KILLED_MID_WRITE, str(tmp_path)], env=env, capture_output=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()
+
+    assert not snapshot_path(tmp_path, 4).exists()  # the final name appears only once the file is complete
+    partial = tmp_path / "snapshot_0000004.pt.tmp"
+    assert 0 < partial.stat().st_size < snapshot_path(tmp_path, 3).stat().st_size
+    path, state = find_latest_snapshot(tmp_path)
+    assert path == snapshot_path(tmp_path, 3) and state["step"] == 3
+
+    save_snapshot(fake_snapshot(5), snapshot_path(tmp_path, 5))
+    prune_snapshots(tmp_path, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["snapshot_0000003.pt", "snapshot_0000005.pt"]
+
+
+def truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def garbage(path):
+    path.write_bytes(b"not a torch file at all\n" * 100)
+
+
+def foreign(path):
+    torch.save({"state_dict": {"w": torch.zeros(2)}, "epoch": 3}, path)  # a torch file, but not a snapshot of ours
+
+
+@pytest.mark.parametrize("damage", [truncate, garbage, foreign])
+def test_broken_newest_snapshot_is_skipped_with_a_warning_naming_it(tmp_path, capsys, damage):
+    for step in (10, 20):
+        save_snapshot(fake_snapshot(step), snapshot_path(tmp_path, step))
+    damage(snapshot_path(tmp_path, 20))
+    path, state = find_latest_snapshot(tmp_path)
+    assert path == snapshot_path(tmp_path, 10) and state["step"] == 10
+    warning = capsys.readouterr().err
+    assert "WARNING" in warning and str(snapshot_path(tmp_path, 20)) in warning
+    with pytest.raises(ValueError, match="snapshot_0000020.pt"):
+        load_snapshot(snapshot_path(tmp_path, 20))
+
+
+def test_no_valid_snapshot_means_a_fresh_start(tmp_path):
+    assert find_latest_snapshot(tmp_path / "missing") is None
+    garbage(snapshot_path(tmp_path, 1))
+    assert find_latest_snapshot(tmp_path) is None
+
+
+def test_snapshots_are_ordered_by_step_and_pruned_to_keep_last(tmp_path):
+    steps = [9, 10, 99, 10_000_000]  # 10,000,000 outgrows the 7-digit padding: order must stay numeric
+    for step in steps:
+        save_snapshot(fake_snapshot(step), snapshot_path(tmp_path, step))
+    (tmp_path / "notes.txt").write_text("not a snapshot")
+    assert list_snapshots(tmp_path) == [snapshot_path(tmp_path, s) for s in reversed(steps)]
+    prune_snapshots(tmp_path, keep_last=2)
+    assert list_snapshots(tmp_path) == [snapshot_path(tmp_path, 10_000_000), snapshot_path(tmp_path, 99)]
+    assert (tmp_path / "notes.txt").exists()
+
+
+def draw() -> tuple:
+    return random.random(), np.random.rand(3).tolist(), np.random.randn(), torch.rand(3).tolist()
+
+
+def test_rng_state_restores_every_generator_after_a_save(tmp_path):
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    np.random.randn()  # leaves a cached Gaussian in numpy's state, the part that is easy to lose
+    save_snapshot(fake_snapshot(0) | {"rng": [capture_rng_state()]}, snapshot_path(tmp_path, 0))
+    expected = draw()
+    draw()  # move every generator on
+    restore_rng_state(load_snapshot(snapshot_path(tmp_path, 0))["rng"][0])
+    assert draw() == expected

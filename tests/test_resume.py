@@ -1,0 +1,276 @@
+"""Fault tolerance end to end: a run that is stopped, killed, or moved to another number of ranks trains on as if
+nothing had happened.
+
+Every test compares against two uninterrupted runs of one 12-step job (1 rank, and 2 ranks under torchrun, gloo).
+The job's two 300-token train shards hold 4 steps each, so the 12 steps cross shard boundaries and, at step 8,
+an epoch boundary (with shuffling on): a resume has to get the data position exactly right, not just the weights.
+A run is a subprocess, and torchrun launches cost 10-20 s each on 2 cores, so tests share the reference runs.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+import train_gpt2
+from checkpoint import SNAPSHOT_NAME, list_snapshots, load_snapshot, snapshot_path
+from conftest import make_shards
+from dataloader import DistributedDataLoader
+from helpers_train import TINY_ARGS, TrainRun, read_metrics, run_train, train_command, train_env
+from model import GPT
+
+LAST_STEP = 11
+JOB = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "64", "--max_steps", str(LAST_STEP + 1),
+       "--warmup_steps", "3", "--val_every", "4", "--val_tokens", "64", "--dtype", "fp32", "--resume", "auto"]
+
+needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds torchrun's workers in /proc")
+
+
+@dataclass
+class Job:
+    data: Path
+    args: list[str]  # JOB plus --data_dir
+    one_rank: Path  # the uninterrupted runs' log dirs: one_rank keeps snapshots 3, 7 and 11, two_ranks 8 and 11
+    two_ranks: Path
+    one_rank_run: TrainRun
+    two_ranks_run: TrainRun
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> Job:
+    root = tmp_path_factory.mktemp("job")
+    make_shards(root / "data", "train", [300, 300], seed=0)
+    make_shards(root / "data", "val", [200], seed=1)
+    args = [*JOB, "--data_dir", str(root / "data")]
+    with ThreadPoolExecutor(2) as pool:
+        one = pool.submit(run_train, [*args, "--ckpt_every", "4", "--keep_last", "3"], root / "one_rank")
+        two = pool.submit(run_train, [*args, "--ckpt_every", "3", "--keep_last", "2"], root / "two_ranks", nproc=2)
+        return Job(root / "data", args, root / "one_rank", root / "two_ranks", one.result(), two.result())
+
+
+def by_step(records: list[dict], key: str) -> dict[int, float]:
+    """{step: value}; a step logged twice (replayed after a restart) keeps its later line."""
+    return {r["step"]: r[key] for r in records if key in r}
+
+
+def max_rel_diff(got: dict[int, float], expected: dict[int, float], steps) -> float:
+    steps = list(steps)
+    assert set(steps) <= set(got), f"steps {sorted(set(steps) - set(got))} were not logged"
+    return max(abs(got[s] - expected[s]) / abs(expected[s]) for s in steps)
+
+
+def assert_continues_exactly(records: list[dict], reference: TrainRun, from_step: int, tol: float) -> None:
+    """Train and val losses logged from from_step on equal the uninterrupted run's, within a relative tol."""
+    train_steps, val_steps = range(from_step, LAST_STEP + 1), [s for s in (4, 8, 11) if s >= from_step]
+    train = max_rel_diff(by_step(records, "loss"), by_step(reference.records, "loss"), train_steps)
+    val = max_rel_diff(by_step(records, "val_loss"), by_step(reference.records, "val_loss"), val_steps)
+    print(f"steps {from_step}..{LAST_STEP}: max relative difference, train loss {train:.2e}, val loss {val:.2e}")
+    assert train <= tol and val <= tol
+
+
+def after_resume(records: list[dict]) -> tuple[dict, list[dict]]:
+    """The last resume event and the records logged after it."""
+    i = max(i for i, r in enumerate(records) if r.get("event") == "resume")
+    return records[i], records[i + 1:]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# runs in the background, for tests that interrupt them
+
+@contextmanager
+def launched(args: list[str], log_dir: Path, nproc: int, launcher_args: list[str] = ()):
+    """Start train_gpt2.py under torchrun without waiting; kill it and its workers if the test fails."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with open(log_dir / "output.txt", "w") as output:
+        proc = subprocess.Popen(train_command([*args, "--log_dir", str(log_dir)], nproc, launcher_args), cwd=log_dir,
+                                env=train_env(), stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def wait_until(condition, proc: subprocess.Popen, log_dir: Path, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            state = f"exited with {proc.returncode}" if proc.poll() is not None else f"ran {timeout} s"
+            raise AssertionError(f"the run {state} before {what}:\n{(log_dir / 'output.txt').read_text()[-4000:]}")
+        time.sleep(0.05)
+
+
+def records_so_far(log_dir: Path) -> list[dict]:
+    """metrics.jsonl of a run that is still writing it: a line caught half-written waits for the next look."""
+    path = log_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines(keepends=True) if path.exists() else []
+    return [json.loads(line) for line in lines if line.endswith("\n")]
+
+
+def newest_snapshot_step(log_dir: Path) -> int:
+    snapshots = list_snapshots(log_dir)
+    return int(SNAPSHOT_NAME.fullmatch(snapshots[0].name).group(1)) if snapshots else -1
+
+
+def worker_pids(launcher: subprocess.Popen) -> dict[int, int]:
+    """torchrun's worker processes, its children, by RANK (read from their environment in /proc)."""
+    workers = {}
+    for proc_dir in Path("/proc").iterdir():
+        if not proc_dir.name.isdigit():
+            continue
+        try:
+            parent = int((proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (proc_dir / "environ").read_bytes().split(b"\0") if parent == launcher.pid else []
+        except (OSError, ValueError, IndexError):  # the process ended while we looked
+            continue
+        rank = [int(v[5:]) for v in environ if v.startswith(b"RANK=")]
+        if rank:
+            workers[rank[0]] = int(proc_dir.name)
+    return workers
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the tests
+
+def test_one_rank_resume_after_a_crash_continues_exactly(job, tmp_path):
+    # The state a crash after step 5 leaves: the snapshot of step 3, and metrics up to step 5.
+    shutil.copy(snapshot_path(job.one_rank, 3), tmp_path)
+    lines = (job.one_rank / "metrics.jsonl").read_text().splitlines(keepends=True)
+    crashed = [line for line in lines if json.loads(line).get("step", 0) <= 5]
+    (tmp_path / "metrics.jsonl").write_text("".join(crashed))
+
+    run = run_train(job.args, tmp_path)
+
+    assert run.records[:len(crashed)] == [json.loads(line) for line in crashed]  # appended to, not overwritten
+    event, after = after_resume(run.records)
+    assert event == {"event": "resume", "step": 4, "snapshot": str(snapshot_path(tmp_path, 3))}
+    assert min(by_step(after, "loss")) == 4
+    assert_continues_exactly(after, job.one_rank_run, from_step=4, tol=1e-6)
+
+
+@needs_proc
+def test_sigterm_to_one_rank_stops_both_after_the_same_step_and_resumes_exactly(job, tmp_path):
+    args = [*job.args, "--ckpt_every", "100"]  # so the only snapshot is the one SIGTERM asks for
+    with launched(args, tmp_path, nproc=2) as proc:
+        wait_until(lambda: by_step(records_so_far(tmp_path), "loss").keys() >= {2}, proc, tmp_path, "step 2")
+        os.kill(worker_pids(proc)[1], signal.SIGTERM)  # rank 1: rank 0, the writer, learns of it only by agreeing
+        assert proc.wait(timeout=120) == 0, (tmp_path / "output.txt").read_text()[-4000:]
+    stopped = max(by_step(read_metrics(tmp_path), "loss"))
+    assert 2 <= stopped < LAST_STEP
+    assert list_snapshots(tmp_path) == [snapshot_path(tmp_path, stopped)]
+    assert f"stopping after step {stopped} on SIGTERM" in (tmp_path / "output.txt").read_text()
+
+    run = run_train(job.args, tmp_path, nproc=2)
+
+    event, after = after_resume(run.records)
+    assert event == {"event": "resume", "step": stopped + 1, "snapshot": str(snapshot_path(tmp_path, stopped))}
+    assert_continues_exactly(after, job.two_ranks_run, from_step=stopped + 1, tol=1e-6)
+
+
+@needs_proc
+def test_killed_ranks_are_restarted_by_torchrun_and_finish_exactly(job, tmp_path):
+    """SIGKILL a worker three times in one run; each time torchrun restarts both ranks from the newest snapshot.
+
+    Restarted workers meet in the launcher's TCPStore, where the dead round's addresses still are; this repeats
+    the restart to show setup_distributed()'s per-restart prefix makes every round meet only its own peers."""
+    resumes, restart_seconds = [], []
+    with launched([*job.args, "--ckpt_every", "2"], tmp_path, nproc=2, launcher_args=["--max-restarts", "3"]) as proc:
+        resume_step = 2  # first kill after the snapshot of step 3
+        for kill, rank in enumerate((1, 0, 1)):
+            # Kill once this round has written a snapshot of its own, so the restart resumes from a new one.
+            wait_until(lambda: newest_snapshot_step(tmp_path) > resume_step, proc, tmp_path, f"kill {kill + 1}")
+            os.kill(worker_pids(proc)[rank], signal.SIGKILL)
+            killed_at = time.monotonic()
+            wait_until(lambda: sum(r.get("event") == "resume" for r in records_so_far(tmp_path)) > kill, proc,
+                       tmp_path, f"the restart after kill {kill + 1}")
+            restart_seconds.append(time.monotonic() - killed_at)
+            resume_step = after_resume(records_so_far(tmp_path))[0]["step"]
+            resumes.append(resume_step)
+        assert proc.wait(timeout=120) == 0, (tmp_path / "output.txt").read_text()[-4000:]
+    print(f"resumed at steps {resumes}; kill to resume: {', '.join(f'{s:.1f}' for s in restart_seconds)} s")
+    assert resumes == sorted(set(resumes)) and resumes[-1] < LAST_STEP
+    assert_continues_exactly(read_metrics(tmp_path), job.two_ranks_run, from_step=0, tol=1e-6)
+
+
+def test_two_rank_snapshot_resumes_exactly_on_one_rank(job, tmp_path):
+    # Same B·T and total batch: 1 rank accumulates 2 micro-steps where 2 ranks took 1 each, on the same tokens.
+    ckpt_dir = tmp_path / "snapshots"
+    run = run_train([*job.args, "--resume", str(snapshot_path(job.two_ranks, 8)), "--ckpt_dir", str(ckpt_dir)],
+                    tmp_path / "logs")
+    assert after_resume(run.records)[0]["step"] == 9
+    assert_continues_exactly(run.records, job.two_ranks_run, from_step=9, tol=1e-4)
+    assert list_snapshots(ckpt_dir) == [snapshot_path(ckpt_dir, 11)] and not list_snapshots(tmp_path / "logs")
+
+
+def test_snapshots_hold_the_whole_training_state(job):
+    assert list_snapshots(job.one_rank) == [snapshot_path(job.one_rank, s) for s in (11, 7, 3)]  # --keep_last 3
+    assert list_snapshots(job.two_ranks) == [snapshot_path(job.two_ranks, s) for s in (11, 8)]  # --keep_last 2
+    state = load_snapshot(snapshot_path(job.two_ranks, 8))
+    assert state["step"] == 8 and state["config"]["max_steps"] == LAST_STEP + 1
+    assert len(state["rng"]) == 2  # one per rank
+    assert state["loader"]["chunks_per_step"] == 2 and state["loader"]["chunk_tokens"] == 32
+    assert state["wandb_id"] == load_snapshot(snapshot_path(job.two_ranks, 11))["wandb_id"]
+    assert not [k for k in state["model"] if k.startswith(("module.", "_orig_mod."))]  # saved unwrapped
+
+
+def test_snapshot_loads_into_a_plain_gpt_that_reproduces_the_logged_val_loss(job):
+    # Validation at step 8 runs before step 8's update, on the weights the snapshot of step 7 holds.
+    model = GPT.from_checkpoint(snapshot_path(job.one_rank, 7)).eval()
+    val = DistributedDataLoader(job.data, "val", B=2, T=16)
+    with torch.no_grad():
+        loss = sum(model(*val.next_batch())[1] for _ in range(2)) / 2  # --val_tokens 64 = 2 micro-batches of 32
+    logged = by_step(job.one_rank_run.records, "val_loss")[8]
+    assert loss.item() == pytest.approx(logged, rel=1e-6)
+
+
+# Runs that stop before training, or train a single step, run in this process: no interpreter to start.
+
+def main_in_process(argv: list[str]) -> None:
+    handler, precision = signal.getsignal(signal.SIGTERM), torch.get_float32_matmul_precision()
+    try:
+        train_gpt2.main([*TINY_ARGS, *argv])
+    finally:  # what the run sets for its process must not outlive it in ours
+        signal.signal(signal.SIGTERM, handler)
+        torch.set_float32_matmul_precision(precision)
+
+
+def test_auto_resume_of_a_finished_run_trains_nothing(job, capsys):
+    before = (job.one_rank / "metrics.jsonl").read_text()
+    main_in_process([*job.args, "--log_dir", str(job.one_rank)])
+    assert "already finished, nothing to do" in capsys.readouterr().out
+    assert (job.one_rank / "metrics.jsonl").read_text() == before
+
+
+def test_resume_never_starts_fresh(job, tmp_path):
+    shutil.copy(snapshot_path(job.one_rank, 7), tmp_path)
+    main_in_process([*job.args, "--log_dir", str(tmp_path), "--resume", "never", "--max_steps", "1"])
+    records = read_metrics(tmp_path)
+    assert not [r for r in records if "event" in r]
+    assert by_step(records, "loss")[0] == pytest.approx(by_step(job.one_rank_run.records, "loss")[0], rel=1e-6)
+    assert snapshot_path(tmp_path, 0).exists()  # the last step writes a snapshot even off the --ckpt_every beat
+
+
+def test_resume_from_a_missing_file_is_a_clear_error(job, tmp_path):
+    with pytest.raises(SystemExit, match="--resume .*nope.pt: no such file"):
+        main_in_process([*job.args, "--log_dir", str(tmp_path), "--resume", str(tmp_path / "nope.pt")])
+
+
+@pytest.mark.parametrize("change, message", [
+    (["--micro_batch_size", "1", "--total_batch_size", "32"], "chunk_tokens=32, this run has chunk_tokens=16"),
+    (["--total_batch_size", "128"], "chunks_per_step=2, this run has chunks_per_step=4"),
+    (["--n_layer", "3"], "n_layer.*Pass the --model"),
+])
+def test_resume_with_a_different_batch_or_model_is_a_clear_error(job, tmp_path, change, message):
+    with pytest.raises((ValueError, SystemExit), match=message):
+        main_in_process([*job.args, "--log_dir", str(tmp_path), "--resume", str(snapshot_path(job.one_rank, 7)),
+                         *change])
