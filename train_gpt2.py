@@ -31,8 +31,8 @@ from model import GPT, PRESETS, GPTConfig
 from run_logger import RunLogger
 
 
-def arg(default, help: str):
-    return field(default=default, metadata={"help": help})
+def arg(default, help: str, choices: tuple[str, ...] | None = None):
+    return field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclass
@@ -58,8 +58,9 @@ class TrainConfig:
     weight_decay: float = arg(0.1, "AdamW weight decay on matrices")
     grad_clip: float = arg(1.0, "clip the global gradient norm to this (0 = off)")
     # speed
-    dtype: str = arg("auto", "auto|bf16|fp16|fp32: autocast dtype (fp16 adds a GradScaler)")
-    device: str = arg("auto", "auto|cuda|mps|cpu")
+    dtype: str = arg("auto", "autocast dtype (fp16 adds a GradScaler; auto: the fastest safe one)",
+                     choices=("auto", "bf16", "fp16", "fp32"))
+    device: str = arg("auto", "where to train (auto: cuda, else mps, else cpu)", choices=("auto", "cuda", "mps", "cpu"))
     compile: bool = arg(False, "torch.compile the model")
     seed: int = arg(1337, "random seed (weights init, data shuffling)")
     # evaluation and logging
@@ -89,7 +90,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                                 help=f.metadata["help"])
         else:
             kind = {"int | None": int, "str | None": str}.get(str(f.type), f.type)
-            parser.add_argument(f"--{f.name}", type=kind, default=f.default, help=f.metadata["help"])
+            parser.add_argument(f"--{f.name}", type=kind, default=f.default, choices=f.metadata["choices"],
+                                help=f.metadata["help"])
     return TrainConfig(**vars(parser.parse_args(argv)))
 
 
@@ -130,13 +132,9 @@ def setup_distributed(device_arg: str) -> Distributed:
 
 
 def average_across_ranks(value: torch.Tensor) -> torch.Tensor:
-    """Mean of a tensor over ranks, for logging. gloo has no ReduceOp.AVG, so SUM / world_size there."""
+    """Mean of a tensor over ranks, for logging (gloo's AVG is right in torch 2.13: tests/test_train.py checks)."""
     if dist.is_initialized():
-        if dist.get_backend() == "gloo":
-            dist.all_reduce(value, op=dist.ReduceOp.SUM)
-            value /= dist.get_world_size()
-        else:
-            dist.all_reduce(value, op=dist.ReduceOp.AVG)
+        dist.all_reduce(value, op=dist.ReduceOp.AVG)
     return value
 
 
@@ -374,7 +372,8 @@ def run(cfg: TrainConfig, dist_env: Distributed, ckpt_dir: str, log) -> None:
     config = model_config(cfg)
     seq_len = cfg.seq_len or config.block_size
     if seq_len > config.block_size:
-        raise SystemExit(f"--seq_len {seq_len} exceeds the model's --block_size {config.block_size}.")
+        raise SystemExit(f"--seq_len {seq_len} exceeds the model's --block_size {config.block_size}; lower --seq_len "
+                         "or raise --block_size.")
     grad_accum_steps = grad_accum_steps_for(cfg, seq_len, dist_env.world_size)
     train_loader = DistributedDataLoader(cfg.data_dir, "train", cfg.micro_batch_size, seq_len, dist_env.rank,
                                          dist_env.world_size, grad_accum_steps, shuffle=cfg.shuffle, seed=cfg.seed)
@@ -471,7 +470,9 @@ def run(cfg: TrainConfig, dist_env: Distributed, ckpt_dir: str, log) -> None:
         log(f"step {step:5d} | loss {result.loss:.6f} | lr {lr:.2e} | norm {result.grad_norm:.4f} | "
             f"{dt * 1000:.1f} ms | {tokens_per_sec:,.0f} tok/s | mfu {100 * mfu:.1f}%"
             + (" | fp16 overflow: step skipped" if result.skipped else ""))
-        logger.log({"step": step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
+        # An fp16 overflow makes the norm inf/NaN, which strict JSON readers reject: logged as null.
+        grad_norm = result.grad_norm if math.isfinite(result.grad_norm) else None
+        logger.log({"step": step, "loss": result.loss, "lr": lr, "grad_norm": grad_norm,
                     "dt_ms": dt * 1000, "tokens_per_sec": tokens_per_sec, "mfu": mfu}
                    | ({"skipped": True} if result.skipped else {}))
 

@@ -21,7 +21,7 @@ if TIKTOKEN_CACHE.is_dir():
     os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_CACHE))
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def shared_data() -> Path:
     """../shared/data, or skip: the tests that need real data say so instead of passing without checking."""
     if not SHARED_DATA.is_dir():
@@ -29,7 +29,7 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def gpt2_encoding(shared_data):
     import tiktoken
     if not TIKTOKEN_CACHE.is_dir():

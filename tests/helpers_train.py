@@ -1,0 +1,129 @@
+"""Helpers for tests that run train_gpt2.py end to end: tiny datasets and a launcher that returns metrics.jsonl.
+
+    args = ["--data_dir", str(data), "--max_steps", "5"]
+    run = run_train(args, tmp_path / "logs", nproc=2)  # 2 ranks under torchrun; waits for the end
+    losses = [r["loss"] for r in run.train]
+
+    proc = start_train(args, tmp_path / "logs")  # or start it, signal it mid-run, then wait
+    os.killpg(proc.pid, signal.SIGTERM)
+    run = wait_train(proc, tmp_path / "logs", check=False)
+
+Each launch starts a fresh Python that imports torch (a few seconds; torchrun with 2 ranks, 10-20 s on 2 cores),
+so tests should share runs through module-scoped fixtures.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from conftest import ROOT
+
+TRAIN_SCRIPT = ROOT / "train_gpt2.py"
+
+# A 2-layer, 64-wide model on the CPU, with the slow or networked extras off. Later flags in a command win, so
+# a test can override any of these by passing the flag again.
+TINY_ARGS = ["--model", "tiny", "--device", "cpu", "--hellaswag_every", "0", "--sample_every", "0"]
+
+
+def write_text_shards(directory: Path, text: str, encoding, val_fraction: float = 0.1) -> tuple[int, int]:
+    """Tokenise text (GPT-2 BPE, no special tokens) into one train and one val shard, split by characters as
+    nanoGPT splits Tiny Shakespeare. Returns the number of (train, val) tokens."""
+    from dataloader import write_shard
+
+    directory.mkdir(parents=True, exist_ok=True)
+    cut = int(len(text) * (1 - val_fraction))
+    sizes = []
+    for split, part in (("train", text[:cut]), ("val", text[cut:])):
+        tokens = np.array(encoding.encode_ordinary(part), dtype=np.int64)
+        write_shard(directory / f"text_{split}_000000.bin", tokens)
+        sizes.append(tokens.size)
+    return sizes[0], sizes[1]
+
+
+def train_command(args: Sequence[str], nproc: int | None = None, launcher_args: Sequence[str] = ()) -> list[str]:
+    """The command line: plain `python train_gpt2.py` when nproc is None, else torchrun with nproc CPU processes
+    (torchrun's --standalone picks a free port itself). launcher_args go to torchrun, e.g. ["--max-restarts", "1"]."""
+    if nproc is None:
+        return [sys.executable, str(TRAIN_SCRIPT), *TINY_ARGS, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            *launcher_args, str(TRAIN_SCRIPT), *TINY_ARGS, *args]
+
+
+def train_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a training subprocess: ours, one thread per process (2 cores are shared by every rank
+    and every test), unbuffered output, plus `env`."""
+    return os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"} | (env or {})
+
+
+def read_metrics(log_dir: Path) -> list[dict]:
+    """Every record of log_dir/metrics.jsonl in order (empty if the run never wrote one)."""
+    path = Path(log_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@dataclass
+class TrainRun:
+    proc: subprocess.CompletedProcess
+    records: list[dict]  # metrics.jsonl, every line
+
+    @property
+    def train(self) -> list[dict]:
+        return [r for r in self.records if "loss" in r]
+
+    @property
+    def val(self) -> list[dict]:
+        return [r for r in self.records if "val_loss" in r]
+
+    @property
+    def output(self) -> str:
+        return self.proc.stdout + self.proc.stderr
+
+
+def start_train(args: Sequence[str], log_dir: Path, nproc: int | None = None, env: dict[str, str] | None = None,
+                launcher_args: Sequence[str] = ()) -> subprocess.Popen:
+    """Start train_gpt2.py with TINY_ARGS + args + --log_dir log_dir, in log_dir, without waiting (to signal or kill
+    it mid-run): one plain process when nproc is None, else torchrun with nproc ranks (see train_command). env adds
+    to train_env(). It runs in a session of its own, so os.killpg(proc.pid, ...) reaches torchrun's workers too."""
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    command = train_command([*args, "--log_dir", str(log_dir)], nproc, launcher_args)
+    return subprocess.Popen(command, cwd=log_dir, env=train_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def run_train(args: Sequence[str], log_dir: Path, nproc: int | None = None, env: dict[str, str] | None = None,
+              timeout: float = 300, check: bool = True, launcher_args: Sequence[str] = ()) -> TrainRun:
+    """start_train, then wait for the run and read its metrics.jsonl.
+
+    check: fail the test, showing the output, if the run exits non-zero (pass False to test failures). On timeout
+    the whole process group (torchrun and its workers) is killed and the test fails with the output so far.
+    """
+    proc = start_train(args, log_dir, nproc, env, launcher_args)
+    return wait_train(proc, log_dir, timeout, check)
+
+
+def wait_train(proc: subprocess.Popen, log_dir: Path, timeout: float = 300, check: bool = True) -> TrainRun:
+    """Wait for a run from start_train and read its metrics.jsonl (check and timeout as in run_train)."""
+    command = " ".join(proc.args)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"{command} ran past {timeout} s and was killed.\n{_tail(stdout, stderr)}")
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{command} exited with {proc.returncode}.\n{_tail(stdout, stderr)}")
+    return TrainRun(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), read_metrics(log_dir))
+
+
+def _tail(stdout: str, stderr: str, chars: int = 4000) -> str:
+    return f"--- stdout (end) ---\n{stdout[-chars:]}\n--- stderr (end) ---\n{stderr[-chars:]}"

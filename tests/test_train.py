@@ -1,0 +1,345 @@
+"""train_gpt2.py: 2 ranks train exactly like 1 rank, gradients sync once per step, the LR schedule, fp16/bf16
+steps, clear errors for bad flags, and a real run whose loss falls and whose metrics.jsonl has the documented keys."""
+
+import math
+from collections import Counter
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from conftest import make_shards
+from helpers_train import run_train, write_text_shards
+from model import GPT, GPTConfig
+from train_gpt2 import (Distributed, TrainConfig, average_across_ranks, get_lr, grad_accum_steps_for,
+                        model_config, parse_args, run, train_step)
+
+CPU = torch.device("cpu")
+# For the in-process tests: a small vocabulary, because the 50,257-way output layer is most of tiny's cost.
+SMALL = GPTConfig(block_size=16, vocab_size=128, n_layer=2, n_head=2, n_embd=32)
+B, T = 2, 16
+
+
+def micro_batches(n: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """n different (x, y) micro-batches of SMALL-vocabulary tokens, y being x shifted by one."""
+    tokens = torch.randint(0, SMALL.vocab_size, (n, B * T + 1), generator=torch.Generator().manual_seed(seed))
+    return [(row[:-1].view(B, T), row[1:].view(B, T)) for row in tokens]
+
+
+class ListLoader:
+    """Stands in for DistributedDataLoader in train_step: hands out the given micro-batches in order, first
+    calling before_batch(), so a test can look at the gradients between micro-steps."""
+
+    def __init__(self, batches, before_batch=lambda: None):
+        self.batches, self.before_batch = iter(batches), before_batch
+
+    def next_batch(self):
+        self.before_batch()
+        return next(self.batches)
+
+
+def flat_grad(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros(p.numel()) for p in model.parameters()])
+
+
+def flat_params(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def new_model_and_optimizer():
+    torch.manual_seed(0)
+    model = GPT(SMALL)
+    return model, model.configure_optimizers(weight_decay=0.1, learning_rate=1e-3, device_type="cpu")
+
+
+def take_step(model, optimizer, batches, grad_accum_steps, dtype=torch.float32, scaler=None,
+              before_batch=lambda: None):
+    """train_step on the CPU with these micro-batches, lr 1e-3 and no clipping (so gradients can be compared)."""
+    scaler = scaler or torch.amp.GradScaler("cpu", enabled=False)
+    return train_step(model, optimizer, scaler, ListLoader(batches, before_batch), grad_accum_steps, lr=1e-3,
+                      grad_clip=0.0, device=CPU, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 2 ranks, in-process: DDP with gradient accumulation, and averaging across ranks (gloo)
+
+class AlwaysSyncDDP(DDP):
+    """DDP that ignores train_step's request to skip the sync: the control showing the test below would notice
+    a train_step that all-reduced after every micro-step."""
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        return True
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        pass
+
+
+def accumulate_on_two_ranks(rank: int, ddp_class: type[DDP]) -> dict:
+    """One train_step with grad_accum_steps=2 on this rank's micro-batches (the global micro-batches rank and
+    rank+2, as DistributedDataLoader deals them), recording every bucket all-reduce and the gradients between
+    micro-steps."""
+    model, optimizer = new_model_and_optimizer()
+    ddp_model = ddp_class(model)
+    allreduced_buckets = []
+
+    def counting_allreduce(state, bucket):
+        allreduced_buckets.append(bucket.index())
+        return default_hooks.allreduce_hook(state, bucket)
+
+    ddp_model.register_comm_hook(None, counting_allreduce)
+    seen = []  # (all-reduces so far, gradients) before each micro-step
+    result = take_step(ddp_model, optimizer, micro_batches(4)[rank::2], grad_accum_steps=2,
+                       before_batch=lambda: seen.append((len(allreduced_buckets), flat_grad(model))))
+    return {"allreduces_before_micro_step": [n for n, _ in seen], "grad_after_micro_step_0": seen[1][1],
+            "allreduced_buckets": allreduced_buckets, "grad": flat_grad(model), "params": flat_params(model),
+            "loss": result.loss, "grad_norm": result.grad_norm}
+
+
+def values_to_average(rank: int) -> list[torch.Tensor]:
+    # A scalar (as the loss is) and 3 numbers: sizes other than the world size, so that dividing by the wrong
+    # count shows (AVG on gloo has had silent bugs of that kind, e.g. pytorch#162338).
+    return [torch.tensor(rank + 1.0), torch.tensor([1.0, 10.0, 100.0]) * (rank + 1)]
+
+
+def all_reduce_avg(value: torch.Tensor) -> list[float] | float | str:
+    try:
+        dist.all_reduce(value, op=dist.ReduceOp.AVG)
+    except RuntimeError as e:  # what older torch releases did with AVG on gloo
+        return str(e)
+    return value.tolist()
+
+
+def two_rank_worker(rank: int, store: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    # The timeout turns a hang (one rank waiting in a collective the other never joins) into an error.
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(minutes=2))
+    try:
+        results = {"average_across_ranks": [average_across_ranks(v).tolist() for v in values_to_average(rank)],
+                   "gloo_avg": [all_reduce_avg(v) for v in values_to_average(rank)],
+                   "ddp": accumulate_on_two_ranks(rank, DDP),
+                   "always_sync": accumulate_on_two_ranks(rank, AlwaysSyncDDP)}
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    """Each rank's results from two_rank_worker, run once in two spawned gloo processes."""
+    tmp = tmp_path_factory.mktemp("two_ranks")
+    mp.spawn(two_rank_worker, args=(str(tmp / "store"), str(tmp)), nprocs=2)
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=True) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def one_rank_reference() -> dict:
+    """The step the two ranks take together, taken by one process with grad_accum_steps=4."""
+    model, optimizer = new_model_and_optimizer()
+    result = take_step(model, optimizer, micro_batches(4), grad_accum_steps=4)
+    # What each rank should hold after its first micro-step if nothing was synced: its own micro-batch's gradient.
+    local = []
+    for rank in range(2):
+        fresh, _ = new_model_and_optimizer()
+        x, y = micro_batches(4)[rank]
+        (fresh(x, y)[1] / 2).backward()
+        local.append(flat_grad(fresh))
+    return {"grad": flat_grad(model), "params": flat_params(model), "loss": result.loss,
+            "grad_norm": result.grad_norm, "local_grad_after_micro_step_0": local}
+
+
+def test_gradients_are_all_reduced_once_per_step_after_the_last_micro_step(two_ranks, one_rank_reference):
+    for rank, results in enumerate(two_ranks):
+        ddp = results["ddp"]
+        assert ddp["allreduces_before_micro_step"] == [0, 0]  # micro-step 0's backward sent nothing
+        assert set(Counter(ddp["allreduced_buckets"]).values()) == {1}  # each bucket exactly once
+        # Between the micro-steps, each rank holds only its own local gradient.
+        torch.testing.assert_close(ddp["grad_after_micro_step_0"],
+                                   one_rank_reference["local_grad_after_micro_step_0"][rank], rtol=1e-5, atol=1e-7)
+    assert not torch.allclose(two_ranks[0]["ddp"]["grad_after_micro_step_0"],
+                              two_ranks[1]["ddp"]["grad_after_micro_step_0"])
+
+
+def test_the_sync_check_catches_a_step_that_syncs_every_micro_step(two_ranks):
+    for results in two_ranks:
+        always = results["always_sync"]
+        assert always["allreduces_before_micro_step"][1] > 0
+        assert set(Counter(always["allreduced_buckets"]).values()) == {2}  # every bucket, after both micro-steps
+    # Synced after micro-step 0 the ranks already agree, which is what the test above rules out.
+    torch.testing.assert_close(two_ranks[0]["always_sync"]["grad_after_micro_step_0"],
+                               two_ranks[1]["always_sync"]["grad_after_micro_step_0"])
+
+
+def test_two_ranks_step_like_one_rank_with_twice_the_accumulation(two_ranks, one_rank_reference):
+    rank0, rank1 = (r["ddp"] for r in two_ranks)
+    assert torch.equal(rank0["params"], rank1["params"])  # the same update on both ranks, bit for bit
+    torch.testing.assert_close(rank0["grad"], one_rank_reference["grad"], rtol=1e-5, atol=1e-7)
+    # Adam's first update is lr·g/(|g| + eps) ≈ ±lr, which turns rounding in tiny gradients into up to ~lr/100.
+    torch.testing.assert_close(rank0["params"], one_rank_reference["params"], rtol=0, atol=1e-5)
+    for r in (rank0, rank1):  # the loss both ranks report is the mean over all 4 micro-batches
+        assert r["loss"] == pytest.approx(one_rank_reference["loss"], rel=1e-6)
+        assert r["grad_norm"] == pytest.approx(one_rank_reference["grad_norm"], rel=1e-5)
+
+
+def test_average_across_ranks_is_the_mean_on_gloo(two_ranks):
+    for results in two_ranks:  # rank 0 holds 1 and [1, 10, 100], rank 1 twice that
+        assert results["average_across_ranks"] == [1.5, [1.5, 15.0, 150.0]]
+
+
+def test_gloo_all_reduce_avg_gives_the_mean(two_ranks):
+    # Documents gloo in the pinned torch: all_reduce with ReduceOp.AVG works and is right (gloo gained AVG in 2025,
+    # pytorch#149781; before, it raised), so average_across_ranks' SUM / world_size on gloo is a fallback only.
+    for results in two_ranks:
+        assert results["gloo_avg"] == [1.5, [1.5, 15.0, 150.0]]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the learning-rate schedule
+
+def test_lr_warms_up_linearly_then_follows_a_cosine_down_to_min_lr():
+    cfg = TrainConfig(max_lr=6e-4, min_lr_ratio=0.1, warmup_steps=10, max_steps=111)  # 100 decay intervals
+    assert get_lr(0, cfg) == pytest.approx(6e-5, rel=1e-12)  # max_lr / warmup_steps
+    assert get_lr(4, cfg) == pytest.approx(3e-4, rel=1e-12)
+    assert get_lr(9, cfg) == pytest.approx(6e-4, rel=1e-12)  # end of warmup: the peak
+    assert get_lr(10, cfg) == pytest.approx(6e-4, rel=1e-12)  # cosine at progress 0
+    assert get_lr(35, cfg) == pytest.approx(6e-5 + 0.5 * (1 + math.sqrt(0.5)) * 5.4e-4, rel=1e-12)  # a quarter
+    assert get_lr(60, cfg) == pytest.approx(3.3e-4, rel=1e-12)  # halfway: (max_lr + min_lr) / 2
+    assert get_lr(110, cfg) == pytest.approx(6e-5, rel=1e-12)  # the last step: min_lr_ratio · max_lr
+    decay = [get_lr(s, cfg) for s in range(10, 111)]
+    assert all(a > b for a, b in zip(decay, decay[1:]))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# fp16 (with a GradScaler) and bf16 autocast on the CPU
+
+def two_steps(dtype: torch.dtype, scaler: torch.amp.GradScaler | None = None):
+    model, optimizer = new_model_and_optimizer()
+    batches = micro_batches(4)
+    return [take_step(model, optimizer, batches[2 * i: 2 * i + 2], 2, dtype, scaler) for i in range(2)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_steps_match_fp32(dtype):
+    fp32 = two_steps(torch.float32)
+    low = two_steps(dtype, torch.amp.GradScaler("cpu", enabled=dtype == torch.float16))
+    for ours, reference in zip(low, fp32):
+        assert not ours.skipped and math.isfinite(ours.loss)
+        assert ours.loss == pytest.approx(reference.loss, abs=2e-3)  # measured: fp16 7e-6 off, bf16 4e-5
+        # The norm is of the unscaled gradients (fp16 scales them by 2^16), and it is not fp32's to the last bit,
+        # so autocast really computed in low precision.
+        assert ours.grad_norm == pytest.approx(reference.grad_norm, rel=1e-2)
+        assert ours.grad_norm != reference.grad_norm
+
+
+def test_fp16_overflow_skips_the_update():
+    model, optimizer = new_model_and_optimizer()
+    before = flat_params(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)  # loss · 2^40 overflows fp16 in the backward pass
+    result = take_step(model, optimizer, micro_batches(2), 2, torch.float16, scaler)
+    assert result.skipped
+    assert math.isfinite(result.loss)
+    assert torch.equal(flat_params(model), before)
+    assert not optimizer.state  # AdamW never ran, so its moments did not take the inf in
+    assert scaler.get_scale() == 2.0**39  # halved for the next try
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# errors for bad flags
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_total_batch_not_divisible_names_the_flag_and_a_valid_value(world_size):
+    cfg = parse_args(["--micro_batch_size", "4", "--total_batch_size", "1000"])  # not a multiple of 4·64·ranks
+    with pytest.raises(SystemExit) as error:
+        grad_accum_steps_for(cfg, seq_len=64, world_size=world_size)
+    message = str(error.value)
+    suggestion, accumulation = (768, 3) if world_size == 1 else (512, 1)
+    assert "--total_batch_size 1000" in message and f"e.g. {suggestion}" in message
+    assert grad_accum_steps_for(replace(cfg, total_batch_size=suggestion), 64, world_size) == accumulation
+
+
+def test_unknown_model_preset_lists_the_presets():
+    with pytest.raises(SystemExit, match=r"--model 'gpt3' is not a known preset; choose one of gpt2, .*tiny"):
+        model_config(parse_args(["--model", "gpt3"]))
+
+
+def test_width_not_divisible_by_heads_is_rejected():
+    with pytest.raises(SystemExit, match="--n_embd 100 must be a multiple of --n_head 3"):
+        model_config(parse_args(["--model", "tiny", "--n_embd", "100", "--n_head", "3"]))
+
+
+def test_seq_len_longer_than_block_size_is_rejected(tmp_path):
+    cfg = parse_args(["--model", "tiny", "--seq_len", "65", "--data_dir", str(tmp_path)])
+    precision = torch.get_float32_matmul_precision()  # run() sets it for the whole process
+    try:
+        with pytest.raises(SystemExit, match="--seq_len 65 exceeds the model's --block_size 64"):
+            run(cfg, Distributed(0, 0, 1, CPU), str(tmp_path), print)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# whole runs of train_gpt2.py
+
+RANK_RUN_ARGS = ["--micro_batch_size", "4", "--seq_len", "32", "--total_batch_size", "512", "--max_steps", "5",
+                 "--warmup_steps", "2", "--max_lr", "3e-3", "--dtype", "fp32", "--val_every", "2",
+                 "--val_tokens", "512", "--ckpt_every", "0"]
+
+
+@pytest.fixture(scope="module")
+def rank_runs(tmp_path_factory):
+    """The same 5 steps of 512 tokens (micro-batches of 4 × 32): 1 process × 4 micro-steps, and 2 torchrun ranks ×
+    2 micro-steps."""
+    tmp = tmp_path_factory.mktemp("ranks")
+    # Tokens from a 100-word vocabulary: learnable, so the loss falls fast and the steps really differ.
+    make_shards(tmp / "data", "train", [8 * 512 + 1], vocab=100)
+    make_shards(tmp / "data", "val", [4 * 128 + 1], seed=1, vocab=100)
+    args = ["--data_dir", str(tmp / "data"), *RANK_RUN_ARGS]
+    return run_train(args, tmp / "one"), run_train(args, tmp / "two", nproc=2)
+
+
+def test_two_ranks_train_like_one_rank(rank_runs):
+    one, two = rank_runs
+    assert "1 ranks × 4 accumulation steps" in one.proc.stdout and "2 ranks × 2 accumulation steps" in two.proc.stdout
+    assert [r["step"] for r in one.train] == [r["step"] for r in two.train] == list(range(5))  # rank 0 logs alone
+    assert one.train[-1]["loss"] < one.train[0]["loss"] - 0.5  # the steps move the model a lot
+    for a, b in zip(one.train, two.train):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+        # Adam ignores the scale of the gradient, so the norm is what shows a gradient summed instead of averaged.
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        assert b["lr"] == a["lr"]
+    assert [r["step"] for r in one.val] == [r["step"] for r in two.val] == [0, 2, 4]
+    for a, b in zip(one.val, two.val):
+        assert b["val_loss"] == pytest.approx(a["val_loss"], rel=1e-4)
+
+
+def test_loss_falls_on_tiny_shakespeare(tmp_path, shared_data, gpt2_encoding):
+    text = (shared_data / "tinyshakespeare" / "input.txt").read_text()
+    write_text_shards(tmp_path / "data", text, gpt2_encoding)
+    run = run_train(["--data_dir", str(tmp_path / "data"), "--micro_batch_size", "4", "--seq_len", "32",
+                     "--total_batch_size", "128", "--max_steps", "30", "--warmup_steps", "5", "--max_lr", "3e-3",
+                     "--dtype", "fp32", "--val_every", "15", "--val_tokens", "2048", "--ckpt_every", "0"],
+                    tmp_path / "logs")
+    losses = [r["loss"] for r in run.train]
+    assert len(losses) == 30
+    assert losses[0] == pytest.approx(math.log(50257), abs=0.1)  # an untrained model guesses uniformly
+    assert sum(losses[-5:]) / 5 < losses[0] - 2.0
+    val = [r["val_loss"] for r in run.val]
+    assert [r["step"] for r in run.val] == [0, 15, 29]
+    assert val[-1] < val[0] - 2.0
+
+
+def test_metrics_jsonl_has_the_documented_keys(rank_runs):
+    for run in rank_runs:
+        assert len(run.records) == 5 + 3
+        for r in run.train:
+            assert set(r) == {"step", "loss", "lr", "grad_norm", "dt_ms", "tokens_per_sec", "mfu"}
+            assert r["tokens_per_sec"] == pytest.approx(512 / (r["dt_ms"] / 1000)) and r["mfu"] > 0
+        assert all(set(r) == {"step", "val_loss"} for r in run.val)
