@@ -3,9 +3,13 @@
 Only rank 0 logs. metrics.jsonl holds one JSON object per event; it is appended to across restarts, so after a
 resume the steps between the last snapshot and the crash appear twice, after a {"event": "resume"} line: readers
 keep the later line for a step. wandb is a mirror: if it fails, training goes on and says so once.
+
+wandb files go to <log_dir>/wandb (or $WANDB_DIR/wandb). Offline runs are uploaded later with
+`wandb sync <log_dir>/wandb/offline-run-*`; the directories of a resumed run share its id and are synced in order.
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -15,6 +19,13 @@ WANDB_KEYS = {
     "tokens_per_sec": "train/tokens_per_sec", "mfu": "train/mfu", "skipped": "train/skipped_step",
     "val_loss": "val/loss", "hellaswag_acc": "eval/hellaswag_acc",
 }
+# wandb.init retries an unreachable server for init_timeout (90 s by default in wandb 0.31), then raises; a minute
+# tells as well. WANDB_INIT_TIMEOUT overrides it (keep it under the process group's 10-minute timeout: the other
+# ranks wait for rank 0 in their first collective meanwhile).
+INIT_TIMEOUT_S = 60.0
+# By default wandb.finish() blocks until every byte is uploaded, so a network lost late in a run would keep the job
+# from ever exiting. Past this, what is left stays on disk for `wandb sync`.
+FINISH_TIMEOUT_S = 300.0
 
 
 class RunLogger:
@@ -31,17 +42,22 @@ class RunLogger:
             return
         try:
             import wandb
+            settings = wandb.Settings(init_timeout=float(os.environ.get("WANDB_INIT_TIMEOUT", INIT_TIMEOUT_S)),
+                                      finish_timeout=FINISH_TIMEOUT_S)
             self.wandb_run = wandb.init(project=project, name=run_name, id=run_id, resume="allow", mode=mode,
-                                        config=config, dir=str(self.metrics_path.parent))
-            # Plot everything against our optimizer step, so re-logged steps after a resume land in place.
+                                        config=config, dir=os.environ.get("WANDB_DIR", str(self.metrics_path.parent)),
+                                        settings=settings)
+            # Plot everything against our optimizer step, not wandb's count of log calls: the steps a resumed run
+            # logs again then land where they belong.
             self.wandb_run.define_metric("step")
             for prefix in ("train", "val", "eval"):
                 self.wandb_run.define_metric(f"{prefix}/*", step_metric="step")
         except Exception as e:  # wandb raises many kinds of errors: no login, no network, bad project name
             self.wandb_run = None
-            print(f"WARNING: wandb could not start ({type(e).__name__}: {e}). Training continues and logs to "
-                  f"{self.metrics_path} only. Fix: `wandb login`, or --wandb_mode offline (then `wandb sync` later), "
-                  "or --wandb_mode disabled.", file=sys.stderr)
+            print(f"WARNING: wandb could not start ({type(e).__name__}: {e}). Training goes on; its numbers go to "
+                  f"{self.metrics_path} only. To fix: log in with `wandb login` (or set WANDB_API_KEY); without "
+                  "network, use --wandb_mode offline and upload later with `wandb sync`; or turn wandb off with "
+                  "--wandb_mode disabled.", file=sys.stderr)
 
     def log(self, record: dict) -> None:
         """Append one event to metrics.jsonl and mirror its numbers to wandb."""
@@ -55,6 +71,7 @@ class RunLogger:
                 self._wandb_call(lambda: self.wandb_run.log({"step": record["step"], **data}))
 
     def log_samples(self, step: int, texts: list[str]) -> None:
+        """Sampled text as a wandb table (stdout already has it)."""
         if self.wandb_run is None:
             return
         import wandb
@@ -65,8 +82,8 @@ class RunLogger:
         try:
             call()
         except Exception as e:
-            print(f"WARNING: wandb stopped working ({type(e).__name__}: {e}); metrics.jsonl keeps logging, "
-                  "wandb is off for the rest of this run.", file=sys.stderr)
+            print(f"WARNING: wandb stopped working ({type(e).__name__}: {e}). Training goes on; its numbers go to "
+                  f"{self.metrics_path} only, wandb is off for the rest of this run.", file=sys.stderr)
             self.wandb_run = None
 
     def finish(self) -> None:

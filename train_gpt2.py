@@ -121,10 +121,19 @@ def setup_distributed(device_arg: str) -> Distributed:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world_size > 1:
-        # After a failure torchrun restarts every worker against the same TCPStore, where the dead round's
-        # addresses are still stored; a per-restart prefix makes each round meet only its own peers.
         store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(minutes=10)))
-        store = dist.PrefixStore(f"restart_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun's agent keeps one TCPStore for the whole job, where a dead round's addresses are still
+            # stored after a restart; a per-restart prefix makes each round meet only its own peers. (With
+            # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 every round gets a fresh store instead, and needs no prefix.)
+            store = dist.PrefixStore(f"restart_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+            nodes, max_restarts = int(os.environ["GROUP_WORLD_SIZE"]), int(os.environ["TORCHELASTIC_MAX_RESTARTS"])
+            if rank == 0 and nodes > 1 and max_restarts > 0:
+                # A node whose workers are restarted for another node's failure keeps its restart count, so
+                # after a failure the nodes' prefixes can differ and their workers never meet.
+                print("WARNING: restarts of a multi-node job need a fresh store per restart: export "
+                      "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node before torchrun (see README, Multi-node).",
+                      file=sys.stderr)
         # A timeout, so that ranks whose peer died raise instead of waiting forever in a collective.
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
                                 world_size=world_size, timeout=timedelta(minutes=10))
@@ -346,6 +355,22 @@ def choose_snapshot(cfg: TrainConfig, ckpt_dir: str, dist_env: Distributed) -> t
     return path, found[1] if found else load_snapshot(path)
 
 
+def restore_snapshot(path: str, state: dict, raw_model: GPT, optimizer, scaler, train_loader: DistributedDataLoader,
+                     cfg: TrainConfig, dist_env: Distributed) -> None:
+    if state["model_config"] != asdict(raw_model.config):
+        raise SystemExit(f"{path} holds a model {state['model_config']}, but this run builds "
+                         f"{asdict(raw_model.config)}. Pass the --model/--n_layer/--n_head/--n_embd/--block_size of "
+                         "the run that wrote it, or --resume never to start over.")
+    raw_model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scaler.load_state_dict(state["scaler"])
+    train_loader.load_state_dict(state["loader"])
+    if len(state["rng"]) == dist_env.world_size:
+        restore_rng_state(state["rng"][dist_env.rank])
+    else:  # a different number of ranks: the data position carries over exactly (see dataloader.py)
+        torch.manual_seed(cfg.seed + state["step"] + dist_env.rank)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the run
 
@@ -357,6 +382,9 @@ def main(argv: list[str] | None = None) -> None:
     log = print if master else (lambda *a, **k: None)
     try:
         run(cfg, dist_env, ckpt_dir, log)
+        if dist.is_initialized():
+            # Leave together: a rank that tears gloo down while rank 0 still writes the last snapshot can abort.
+            dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -402,24 +430,14 @@ def run(cfg: TrainConfig, dist_env: Distributed, ckpt_dir: str, log) -> None:
             log(f"{path} is from step {state['step']}, the last of --max_steps {cfg.max_steps}: the run is already "
                 "finished, nothing to do. (Raise --max_steps to train on, or --resume never to start over.)")
             return
-        if state["model_config"] != asdict(config):
-            raise SystemExit(f"{path} holds a model {state['model_config']}, but this run builds {asdict(config)}. "
-                             "Pass the --model/--n_layer/--n_head/--n_embd/--block_size of the run that wrote it, "
-                             "or --resume never to start over.")
-        raw_model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scaler.load_state_dict(state["scaler"])
-        train_loader.load_state_dict(state["loader"])
-        if len(state["rng"]) == dist_env.world_size:
-            restore_rng_state(state["rng"][dist_env.rank])
-        else:  # a different number of ranks: the data position carries over exactly (see dataloader.py)
-            torch.manual_seed(cfg.seed + state["step"] + dist_env.rank)
+        restore_snapshot(path, state, raw_model, optimizer, scaler, train_loader, cfg, dist_env)
         start_step, wandb_id = state["step"] + 1, state["wandb_id"]
         log(f"resuming from {path} at step {start_step}")
         logger.log({"event": "resume", "step": start_step, "snapshot": str(path)})
-        del state
+        del snapshot, state  # the snapshot's copies of the weights and optimizer state: gigabytes for big models
     logger.start_wandb(cfg.wandb_project, cfg.wandb_mode or ("online" if cfg.wandb_project else "disabled"),
-                       wandb_id, cfg.wandb_run_name, asdict(cfg))
+                       wandb_id, cfg.wandb_run_name, asdict(cfg) | {"model_config": asdict(config),
+                       "world_size": dist_env.world_size, "grad_accum_steps": grad_accum_steps})
 
     model = torch.compile(raw_model) if cfg.compile else raw_model
     if dist_env.world_size > 1:

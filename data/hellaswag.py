@@ -9,7 +9,7 @@ Expected: GPT-2 124M scores acc_norm 0.2955 (acc 0.2859), gpt2-xl acc_norm 0.489
 renders the task as multiple choice and reports higher numbers (31.14% for 124M), so don't compare across styles.
 
     python data/hellaswag.py --model gpt2                  # Hugging Face GPT-2 (a hub name or a local directory)
-    python data/hellaswag.py --ckpt logs/model_final.pt    # a checkpoint of this codebase
+    python data/hellaswag.py --ckpt logs/snapshot_0019072.pt   # a snapshot of this codebase
 """
 
 import sys
