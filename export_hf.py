@@ -58,8 +58,6 @@ def main(argv: list[str] | None = None) -> None:
                         help="folder with OpenAI's GPT-2 encoder.json and vocab.bpe, e.g. shared/data/gpt2_tokenizer")
     args = parser.parse_args(argv)
 
-    if not args.ckpt.is_file():
-        parser.error(f"checkpoint {args.ckpt}: no such file. Pass the path of a .pt file written by train_gpt2.py.")
     if args.tokenizer_dir is not None:
         missing = [n for n in ("encoder.json", "vocab.bpe") if not (args.tokenizer_dir / n).is_file()]
         if missing:
@@ -67,9 +65,8 @@ def main(argv: list[str] | None = None) -> None:
                          "holding OpenAI's GPT-2 encoder.json and vocab.bpe (shared/data/gpt2_tokenizer has both).")
     try:
         model = GPT.from_checkpoint(args.ckpt)
-    except ValueError as e:
-        parser.error(f"checkpoint {args.ckpt} could not be loaded as a checkpoint of this codebase "
-                     f"({e}). Pass a .pt file written by train_gpt2.py.")
+    except (FileNotFoundError, ValueError) as e:
+        parser.error(str(e))
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     to_hf(model).save_pretrained(args.out_dir)

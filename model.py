@@ -231,14 +231,16 @@ class GPT(nn.Module):
     @classmethod
     def from_checkpoint(cls, path: str | Path, map_location: str = "cpu") -> "GPT":
         """A plain GPT from a training snapshot or a model-only checkpoint ({"model", "model_config"})."""
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"checkpoint {path}: no such file. Pass a snapshot_*.pt written by train_gpt2.py.")
         try:
             ckpt = torch.load(path, map_location=map_location, weights_only=True)
-        except FileNotFoundError:
-            raise
         except Exception as e:  # a foreign file fails with anything from KeyError to UnpicklingError
-            raise ValueError(f"{path} could not be read as a PyTorch checkpoint ({type(e).__name__}: {e})") from e
+            raise ValueError(f"{path} could not be read as a PyTorch checkpoint ({type(e).__name__}: {e}). "
+                             "Pass a snapshot_*.pt written by train_gpt2.py.") from e
         if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
-            raise ValueError(f"{path} is not a checkpoint of this codebase (it lacks 'model' and 'model_config')")
+            raise ValueError(f"{path} is not a checkpoint of this codebase (it lacks 'model' and 'model_config'). "
+                             "Pass a snapshot_*.pt written by train_gpt2.py.")
         known = {f.name for f in fields(GPTConfig)}
         model = cls(GPTConfig(**{k: v for k, v in ckpt["model_config"].items() if k in known}))
         model.load_state_dict(ckpt["model"])

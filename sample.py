@@ -8,7 +8,6 @@ torch.Generator differs between CPU, CUDA and MPS, and GPU kernels may differ be
 """
 
 import argparse
-from pathlib import Path
 
 import tiktoken
 import torch
@@ -56,15 +55,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     if args.ckpt is not None:
-        if not Path(args.ckpt).is_file():
-            parser.error(f"--ckpt {args.ckpt}: no such file. Pass the path of a .pt file written by train_gpt2.py, "
-                         "or use --model gpt2 to sample from OpenAI's GPT-2.")
         try:
             model = GPT.from_checkpoint(args.ckpt)
-        except ValueError as e:
-            parser.error(f"--ckpt {args.ckpt} could not be loaded as a checkpoint of this codebase "
-                         f"({e}). Pass a .pt file written by train_gpt2.py; for Hugging Face "
-                         "weights use --model instead.")
+        except (FileNotFoundError, ValueError) as e:
+            parser.error(f"--ckpt: {e} (For Hugging Face weights use --model instead.)")
     else:
         model = GPT.from_pretrained(args.model)
     model.to(args.device)

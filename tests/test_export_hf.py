@@ -63,5 +63,5 @@ def test_missing_or_foreign_checkpoint_is_refused_clearly(tmp_path, capsys):
     torch.save({"state_dict": {"w": torch.zeros(2)}}, foreign)
     with pytest.raises(SystemExit):
         main([str(foreign), str(tmp_path / "hf")])
-    assert "could not be loaded as a checkpoint of this codebase" in capsys.readouterr().err
+    assert "is not a checkpoint of this codebase" in capsys.readouterr().err
     assert not (tmp_path / "hf").exists()

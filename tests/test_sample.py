@@ -69,4 +69,4 @@ def test_foreign_checkpoint_is_refused_clearly(tmp_path, capsys):
     torch.save({"state_dict": {}}, path)
     with pytest.raises(SystemExit):
         main(["--ckpt", str(path)])
-    assert "could not be loaded as a checkpoint of this codebase" in capsys.readouterr().err
+    assert "is not a checkpoint of this codebase" in capsys.readouterr().err
