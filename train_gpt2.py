@@ -377,9 +377,8 @@ def restore_snapshot(path: str, state: dict, raw_model: GPT, optimizer, scaler, 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)
     dist_env = setup_distributed(cfg.device)
-    device, master = dist_env.device, dist_env.is_master
     ckpt_dir = cfg.ckpt_dir or cfg.log_dir
-    log = print if master else (lambda *a, **k: None)
+    log = print if dist_env.is_master else (lambda *a, **k: None)
     try:
         run(cfg, dist_env, ckpt_dir, log)
         if dist.is_initialized():
