@@ -154,8 +154,9 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if device.type == "cpu":
-        # CPUs with AVX512-BF16 or AMX run bf16 matmuls several times faster than fp32; others emulate it slowly.
-        return torch.bfloat16 if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported() \
+        # CPUs with AVX512-BF16 or AMX run bf16 matmuls 2-3x faster than fp32 (and a bf16 step ~2x faster). Others,
+        # even plain AVX-512 ones, which mkldnn's own bf16 check accepts, have no bf16 arithmetic to gain from.
+        return torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported() \
             else torch.float32
     return torch.float32  # MPS: fp32 is the one dtype every macOS version runs correctly (see README)
 
@@ -164,6 +165,26 @@ def autocast_context(device: torch.device, dtype: torch.dtype):
     if dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def keep_freed_memory() -> None:
+    """On a CPU with glibc (Linux), keep freed memory in the process for reuse instead of returning it to the OS.
+
+    glibc hands every freed block over 32 MB straight back to the kernel, so each step's logits and their
+    gradients (hundreds of MB: B·T × 50,304) are page-faulted and zeroed afresh in the next step. On the small
+    preset on 2 cores this makes a bf16 step 1.6x and an fp32 step 1.3-1.5x faster (bench.py). The price: freed
+    blocks are reused less tightly than fresh pages, so the peak resident memory grows (there: 2.3 -> 2.7 GB in
+    bf16, 2.3 -> 3.5 GB in fp32), once; it does not creep up over a run.
+    """
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (macOS, Windows, musl): nothing to tune
+        return
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # from <malloc.h>
+    libc.mallopt(M_MMAP_MAX, 0)  # big blocks come from the heap, where freed ones are reused...
+    libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)  # ...and the heap is never shrunk
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -394,6 +415,8 @@ def run(cfg: TrainConfig, dist_env: Distributed, ckpt_dir: str, log) -> None:
     torch.manual_seed(cfg.seed)
     # TF32 matmuls on Ampere+ GPUs: ~8x faster than full fp32 at a precision training does not notice.
     torch.set_float32_matmul_precision("high")
+    if device.type == "cpu":
+        keep_freed_memory()  # reuse freed logits/gradient memory instead of page-faulting it in every step
 
     # --- data
     config = model_config(cfg)

@@ -1,0 +1,227 @@
+"""Benchmark train_gpt2.py's training step: ms/step, tokens/s, MFU, peak memory and the time spent waiting for data.
+
+    python bench.py                                   # CPU: small preset, B=8, T=256; CUDA: GPT-2 124M, B=64, T=1024
+    python bench.py --compare                         # also the plain baseline, and the speed-up over it
+    python bench.py --model gpt2 --micro_batch_size 16 --seq_len 512 --dtype bf16 --compile --json
+    torchrun --standalone --nproc_per_node=2 bench.py # 2 ranks (NCCL on GPUs, gloo on CPUs)
+
+It runs the real step (train_gpt2.train_step, its data loader, dtype choice and DDP set-up) on random tokens
+written to a temporary shard directory, unless --data_dir points at real shards. Each configuration gets
+--warmup untimed steps (torch.compile compiles in the first), then --steps timed ones; figures are medians.
+
+--compare first times the plain baseline of the same model: fp32, eager, the for-loop AdamW, no TF32 and glibc's
+default allocator; then the configuration asked for, which adds what train_gpt2.py does for speed (autocast in
+--dtype, fused AdamW, TF32 matmuls on GPUs, freed memory kept for reuse on CPUs: keep_freed_memory). Back to
+back, baseline first, because the allocator setting cannot be undone within a process; on a shared machine,
+take the median speed-up of a few runs.
+
+--json prints one object: device, world_size, model, n_layer, n_head, n_embd, parameters, micro_batch_size,
+seq_len, grad_accum_steps, tokens_per_step, flops_per_token, runs (a list; for each: name, dtype, compile,
+ms_per_step, tokens_per_sec, tflops, peak_tflops, mfu, peak_memory_mib, data_wait, loss), speedup (the last
+run's tokens/s over the first's with --compare, else null), load_average (the machine's 1-minute load before
+and after) and cpu_count. peak_memory_mib is CUDA's max_memory_allocated, or on a CPU the process's peak
+resident memory (which never goes down, so a later run's includes the earlier's). data_wait is the share of
+step time spent in the data loader. With several ranks, times and memory are rank 0's.
+"""
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from dataloader import DistributedDataLoader, write_shard
+from mfu import peak_flops, synchronize
+from model import GPT, PRESETS, GPTConfig
+from train_gpt2 import Distributed, TrainConfig, grad_accum_steps_for, keep_freed_memory, model_config, pick_dtype
+from train_gpt2 import setup_distributed, train_step
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None,
+                        help=f"preset: {', '.join(PRESETS)} (default: gpt2 on CUDA, else small)")
+    parser.add_argument("--n_layer", type=int, default=None, help="override the preset's number of layers")
+    parser.add_argument("--n_head", type=int, default=None, help="override the preset's number of heads")
+    parser.add_argument("--n_embd", type=int, default=None, help="override the preset's embedding width")
+    parser.add_argument("--micro_batch_size", type=int, default=None, help="B per rank (default: 64 on CUDA, else 8)")
+    parser.add_argument("--seq_len", type=int, default=None, help="T (default: the preset's block_size)")
+    parser.add_argument("--grad_accum_steps", type=int, default=1, help="micro-steps per optimizer step")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
+                        help="as train_gpt2.py's --dtype")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                        help="torch.compile the model")
+    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "mps", "cpu"))
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them (compilation happens here)")
+    parser.add_argument("--data_dir", default=None, help="real train shards (default: random tokens in a temp dir)")
+    parser.add_argument("--compare", action="store_true", help="also time the plain fp32 eager baseline")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0 or args.grad_accum_steps < 1:
+        parser.error("--steps and --grad_accum_steps must be at least 1, --warmup at least 0.")
+    return args
+
+
+@dataclass
+class Workload:
+    cfg: TrainConfig
+    config: GPTConfig
+    seq_len: int
+    grad_accum_steps: int
+    dist_env: Distributed
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.total_batch_size
+
+
+def make_workload(args: argparse.Namespace, dist_env: Distributed) -> Workload:
+    cuda = dist_env.device.type == "cuda"
+    cfg = TrainConfig(model=args.model or ("gpt2" if cuda else "small"), n_layer=args.n_layer, n_head=args.n_head,
+                      n_embd=args.n_embd, micro_batch_size=args.micro_batch_size or (64 if cuda else 8),
+                      seq_len=args.seq_len, dtype=args.dtype, compile=args.compile, device=args.device)
+    config = model_config(cfg)
+    seq_len = cfg.seq_len or config.block_size
+    if seq_len > config.block_size:
+        raise SystemExit(f"--seq_len {seq_len} exceeds the model's block_size {config.block_size}; lower --seq_len.")
+    cfg.total_batch_size = cfg.micro_batch_size * seq_len * dist_env.world_size * args.grad_accum_steps
+    return Workload(cfg, config, seq_len, grad_accum_steps_for(cfg, seq_len, dist_env.world_size), dist_env)
+
+
+def write_random_shard(directory: str, work: Workload, vocab_size: int) -> None:
+    """Four optimizer steps' worth of random tokens (the loader wraps around). Every rank writes the same ones."""
+    num_tokens = 4 * work.tokens_per_step + 1
+    tokens = np.random.default_rng(0).integers(0, vocab_size, size=num_tokens, dtype=np.int64)
+    write_shard(Path(directory) / "bench_train_000000.bin", tokens)
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource  # Unix only, so imported where it is needed
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB on Linux
+
+
+def time_config(work: Workload, data_dir: str, dtype: torch.dtype, compile: bool, plain: bool, steps: int,
+                warmup: int) -> dict:
+    """Median timings of `steps` training steps of a fresh model in one configuration (plain: the baseline)."""
+    device, dist_env, cfg = work.dist_env.device, work.dist_env, work.cfg
+    torch.set_float32_matmul_precision("highest" if plain else "high")  # TF32 on GPUs, as train_gpt2.py sets
+    if not plain and device.type == "cpu":
+        keep_freed_memory()
+    torch.manual_seed(cfg.seed)
+    raw_model = GPT(work.config).to(device)
+    optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.max_lr, device.type, fused=not plain)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    model = torch.compile(raw_model) if compile else raw_model
+    if dist_env.world_size > 1:
+        model = DDP(model, device_ids=[dist_env.local_rank] if device.type == "cuda" else None)
+    loader = DistributedDataLoader(data_dir, "train", cfg.micro_batch_size, work.seq_len, dist_env.rank,
+                                   dist_env.world_size, work.grad_accum_steps)
+    peak = peak_flops(device, dtype)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    step_seconds, data_seconds = [], []
+    for step in range(warmup + steps):
+        synchronize(device)
+        t0 = time.perf_counter()
+        result = train_step(model, optimizer, scaler, loader, work.grad_accum_steps, cfg.max_lr, cfg.grad_clip,
+                            device, dtype)
+        synchronize(device)
+        if step >= warmup:
+            step_seconds.append(time.perf_counter() - t0)
+            data_seconds.append(result.data_seconds)
+
+    seconds = statistics.median(step_seconds)
+    flops_per_sec = raw_model.flops_per_token(work.seq_len) * work.tokens_per_step / seconds
+    dtype_name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    name = "fp32 eager, plain (baseline)" if plain else f"{dtype_name} {'compiled' if compile else 'eager'}"
+    run = {"name": name, "dtype": dtype_name, "compile": compile,
+           "ms_per_step": 1000 * seconds, "tokens_per_sec": work.tokens_per_step / seconds,
+           "tflops": flops_per_sec / 1e12, "peak_tflops": peak * dist_env.world_size / 1e12,
+           "mfu": flops_per_sec / (peak * dist_env.world_size), "peak_memory_mib": peak_memory_mib(device),
+           "data_wait": sum(data_seconds) / sum(step_seconds), "loss": result.loss}
+    del model, raw_model, optimizer  # give the memory back before the next configuration
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return run
+
+
+def benchmark(args: argparse.Namespace, dist_env: Distributed) -> dict:
+    load_before = os.getloadavg()[0]
+    work = make_workload(args, dist_env)
+    dtype = pick_dtype(args.dtype, dist_env.device)
+    with tempfile.TemporaryDirectory(prefix="bench_shards_") as tmp:
+        data_dir = args.data_dir
+        if data_dir is None:
+            write_random_shard(tmp, work, work.config.vocab_size)
+            data_dir = tmp
+        runs = []
+        if args.compare:  # first: keep_freed_memory() in the other configuration cannot be undone
+            runs.append(time_config(work, data_dir, torch.float32, False, True, args.steps, args.warmup))
+        runs.append(time_config(work, data_dir, dtype, args.compile, False, args.steps, args.warmup))
+    with torch.device("meta"):  # for the counts only
+        model = GPT(work.config)
+    return {"device": torch.cuda.get_device_name(dist_env.device) if dist_env.device.type == "cuda"
+            else str(dist_env.device), "world_size": dist_env.world_size, "model": work.cfg.model,
+            "n_layer": work.config.n_layer, "n_head": work.config.n_head, "n_embd": work.config.n_embd,
+            "parameters": model.num_params(), "micro_batch_size": work.cfg.micro_batch_size,
+            "seq_len": work.seq_len, "grad_accum_steps": work.grad_accum_steps,
+            "tokens_per_step": work.tokens_per_step, "flops_per_token": model.flops_per_token(work.seq_len),
+            "runs": runs, "speedup": runs[-1]["tokens_per_sec"] / runs[0]["tokens_per_sec"] if args.compare else None,
+            "load_average": [load_before, os.getloadavg()[0]], "cpu_count": os.cpu_count()}
+
+
+def format_report(report: dict, args: argparse.Namespace) -> str:
+    r = report
+    lines = [f"{r['model']}: {r['n_layer']} layers, {r['n_head']} heads, {r['n_embd']} wide, {r['parameters']:,} "
+             f"parameters | {r['device']} × {r['world_size']} rank(s)",
+             f"batch: {r['tokens_per_step']:,} tokens/step = {r['micro_batch_size']} × {r['seq_len']} × "
+             f"{r['world_size']} rank(s) × {r['grad_accum_steps']} micro-step(s) | model FLOPs per token "
+             f"{r['flops_per_token'] / 1e6:,.1f} M (6·N + attention)",
+             f"{'configuration':30s} {'ms/step':>9s} {'tokens/s':>10s} {'TFLOP/s':>8s} {'peak':>7s} {'MFU':>6s} "
+             f"{'peak mem':>10s} {'data wait':>9s}"]
+    for run in r["runs"]:
+        lines.append(f"{run['name']:30s} {run['ms_per_step']:9.1f} {run['tokens_per_sec']:10,.0f} "
+                     f"{run['tflops']:8.3f} {run['peak_tflops']:7.2f} {100 * run['mfu']:5.1f}% "
+                     f"{run['peak_memory_mib']:7,.0f} MiB {100 * run['data_wait']:8.2f}%")
+    if r["speedup"] is not None:
+        lines.append(f"speed-up over the baseline: {r['speedup']:.2f}x")
+    lines.append(f"(medians of {args.steps} steps after {args.warmup} warm-up steps; peak: the hardware's FLOP/s in "
+                 "the run's dtype, from the GPU table or measured at start)")
+    before, after = r["load_average"]
+    lines.append(f"machine load (1-minute average) before/after: {before:.1f}/{after:.1f} on {r['cpu_count']} cores"
+                 + (" -- other work was running, so the figures (and the speed-up) may be off: re-run when the "
+                    "machine is idle, or take the median of a few runs" if before > 0.5 * r["cpu_count"] else ""))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    dist_env = setup_distributed(args.device)
+    try:
+        report = benchmark(args, dist_env)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if dist_env.is_master:
+        print(json.dumps(report) if args.json else format_report(report, args))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,59 @@
+"""mfu.py and model.GPT.flops_per_token: the FLOP count behind MFU, and where the hardware peak comes from."""
+
+import math
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import mfu
+from model import GPT, GPTConfig
+
+# Small enough to count by hand: vocabulary 100 (padded to 128 inside), 2 layers, 2 heads, 8 wide.
+HAND_CONFIG = GPTConfig(block_size=8, vocab_size=100, n_layer=2, n_head=2, n_embd=8)
+
+
+def test_flops_per_token_matches_a_hand_count():
+    C, T = 8, 8
+    wte = 100 * C  # the tied token embedding / output layer, without its 28 padding rows
+    block = (2 * C  # ln_1 gain and bias
+             + C * 3 * C + 3 * C  # c_attn
+             + C * C + C  # attn.c_proj
+             + 2 * C  # ln_2
+             + C * 4 * C + 4 * C  # c_fc
+             + 4 * C * C + C)  # mlp.c_proj
+    ln_f = 2 * C
+    n = wte + 2 * block + ln_f  # 800 + 2·872 + 16 = 2560 (wpe not counted: a lookup, no matmul)
+    attention = 2 * 6 * T * C  # per layer: Q·Kᵀ and A·V, each 2·T·C FLOPs per token forward, ×3 with backward
+    model = GPT(HAND_CONFIG)
+    assert model.num_params() == n == 2560
+    assert model.flops_per_token(T) == 6 * n + 2 * attention == 16896
+
+
+def test_six_n_is_what_the_matmuls_of_a_training_step_cost():
+    # PyTorch's own FLOP counter over a real forward + backward: 2 FLOPs per multiply-add, each weight used in
+    # one forward and two backward matmuls. It counts the padded output layer (128 rows) and no biases or
+    # LayerNorms, and on the CPU it does not see inside scaled_dot_product_attention, hence the adjustments.
+    torch.manual_seed(0)
+    model = GPT(HAND_CONFIG)
+    B, T = 3, 8
+    idx = torch.randint(0, HAND_CONFIG.vocab_size, (B, T))
+    with FlopCounterMode(display=False) as counter:
+        _, loss = model(idx, idx)
+        loss.backward()
+    matmul_weights = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "wpe" not in name)
+    assert matmul_weights == 128 * 8 + 2 * (8 * 24 + 8 * 8 + 8 * 32 + 32 * 8)  # = 2560
+    assert counter.get_total_flops() == 6 * matmul_weights * B * T == 368_640
+
+
+def test_cpu_peak_is_a_measured_positive_number():
+    flops = mfu.peak_flops(torch.device("cpu"), torch.float32)
+    assert math.isfinite(flops) and flops > 1e9  # any CPU from the last 15 years does over 1 GFLOP/s
+
+
+def test_gpu_names_map_to_their_datasheet_peaks(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert mfu.peak_flops(torch.device("cuda"), torch.bfloat16) == 989e12
+    assert mfu.table_peak_flops("NVIDIA H100 PCIe") == 756e12  # not the SXM figure
+    assert mfu.table_peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert mfu.table_peak_flops("NVIDIA L40") == 181e12  # not the L4's
+    assert mfu.table_peak_flops("NVIDIA GeForce GTX 1080") is None  # unknown: peak_flops measures instead
