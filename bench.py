@@ -44,7 +44,7 @@ from dataloader import DistributedDataLoader, write_shard
 from mfu import peak_flops, synchronize
 from model import GPT, PRESETS, GPTConfig
 from train_gpt2 import Distributed, TrainConfig, grad_accum_steps_for, keep_freed_memory, model_config, pick_dtype
-from train_gpt2 import setup_distributed, train_step
+from train_gpt2 import setup_distributed, train_step, training_seq_len
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -92,9 +92,7 @@ def make_workload(args: argparse.Namespace, dist_env: Distributed) -> Workload:
                       n_embd=args.n_embd, micro_batch_size=args.micro_batch_size or (64 if cuda else 8),
                       seq_len=args.seq_len, dtype=args.dtype, compile=args.compile, device=args.device)
     config = model_config(cfg)
-    seq_len = cfg.seq_len or config.block_size
-    if seq_len > config.block_size:
-        raise SystemExit(f"--seq_len {seq_len} exceeds the model's block_size {config.block_size}; lower --seq_len.")
+    seq_len = training_seq_len(cfg, config)
     cfg.total_batch_size = cfg.micro_batch_size * seq_len * dist_env.world_size * args.grad_accum_steps
     return Workload(cfg, config, seq_len, grad_accum_steps_for(cfg, seq_len, dist_env.world_size), dist_env)
 

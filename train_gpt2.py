@@ -29,6 +29,7 @@ from dataloader import DistributedDataLoader
 from mfu import peak_flops, synchronize
 from model import GPT, PRESETS, GPTConfig
 from run_logger import RunLogger
+from sample import default_device, generate_text
 
 
 def arg(default, help: str, choices: tuple[str, ...] | None = None):
@@ -114,9 +115,7 @@ def setup_distributed(device_arg: str) -> Distributed:
     """One process per device. torchrun sets RANK/LOCAL_RANK/WORLD_SIZE; without them we are the only process."""
     rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in
                                     (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
-    device_type = device_arg
-    if device_arg == "auto":
-        device_type = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    device_type = default_device() if device_arg == "auto" else device_arg
     device = torch.device(f"cuda:{local_rank}" if device_type == "cuda" else device_type)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -211,6 +210,14 @@ def get_lr(step: int, cfg: TrainConfig) -> float:
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.max_lr - min_lr)
 
 
+def training_seq_len(cfg: TrainConfig, config: GPTConfig) -> int:
+    seq_len = cfg.seq_len or config.block_size
+    if seq_len > config.block_size:
+        raise SystemExit(f"--seq_len {seq_len} exceeds the model's --block_size {config.block_size}; lower --seq_len "
+                         "or raise --block_size.")
+    return seq_len
+
+
 def grad_accum_steps_for(cfg: TrainConfig, seq_len: int, world_size: int) -> int:
     tokens_per_micro_step = cfg.micro_batch_size * seq_len * world_size
     if cfg.total_batch_size % tokens_per_micro_step:
@@ -299,8 +306,6 @@ def validation_steps(cfg: TrainConfig, loader: DistributedDataLoader, world_size
 
 
 def print_samples(model: GPT, step: int, logger: RunLogger) -> None:
-    from sample import generate_text
-
     texts = generate_text(model, "Hello, I'm a language model,", num_samples=4, max_new_tokens=32,
                           temperature=1.0, top_k=50, seed=42)
     for text in texts:
@@ -420,10 +425,7 @@ def run(cfg: TrainConfig, dist_env: Distributed, ckpt_dir: str, log) -> None:
 
     # --- data
     config = model_config(cfg)
-    seq_len = cfg.seq_len or config.block_size
-    if seq_len > config.block_size:
-        raise SystemExit(f"--seq_len {seq_len} exceeds the model's --block_size {config.block_size}; lower --seq_len "
-                         "or raise --block_size.")
+    seq_len = training_seq_len(cfg, config)
     grad_accum_steps = grad_accum_steps_for(cfg, seq_len, dist_env.world_size)
     train_loader = DistributedDataLoader(cfg.data_dir, "train", cfg.micro_batch_size, seq_len, dist_env.rank,
                                          dist_env.world_size, grad_accum_steps, shuffle=cfg.shuffle, seed=cfg.seed)

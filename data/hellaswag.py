@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from model import GPT
+from sample import default_device
 
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 SHA256 = "0aa3b88843990f3f10a97b9575c94d7b71fb2205240ba04ae4884d9e9c992588"
@@ -148,14 +149,15 @@ def main(argv: list[str] | None = None) -> None:
                         help="autocast dtype; the reference numbers above are float32")
     args = parser.parse_args(argv)
 
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    device = default_device() if args.device == "auto" else args.device
     try:
         examples = load_examples(args.hellaswag_path, args.limit)  # before the model, so a bad path fails fast
     except FileNotFoundError as e:
         parser.error(str(e))
-    model = GPT.from_pretrained(args.model) if args.model else GPT.from_checkpoint(args.ckpt)
+    try:
+        model = GPT.from_pretrained(args.model) if args.model else GPT.from_checkpoint(args.ckpt)
+    except (FileNotFoundError, ValueError) as e:  # a bad --ckpt: the message names the file and the fix
+        parser.error(str(e))
     model.to(device)
     torch.set_float32_matmul_precision("high")  # TF32 on GPUs that have it, as llm.c and build-nanogpt do
     autocast_dtype = None if args.dtype == "float32" else getattr(torch, args.dtype)
