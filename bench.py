@@ -5,7 +5,7 @@
     python bench.py --model gpt2 --micro_batch_size 16 --seq_len 512 --dtype bf16 --compile --json
     torchrun --standalone --nproc_per_node=2 bench.py # 2 ranks (NCCL on GPUs, gloo on CPUs)
 
-It runs the real step (train_gpt2.train_step, its data loader, dtype choice and DDP set-up) on random tokens
+It runs the real step (training.train_step, its data loader, dtype choice and runtime.build_model) on random tokens
 written to a temporary shard directory, unless --data_dir points at real shards. Each configuration gets
 --warmup untimed steps (torch.compile compiles in the first), then --steps timed ones; figures are medians.
 
@@ -17,7 +17,8 @@ take the median speed-up of a few runs.
 
 --json prints one object: device, world_size, model, n_layer, n_head, n_embd, parameters, micro_batch_size,
 seq_len, grad_accum_steps, tokens_per_step, flops_per_token, runs (a list; for each: name, dtype, compile,
-ms_per_step, tokens_per_sec, tflops, peak_tflops, mfu, peak_memory_mib, data_wait, loss), speedup (the last
+ms_per_step, tokens_per_sec, tflops, peak_tflops, mfu, peak_source, peak_memory_mib, data_wait, loss; a
+configuration that ran out of device memory has name, dtype, compile and skipped, the reason), speedup (the last
 run's tokens/s over the first's with --compare, else null), load_average (the machine's 1-minute load before
 and after) and cpu_count. peak_memory_mib is CUDA's max_memory_allocated, or on a CPU the process's peak
 resident memory (which never goes down, so a later run's includes the earlier's). data_wait is the share of
@@ -38,30 +39,23 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
+from config import HelpFormatter, Plan, TrainConfig, add_flags, resolve_plan
 from dataloader import DistributedDataLoader, write_shard
-from mfu import peak_flops, synchronize
-from model import GPT, PRESETS, GPTConfig
-from train_gpt2 import Distributed, TrainConfig, grad_accum_steps_for, keep_freed_memory, model_config, pick_dtype
-from train_gpt2 import setup_distributed, train_step, training_seq_len
+from mfu import peak_flops
+from model import GPT, PRESETS
+from runtime import (Distributed, build_model, dtype_name, keep_freed_memory, pick_dtype, run_entry_point,
+                     setup_distributed, synchronize)
+from training import train_step
+
+# The flags that mean what they mean in train_gpt2.py; bench.py's own defaults depend on the device.
+SHARED_FLAGS = ["model", "n_layer", "n_head", "n_embd", "micro_batch_size", "seq_len", "dtype", "compile", "device"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None,
-                        help=f"preset: {', '.join(PRESETS)} (default: gpt2 on CUDA, else small)")
-    parser.add_argument("--n_layer", type=int, default=None, help="override the preset's number of layers")
-    parser.add_argument("--n_head", type=int, default=None, help="override the preset's number of heads")
-    parser.add_argument("--n_embd", type=int, default=None, help="override the preset's embedding width")
-    parser.add_argument("--micro_batch_size", type=int, default=None, help="B per rank (default: 64 on CUDA, else 8)")
-    parser.add_argument("--seq_len", type=int, default=None, help="T (default: the preset's block_size)")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    add_flags(parser, SHARED_FLAGS, defaults={"model": None, "micro_batch_size": None})
     parser.add_argument("--grad_accum_steps", type=int, default=1, help="micro-steps per optimizer step")
-    parser.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
-                        help="as train_gpt2.py's --dtype")
-    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
-                        help="torch.compile the model")
-    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "mps", "cpu"))
     parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them (compilation happens here)")
     parser.add_argument("--data_dir", default=None, help="real train shards (default: random tokens in a temp dir)")
@@ -76,9 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @dataclass
 class Workload:
     cfg: TrainConfig
-    config: GPTConfig
-    seq_len: int
-    grad_accum_steps: int
+    plan: Plan
     dist_env: Distributed
 
     @property
@@ -87,14 +79,15 @@ class Workload:
 
 
 def make_workload(args: argparse.Namespace, dist_env: Distributed) -> Workload:
+    """The training run's config for these flags: (by default) gpt2 at B=64 on CUDA, else small at B=8."""
     cuda = dist_env.device.type == "cuda"
-    cfg = TrainConfig(model=args.model or ("gpt2" if cuda else "small"), n_layer=args.n_layer, n_head=args.n_head,
-                      n_embd=args.n_embd, micro_batch_size=args.micro_batch_size or (64 if cuda else 8),
-                      seq_len=args.seq_len, dtype=args.dtype, compile=args.compile, device=args.device)
-    config = model_config(cfg)
-    seq_len = training_seq_len(cfg, config)
+    shared = {name: getattr(args, name) for name in SHARED_FLAGS}
+    cfg = TrainConfig(**shared | {"model": args.model or ("gpt2" if cuda else "small"),
+                                  "micro_batch_size": args.micro_batch_size or (64 if cuda else 8),
+                                  "val_every": 0, "data_dir": args.data_dir or ""})
+    seq_len = cfg.seq_len or PRESETS[cfg.model].block_size
     cfg.total_batch_size = cfg.micro_batch_size * seq_len * dist_env.world_size * args.grad_accum_steps
-    return Workload(cfg, config, seq_len, grad_accum_steps_for(cfg, seq_len, dist_env.world_size), dist_env)
+    return Workload(cfg, resolve_plan(cfg, dist_env.world_size), dist_env)
 
 
 def write_random_shard(directory: str, work: Workload, vocab_size: int) -> None:
@@ -116,19 +109,14 @@ def peak_memory_mib(device: torch.device) -> float:
 def time_config(work: Workload, data_dir: str, dtype: torch.dtype, compile: bool, plain: bool, steps: int,
                 warmup: int) -> dict:
     """Median timings of `steps` training steps of a fresh model in one configuration (plain: the baseline)."""
-    device, dist_env, cfg = work.dist_env.device, work.dist_env, work.cfg
+    device, dist_env, cfg, plan = work.dist_env.device, work.dist_env, work.cfg, work.plan
     torch.set_float32_matmul_precision("highest" if plain else "high")  # TF32 on GPUs, as train_gpt2.py sets
     if not plain and device.type == "cpu":
         keep_freed_memory()
     torch.manual_seed(cfg.seed)
-    raw_model = GPT(work.config).to(device)
-    optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.max_lr, device.type, fused=not plain)
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    model = torch.compile(raw_model) if compile else raw_model
-    if dist_env.world_size > 1:
-        model = DDP(model, device_ids=[dist_env.local_rank] if device.type == "cuda" else None)
-    loader = DistributedDataLoader(data_dir, "train", cfg.micro_batch_size, work.seq_len, dist_env.rank,
-                                   dist_env.world_size, work.grad_accum_steps)
+    trained = build_model(GPT(plan.model_config), dist_env, dtype, cfg.weight_decay, cfg.max_lr, compile, plain)
+    loader = DistributedDataLoader(data_dir, "train", cfg.micro_batch_size, plan.seq_len, dist_env.rank,
+                                   dist_env.world_size, plan.grad_accum_steps)
     peak = peak_flops(device, dtype)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -137,51 +125,70 @@ def time_config(work: Workload, data_dir: str, dtype: torch.dtype, compile: bool
     for step in range(warmup + steps):
         synchronize(device)
         t0 = time.perf_counter()
-        result = train_step(model, optimizer, scaler, loader, work.grad_accum_steps, cfg.max_lr, cfg.grad_clip,
-                            device, dtype)
+        result = train_step(trained.model, trained.optimizer, trained.scaler, loader, plan.grad_accum_steps,
+                            cfg.max_lr, cfg.grad_clip, device, dtype)
         synchronize(device)
         if step >= warmup:
             step_seconds.append(time.perf_counter() - t0)
             data_seconds.append(result.data_seconds)
 
     seconds = statistics.median(step_seconds)
-    flops_per_sec = raw_model.flops_per_token(work.seq_len) * work.tokens_per_step / seconds
-    dtype_name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    name = "fp32 eager, plain (baseline)" if plain else f"{dtype_name} {'compiled' if compile else 'eager'}"
-    run = {"name": name, "dtype": dtype_name, "compile": compile,
-           "ms_per_step": 1000 * seconds, "tokens_per_sec": work.tokens_per_step / seconds,
-           "tflops": flops_per_sec / 1e12, "peak_tflops": peak * dist_env.world_size / 1e12,
-           "mfu": flops_per_sec / (peak * dist_env.world_size), "peak_memory_mib": peak_memory_mib(device),
-           "data_wait": sum(data_seconds) / sum(step_seconds), "loss": result.loss}
-    del model, raw_model, optimizer  # give the memory back before the next configuration
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return run
+    flops_per_sec = trained.raw.flops_per_token(plan.seq_len) * work.tokens_per_step / seconds
+    return {"name": run_name(dtype, compile, plain), "dtype": dtype_name(dtype), "compile": compile,
+            "ms_per_step": 1000 * seconds, "tokens_per_sec": work.tokens_per_step / seconds,
+            "tflops": flops_per_sec / 1e12, "peak_tflops": peak.flops * dist_env.world_size / 1e12,
+            "mfu": flops_per_sec / (peak.flops * dist_env.world_size), "peak_source": peak.source,
+            "peak_memory_mib": peak_memory_mib(device), "data_wait": sum(data_seconds) / sum(step_seconds),
+            "loss": result.loss}
+
+
+def run_name(dtype: torch.dtype, compile: bool, plain: bool) -> str:
+    return "fp32 eager, plain (baseline)" if plain else f"{dtype_name(dtype)} {'compiled' if compile else 'eager'}"
+
+
+def time_config_or_skip(work: Workload, data_dir: str, dtype: torch.dtype, compile: bool, plain: bool, steps: int,
+                        warmup: int) -> dict:
+    """time_config, or, if the configuration runs out of device memory, a run that says so (the fp32 baseline at
+    the defaults needs ~87 GiB: more than an 80 GB GPU), so that the other configurations still get measured."""
+    try:
+        return time_config(work, data_dir, dtype, compile, plain, steps, warmup)
+    except torch.OutOfMemoryError:
+        message = (f"out of memory at B={work.cfg.micro_batch_size}, T={work.plan.seq_len}: lower "
+                   "--micro_batch_size to measure it")
+        print(f"{run_name(dtype, compile, plain)}: {message}; going on with the rest", file=sys.stderr)
+        return {"name": run_name(dtype, compile, plain), "dtype": dtype_name(dtype), "compile": compile,
+                "skipped": message}
+    finally:  # give the memory back before the next configuration
+        gc.collect()
+        if work.dist_env.device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def benchmark(args: argparse.Namespace, dist_env: Distributed) -> dict:
     load_before = os.getloadavg()[0]
     work = make_workload(args, dist_env)
+    config, seq_len = work.plan.model_config, work.plan.seq_len
     dtype = pick_dtype(args.dtype, dist_env.device)
     with tempfile.TemporaryDirectory(prefix="bench_shards_") as tmp:
         data_dir = args.data_dir
         if data_dir is None:
-            write_random_shard(tmp, work, work.config.vocab_size)
+            write_random_shard(tmp, work, config.vocab_size)
             data_dir = tmp
         runs = []
         if args.compare:  # first: keep_freed_memory() in the other configuration cannot be undone
-            runs.append(time_config(work, data_dir, torch.float32, False, True, args.steps, args.warmup))
-        runs.append(time_config(work, data_dir, dtype, args.compile, False, args.steps, args.warmup))
+            runs.append(time_config_or_skip(work, data_dir, torch.float32, False, True, args.steps, args.warmup))
+        runs.append(time_config_or_skip(work, data_dir, dtype, args.compile, False, args.steps, args.warmup))
     with torch.device("meta"):  # for the counts only
-        model = GPT(work.config)
+        model = GPT(config)
+    measured = [run for run in runs if "skipped" not in run]
     return {"device": torch.cuda.get_device_name(dist_env.device) if dist_env.device.type == "cuda"
             else str(dist_env.device), "world_size": dist_env.world_size, "model": work.cfg.model,
-            "n_layer": work.config.n_layer, "n_head": work.config.n_head, "n_embd": work.config.n_embd,
+            "n_layer": config.n_layer, "n_head": config.n_head, "n_embd": config.n_embd,
             "parameters": model.num_params(), "micro_batch_size": work.cfg.micro_batch_size,
-            "seq_len": work.seq_len, "grad_accum_steps": work.grad_accum_steps,
-            "tokens_per_step": work.tokens_per_step, "flops_per_token": model.flops_per_token(work.seq_len),
-            "runs": runs, "speedup": runs[-1]["tokens_per_sec"] / runs[0]["tokens_per_sec"] if args.compare else None,
+            "seq_len": seq_len, "grad_accum_steps": work.plan.grad_accum_steps,
+            "tokens_per_step": work.tokens_per_step, "flops_per_token": model.flops_per_token(seq_len),
+            "runs": runs, "speedup": measured[-1]["tokens_per_sec"] / measured[0]["tokens_per_sec"]
+            if args.compare and len(measured) == 2 else None,
             "load_average": [load_before, os.getloadavg()[0]], "cpu_count": os.cpu_count()}
 
 
@@ -195,13 +202,17 @@ def format_report(report: dict, args: argparse.Namespace) -> str:
              f"{'configuration':30s} {'ms/step':>9s} {'tokens/s':>10s} {'TFLOP/s':>8s} {'peak':>7s} {'MFU':>6s} "
              f"{'peak mem':>10s} {'data wait':>9s}"]
     for run in r["runs"]:
+        if "skipped" in run:
+            lines.append(f"{run['name']:30s} skipped: {run['skipped']}")
+            continue
         lines.append(f"{run['name']:30s} {run['ms_per_step']:9.1f} {run['tokens_per_sec']:10,.0f} "
                      f"{run['tflops']:8.3f} {run['peak_tflops']:7.2f} {100 * run['mfu']:5.1f}% "
                      f"{run['peak_memory_mib']:7,.0f} MiB {100 * run['data_wait']:8.2f}%")
     if r["speedup"] is not None:
         lines.append(f"speed-up over the baseline: {r['speedup']:.2f}x")
+    peak_sources = ", ".join(sorted({run["peak_source"] for run in r["runs"] if "peak_source" in run}))
     lines.append(f"(medians of {args.steps} steps after {args.warmup} warm-up steps; peak: the hardware's FLOP/s in "
-                 "the run's dtype, from the GPU table or measured at start)")
+                 f"the run's dtype: {peak_sources})")
     before, after = r["load_average"]
     lines.append(f"machine load (1-minute average) before/after: {before:.1f}/{after:.1f} on {r['cpu_count']} cores"
                  + (" -- other work was running, so the figures (and the speed-up) may be off: re-run when the "
@@ -222,4 +233,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_entry_point(lambda: main(sys.argv[1:]))

@@ -12,12 +12,13 @@ the total batch, never on how they are split across ranks, and the loader's posi
 rank: a 2-rank snapshot resumes on 1 rank at exactly the next tokens.
 """
 
-import os
 import re
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from runtime import UserError, atomic_write
 
 MAGIC = 20240520
 VERSION = 1
@@ -35,38 +36,32 @@ def write_shard(path: str | Path, tokens: np.ndarray) -> None:
         raise ValueError(f"{path}: token ids must fit in uint16 (0..65535), got range {tokens.min()}..{tokens.max()}")
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[:3] = (MAGIC, VERSION, tokens.size)
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(header.tobytes())
-            f.write(tokens.astype(TOKEN_DTYPE).tobytes())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:  # disk full, Ctrl-C: leave nothing half-written behind
-        tmp.unlink(missing_ok=True)
-        raise
+
+    def write(f) -> None:
+        f.write(header.tobytes())
+        f.write(tokens.astype(TOKEN_DTYPE).tobytes())
+
+    atomic_write(path, write)
 
 
 def read_shard_header(path: str | Path) -> int:
-    """Check a shard's header against its size; returns the number of tokens. Raises ValueError naming the file."""
+    """Check a shard's header against its size; returns the number of tokens. Raises UserError naming the file."""
     path = Path(path)
     size = path.stat().st_size
     if size < HEADER_BYTES:
-        raise ValueError(f"{path}: file is {size} bytes, shorter than the {HEADER_BYTES}-byte shard header; "
+        raise UserError(f"{path}: file is {size} bytes, shorter than the {HEADER_BYTES}-byte shard header; "
                          "it is truncated or not a token shard. Delete it and re-run the data preparation script.")
     header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
     if header[0] != MAGIC:
-        raise ValueError(f"{path}: bad magic number {header[0]} (expected {MAGIC}); this is not a token shard of the "
+        raise UserError(f"{path}: bad magic number {header[0]} (expected {MAGIC}); this is not a token shard of the "
                          "llm.c format. Re-create it with data/prepare.py or data/fineweb.py.")
     if header[1] != VERSION:
-        raise ValueError(f"{path}: unsupported shard version {header[1]} (expected {VERSION}). "
+        raise UserError(f"{path}: unsupported shard version {header[1]} (expected {VERSION}). "
                          "Re-create it with data/prepare.py or data/fineweb.py.")
     num_tokens = int(header[2])
     expected = HEADER_BYTES + num_tokens * TOKEN_DTYPE.itemsize
     if size != expected:
-        raise ValueError(f"{path}: header says {num_tokens} tokens ({expected} bytes) but the file has {size} bytes; "
+        raise UserError(f"{path}: header says {num_tokens} tokens ({expected} bytes) but the file has {size} bytes; "
                          "it was cut off mid-write or corrupted. Delete it and re-run the data preparation script.")
     return num_tokens
 
@@ -74,12 +69,12 @@ def read_shard_header(path: str | Path) -> int:
 def find_shards(data_dir: str | Path, split: str) -> list[Path]:
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
-        raise FileNotFoundError(f"data directory {data_dir} does not exist; prepare data first, e.g. "
+        raise UserError(f"data directory {data_dir} does not exist; prepare data first, e.g. "
                                 "`python data/prepare.py --source shakespeare`, or point --data_dir at your shards.")
     pattern = re.compile(rf".*_{split}_\d+\.bin")
     shards = sorted(p for p in data_dir.iterdir() if pattern.fullmatch(p.name))
     if not shards:
-        raise FileNotFoundError(f"no {split} shards (files named <name>_{split}_<NNNNNN>.bin) in {data_dir}; "
+        raise UserError(f"no {split} shards (files named <name>_{split}_<NNNNNN>.bin) in {data_dir}; "
                                 "prepare data first, e.g. `python data/prepare.py --source shakespeare`.")
     return shards
 
@@ -96,7 +91,7 @@ class DistributedDataLoader:
         step_tokens = self.chunks_per_step * B * T + 1
         for path, n in zip(self.shards, self.shard_tokens):
             if n < step_tokens:
-                raise ValueError(f"{path}: shard has {n} tokens, fewer than one optimizer step needs ({step_tokens} = "
+                raise UserError(f"{path}: shard has {n} tokens, fewer than one optimizer step needs ({step_tokens} = "
                                  f"{self.chunks_per_step} chunks of B·T = {B}·{T}, +1). Use a smaller "
                                  "--total_batch_size / --micro_batch_size / --seq_len, or larger shards.")
         self.reset()
@@ -151,13 +146,13 @@ class DistributedDataLoader:
         mine = self.state_dict()
         for key in ("chunk_tokens", "chunks_per_step", "num_shards", "shuffle", "seed"):
             if state[key] != mine[key]:
-                raise ValueError(
+                raise UserError(
                     f"cannot resume the data loader: the snapshot was taken with {key}={state[key]}, this run has "
                     f"{key}={mine[key]}. Resuming would re-read or skip data. Keep --micro_batch_size·--seq_len, "
                     "--total_batch_size, the data directory, --shuffle and --seed as they were (the number of "
                     "ranks may change), or start a fresh run with --resume never.")
         if state["chunk_position"] % self.chunks_per_step:
-            raise ValueError(f"cannot resume the data loader: its state (chunk_position {state['chunk_position']}) "
+            raise UserError(f"cannot resume the data loader: its state (chunk_position {state['chunk_position']}) "
                              "was taken in the middle of an optimizer step; snapshots are only valid between steps.")
         self.epoch, self.shard_position = state["epoch"], state["shard_position"]
         self._open_shard()

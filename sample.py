@@ -13,6 +13,7 @@ import tiktoken
 import torch
 
 from model import GPT
+from runtime import default_device
 
 
 def generate_text(model: GPT, prompt: str, num_samples: int = 4, max_new_tokens: int = 32,
@@ -30,14 +31,6 @@ def generate_text(model: GPT, prompt: str, num_samples: int = 4, max_new_tokens:
     generator = torch.Generator(device=device).manual_seed(seed)
     out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator)
     return [prompt + enc.decode(row[len(prompt_tokens):].tolist()) for row in out]
-
-
-def default_device() -> str:
-    if torch.cuda.is_available():
-        return "cuda"
-    if torch.backends.mps.is_available():
-        return "mps"
-    return "cpu"
 
 
 def main(argv: list[str] | None = None) -> None:

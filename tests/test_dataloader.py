@@ -11,6 +11,7 @@ import torch
 
 from conftest import make_shards
 from dataloader import HEADER_BYTES, MAGIC, VERSION, DistributedDataLoader, read_shard_header, write_shard
+from runtime import UserError
 
 B, T = 2, 4  # one chunk = B·T = 8 tokens (+1 for the last target)
 
@@ -153,13 +154,13 @@ def test_loading_a_state_from_another_batch_shape_or_total_batch_raises(tmp_path
     make_shards(tmp_path, "train", [chunks(8)])
     state = DistributedDataLoader(tmp_path, "train", B, T, grad_accum_steps=2).state_dict()
     other_chunk = DistributedDataLoader(tmp_path, "train", B, 2 * T, grad_accum_steps=2)
-    with pytest.raises(ValueError, match=r"chunk_tokens=8.*chunk_tokens=16"):
+    with pytest.raises(UserError, match=r"chunk_tokens=8.*chunk_tokens=16"):
         other_chunk.load_state_dict(state)
     other_total = DistributedDataLoader(tmp_path, "train", B, T, grad_accum_steps=4)
-    with pytest.raises(ValueError, match=r"chunks_per_step=2.*chunks_per_step=4"):
+    with pytest.raises(UserError, match=r"chunks_per_step=2.*chunks_per_step=4"):
         other_total.load_state_dict(state)
     other_seed = DistributedDataLoader(tmp_path, "train", B, T, grad_accum_steps=2, seed=1)
-    with pytest.raises(ValueError, match=r"seed=0.*seed=1"):
+    with pytest.raises(UserError, match=r"seed=0.*seed=1"):
         other_seed.load_state_dict(state)
 
 
@@ -211,11 +212,10 @@ def test_bad_shard_files_fail_with_an_error_naming_the_file(tmp_path, case):
     make_shards(data_dir, "train", [chunks(4)])  # a good first shard, so the error must name the bad one
     bad = data_dir / "test_train_000001.bin"
     write_shard(bad, np.arange(32))
-    error = ValueError
     if case == "missing_directory":
-        data_dir, bad, error = tmp_path / "nowhere", tmp_path / "nowhere", FileNotFoundError
+        data_dir = bad = tmp_path / "nowhere"
     elif case == "no_matching_shards":
-        data_dir, bad, error = tmp_path / "other", tmp_path / "other", FileNotFoundError
+        data_dir = bad = tmp_path / "other"
         make_shards(data_dir, "val", [chunks(4)])  # right format, wrong split
         (data_dir / "train_notes.txt").write_text("not a shard")
     elif case == "bad_magic":
@@ -233,7 +233,7 @@ def test_bad_shard_files_fail_with_an_error_naming_the_file(tmp_path, case):
         bad.write_bytes(bad.read_bytes()[:100])
     elif case == "too_small_for_a_step":
         write_shard(bad, np.arange(2 * B * T))  # a step of 2 chunks needs 2·8 + 1 = 17 tokens
-    with pytest.raises(error) as raised:
+    with pytest.raises(UserError) as raised:
         DistributedDataLoader(data_dir, "train", B, T, grad_accum_steps=2)
     assert str(bad) in str(raised.value) and BAD_FILE_CASES[case] in str(raised.value)
 

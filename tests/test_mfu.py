@@ -46,14 +46,14 @@ def test_six_n_is_what_the_matmuls_of_a_training_step_cost():
 
 
 def test_cpu_peak_is_a_measured_positive_number():
-    flops = mfu.peak_flops(torch.device("cpu"), torch.float32)
-    assert math.isfinite(flops) and flops > 1e9  # any CPU from the last 15 years does over 1 GFLOP/s
+    peak = mfu.peak_flops(torch.device("cpu"), torch.float32)
+    assert math.isfinite(peak.flops) and peak.flops > 1e9  # any CPU from the last 15 years does over 1 GFLOP/s
 
 
 def test_gpu_names_map_to_their_datasheet_peaks(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
-    assert mfu.peak_flops(torch.device("cuda"), torch.bfloat16) == 989e12
-    assert mfu.table_peak_flops("NVIDIA H100 PCIe") == 756e12  # not the SXM figure
-    assert mfu.table_peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
-    assert mfu.table_peak_flops("NVIDIA L40") == 181e12  # not the L4's
-    assert mfu.table_peak_flops("NVIDIA GeForce GTX 1080") is None  # unknown: peak_flops measures instead
+    assert mfu.peak_flops(torch.device("cuda"), torch.bfloat16).flops == 989e12
+    assert mfu.table_peak_flops("NVIDIA H100 PCIe", torch.bfloat16)[1] == 756e12  # not the SXM figure
+    assert mfu.table_peak_flops("NVIDIA A100-SXM4-80GB", torch.bfloat16)[1] == 312e12
+    assert mfu.table_peak_flops("NVIDIA L40", torch.bfloat16)[1] == 181e12  # not the L4's
+    assert mfu.table_peak_flops("NVIDIA GeForce GTX 1080", torch.bfloat16) is None  # unknown: measured instead

@@ -22,11 +22,12 @@ import pytest
 import torch
 
 import train_gpt2
-from checkpoint import SNAPSHOT_NAME, list_snapshots, load_snapshot, snapshot_path
+from snapshot import SNAPSHOT_NAME, list_snapshots, load_snapshot, snapshot_path
 from conftest import make_shards
 from dataloader import DistributedDataLoader
 from helpers_train import TINY_ARGS, TrainRun, read_metrics, run_train, train_command, train_env
 from model import GPT
+from runtime import UserError
 
 LAST_STEP = 11
 JOB = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "64", "--max_steps", str(LAST_STEP + 1),
@@ -261,7 +262,7 @@ def test_resume_never_starts_fresh(job, tmp_path):
 
 
 def test_resume_from_a_missing_file_is_a_clear_error(job, tmp_path):
-    with pytest.raises(SystemExit, match="--resume .*nope.pt: no such file"):
+    with pytest.raises(UserError, match="--resume .*nope.pt: no such file"):
         main_in_process([*job.args, "--log_dir", str(tmp_path), "--resume", str(tmp_path / "nope.pt")])
 
 
@@ -271,6 +272,6 @@ def test_resume_from_a_missing_file_is_a_clear_error(job, tmp_path):
     (["--n_layer", "3"], "n_layer.*Pass the --model"),
 ])
 def test_resume_with_a_different_batch_or_model_is_a_clear_error(job, tmp_path, change, message):
-    with pytest.raises((ValueError, SystemExit), match=message):
+    with pytest.raises(UserError, match=message):
         main_in_process([*job.args, "--log_dir", str(tmp_path), "--resume", str(snapshot_path(job.one_rank, 7)),
                          *change])

@@ -16,10 +16,11 @@ import torch
 import wandb
 
 import train_gpt2
-from checkpoint import load_snapshot, snapshot_path
+from snapshot import load_snapshot, snapshot_path
 from conftest import make_shards
 from helpers_train import TINY_ARGS, TrainRun, read_metrics, run_train
 from run_logger import INIT_TIMEOUT_S, WANDB_KEYS, RunLogger
+from runtime import Distributed
 
 OFFLINE_ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_ERROR_REPORTING": "false"}
 # 1 rank, one 32-token micro-batch per step: a few seconds per run, most of it starting Python.
@@ -185,11 +186,7 @@ def test_a_wandb_failure_is_reported_once_and_training_logs_on(failure, tmp_path
     wandb_init_failing(monkeypatch, failure)
     cfg = train_gpt2.parse_args([*TINY_ARGS, *JOB, "--max_steps", "4", "--data_dir", str(tmp_path / "data"),
                                  "--log_dir", str(tmp_path / "logs"), "--ckpt_every", "0"])
-    precision = torch.get_float32_matmul_precision()  # run() sets it for the whole process
-    try:
-        train_gpt2.run(cfg, train_gpt2.Distributed(0, 0, 1, torch.device("cpu")), str(tmp_path / "logs"), print)
-    finally:
-        torch.set_float32_matmul_precision(precision)
+    train_gpt2.run(cfg, Distributed(0, 0, 1, torch.device("cpu")))
 
     metrics = read_metrics(tmp_path / "logs")
     assert [r["step"] for r in metrics if "loss" in r] == [0, 1, 2, 3]

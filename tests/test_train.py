@@ -17,8 +17,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from conftest import make_shards
 from helpers_train import run_train, write_text_shards
 from model import GPT, GPTConfig
-from train_gpt2 import (Distributed, TrainConfig, average_across_ranks, get_lr, grad_accum_steps_for,
-                        model_config, parse_args, run, train_step)
+from config import TrainConfig, grad_accum_steps_for, model_config, parse_args, resolve_plan
+from runtime import Distributed, UserError, average_across_ranks
+from train_gpt2 import run
+from training import get_lr, train_step
 
 CPU = torch.device("cpu")
 # For the in-process tests: a small vocabulary, because the 50,257-way output layer is most of tiny's cost.
@@ -259,7 +261,7 @@ def test_fp16_overflow_skips_the_update():
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_total_batch_not_divisible_names_the_flag_and_a_valid_value(world_size):
     cfg = parse_args(["--micro_batch_size", "4", "--total_batch_size", "1000"])  # not a multiple of 4·64·ranks
-    with pytest.raises(SystemExit) as error:
+    with pytest.raises(UserError) as error:
         grad_accum_steps_for(cfg, seq_len=64, world_size=world_size)
     message = str(error.value)
     suggestion, accumulation = (768, 3) if world_size == 1 else (512, 1)
@@ -268,23 +270,19 @@ def test_total_batch_not_divisible_names_the_flag_and_a_valid_value(world_size):
 
 
 def test_unknown_model_preset_lists_the_presets():
-    with pytest.raises(SystemExit, match=r"--model 'gpt3' is not a known preset; choose one of gpt2, .*tiny"):
+    with pytest.raises(UserError, match=r"--model 'gpt3' is not a known preset; choose one of gpt2, .*tiny"):
         model_config(parse_args(["--model", "gpt3"]))
 
 
 def test_width_not_divisible_by_heads_is_rejected():
-    with pytest.raises(SystemExit, match="--n_embd 100 must be a multiple of --n_head 3"):
+    with pytest.raises(UserError, match="--n_embd 100 must be a multiple of --n_head 3"):
         model_config(parse_args(["--model", "tiny", "--n_embd", "100", "--n_head", "3"]))
 
 
 def test_seq_len_longer_than_block_size_is_rejected(tmp_path):
     cfg = parse_args(["--model", "tiny", "--seq_len", "65", "--data_dir", str(tmp_path)])
-    precision = torch.get_float32_matmul_precision()  # run() sets it for the whole process
-    try:
-        with pytest.raises(SystemExit, match="--seq_len 65 exceeds the model's --block_size 64"):
-            run(cfg, Distributed(0, 0, 1, CPU), str(tmp_path), print)
-    finally:
-        torch.set_float32_matmul_precision(precision)
+    with pytest.raises(UserError, match="--seq_len 65 exceeds the model's --block_size 64"):
+        resolve_plan(cfg, world_size=1)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""checkpoint.py: snapshots survive crashes mid-write, broken files are skipped by name, RNG states round-trip.
+"""snapshot.py: snapshots survive crashes mid-write, broken files are skipped by name, RNG states round-trip.
 
 These use small stand-in snapshots; tests/test_resume.py checks real ones written by train_gpt2.py.
 """
@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoint import (REQUIRED_KEYS, capture_rng_state, find_latest_snapshot, list_snapshots, load_snapshot,
-                        prune_snapshots, restore_rng_state, save_snapshot, snapshot_path)
+from snapshot import (REQUIRED_KEYS, capture_rng_state, find_latest_snapshot, list_snapshots, load_snapshot,
+                      prune_snapshots, restore_rng_state, save_snapshot, snapshot_path)
 from conftest import ROOT
+
+CPU = torch.device("cpu")
 
 
 def fake_snapshot(step: int) -> dict:
@@ -24,7 +26,7 @@ def fake_snapshot(step: int) -> dict:
     state = {key: {} for key in REQUIRED_KEYS}
     model = torch.nn.Linear(4, 4)
     torch.nn.init.constant_(model.weight, float(step))
-    state.update(model=model.state_dict(), step=step, rng=[capture_rng_state()], wandb_id="abc123")
+    state.update(model=model.state_dict(), step=step, rng=[capture_rng_state(CPU)], wandb_id="abc123")
     return state
 
 
@@ -65,10 +67,10 @@ def test_failed_write_leaves_previous_snapshot_and_no_temp_file(tmp_path, monkey
 # A process killed half-way through a write has no chance to clean up: run one and SIGKILL it mid-write.
 KILLED_MID_WRITE = """
 import os, signal, sys, torch
-import checkpoint
-from test_checkpoint import fake_snapshot, save_half
+import snapshot
+from test_snapshot import fake_snapshot, save_half
 torch.save = lambda obj, f: save_half(obj, f, then=lambda: os.kill(os.getpid(), signal.SIGKILL))
-checkpoint.save_snapshot(fake_snapshot(4), checkpoint.snapshot_path(sys.argv[1], 4))
+snapshot.save_snapshot(fake_snapshot(4), snapshot.snapshot_path(sys.argv[1], 4))
 """
 
 
@@ -79,7 +81,7 @@ def test_killed_write_leaves_previous_snapshot_and_the_next_save_removes_its_tem
     assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()
 
     assert not snapshot_path(tmp_path, 4).exists()  # the final name appears only once the file is complete
-    partial = tmp_path / "snapshot_0000004.pt.tmp"
+    [partial] = tmp_path.glob("snapshot_0000004.pt.*tmp")
     assert 0 < partial.stat().st_size < snapshot_path(tmp_path, 3).stat().st_size
     path, state = find_latest_snapshot(tmp_path)
     assert path == snapshot_path(tmp_path, 3) and state["step"] == 3
@@ -138,8 +140,8 @@ def draw() -> tuple:
 def test_rng_state_restores_every_generator_after_a_save(tmp_path):
     random.seed(1), np.random.seed(1), torch.manual_seed(1)
     np.random.randn()  # leaves a cached Gaussian in numpy's state, the part that is easy to lose
-    save_snapshot(fake_snapshot(0) | {"rng": [capture_rng_state()]}, snapshot_path(tmp_path, 0))
+    save_snapshot(fake_snapshot(0) | {"rng": [capture_rng_state(CPU)]}, snapshot_path(tmp_path, 0))
     expected = draw()
     draw()  # move every generator on
-    restore_rng_state(load_snapshot(snapshot_path(tmp_path, 0))["rng"][0])
+    restore_rng_state(load_snapshot(snapshot_path(tmp_path, 0))["rng"][0], CPU)
     assert draw() == expected

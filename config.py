@@ -1,0 +1,243 @@
+"""The flags of a training run, recipes (TOML files of flags), and the plan they resolve to.
+
+    python train_gpt2.py --config recipes/shakespeare_small.toml --max_steps 50   # a recipe; flags override it
+
+`TrainConfig` is what the user asked for; `resolve_plan` turns it into a `Plan` (the model's shape, the sequence
+length, the accumulation steps, the validation steps, the snapshot directory), and every check of the flags
+happens there, before any process group, model or data loader exists.
+"""
+
+import argparse
+import json
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+import torch
+
+from dataloader import find_shards, read_shard_header
+from model import PRESETS, GPTConfig
+from runtime import UserError
+
+HF_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+
+
+def arg(default, help: str, choices: tuple[str, ...] | None = None):
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class TrainConfig:
+    # data
+    data_dir: str = arg("data/fineweb_edu10B", "directory of *_train_*.bin / *_val_*.bin shards")
+    shuffle: bool = arg(True, "shuffle shard and chunk order each epoch (seeded; validation never shuffles)")
+    # model
+    model: str | None = arg(None, f"architecture preset: {', '.join(PRESETS)} (default: gpt2; with --init_from: the "
+                                  "shape of those weights)")
+    init_from: str = arg("scratch", f"start from: scratch (random weights) | {' | '.join(HF_MODELS)} (OpenAI's, from "
+                                    "the Hugging Face hub) | a Hugging Face model directory | a snapshot_*.pt of ours")
+    n_layer: int | None = arg(None, "override the preset's number of layers")
+    n_head: int | None = arg(None, "override the preset's number of attention heads")
+    n_embd: int | None = arg(None, "override the preset's embedding width")
+    block_size: int | None = arg(None, "override the preset's context length (with --init_from: crop it)")
+    # batch: total_batch_size tokens per optimizer step = micro_batch_size·seq_len·world_size·grad_accum_steps
+    seq_len: int | None = arg(None, "training sequence length T (≤ block_size; default: block_size)")
+    micro_batch_size: int = arg(64, "sequences per rank per micro-step B; lower it if you run out of memory")
+    total_batch_size: int = arg(524288, "tokens per optimizer step (GPT-2 used ~0.5M)")
+    # optimization
+    max_steps: int = arg(19073, "optimizer steps (19,073 × 524,288 ≈ 10B tokens, one FineWeb-Edu 10B epoch)")
+    warmup_steps: int = arg(715, "linear LR warmup steps")
+    max_lr: float = arg(6e-4, "peak learning rate")
+    min_lr_ratio: float = arg(0.1, "final learning rate as a fraction of max_lr")
+    weight_decay: float = arg(0.1, "AdamW weight decay on matrices")
+    grad_clip: float = arg(1.0, "clip the global gradient norm to this (0 = off)")
+    # speed and precision
+    dtype: str = arg("auto", "autocast dtype (fp16 adds a GradScaler; auto: bf16 where the hardware has it, "
+                             "else fp16 on GPUs, else fp32)", choices=("auto", "bf16", "fp16", "fp32"))
+    device: str = arg("auto", "where to train (auto: cuda, else mps, else cpu)", choices=("auto", "cuda", "mps", "cpu"))
+    compile: bool = arg(False, "torch.compile the model")
+    deterministic: bool = arg(False, "bitwise-repeatable GPU runs (deterministic kernels; slower)")
+    seed: int = arg(1337, "random seed (weights init, data shuffling)")
+    # evaluation and logging
+    val_every: int = arg(250, "validate every N steps (0 = never)")
+    val_tokens: int = arg(10_485_760, "tokens per validation (same for any world size)")
+    val_steps: int | None = arg(None, "validation micro-batches per rank; overrides --val_tokens")
+    hellaswag_every: int = arg(250, "HellaSwag every N steps (0 = never)")
+    hellaswag_path: str | None = arg(None, "local HellaSwag val jsonl (default: download on first use)")
+    hellaswag_limit: int | None = arg(None, "evaluate only the first N HellaSwag examples")
+    sample_every: int = arg(250, "rank 0 prints sampled text every N steps (0 = never)")
+    log_dir: str = arg("logs", "metrics.jsonl (and, by default, snapshots) go here")
+    wandb_project: str | None = arg(None, "wandb project; logging to wandb is on when this is set")
+    wandb_mode: str | None = arg(None, "online|offline|disabled (default: online with a project, else disabled)")
+    wandb_run_name: str | None = arg(None, "wandb run name")
+    # fault tolerance
+    ckpt_dir: str | None = arg(None, "snapshot directory (default: --log_dir)")
+    ckpt_every: int = arg(500, "snapshot every N steps (0 = off); the last step always writes one")
+    keep_last: int = arg(2, "keep this many newest snapshots")
+    resume: str = arg("auto", "auto (newest valid snapshot in --ckpt_dir) | never | PATH to a snapshot")
+
+
+# The --help sections, named at the first flag of each (the comments in TrainConfig).
+FLAG_GROUPS = {"data_dir": "data", "model": "model", "seq_len": "batch", "max_steps": "optimization",
+               "dtype": "speed and precision", "val_every": "evaluation and logging", "ckpt_dir": "fault tolerance"}
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and every flag's default in --help."""
+
+
+def add_flags(parser: argparse.ArgumentParser, names: list[str] | None = None, defaults: dict | None = None) -> None:
+    """A --flag per TrainConfig field (or the named ones, for bench.py), grouped as in TrainConfig."""
+    group = parser
+    for f in fields(TrainConfig):
+        if f.name in FLAG_GROUPS and names is None:
+            group = parser.add_argument_group(FLAG_GROUPS[f.name])
+        if names is not None and f.name not in names:
+            continue
+        default = (defaults or {}).get(f.name, f.default)
+        if f.type is bool:
+            group.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=default,
+                               help=f.metadata["help"])
+        else:
+            kind = {"int | None": int, "str | None": str}.get(str(f.type), f.type)
+            group.add_argument(f"--{f.name}", type=kind, default=default, choices=f.metadata["choices"],
+                               help=f.metadata["help"])
+
+
+def parse_args(argv: list[str] | None = None, description: str = __doc__) -> TrainConfig:
+    """Flags, on top of the recipe that --config names (if any), on top of TrainConfig's defaults."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
+    parser.add_argument("--config", help="a recipe: a TOML file of flag = value lines (see recipes/); flags given on "
+                                         "the command line override it")
+    add_flags(parser)
+    recipe_path = parser.parse_known_args(argv)[0].config
+    if recipe_path:
+        parser.set_defaults(**load_recipe(recipe_path))
+    values = vars(parser.parse_args(argv))
+    values.pop("config")
+    return TrainConfig(**values)
+
+
+def load_recipe(path: str) -> dict:
+    """The flags in a recipe file, checked against TrainConfig's names, types and choices."""
+    try:
+        with open(path, "rb") as f:
+            recipe = tomllib.load(f)
+    except FileNotFoundError:
+        raise UserError(f"--config {path}: no such file. Pass a recipe such as recipes/gpt2_124m_fineweb_edu.toml.")
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"--config {path} is not valid TOML ({e}). Each line is `flag = value`, e.g. "
+                        "`max_steps = 100` or `data_dir = \"data/shakespeare\"`.") from e
+    known = {f.name: f for f in fields(TrainConfig)}
+    for key, value in recipe.items():
+        if key not in known:
+            raise UserError(f"--config {path}: unknown setting {key!r}. A recipe sets the flags of "
+                            "`python train_gpt2.py --help`, without the leading dashes.")
+        expected = {"int | None": int, "str | None": str, "float": (float, int)}.get(str(known[key].type),
+                                                                                   known[key].type)
+        choices = known[key].metadata["choices"]
+        if not isinstance(value, expected) or isinstance(value, bool) != (expected is bool) or \
+                (choices and value not in choices):
+            raise UserError(f"--config {path}: {key} = {value!r} is not a valid value for --{key} "
+                            f"({'one of ' + ', '.join(choices) if choices else known[key].type}).")
+    return recipe
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the plan
+
+@dataclass(frozen=True)
+class Plan:
+    model_config: GPTConfig
+    seq_len: int
+    grad_accum_steps: int
+    val_steps: int  # validation micro-batches per rank (0: no validation)
+    ckpt_dir: str
+
+
+def resolve_plan(cfg: TrainConfig, world_size: int) -> Plan:
+    """Everything the flags imply, checked: the first bad flag raises a UserError naming it and the fix."""
+    config = model_config(cfg)
+    seq_len = cfg.seq_len or config.block_size
+    if seq_len > config.block_size:
+        raise UserError(f"--seq_len {seq_len} exceeds the model's --block_size {config.block_size}; lower --seq_len "
+                        "or raise --block_size.")
+    grad_accum_steps = grad_accum_steps_for(cfg, seq_len, world_size)
+    val_steps = validation_steps(cfg, seq_len, world_size) if cfg.val_every else 0
+    return Plan(config, seq_len, grad_accum_steps, val_steps, cfg.ckpt_dir or cfg.log_dir)
+
+
+def model_config(cfg: TrainConfig) -> GPTConfig:
+    """The model's shape: a preset with the shape flags applied, or the shape of the --init_from weights."""
+    if cfg.model is not None and cfg.model not in PRESETS:
+        raise UserError(f"--model {cfg.model!r} is not a known preset; choose one of {', '.join(PRESETS)}.")
+    overrides = {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd", "block_size") if getattr(cfg, k)}
+    if cfg.init_from == "scratch":
+        config = replace(PRESETS[cfg.model or "gpt2"], **overrides)
+        if config.n_embd % config.n_head:
+            raise UserError(f"--n_embd {config.n_embd} must be a multiple of --n_head {config.n_head}.")
+        return config
+    weights = init_weights_config(cfg.init_from)
+    asked = {k: v for k, v in overrides.items() if k != "block_size"}
+    if cfg.model is not None:  # a preset named on purpose must be the weights' shape
+        preset = PRESETS[cfg.model]
+        asked = {"n_layer": preset.n_layer, "n_head": preset.n_head, "n_embd": preset.n_embd} | asked
+    conflicts = {k: v for k, v in asked.items() if getattr(weights, k) != v}
+    if conflicts:
+        flags = ", ".join(f"--{k} {v} (the weights have {getattr(weights, k)})" for k, v in conflicts.items())
+        raise UserError(f"--init_from {cfg.init_from}: the model's shape comes from those weights, but {flags}. "
+                        "Leave out the shape flags (and --model) when starting from pretrained weights.")
+    block_size = cfg.block_size or weights.block_size
+    if block_size > weights.block_size:
+        raise UserError(f"--block_size {block_size} is longer than the {weights.block_size} positions the "
+                        f"--init_from {cfg.init_from} weights were trained with; it can only be lowered (the position "
+                        "embeddings are cropped).")
+    return replace(weights, block_size=block_size)
+
+
+def init_weights_config(init_from: str) -> GPTConfig:
+    """The shape of the weights --init_from names, read without loading them."""
+    if init_from in HF_MODELS:
+        return PRESETS[init_from]  # OpenAI's GPT-2 sizes are our presets of the same names
+    path = Path(init_from)
+    if path.is_dir():
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise UserError(f"--init_from {init_from}: the directory has no config.json, so it is not a Hugging Face "
+                            "model directory (save_pretrained writes one). Pass gpt2, gpt2-medium, gpt2-large, "
+                            "gpt2-xl, a model directory or a snapshot_*.pt.")
+        hf = json.loads(config_file.read_text())
+        if hf.get("model_type") != "gpt2":
+            raise UserError(f"--init_from {init_from}: config.json says model_type {hf.get('model_type')!r}; only "
+                            "GPT-2 (model_type 'gpt2') weights fit this model.")
+        return GPTConfig(block_size=hf["n_positions"], vocab_size=hf["vocab_size"], n_layer=hf["n_layer"],
+                         n_head=hf["n_head"], n_embd=hf["n_embd"])
+    if path.is_file():
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            return GPTConfig(**state["model_config"])
+        except Exception as e:  # a foreign file fails with anything from KeyError to UnpicklingError
+            raise UserError(f"--init_from {init_from} is not a snapshot of this codebase ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''}). Pass a snapshot_*.pt written by "
+                            "train_gpt2.py, a Hugging Face model directory, or gpt2 / gpt2-medium / ...") from e
+    raise UserError(f"--init_from {init_from}: no such file or directory, and not one of scratch, "
+                    f"{', '.join(HF_MODELS)}. Pass a Hugging Face model directory or a snapshot_*.pt.")
+
+
+def grad_accum_steps_for(cfg: TrainConfig, seq_len: int, world_size: int) -> int:
+    tokens_per_micro_step = cfg.micro_batch_size * seq_len * world_size
+    if cfg.total_batch_size % tokens_per_micro_step:
+        raise UserError(
+            f"--total_batch_size {cfg.total_batch_size} is not a multiple of --micro_batch_size × --seq_len × ranks "
+            f"= {cfg.micro_batch_size} × {seq_len} × {world_size} = {tokens_per_micro_step}. Pick a total batch that "
+            "is, e.g. " f"{max(1, cfg.total_batch_size // tokens_per_micro_step) * tokens_per_micro_step}.")
+    return cfg.total_batch_size // tokens_per_micro_step
+
+
+def validation_steps(cfg: TrainConfig, seq_len: int, world_size: int) -> int:
+    """Micro-batches per rank per validation: --val_tokens worth, at most one pass over the val shards."""
+    if cfg.val_steps:
+        return cfg.val_steps
+    tokens_per_micro_step = cfg.micro_batch_size * seq_len * world_size
+    available = sum((read_shard_header(p) - 1) // tokens_per_micro_step for p in find_shards(cfg.data_dir, "val"))
+    return max(1, min(cfg.val_tokens // tokens_per_micro_step, available))

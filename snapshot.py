@@ -1,0 +1,235 @@
+"""Snapshots: everything a run needs to continue after a crash, written atomically, found again, restored.
+
+The interface for the training run is `Snapshots`: `resume()` at the start and `save_if_due(step, stopping)` after
+every step. What a snapshot holds is decided here, in `_capture` and `_restore`, and nowhere else.
+
+A snapshot is valid only once its final name exists: it is written to a temp file, fsynced and renamed, so a crash
+mid-write leaves the previous snapshots as they were. Loading uses torch.load(weights_only=True), so everything
+in a snapshot is tensors, numbers, strings, lists and dicts; and mmap=True, so that 8 ranks resuming on one node
+share the file's pages instead of each reading the whole model and optimizer state into its own memory.
+"""
+
+import random
+import re
+import sys
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dataloader import DistributedDataLoader
+from runtime import Distributed, TrainingModel, UserError, atomic_write
+
+SNAPSHOT_NAME = re.compile(r"snapshot_(\d+)\.pt")
+REQUIRED_KEYS = ("model", "model_config", "optimizer", "scaler", "step", "loader", "rng", "config", "wandb_id")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the run's interface
+
+class Snapshots:
+    """The snapshots of one run in ckpt_dir: which one to resume from, and writing new ones on the beat."""
+
+    def __init__(self, ckpt_dir: str, every: int, keep_last: int, resume_from: str, trained: TrainingModel,
+                 train_loader: DistributedDataLoader, run_config: dict, dist_env: Distributed,
+                 log: Callable[[str], None]):
+        if every and keep_last < 1:
+            raise UserError(f"--keep_last {keep_last} would delete every snapshot, so nothing could resume. Keep at "
+                            "least 1, or turn snapshots off with --ckpt_every 0.")
+        self.ckpt_dir, self.every, self.keep_last, self.resume_from = ckpt_dir, every, keep_last, resume_from
+        self.trained, self.train_loader, self.run_config = trained, train_loader, run_config
+        self.dist_env, self.log = dist_env, log
+        self.wandb_id = uuid.uuid4().hex[:12]
+        self.last_saved = -1
+
+    def resume(self) -> tuple[int, str | None]:
+        """Restore the newest snapshot (or the one --resume names). Returns the step to start at and the path
+        resumed from (None for a fresh start). Every rank calls it and reads the same file."""
+        found = self._choose()
+        if found is None:
+            return 0, None
+        path, state = found
+        self._restore(path, state)
+        self.wandb_id, self.last_saved = state["wandb_id"], state["step"]
+        return state["step"] + 1, path
+
+    def save_if_due(self, step: int, last_step: int, stopping: bool) -> Path | None:
+        """Snapshot the state after `step` every --ckpt_every steps, at the last step and when stopping.
+        Collective: every rank calls it; rank 0 writes. Returns the path written, if any."""
+        due = (step + 1) % self.every == 0 or step == last_step or stopping if self.every else False
+        if not due or step <= self.last_saved:  # nothing trained since the last one (a stop during evaluation)
+            return None
+        state = self._capture(step)
+        path = snapshot_path(self.ckpt_dir, step)
+        if state is not None:
+            save_snapshot(state, path)
+            prune_snapshots(self.ckpt_dir, self.keep_last)
+            self.log(f"snapshot written: {path}")
+        self.last_saved = step
+        return path
+
+    # --- what a snapshot holds
+
+    def _capture(self, step: int) -> dict | None:
+        """Everything needed to continue exactly after `step`. Collective: every rank calls it; rank 0 gets it."""
+        device = self.dist_env.device
+        mine = (capture_rng_state(device), self.train_loader.state_dict())
+        per_rank = [mine]
+        if dist.is_initialized():
+            per_rank = [None] * dist.get_world_size()
+            dist.all_gather_object(per_rank, mine)
+        rng_states, loader_states = zip(*per_rank)
+        # The loader's position is the same on every rank by design (see dataloader.py), so one copy resumes any
+        # number of ranks; check that rather than trust it, on every rank so that all of them stop together.
+        if any(s != loader_states[0] for s in loader_states):
+            raise RuntimeError(f"data loader positions differ across ranks at step {step}: {loader_states}")
+        if not self.dist_env.is_master:
+            return None
+        t = self.trained
+        return {"model": t.raw.state_dict(), "model_config": asdict(t.raw.config),
+                "optimizer": t.optimizer.state_dict(), "scaler": t.scaler.state_dict(), "step": step,
+                "loader": loader_states[0], "rng": list(rng_states), "config": self.run_config,
+                "wandb_id": self.wandb_id}
+
+    def _restore(self, path: str, state: dict) -> None:
+        t, dist_env = self.trained, self.dist_env
+        if state["model_config"] != asdict(t.raw.config):
+            raise UserError(f"{path} holds a model {state['model_config']}, but this run builds "
+                            f"{asdict(t.raw.config)}. Pass the --model/--n_layer/--n_head/--n_embd/--block_size of "
+                            "the run that wrote it, or --resume never to start over.")
+        t.raw.load_state_dict(state["model"])
+        t.optimizer.load_state_dict(state["optimizer"])
+        if t.scaler.is_enabled() and not state["scaler"]:
+            # A bf16 or fp32 run continued in fp16 (an A100 run moved to a V100): there is no loss scale to carry.
+            self.log(f"{path} was written without fp16, so it has no GradScaler state: the fp16 loss scale starts "
+                     "fresh.")
+        else:  # (a disabled scaler ignores the state of an fp16 snapshot continued in bf16 or fp32)
+            t.scaler.load_state_dict(state["scaler"])
+        try:
+            self.train_loader.load_state_dict(state["loader"])
+        except ValueError as e:
+            raise UserError(f"{path}: {e}") from e
+        if len(state["rng"]) == dist_env.world_size:
+            restore_rng_state(state["rng"][dist_env.rank], dist_env.device)
+        else:  # a different number of ranks: the data position carries over exactly (see dataloader.py)
+            torch.manual_seed(self.run_config["seed"] + state["step"] + dist_env.rank)
+
+    # --- which one
+
+    def _choose(self) -> tuple[str, dict] | None:
+        """Which snapshot to resume from, or None for a fresh start. Every rank reads the same one."""
+        if self.resume_from == "never":
+            if self.dist_env.is_master and list_snapshots(self.ckpt_dir):
+                print(f"WARNING: --resume never, but {self.ckpt_dir} already holds snapshots; a later --resume auto "
+                      "would pick the highest step among them, perhaps the older run's. Use a fresh --ckpt_dir.",
+                      file=sys.stderr)
+            return None
+        if self.resume_from != "auto":
+            # Every rank checks, so that none is left waiting in a collective for a rank 0 that has exited.
+            if not Path(self.resume_from).is_file():
+                raise UserError(f"--resume {self.resume_from}: no such file. Pass the path of a snapshot_*.pt file, "
+                                "'auto' (the newest valid snapshot in --ckpt_dir) or 'never' (start fresh).")
+            try:
+                return self.resume_from, load_snapshot(self.resume_from)
+            except ValueError as e:
+                raise UserError(f"--resume: {e} Pass another snapshot, 'auto' or 'never'.") from e
+        # Rank 0 picks the newest snapshot that loads, warning once about broken ones; the others read the same file.
+        found = find_latest_snapshot(self.ckpt_dir) if self.dist_env.is_master else None
+        path = str(found[0]) if found else None
+        if dist.is_initialized():
+            box = [path]
+            dist.broadcast_object_list(box, src=0)
+            path = box[0]
+        if path is None:
+            return None
+        return path, found[1] if found else load_snapshot(path)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# files
+
+def snapshot_path(ckpt_dir: str | Path, step: int) -> Path:
+    return Path(ckpt_dir) / f"snapshot_{step:07d}.pt"
+
+
+def save_snapshot(state: dict, path: Path) -> None:
+    atomic_write(path, lambda f: torch.save(state, f))
+
+
+def load_snapshot(path: str | Path) -> dict:
+    """Load and check a snapshot; raises ValueError naming the file if it is truncated or not ours."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # torch's message can run to a page; its first line says what failed
+        first_line = str(e).strip().split("\n")[0]
+        raise ValueError(f"{path} could not be read as a snapshot ({type(e).__name__}: {first_line}); "
+                         "it is truncated, corrupt or not a torch file.") from e
+    missing = [k for k in REQUIRED_KEYS if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise ValueError(f"{path} is not a training snapshot of this codebase (missing {missing}).")
+    return state
+
+
+def list_snapshots(ckpt_dir: str | Path) -> list[Path]:
+    """Snapshots in ckpt_dir, newest (highest step) first."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := SNAPSHOT_NAME.fullmatch(p.name))]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def find_latest_snapshot(ckpt_dir: str | Path) -> tuple[Path, dict] | None:
+    """The newest snapshot that loads; broken ones are skipped with a warning naming them."""
+    for path in list_snapshots(ckpt_dir):
+        try:
+            return path, load_snapshot(path)
+        except ValueError as e:
+            print(f"WARNING: skipping snapshot: {e} Trying the next older one.", file=sys.stderr)
+    return None
+
+
+def prune_snapshots(ckpt_dir: str | Path, keep_last: int) -> None:
+    """Delete all but the keep_last newest snapshots, and the temp files of writes that a crash cut short."""
+    for old in list_snapshots(ckpt_dir)[keep_last:]:
+        old.unlink(missing_ok=True)
+    # One writer saves one snapshot at a time, so once a save has finished every temp file is a dead run's.
+    for tmp in Path(ckpt_dir).glob("snapshot_*.pt.*tmp"):
+        tmp.unlink(missing_ok=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# random number generators
+
+def capture_rng_state(device: torch.device) -> dict:
+    """Every generator a training process draws from: Python's, numpy's, torch's CPU one, and the training
+    device's (only that one: asking CUDA on a --device cpu run would open a CUDA context on GPU 0)."""
+    # numpy's state is converted to plain lists/tensors so that weights_only loading accepts it.
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {"keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
+                  "has_gauss": int(np_has_gauss), "gauss": float(np_gauss)},
+        "torch": torch.get_rng_state(),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    elif device.type == "mps":
+        state["mps"] = torch.mps.get_rng_state()
+    return state
+
+
+def restore_rng_state(state: dict, device: torch.device) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+    elif device.type == "mps" and "mps" in state:
+        torch.mps.set_rng_state(state["mps"])

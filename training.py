@@ -1,0 +1,65 @@
+"""One optimizer step, and the learning rate it takes: shared by train_gpt2.py and bench.py."""
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from config import TrainConfig
+from dataloader import DistributedDataLoader
+from runtime import autocast, average_across_ranks, to_device
+
+
+def get_lr(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to max_lr, then cosine decay to min_lr_ratio·max_lr at the last step."""
+    min_lr = cfg.max_lr * cfg.min_lr_ratio
+    if step < cfg.warmup_steps:
+        return cfg.max_lr * (step + 1) / cfg.warmup_steps
+    if step >= cfg.max_steps - 1:
+        return min_lr
+    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - 1 - cfg.warmup_steps)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.max_lr - min_lr)
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean over the whole batch, averaged across ranks
+    grad_norm: float  # before clipping
+    skipped: bool  # fp16 only: the GradScaler found inf/NaN gradients and skipped the update
+    data_seconds: float  # time spent waiting for the data loader
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+               loader: DistributedDataLoader, grad_accum_steps: int, lr: float, grad_clip: float,
+               device: torch.device, dtype: torch.dtype) -> StepResult:
+    """One optimizer update on total_batch_size tokens, accumulated over grad_accum_steps micro-steps."""
+    model.train()
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum = torch.zeros((), device=device)
+    data_seconds = 0.0
+    for micro_step in range(grad_accum_steps):
+        t0 = time.perf_counter()
+        x, y = to_device(*loader.next_batch(), device)
+        data_seconds += time.perf_counter() - t0
+        if isinstance(model, DDP):
+            # Gradients are all-reduced only after the last micro-step: the earlier backward passes just add into
+            # .grad locally. (Setting the flag rather than `with model.no_sync()` keeps one code path.)
+            model.require_backward_grad_sync = micro_step == grad_accum_steps - 1
+        with autocast(device, dtype):
+            _, loss = model(x, y)
+        # Each micro-loss is a mean over its B·T tokens; dividing by the number of micro-steps makes the summed
+        # gradients the gradient of the mean over the whole batch, not their sum.
+        loss = loss / grad_accum_steps
+        loss_sum += loss.detach()
+        scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+    scale_before = scaler.get_scale()
+    scaler.step(optimizer)
+    scaler.update()
+    skipped = scaler.is_enabled() and scaler.get_scale() < scale_before
+    return StepResult(average_across_ranks(loss_sum).item(), grad_norm.item(), skipped, data_seconds)
