@@ -44,8 +44,16 @@ from config import HelpFormatter, Plan, TrainConfig, add_flags, resolve_plan
 from dataloader import DistributedDataLoader, write_shard
 from mfu import peak_flops
 from model import GPT, PRESETS
-from runtime import (Distributed, build_model, dtype_name, keep_freed_memory, pick_dtype, run_entry_point,
-                     setup_distributed, synchronize)
+from runtime import (
+    Distributed,
+    build_model,
+    dtype_name,
+    keep_freed_memory,
+    pick_dtype,
+    run_entry_point,
+    setup_distributed,
+    synchronize,
+)
 from training import train_step
 
 # The flags that mean what they mean in train_gpt2.py; bench.py's own defaults depend on the device.

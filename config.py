@@ -9,10 +9,10 @@ happens there, before any process group, model or data loader exists.
 
 import argparse
 import json
-import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+import tomllib
 import torch
 
 from dataloader import find_shards, read_shard_header
@@ -123,8 +123,9 @@ def load_recipe(path: str) -> dict:
     try:
         with open(path, "rb") as f:
             recipe = tomllib.load(f)
-    except FileNotFoundError:
-        raise UserError(f"--config {path}: no such file. Pass a recipe such as recipes/gpt2_124m_fineweb_edu.toml.")
+    except FileNotFoundError as e:
+        raise UserError(f"--config {path}: no such file. Pass a recipe such as "
+                        "recipes/gpt2_124m_fineweb_edu.toml.") from e
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"--config {path} is not valid TOML ({e}). Each line is `flag = value`, e.g. "
                         "`max_steps = 100` or `data_dir = \"data/shakespeare\"`.") from e

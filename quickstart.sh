@@ -16,6 +16,4 @@ if [ -n "${OFFLINE_DATA:-}" ]; then
   corpus=(--input "$OFFLINE_DATA/tinyshakespeare/input.txt")
 fi
 python data/prepare.py --source shakespeare "${corpus[@]}" --output_dir data/shakespeare
-python train_gpt2.py --data_dir data/shakespeare --model small --micro_batch_size 8 --seq_len 256 \
-  --total_batch_size 4096 --max_steps 150 --warmup_steps 15 --max_lr 1e-3 --val_every 50 --val_tokens 32768 \
-  --hellaswag_every 0 --sample_every 150 --ckpt_every 0 --log_dir logs/quickstart "$@"
+python train_gpt2.py --config recipes/shakespeare_small.toml "$@"

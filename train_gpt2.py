@@ -24,9 +24,22 @@ from dataloader import DistributedDataLoader
 from mfu import Peak, peak_flops
 from model import GPT
 from run_logger import RunLogger
-from runtime import (Distributed, TrainingModel, any_rank, autocast, average_across_ranks, build_model, dtype_name,
-                     keep_freed_memory, pick_dtype, run_entry_point, set_deterministic, setup_distributed,
-                     synchronize, to_device)
+from runtime import (
+    Distributed,
+    TrainingModel,
+    any_rank,
+    autocast,
+    average_across_ranks,
+    build_model,
+    dtype_name,
+    keep_freed_memory,
+    pick_dtype,
+    run_entry_point,
+    set_deterministic,
+    setup_distributed,
+    synchronize,
+    to_device,
+)
 from sample import generate_text
 from snapshot import Snapshots
 from training import StepResult, get_lr, train_step
@@ -78,8 +91,8 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: "StopRequest | None" = No
                           asdict(cfg), dist_env, log)
     start_step, resumed_from = snapshots.resume()
     if start_step >= cfg.max_steps:
-        log(f"{resumed_from} is from step {start_step - 1}, the last of --max_steps {cfg.max_steps}: the run is already "
-            "finished, nothing to do. (Raise --max_steps to train on, or --resume never to start over.)")
+        log(f"{resumed_from} is from step {start_step - 1}, the last of --max_steps {cfg.max_steps}: the run is "
+            "already finished, nothing to do. (Raise --max_steps to train on, or --resume never to start over.)")
         return
     logger = RunLogger(cfg.log_dir, enabled=master)
     if resumed_from:

@@ -119,7 +119,7 @@ def wait_train(proc: subprocess.Popen, log_dir: Path, timeout: float = 300, chec
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
-        raise AssertionError(f"{command} ran past {timeout} s and was killed.\n{_tail(stdout, stderr)}")
+        raise AssertionError(f"{command} ran past {timeout} s and was killed.\n{_tail(stdout, stderr)}") from None
     if check and proc.returncode != 0:
         raise AssertionError(f"{command} exited with {proc.returncode}.\n{_tail(stdout, stderr)}")
     return TrainRun(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), read_metrics(log_dir))

@@ -54,7 +54,7 @@ def run_two_nodes(args: list[str], log_dir: Path, timeout: float = 180) -> Train
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
         tails = "\n".join(f"--- node {r} ---\n{p.communicate()[0][-3000:]}" for r, p in enumerate(procs))
-        raise AssertionError(f"the 2-node job ran past {timeout} s and was killed.\n{tails}")
+        raise AssertionError(f"the 2-node job ran past {timeout} s and was killed.\n{tails}") from None
     for rank, (proc, out) in enumerate(zip(procs, outputs)):
         assert proc.returncode == 0, f"node {rank} exited with {proc.returncode}:\n{out[-4000:]}"
     output = "\n".join(outputs)

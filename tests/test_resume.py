@@ -22,12 +22,12 @@ import pytest
 import torch
 
 import train_gpt2
-from snapshot import SNAPSHOT_NAME, list_snapshots, load_snapshot, snapshot_path
 from conftest import make_shards
 from dataloader import DistributedDataLoader
 from helpers_train import TINY_ARGS, TrainRun, read_metrics, run_train, train_command, train_env
 from model import GPT
 from runtime import UserError
+from snapshot import SNAPSHOT_NAME, list_snapshots, load_snapshot, save_snapshot, snapshot_path
 
 LAST_STEP = 11
 JOB = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "64", "--max_steps", str(LAST_STEP + 1),
@@ -189,11 +189,12 @@ def test_killed_ranks_are_restarted_by_torchrun_and_finish_exactly(job, tmp_path
         resume_step = 2  # first kill after the snapshot of step 3
         for kill, rank in enumerate((1, 0, 1)):
             # Kill once this round has written a snapshot of its own, so the restart resumes from a new one.
-            wait_until(lambda: newest_snapshot_step(tmp_path) > resume_step, proc, tmp_path, f"kill {kill + 1}")
+            wait_until(lambda since=resume_step: newest_snapshot_step(tmp_path) > since, proc, tmp_path,
+                       f"kill {kill + 1}")
             os.kill(worker_pids(proc)[rank], signal.SIGKILL)
             killed_at = time.monotonic()
-            wait_until(lambda: sum(r.get("event") == "resume" for r in records_so_far(tmp_path)) > kill, proc,
-                       tmp_path, f"the restart after kill {kill + 1}")
+            wait_until(lambda kills=kill: sum(r.get("event") == "resume" for r in records_so_far(tmp_path)) > kills,
+                       proc, tmp_path, f"the restart after kill {kill + 1}")
             restart_seconds.append(time.monotonic() - killed_at)
             resume_step = after_resume(records_so_far(tmp_path))[0]["step"]
             resumes.append(resume_step)
@@ -275,3 +276,75 @@ def test_resume_with_a_different_batch_or_model_is_a_clear_error(job, tmp_path, 
     with pytest.raises(UserError, match=message):
         main_in_process([*job.args, "--log_dir", str(tmp_path), "--resume", str(snapshot_path(job.one_rank, 7)),
                          *change])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# fp16: the GradScaler's loss scale is saved and restored, and snapshots move between dtypes
+
+def scale_in(path: Path) -> float | None:
+    return load_snapshot(path)["scaler"].get("scale")
+
+
+def test_an_fp16_run_saves_its_loss_scale_and_a_resume_carries_it_on(job, tmp_path):
+    fp16 = ["--dtype", "fp16", "--max_steps", "4", "--ckpt_every", "2", "--val_every", "0"]
+    main_in_process([*job.args, *fp16, "--log_dir", str(tmp_path / "whole")])
+    whole = read_metrics(tmp_path / "whole")
+    assert scale_in(snapshot_path(tmp_path / "whole", 1)) == 2.0**16  # GradScaler's initial scale: it was on
+
+    # A resume continues the fp16 run exactly...
+    shutil.copy(snapshot_path(tmp_path / "whole", 1), tmp_path)
+    main_in_process([*job.args, *fp16, "--log_dir", str(tmp_path)])
+    assert by_step(read_metrics(tmp_path), "loss") == {s: by_step(whole, "loss")[s] for s in (2, 3)}
+    # ...with the scale the snapshot holds: one that a fresh GradScaler would not have (it grows only every 2000
+    # steps, so it is still the same two steps later).
+    state = load_snapshot(snapshot_path(tmp_path / "whole", 1))
+    state["scaler"]["scale"] = 1024.0
+    save_snapshot(state, snapshot_path(tmp_path / "scaled", 1))
+    main_in_process([*job.args, *fp16, "--log_dir", str(tmp_path / "scaled")])
+    assert scale_in(snapshot_path(tmp_path / "scaled", 3)) == 1024.0
+
+
+@pytest.mark.parametrize("written, resumed", [("fp32", "fp16"), ("bf16", "fp16"), ("fp16", "bf16")])
+def test_a_snapshot_resumes_in_another_dtype(job, tmp_path, capsys, written, resumed):
+    """An A100's bf16 run continued on a V100 in fp16, and back: the loss scale starts fresh or is dropped."""
+    steps = ["--max_steps", "4", "--ckpt_every", "2", "--val_every", "0"]
+    main_in_process([*job.args, *steps, "--dtype", written, "--log_dir", str(tmp_path / "first"), "--max_steps", "2"])
+    shutil.copy(snapshot_path(tmp_path / "first", 1), tmp_path)
+    main_in_process([*job.args, *steps, "--dtype", resumed, "--log_dir", str(tmp_path)])
+    losses = by_step(read_metrics(tmp_path), "loss")
+    assert sorted(losses) == [2, 3] and all(9 < loss < 12 for loss in losses.values())
+    if resumed == "fp16":
+        assert "has no GradScaler state: the fp16 loss scale starts fresh" in capsys.readouterr().out
+        assert scale_in(snapshot_path(tmp_path, 3)) == 2.0**16
+    else:
+        assert load_snapshot(snapshot_path(tmp_path, 3))["scaler"] == {}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# SIGTERM during a long evaluation: the snapshot is on disk within a step
+
+@needs_proc
+@pytest.mark.slow
+def test_sigterm_during_a_long_validation_snapshots_at_once_and_resumes(job, tmp_path):
+    # Resume the 1-rank run's snapshot of step 3 on 2 ranks, validating every 3 steps for ~forever: steps 4 and 5
+    # train, then step 6's validation would run for many minutes.
+    long_eval = [*job.args, "--resume", str(snapshot_path(job.one_rank, 3)), "--val_every", "3", "--val_steps",
+                 "1000000", "--ckpt_every", "100"]
+    with launched(long_eval, tmp_path, nproc=2) as proc:
+        wait_until(lambda: by_step(records_so_far(tmp_path), "loss").keys() >= {5}, proc, tmp_path, "step 5")
+        time.sleep(1.0)  # well into the validation
+        os.kill(worker_pids(proc)[1], signal.SIGTERM)  # rank 1: rank 0 learns of it by agreeing, mid-validation
+        signalled = time.monotonic()
+        assert proc.wait(timeout=60) == 0, (tmp_path / "output.txt").read_text()[-4000:]
+        seconds = time.monotonic() - signalled
+    output = (tmp_path / "output.txt").read_text()
+    print(f"SIGTERM to exit: {seconds:.1f} s")
+    assert seconds < 20  # a tiny model's step and snapshot, plus process teardown on 2 busy cores
+    assert list_snapshots(tmp_path) == [snapshot_path(tmp_path, 5)]
+    assert "stopping during the evaluation before step 6 on SIGTERM" in output
+    assert not by_step(read_metrics(tmp_path), "val_loss")  # the cut-short validation logs nothing
+
+    run = run_train([*job.args, "--val_every", "4"], tmp_path, nproc=2)
+    event, after = after_resume(run.records)
+    assert event["step"] == 6
+    assert_continues_exactly(after, job.two_ranks_run, from_step=6, tol=1e-4)

@@ -14,9 +14,18 @@ import numpy as np
 import pytest
 import torch
 
-from snapshot import (REQUIRED_KEYS, capture_rng_state, find_latest_snapshot, list_snapshots, load_snapshot,
-                      prune_snapshots, restore_rng_state, save_snapshot, snapshot_path)
 from conftest import ROOT
+from snapshot import (
+    REQUIRED_KEYS,
+    capture_rng_state,
+    find_latest_snapshot,
+    list_snapshots,
+    load_snapshot,
+    prune_snapshots,
+    restore_rng_state,
+    save_snapshot,
+    snapshot_path,
+)
 
 CPU = torch.device("cpu")
 

@@ -14,10 +14,10 @@ import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from config import TrainConfig, grad_accum_steps_for, model_config, parse_args, resolve_plan
 from conftest import make_shards
 from helpers_train import run_train, write_text_shards
 from model import GPT, GPTConfig
-from config import TrainConfig, grad_accum_steps_for, model_config, parse_args, resolve_plan
 from runtime import Distributed, UserError, average_across_ranks
 from train_gpt2 import run
 from training import get_lr, train_step
@@ -343,3 +343,49 @@ def test_metrics_jsonl_has_the_documented_keys(rank_runs):
             assert set(r) == {"step", "loss", "lr", "grad_norm", "dt_ms", "tokens_per_sec", "mfu"}
             assert r["tokens_per_sec"] == pytest.approx(512 / (r["dt_ms"] / 1000)) and r["mfu"] > 0
         assert all(set(r) == {"step", "val_loss"} for r in train_run.val)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# what reaches the optimizer: the clipped gradients and the scheduled learning rate
+
+def spy_on_adamw_steps(monkeypatch) -> list[dict]:
+    """Record, at every AdamW update, the learning rates of its param groups and the global gradient norm."""
+    seen, real_step = [], torch.optim.AdamW.step
+
+    def step(self, *args, **kwargs):
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        seen.append({"lrs": [group["lr"] for group in self.param_groups],
+                     "grad_norm": torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item()})
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    return seen
+
+
+@pytest.mark.parametrize("grad_clip", [0.05, 0.0])
+def test_the_optimizer_sees_gradients_clipped_to_grad_clip_and_zero_means_off(monkeypatch, grad_clip):
+    seen = spy_on_adamw_steps(monkeypatch)
+    model, optimizer = new_model_and_optimizer()
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    result = train_step(model, optimizer, scaler, ListLoader(micro_batches(2)), 2, lr=1e-3, grad_clip=grad_clip,
+                        device=CPU, dtype=torch.float32)
+    assert result.grad_norm > 0.5  # the norm before clipping, well above the clip below
+    expected = grad_clip if grad_clip else result.grad_norm
+    assert seen[0]["grad_norm"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_every_update_of_a_real_run_uses_the_scheduled_learning_rate(tmp_path, monkeypatch):
+    seen = spy_on_adamw_steps(monkeypatch)
+    make_shards(tmp_path / "data", "train", [2000])
+    make_shards(tmp_path / "data", "val", [500], seed=1)
+    cfg = parse_args(["--model", "tiny", "--device", "cpu", "--data_dir", str(tmp_path / "data"), "--log_dir",
+                      str(tmp_path / "logs"), "--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size",
+                      "32", "--max_steps", "8", "--warmup_steps", "3", "--max_lr", "1e-3", "--val_every", "0",
+                      "--hellaswag_every", "0", "--sample_every", "0", "--ckpt_every", "0", "--dtype", "fp32"])
+    run(cfg, Distributed(0, 0, 1, CPU))
+    # Written out from the schedule's definition: warmup 1/3, 2/3, 3/3 of max_lr in steps 0-2, then a cosine from
+    # max_lr at step 3 to min_lr = 1e-4 at step 7, the last.
+    schedule = [1e-3 / 3, 2e-3 / 3, 1e-3] + [1e-4 + 0.5 * (1 + math.cos(math.pi * k / 4)) * 9e-4 for k in range(5)]
+    assert len(seen) == 8
+    for lrs, expected in zip([s["lrs"] for s in seen], schedule):
+        assert lrs == [pytest.approx(expected, rel=1e-12)] * 2  # both groups: decayed and not

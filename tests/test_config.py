@@ -1,0 +1,72 @@
+"""config.py: flags and recipes resolve into one checked plan; --help shows every default, grouped."""
+
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from config import TrainConfig, parse_args, resolve_plan
+from conftest import ROOT, make_shards
+from model import PRESETS
+from runtime import UserError
+
+RECIPES = sorted((ROOT / "recipes").glob("*.toml"))
+
+
+def test_flags_override_the_recipe_which_overrides_the_defaults():
+    cfg = parse_args(["--config", str(ROOT / "recipes" / "shakespeare_small.toml"), "--max_steps", "5"])
+    assert cfg.model == "small" and cfg.total_batch_size == 4096  # from the recipe
+    assert cfg.max_steps == 5  # the flag wins
+    assert cfg.weight_decay == TrainConfig.weight_decay  # not in the recipe: the default
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_every_recipe_loads(recipe):
+    cfg = parse_args(["--config", str(recipe)])
+    assert cfg.data_dir  # and load_recipe checked every key's name, type and choices
+
+
+def test_the_gpt2_recipe_spells_out_the_defaults():
+    recipe = parse_args(["--config", str(ROOT / "recipes" / "gpt2_124m_fineweb_edu.toml")])
+    defaults = parse_args([])
+    assert [f.name for f in fields(TrainConfig) if getattr(recipe, f.name) != getattr(defaults, f.name)] == ["model",
+                                                                                                         "seq_len"]
+    assert (recipe.model, recipe.seq_len) == ("gpt2", PRESETS["gpt2"].block_size)  # the defaults' implied values
+
+
+@pytest.mark.parametrize("text, message", [
+    ("max_step = 5\n", "unknown setting 'max_step'"),
+    ("max_steps = \"5\"\n", "max_steps = '5' is not a valid value for --max_steps"),
+    ("dtype = \"fp8\"\n", "one of auto, bf16, fp16, fp32"),
+    ("compile = 1\n", "compile = 1 is not a valid value"),
+    ("max_steps = \n", "is not valid TOML"),
+])
+def test_a_bad_recipe_is_a_clear_error_naming_the_file(tmp_path, text, message):
+    path = tmp_path / "recipe.toml"
+    path.write_text(text)
+    with pytest.raises(UserError, match=message) as error:
+        parse_args(["--config", str(path)])
+    assert str(path) in str(error.value)
+
+
+def test_help_groups_the_flags_and_shows_their_defaults(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "300")  # one line per flag
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = capsys.readouterr().out
+    headings = [line.rstrip(":") for line in text.splitlines() if line and not line.startswith(" ")
+                and line.endswith(":")]
+    assert headings[-7:] == ["data", "model", "batch", "optimization", "speed and precision",
+                             "evaluation and logging", "fault tolerance"]
+    assert "(default: 524288)" in text and "(default: data/fineweb_edu10B)" in text
+
+
+def test_the_plan_resolves_shape_lengths_and_steps(tmp_path):
+    make_shards(tmp_path, "val", [10 * 2 * 32 + 1])
+    cfg = parse_args(["--model", "tiny", "--seq_len", "32", "--micro_batch_size", "2", "--total_batch_size", "256",
+                      "--data_dir", str(tmp_path), "--val_tokens", "100000", "--log_dir", str(tmp_path / "logs")])
+    plan = resolve_plan(cfg, world_size=2)
+    assert plan.model_config == PRESETS["tiny"] and plan.seq_len == 32
+    assert plan.grad_accum_steps == 2  # 256 tokens = 2 × 32 × 2 ranks × 2
+    assert plan.val_steps == 5  # all that one pass over the val shard holds: 640 tokens / (2 × 32 × 2 ranks)
+    assert Path(plan.ckpt_dir) == tmp_path / "logs"
