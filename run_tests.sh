@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Install the pinned dependencies into .venv (created if missing) and run the test suite on the CPU.
+# Install the pinned dependencies into .venv (created if missing), lint with ruff, and run the test suite on the CPU.
 # Tests that need the offline data read it from ../shared/data (or $SHARED_DATA) and skip, saying so, without it.
+#   bash run_tests.sh                  # everything: what CI runs
+#   bash run_tests.sh -m "not slow"    # the inner loop: no torchrun, no torch.compile (about a minute)
 set -euo pipefail
 cd "$(dirname "$0")"
 [ -d .venv ] || python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install -q -r requirements-dev.txt
+ruff check .
 python -m pytest -q tests "$@"
