@@ -5,7 +5,7 @@ by name and a trained model exports back the same way.
 """
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -59,6 +59,81 @@ class Block(nn.Module):
         return x
 
 
+def _cross_entropy_chunk(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor,
+                         grads: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """Summed cross-entropy of one chunk of n tokens; with grads = (grad_x (n, C), grad_w (V, C) in fp32), also
+    writes the chunk's gradient of x into grad_x and adds its gradient of w to grad_w, both unscaled.
+
+    A function of its own so that the chunk's logits are freed when it returns: a loop variable would keep them alive
+    until the next chunk's logits had been allocated, two chunks at once."""
+    logits = (x @ w.t()).float()  # (n, V)
+    lse = torch.logsumexp(logits, dim=1)  # (n,)
+    loss_sum = (lse - logits.gather(1, targets[:, None]).squeeze(1)).sum()
+    if grads is not None:
+        grad_x, grad_w = grads
+        # The mean's 1/N and grad_output are applied in fp32 in backward, not here: divided by N first, the small
+        # probabilities would underflow in fp16 before the GradScaler's scale could lift them.
+        probs = logits.sub_(lse[:, None]).exp_()  # in place: the logits are not needed any more
+        probs[torch.arange(len(targets), device=probs.device), targets] -= 1.0
+        grad_logits = probs.to(x.dtype)  # the backward matmuls run in the autocast dtype, as nn.Linear's would
+        grad_x.copy_(grad_logits @ w)
+        grad_w += (grad_logits.t() @ x).float()  # summed over chunks in fp32
+    return loss_sum
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of the logits x @ weight[:vocab_size]ᵀ against targets, without ever holding them all.
+
+    The full logits of a GPT-2 micro-batch (64 × 1024 tokens × 50,257) and their fp32 copy are most of a training
+    step's activation memory, and all of it exists only to be turned into two gradients. So the forward walks the
+    tokens a chunk at a time and, while it holds a chunk's logits, turns them straight into the gradients of x and
+    of weight: the derivative of cross-entropy with respect to the logits is just softmax − one_hot(target).
+    Nothing of the logits is kept for backward, which only scales the two stored gradients by grad_output (1, or
+    the GradScaler's scale in fp16). The peak is one chunk's logits instead of all of them; the price is that the
+    weight's gradient (fp32, the weight's size) is held from forward on, a cost that does not grow with the batch.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int,
+                chunk_tokens: int, compute_grads: bool) -> torch.Tensor:
+        # x (N, C): final hidden states; weight (padded_vocab, C); targets (N,): token ids in [0, vocab_size). There is
+        # no ignore_index: every position is a real token, and an id >= vocab_size fails in gather below.
+        device_type = x.device.type
+        # Under autocast, run the matmuls in its dtype as nn.Linear would; softmax and the sums stay in fp32.
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        n_tokens = x.size(0)
+        with torch.autocast(device_type, enabled=False):  # every cast below is explicit
+            x_low = x.to(dtype)
+            w = weight[:vocab_size].to(dtype)  # (V, C): padding rows are never a target, so they get no logit
+            loss_sum = torch.zeros((), dtype=torch.float32, device=x.device)
+            if compute_grads:
+                grad_x = torch.empty_like(x_low)  # (N, C)
+                grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # padding rows stay 0
+            for start in range(0, n_tokens, chunk_tokens):
+                rows = slice(start, start + chunk_tokens)
+                chunk_grads = (grad_x[rows], grad_w[:vocab_size]) if compute_grads else None
+                loss_sum += _cross_entropy_chunk(x_low[rows], w, targets[rows], chunk_grads)
+        if compute_grads:
+            ctx.save_for_backward(grad_x, grad_w)
+        ctx.n_tokens, ctx.x_dtype, ctx.w_dtype = n_tokens, x.dtype, weight.dtype
+        return loss_sum / n_tokens
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_x, grad_w = ctx.saved_tensors
+        scale = grad_loss.float() / ctx.n_tokens  # d mean / d sum, times whatever the loss was scaled by
+        return (grad_x.float() * scale).to(ctx.x_dtype), (grad_w * scale).to(ctx.w_dtype), None, None, None, None
+
+
+def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int,
+                         chunk_tokens: int) -> torch.Tensor:
+    """F.cross_entropy(x @ weight[:vocab_size]ᵀ, targets) for x (N, C) and targets (N,), chunk_tokens rows at a time."""
+    # Inside forward, autograd has already switched grad mode off, so whether gradients are wanted (not in validation
+    # under no_grad, where they would triple the cost) is decided here.
+    compute_grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return ChunkedLinearCrossEntropy.apply(x, weight, targets, vocab_size, chunk_tokens, compute_grads)
+
+
 @dataclass(frozen=True)  # frozen: the presets below are shared, so nobody may change them in place
 class GPTConfig:
     block_size: int = 1024  # longest context the model can see
@@ -70,7 +145,7 @@ class GPTConfig:
     @property
     def padded_vocab_size(self) -> int:
         # The embedding table is padded to a multiple of 128 because matmuls with "nice" shapes run faster on
-        # GPUs; the extra rows are never a target and are sliced off the logits, so nobody outside sees them.
+        # GPUs; the extra rows are never a target: they are sliced off the logits and the loss never reads them.
         return math.ceil(self.vocab_size / 128) * 128
 
 
@@ -90,6 +165,11 @@ HF_CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weigh
 
 
 class GPT(nn.Module):
+    # Tokens per chunk of the loss: its peak extra memory is chunk × vocab × 6 bytes (fp32 probabilities and their
+    # bf16 copy), 295 MiB at GPT-2's vocabulary, less than one sequence's activations of 124M, while each chunk's
+    # matmuls (1024 × 768 × 50,257 multiply-adds for 124M) are still large enough to run at full speed.
+    loss_chunk_tokens: int = 1024
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
@@ -134,7 +214,10 @@ class GPT(nn.Module):
         cfg = self.config
         return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_embd * seq_len
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+    def forward(self, idx: torch.Tensor,
+                targets: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(logits, None) without targets, for sampling and evaluation; (None, mean loss) with targets, for
+        training, where the (B, T, vocab) logits are never built (see ChunkedLinearCrossEntropy)."""
         B, T = idx.size()
         if T > self.config.block_size:
             raise ValueError(f"sequence of length {T} is longer than the model's block_size {self.config.block_size}")
@@ -143,11 +226,11 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             x = block(x)
         x = self.transformer.ln_f(x)
-        logits = self.lm_head(x)[..., : self.config.vocab_size]  # (B, T, vocab): padding columns dropped
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
-        return logits, loss
+        if targets is None:
+            return self.lm_head(x)[..., : self.config.vocab_size], None  # (B, T, vocab): padding columns dropped
+        loss = linear_cross_entropy(x.view(B * T, -1), self.lm_head.weight, targets.reshape(B * T),
+                                    self.config.vocab_size, self.loss_chunk_tokens)
+        return None, loss
 
     def configure_optimizers(self, weight_decay: float, learning_rate: float, device_type: str,
                              fused: bool = True) -> torch.optim.AdamW:
@@ -180,6 +263,14 @@ class GPT(nn.Module):
                 next_token = torch.multinomial(probs, num_samples=1, generator=generator)
             idx = torch.cat((idx, next_token), dim=1)
         return idx
+
+    def crop_block_size(self, block_size: int) -> None:
+        """Shorten the context to block_size: keep the first position embeddings (a finetune on shorter sequences
+        than the 1,024 GPT-2 was trained on needs no more)."""
+        if block_size > self.config.block_size:
+            raise ValueError(f"cannot crop block_size {self.config.block_size} to the longer {block_size}")
+        self.config = replace(self.config, block_size=block_size)
+        self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size].detach().clone())
 
     @classmethod
     def from_pretrained(cls, name_or_dir: str) -> "GPT":

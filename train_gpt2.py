@@ -27,6 +27,7 @@ from run_logger import RunLogger
 from runtime import (
     Distributed,
     TrainingModel,
+    UserError,
     any_rank,
     autocast,
     average_across_ranks,
@@ -143,7 +144,13 @@ def initial_model(cfg: TrainConfig, plan: Plan) -> GPT:
     if cfg.init_from == "scratch":
         return GPT(plan.model_config)
     if cfg.init_from in HF_MODELS or Path(cfg.init_from).is_dir():
-        model = GPT.from_pretrained(cfg.init_from)
+        try:
+            model = GPT.from_pretrained(cfg.init_from)
+        except OSError as e:  # what transformers raises for no network, an unknown name or missing weight files
+            raise UserError(f"--init_from {cfg.init_from}: the Hugging Face weights could not be loaded "
+                            f"({str(e).strip().splitlines()[0]}). On a node without network, save them elsewhere "
+                            "with GPT2LMHeadModel.from_pretrained(name).save_pretrained(directory), copy the "
+                            "directory over and pass --init_from directory.") from e
     else:
         model = GPT.from_checkpoint(cfg.init_from)
     model.crop_block_size(plan.model_config.block_size)

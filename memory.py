@@ -1,0 +1,108 @@
+"""How much memory training takes, and the largest micro-batch that fits.
+
+Training memory is a fixed part, the model's state (weights, gradients, AdamW's moments), plus a part that grows with
+the micro-batch: the activations kept for backward. The first is arithmetic (state_bytes), the second is measured by
+running a real forward and backward under torch's MemTracker (measure_activation_bytes_per_sequence), and
+largest_micro_batch puts the two against the memory a device has.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from model import GPT, GPTConfig
+
+ADAMW_BYTES_PER_PARAM = 8  # two fp32 moments (exp_avg, exp_avg_sq) per parameter, whatever the parameter's dtype
+MiB = 2**20
+GiB = 2**30
+
+
+def state_bytes(model: nn.Module) -> int:
+    """Bytes of the parameters, their gradients (same dtype) and AdamW's two fp32 moments: 16 per fp32 parameter.
+
+    model.parameters() yields a tied weight (lm_head = wte) once, as the optimizer sees it. Only shapes and dtypes
+    are read, so a model built on the meta device (no memory allocated) gives the same answer.
+    """
+    return sum(p.numel() * (2 * p.element_size() + ADAMW_BYTES_PER_PARAM) for p in model.parameters())
+
+
+def measure_activation_bytes_per_sequence(config: GPTConfig, seq_len: int, dtype: torch.dtype, device: str = "cpu",
+                                          batch_size: int = 2) -> int:
+    """Activation memory of one more sequence in a micro-batch: forward + backward of a fresh model at 1 and at
+    batch_size sequences, under autocast to dtype (unless fp32), peak memory above the model's state, and the
+    difference divided by batch_size - 1.
+
+    Why a difference and not peak / batch_size: part of the peak does not grow with the batch (autocast's low-precision
+    copies of the weights, one chunk of the loss's logits, the stored lm_head gradient), and dividing would spread it
+    over the sequences, so the figure would depend on the batch size it was measured at. The difference is the slope;
+    the fixed part is left to largest_micro_batch's headroom. It is exact when one sequence fills a loss chunk
+    (seq_len >= GPT.loss_chunk_tokens); with shorter sequences the chunk grows with the batch and is counted per
+    sequence, which errs on the safe side.
+    """
+    if batch_size < 2:
+        raise ValueError(f"batch_size must be at least 2 to measure a difference, got {batch_size}")
+    torch.manual_seed(0)
+    model = GPT(config).to(device)
+    peak_1 = _peak_activation_bytes(model, 1, seq_len, dtype)
+    peak_b = _peak_activation_bytes(model, batch_size, seq_len, dtype)
+    return (peak_b - peak_1) // (batch_size - 1)
+
+
+def _peak_activation_bytes(model: GPT, batch_size: int, seq_len: int, dtype: torch.dtype) -> int:
+    """Peak bytes above parameters and gradients during one micro-step's forward + backward."""
+    device = model.transformer.wte.weight.device
+    # Gradients already exist from the previous micro-step of an accumulation, so the backward adds into them instead
+    # of creating them: the steady state, and the one whose peak is highest.
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    g = torch.Generator().manual_seed(batch_size)
+    idx, targets = torch.randint(0, model.config.vocab_size, (2, batch_size, seq_len), generator=g).to(device)
+    tracker = MemTracker()
+    tracker.track_external(model)  # parameters and the gradients above: the state, subtracted below
+    state = sum(snap["Total"] for snap in tracker.get_tracker_snapshot("current").values())
+    with tracker:
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            _, loss = model(idx, targets)
+        loss.backward()
+    peak = sum(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
+    model.zero_grad(set_to_none=True)
+    return peak - state
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    size: int  # sequences per forward/backward
+    reason: str  # one line a person can check: the budget, and what stopped the micro-batch from being larger
+
+
+def largest_micro_batch(available_bytes: int, fixed_bytes: int, bytes_per_sequence: int, rank_batch_sequences: int,
+                        headroom: float = 0.1) -> MicroBatch:
+    """The largest micro-batch B with fixed_bytes + B · bytes_per_sequence <= available_bytes · (1 - headroom) that
+    divides rank_batch_sequences (this rank's share of one optimizer step), so gradient accumulation adds up to
+    exactly the batch asked for.
+
+    fixed_bytes is state_bytes plus anything else resident; the headroom covers what the per-sequence slope leaves
+    out (allocator fragmentation, the loss's chunk, CUDA context, autocast's weight copies). If not even one sequence
+    fits, training cannot run at all, so that is a ValueError naming the numbers, not a micro-batch of 1 that would
+    only fail later with an out-of-memory error.
+    """
+    budget = int(available_bytes * (1 - headroom))
+    need_one = fixed_bytes + bytes_per_sequence
+    if need_one > budget:
+        raise ValueError(f"one sequence does not fit: {need_one / GiB:.2f} GiB ({fixed_bytes / GiB:.2f} GiB fixed + "
+                         f"{bytes_per_sequence / GiB:.2f} GiB per sequence) > {budget / GiB:.2f} GiB "
+                         f"({available_bytes / GiB:.2f} GiB less {headroom:.0%} headroom). Use a smaller model or "
+                         "shorter sequences, or more memory per rank.")
+    fits = min((budget - fixed_bytes) // bytes_per_sequence, rank_batch_sequences)
+    size = max(b for b in range(1, fits + 1) if rank_batch_sequences % b == 0)
+    if size == rank_batch_sequences:
+        limit = f"the rank's whole batch of {rank_batch_sequences} sequences fits, so no accumulation"
+    elif size == fits:
+        limit = f"{size + 1} would not fit"
+    else:
+        limit = f"{fits} would fit, but {size} is the largest that divides the rank's {rank_batch_sequences} sequences"
+    reason = (f"micro-batch {size}: {fixed_bytes / GiB:.2f} GiB fixed + {size} × {bytes_per_sequence / MiB:.0f} MiB "
+              f"<= {budget / GiB:.2f} GiB ({available_bytes / GiB:.2f} GiB less {headroom:.0%} headroom); {limit}")
+    return MicroBatch(size, reason)
