@@ -19,10 +19,12 @@ take the median speed-up of a few runs.
 seq_len, grad_accum_steps, tokens_per_step, flops_per_token, runs (a list; for each: name, dtype, compile,
 ms_per_step, tokens_per_sec, tflops, peak_tflops, mfu, peak_source, peak_memory_mib, data_wait, loss; a
 configuration that ran out of device memory has name, dtype, compile and skipped, the reason), speedup (the last
-run's tokens/s over the first's with --compare, else null), load_average (the machine's 1-minute load before
-and after) and cpu_count. peak_memory_mib is CUDA's max_memory_allocated, or on a CPU the process's peak
-resident memory (which never goes down, so a later run's includes the earlier's). data_wait is the share of
-step time spent in the data loader. With several ranks, times and memory are rank 0's.
+run's tokens/s over the first's with --compare, else null), memory (state_bytes: weights, gradients and AdamW
+moments; activation_bytes_per_sequence, measured with MemTracker on the CPU or the allocator's peak on CUDA;
+largest_micro_batch: per --memory_gb, the largest that fits with 10 % headroom), load_average (the machine's
+1-minute load before and after) and cpu_count. peak_memory_mib is CUDA's max_memory_allocated, or on a CPU the
+process's peak resident memory (which never goes down, so a later run's includes the earlier's). data_wait is the
+share of step time spent in the data loader. With several ranks, times and memory are rank 0's.
 """
 
 import argparse
@@ -42,6 +44,7 @@ import torch.distributed as dist
 
 from config import HelpFormatter, Plan, TrainConfig, add_flags, resolve_plan
 from dataloader import DistributedDataLoader, write_shard
+from memory import GiB, MiB, largest_micro_batch, measure_activation_bytes_per_sequence, state_bytes
 from mfu import peak_flops
 from model import GPT, PRESETS
 from runtime import (
@@ -69,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--data_dir", default=None, help="real train shards (default: random tokens in a temp dir)")
     parser.add_argument("--compare", action="store_true", help="also time the plain fp32 eager baseline")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--memory_gb", type=float, nargs="+", default=[24, 40, 80],
+                        help="device memories (GiB) to fit the largest micro-batch into, from the measured budget")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.grad_accum_steps < 1:
         parser.error("--steps and --grad_accum_steps must be at least 1, --warmup at least 0.")
@@ -189,6 +194,7 @@ def benchmark(args: argparse.Namespace, dist_env: Distributed) -> dict:
     with torch.device("meta"):  # for the counts only
         model = GPT(config)
     measured = [run for run in runs if "skipped" not in run]
+    memory = memory_budget(work, dtype, args.memory_gb)
     return {"device": torch.cuda.get_device_name(dist_env.device) if dist_env.device.type == "cuda"
             else str(dist_env.device), "world_size": dist_env.world_size, "model": work.cfg.model,
             "n_layer": config.n_layer, "n_head": config.n_head, "n_embd": config.n_embd,
@@ -197,7 +203,25 @@ def benchmark(args: argparse.Namespace, dist_env: Distributed) -> dict:
             "tokens_per_step": work.tokens_per_step, "flops_per_token": model.flops_per_token(seq_len),
             "runs": runs, "speedup": measured[-1]["tokens_per_sec"] / measured[0]["tokens_per_sec"]
             if args.compare and len(measured) == 2 else None,
-            "load_average": [load_before, os.getloadavg()[0]], "cpu_count": os.cpu_count()}
+            "memory": memory, "load_average": [load_before, os.getloadavg()[0]], "cpu_count": os.cpu_count()}
+
+
+def memory_budget(work: Workload, dtype: torch.dtype, memory_gb: list[float]) -> dict:
+    """The model's state bytes, its measured activation bytes per sequence (on the CPU unless on CUDA), and the
+    largest micro-batch that fits each of memory_gb GiB: a power of two dividing GPT-2's 512-sequence batch of
+    1,024 tokens, or 0 if not even one sequence fits."""
+    device = work.dist_env.device if work.dist_env.device.type == "cuda" else torch.device("cpu")
+    config, seq_len = work.plan.model_config, work.plan.seq_len
+    per_sequence = measure_activation_bytes_per_sequence(config, seq_len, dtype, device)
+    with torch.device("meta"):
+        state = state_bytes(GPT(config))
+    largest = {}
+    for gb in memory_gb:
+        try:
+            largest[f"{gb:g}"] = largest_micro_batch(int(gb * GiB), state, per_sequence, 512).size
+        except ValueError:
+            largest[f"{gb:g}"] = 0
+    return {"state_bytes": state, "activation_bytes_per_sequence": per_sequence, "largest_micro_batch": largest}
 
 
 def format_report(report: dict, args: argparse.Namespace) -> str:
@@ -218,9 +242,14 @@ def format_report(report: dict, args: argparse.Namespace) -> str:
                      f"{run['peak_memory_mib']:7,.0f} MiB {100 * run['data_wait']:8.2f}%")
     if r["speedup"] is not None:
         lines.append(f"speed-up over the baseline: {r['speedup']:.2f}x")
-    peak_sources = ", ".join(sorted({run["peak_source"] for run in r["runs"] if "peak_source" in run}))
+    m = r["memory"]
+    fits = " | ".join(f"{gb} GiB: {b}" for gb, b in m["largest_micro_batch"].items())
+    lines.append(f"memory: model state {m['state_bytes'] / GiB:.2f} GiB (weights, gradients, AdamW moments) + "
+                 f"{m['activation_bytes_per_sequence'] / MiB:,.0f} MiB of activations per sequence of {r['seq_len']} "
+                 f"tokens (measured) -> largest micro-batch (10% headroom) {fits}")
+    peak_sources = "; ".join(sorted({run["peak_source"] for run in r["runs"] if "peak_source" in run}))
     lines.append(f"(medians of {args.steps} steps after {args.warmup} warm-up steps; peak: the hardware's FLOP/s in "
-                 f"the run's dtype: {peak_sources})")
+                 f"the run's dtype; {peak_sources})")
     before, after = r["load_average"]
     lines.append(f"machine load (1-minute average) before/after: {before:.1f}/{after:.1f} on {r['cpu_count']} cores"
                  + (" -- other work was running, so the figures (and the speed-up) may be off: re-run when the "

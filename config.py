@@ -42,7 +42,8 @@ class TrainConfig:
     block_size: int | None = arg(None, "override the preset's context length (with --init_from: crop it)")
     # batch: total_batch_size tokens per optimizer step = micro_batch_size·seq_len·world_size·grad_accum_steps
     seq_len: int | None = arg(None, "training sequence length T (≤ block_size; default: block_size)")
-    micro_batch_size: int = arg(64, "sequences per rank per micro-step B; lower it if you run out of memory")
+    micro_batch_size: int | str = arg(64, "sequences per rank per micro-step B; lower it if you run out of memory, "
+                                          "or 'auto': the largest that fits this device's memory")
     total_batch_size: int = arg(524288, "tokens per optimizer step (GPT-2 used ~0.5M)")
     # optimization
     max_steps: int = arg(19073, "optimizer steps (19,073 × 524,288 ≈ 10B tokens, one FineWeb-Edu 10B epoch)")
@@ -99,9 +100,15 @@ def add_flags(parser: argparse.ArgumentParser, names: list[str] | None = None, d
             group.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=default,
                                help=f.metadata["help"])
         else:
-            kind = {"int | None": int, "str | None": str}.get(str(f.type), f.type)
+            kind = {"int | None": int, "str | None": str, "int | str": int_or_auto}.get(str(f.type), f.type)
             group.add_argument(f"--{f.name}", type=kind, default=default, choices=f.metadata["choices"],
                                help=f.metadata["help"])
+
+
+def int_or_auto(text: str) -> int | str:
+    if text == "auto" or text.isdigit():
+        return text if text == "auto" else int(text)
+    raise argparse.ArgumentTypeError(f"{text!r} is neither a number of sequences nor 'auto'")
 
 
 def parse_args(argv: list[str] | None = None, description: str = __doc__) -> TrainConfig:
@@ -134,8 +141,8 @@ def load_recipe(path: str) -> dict:
         if key not in known:
             raise UserError(f"--config {path}: unknown setting {key!r}. A recipe sets the flags of "
                             "`python train_gpt2.py --help`, without the leading dashes.")
-        expected = {"int | None": int, "str | None": str, "float": (float, int)}.get(str(known[key].type),
-                                                                                   known[key].type)
+        expected = {"int | None": int, "str | None": str, "float": (float, int), "int | str": (int, str)}.get(
+            str(known[key].type), known[key].type)
         choices = known[key].metadata["choices"]
         if not isinstance(value, expected) or isinstance(value, bool) != (expected is bool) or \
                 (choices and value not in choices):
@@ -159,6 +166,9 @@ class Plan:
 def resolve_plan(cfg: TrainConfig, world_size: int) -> Plan:
     """Everything the flags imply, checked: the first bad flag raises a UserError naming it and the fix."""
     config = model_config(cfg)
+    if not isinstance(cfg.micro_batch_size, int) or cfg.micro_batch_size < 1:
+        raise UserError(f"--micro_batch_size {cfg.micro_batch_size!r}: pass a number of sequences (1 or more) or "
+                        "'auto'.")
     seq_len = cfg.seq_len or config.block_size
     if seq_len > config.block_size:
         raise UserError(f"--seq_len {seq_len} exceeds the model's --block_size {config.block_size}; lower --seq_len "

@@ -51,7 +51,8 @@ def measure_activation_bytes_per_sequence(config: GPTConfig, seq_len: int, dtype
 
 
 def _peak_activation_bytes(model: GPT, batch_size: int, seq_len: int, dtype: torch.dtype) -> int:
-    """Peak bytes above parameters and gradients during one micro-step's forward + backward."""
+    """Peak bytes above parameters and gradients during one micro-step's forward + backward: on CUDA from its
+    allocator's own counters, elsewhere from MemTracker."""
     device = model.transformer.wte.weight.device
     # Gradients already exist from the previous micro-step of an accumulation, so the backward adds into them instead
     # of creating them: the steady state, and the one whose peak is highest.
@@ -59,14 +60,26 @@ def _peak_activation_bytes(model: GPT, batch_size: int, seq_len: int, dtype: tor
         p.grad = torch.zeros_like(p)
     g = torch.Generator().manual_seed(batch_size)
     idx, targets = torch.randint(0, model.config.vocab_size, (2, batch_size, seq_len), generator=g).to(device)
-    tracker = MemTracker()
-    tracker.track_external(model)  # parameters and the gradients above: the state, subtracted below
-    state = sum(snap["Total"] for snap in tracker.get_tracker_snapshot("current").values())
-    with tracker:
+
+    def forward_backward() -> None:
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             _, loss = model(idx, targets)
         loss.backward()
-    peak = sum(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        state = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        forward_backward()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        tracker = MemTracker()
+        tracker.track_external(model)  # parameters and the gradients above: the state, subtracted below
+        state = sum(snap["Total"] for snap in tracker.get_tracker_snapshot("current").values())
+        with tracker:
+            forward_backward()
+        peak = sum(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
     model.zero_grad(set_to_none=True)
     return peak - state
 
@@ -106,3 +119,35 @@ def largest_micro_batch(available_bytes: int, fixed_bytes: int, bytes_per_sequen
     reason = (f"micro-batch {size}: {fixed_bytes / GiB:.2f} GiB fixed + {size} × {bytes_per_sequence / MiB:.0f} MiB "
               f"<= {budget / GiB:.2f} GiB ({available_bytes / GiB:.2f} GiB less {headroom:.0%} headroom); {limit}")
     return MicroBatch(size, reason)
+
+
+def available_bytes(device: torch.device, ranks_on_node: int) -> int:
+    """The memory one rank may use: a GPU's free memory; on MPS, the working set macOS recommends less what is in
+    use; on a CPU, the RAM the kernel says is available, shared by the node's ranks."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free
+    if device.type == "mps":
+        return torch.mps.recommended_max_memory() - torch.mps.driver_allocated_memory()
+    with open("/proc/meminfo") as f:  # Linux; elsewhere, the free physical pages
+        meminfo = dict(line.split(":", 1) for line in f)
+    return int(meminfo["MemAvailable"].split()[0]) * 1024 // ranks_on_node
+
+
+def auto_micro_batch(config: GPTConfig, seq_len: int, total_batch_size: int, world_size: int, device: torch.device,
+                     dtype: torch.dtype, ranks_on_node: int) -> MicroBatch:
+    """--micro_batch_size auto: measure this model's activations per sequence on the device (on MPS: on the CPU,
+    whose figure is the same model's) and fit as many sequences as divide this rank's share of the batch."""
+    rank_tokens, remainder = divmod(total_batch_size, world_size * seq_len)
+    if remainder:
+        raise ValueError(f"--total_batch_size {total_batch_size} is not a whole number of sequences per rank "
+                         f"(--seq_len {seq_len} × {world_size} ranks)")
+    measure_on = device if device.type == "cuda" else torch.device("cpu")
+    per_sequence = measure_activation_bytes_per_sequence(config, seq_len, dtype, measure_on)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the probe's memory back to the device, so that it counts as free
+    with torch.device("meta"):
+        fixed = state_bytes(GPT(config))
+    if world_size > 1:
+        fixed += fixed // 4  # DDP's gradient buckets: one more copy of the gradients (4 of the 16 bytes/parameter)
+    return largest_micro_batch(available_bytes(device, ranks_on_node), fixed, per_sequence, rank_tokens)

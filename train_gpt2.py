@@ -10,10 +10,11 @@ from the newest snapshot if there is one, then loop {evaluate, train one step, l
 """
 
 import math
+import os
 import signal
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -21,6 +22,7 @@ import torch.distributed as dist
 
 from config import HF_MODELS, Plan, TrainConfig, parse_args, resolve_plan
 from dataloader import DistributedDataLoader
+from memory import auto_micro_batch
 from mfu import Peak, peak_flops
 from model import GPT
 from run_logger import RunLogger
@@ -71,6 +73,9 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: "StopRequest | None" = No
     device, master = dist_env.device, dist_env.is_master
     stop = stop or StopRequest()
     log = print if master else (lambda *args, **kwargs: None)
+    dtype = pick_dtype(cfg.dtype, device)
+    if cfg.micro_batch_size == "auto":
+        cfg = replace(cfg, micro_batch_size=choose_micro_batch(cfg, dist_env, dtype, log))
     plan = resolve_plan(cfg, dist_env.world_size)
     torch.manual_seed(cfg.seed)
 
@@ -86,7 +91,6 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: "StopRequest | None" = No
                                                                  dist_env.local_rank, device)
 
     # --- model, optimizer, and the snapshot to resume from
-    dtype = pick_dtype(cfg.dtype, device)
     trained = build_model(initial_model(cfg, plan), dist_env, dtype, cfg.weight_decay, cfg.max_lr, cfg.compile)
     snapshots = Snapshots(plan.ckpt_dir, cfg.ckpt_every, cfg.keep_last, cfg.resume, trained, train_loader,
                           asdict(cfg), dist_env, log)
@@ -138,6 +142,24 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: "StopRequest | None" = No
 
 # ----------------------------------------------------------------------------------------------------------------
 # the steps of the run
+
+def choose_micro_batch(cfg: TrainConfig, dist_env: Distributed, dtype: torch.dtype, log) -> int:
+    """--micro_batch_size auto: the largest micro-batch that fits the device's memory (memory.auto_micro_batch) and
+    divides the rank's share of the batch; the smallest rank's choice, so that every rank takes the same."""
+    plan = resolve_plan(replace(cfg, micro_batch_size=1), dist_env.world_size)  # every other flag checked first
+    try:
+        choice = auto_micro_batch(plan.model_config, plan.seq_len, cfg.total_batch_size, dist_env.world_size,
+                                  dist_env.device, dtype, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    except ValueError as e:
+        raise UserError(f"--micro_batch_size auto: {e}. Lower --seq_len, pick a smaller model, or use more "
+                        "ranks.") from e
+    size = torch.tensor(choice.size, device=dist_env.device)
+    if dist.is_initialized():
+        dist.all_reduce(size, op=dist.ReduceOp.MIN)
+    log(f"--micro_batch_size auto: {choice.reason}"
+        + (f"; {size.item()}, another rank's smaller choice, on every rank" if size.item() != choice.size else ""))
+    return size.item()
+
 
 def initial_model(cfg: TrainConfig, plan: Plan) -> GPT:
     """Random weights, or the --init_from ones (cropped to --block_size), before compile and DDP see the model."""

@@ -13,8 +13,8 @@ from model import GPT, PRESETS
 RUN_KEYS = {"name", "dtype", "compile", "ms_per_step", "tokens_per_sec", "tflops", "peak_tflops", "mfu", "peak_source",
             "peak_memory_mib", "data_wait", "loss"}
 REPORT_KEYS = {"device", "world_size", "model", "n_layer", "n_head", "n_embd", "parameters", "micro_batch_size",
-               "seq_len", "grad_accum_steps", "tokens_per_step", "flops_per_token", "runs", "speedup", "load_average",
-               "cpu_count"}
+               "seq_len", "grad_accum_steps", "tokens_per_step", "flops_per_token", "runs", "speedup", "memory",
+               "load_average", "cpu_count"}
 
 
 def test_bench_compare_prints_one_json_object_with_the_documented_keys():

@@ -80,3 +80,56 @@ def test_gpt2_124m_takes_under_450_mib_of_activations_per_sequence_in_bf16():
     per_sequence = measure_activation_bytes_per_sequence(PRESETS["gpt2"], 1024, torch.bfloat16)
     # Measured 334 MiB; the full-logits loss took 918 MiB by the same measurement.
     assert 250 * MiB < per_sequence <= 450 * MiB
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# --micro_batch_size auto
+
+def fake_device_memory(monkeypatch, available: int, per_sequence: int) -> None:
+    import memory
+    monkeypatch.setattr(memory, "available_bytes", lambda device, ranks_on_node: available)
+    monkeypatch.setattr(memory, "measure_activation_bytes_per_sequence", lambda *args, **kwargs: per_sequence)
+
+
+def test_auto_micro_batch_fits_the_memory_and_divides_the_ranks_share(monkeypatch):
+    from memory import GiB, auto_micro_batch
+    config = PRESETS["tiny"]
+    with torch.device("meta"):
+        fixed = state_bytes(GPT(config)) * 5 // 4  # 2 ranks: DDP's gradient buckets on top
+    # 10 GiB less 10 % headroom, less the state, in 100 MiB sequences: 90 fit, and the rank's share is 48 sequences of
+    # 64 tokens (6,144 tokens per step over 2 ranks), whose largest divisor under 90 is 48 itself.
+    fake_device_memory(monkeypatch, 10 * GiB, 100 * MiB)
+    choice = auto_micro_batch(config, 64, 6144, 2, torch.device("cpu"), torch.bfloat16, 1)
+    assert choice.size == 48 and "whole batch of 48 sequences fits" in choice.reason
+    fake_device_memory(monkeypatch, 3 * GiB, 100 * MiB)  # (2.7 GiB - fixed) / 100 MiB = 27 fit: 24 divides 48
+    choice = auto_micro_batch(config, 64, 6144, 2, torch.device("cpu"), torch.bfloat16, 1)
+    assert choice.size == 24 == max(b for b in range(1, 28) if 48 % b == 0)
+    assert (int(3 * GiB * 0.9) - fixed) // (100 * MiB) == 27
+
+
+def test_a_run_with_micro_batch_size_auto_logs_its_choice_and_trains_with_it(tmp_path, monkeypatch, capsys):
+    from config import parse_args
+    from conftest import make_shards
+    from memory import GiB
+    from runtime import Distributed
+    from train_gpt2 import run
+
+    make_shards(tmp_path / "data", "train", [5000])
+    fake_device_memory(monkeypatch, 2 * GiB, 100 * MiB)  # (1.8 GiB - 0.05 GiB) / 100 MiB: 17 fit, 16 divides 32
+    cfg = parse_args(["--model", "tiny", "--device", "cpu", "--data_dir", str(tmp_path / "data"), "--log_dir",
+                      str(tmp_path), "--micro_batch_size", "auto", "--seq_len", "16", "--total_batch_size", "512",
+                      "--max_steps", "1", "--val_every", "0", "--hellaswag_every", "0", "--sample_every", "0",
+                      "--ckpt_every", "0"])
+    run(cfg, Distributed(0, 0, 1, torch.device("cpu")))
+    out = capsys.readouterr().out
+    assert "--micro_batch_size auto: micro-batch 16:" in out and "17 would fit, but 16 is the largest" in out
+    assert "batch: 512 tokens = 16 × 16 × 1 ranks × 2 accumulation steps" in out
+
+
+def test_a_number_given_for_micro_batch_size_is_kept_and_a_word_is_refused(capsys):
+    from config import parse_args
+    assert parse_args(["--micro_batch_size", "12"]).micro_batch_size == 12
+    assert parse_args(["--micro_batch_size", "auto"]).micro_batch_size == "auto"
+    with pytest.raises(SystemExit):
+        parse_args(["--micro_batch_size", "lots"])
+    assert "'lots' is neither a number of sequences nor 'auto'" in capsys.readouterr().err
