@@ -9,9 +9,10 @@ It runs the real step (training.train_step, its data loader, dtype choice and ru
 written to a temporary shard directory, unless --data_dir points at real shards. Each configuration gets
 --warmup untimed steps (torch.compile compiles in the first), then --steps timed ones; figures are medians.
 
---compare first times the plain baseline of the same model: fp32, eager, the for-loop AdamW, no TF32 and glibc's
-default allocator; then the configuration asked for, which adds what train_gpt2.py does for speed (autocast in
---dtype, fused AdamW, TF32 matmuls on GPUs, freed memory kept for reuse on CPUs: keep_freed_memory). Back to
+--compare first times the plain baseline of the same model, build-nanogpt's step on this device: fp32, eager, the
+for-loop AdamW, no TF32, glibc's default allocator and the loss on the full logits; then the configuration asked
+for, which adds what train_gpt2.py does for speed (autocast in --dtype, fused AdamW, TF32 matmuls on GPUs, freed
+memory kept for reuse on CPUs: keep_freed_memory, and the chunked loss that never builds the full logits). Back to
 back, baseline first, because the allocator setting cannot be undone within a process; on a shared machine,
 take the median speed-up of a few runs.
 
@@ -41,6 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from config import HelpFormatter, Plan, TrainConfig, add_flags, resolve_plan
 from dataloader import DistributedDataLoader, write_shard
@@ -127,7 +129,8 @@ def time_config(work: Workload, data_dir: str, dtype: torch.dtype, compile: bool
     if not plain and device.type == "cpu":
         keep_freed_memory()
     torch.manual_seed(cfg.seed)
-    trained = build_model(GPT(plan.model_config), dist_env, dtype, cfg.weight_decay, cfg.max_lr, compile, plain)
+    model = (FullLogitsGPT if plain else GPT)(plan.model_config)
+    trained = build_model(model, dist_env, dtype, cfg.weight_decay, cfg.max_lr, compile, plain)
     loader = DistributedDataLoader(data_dir, "train", cfg.micro_batch_size, plan.seq_len, dist_env.rank,
                                    dist_env.world_size, plan.grad_accum_steps)
     peak = peak_flops(device, dtype)
@@ -153,6 +156,17 @@ def time_config(work: Workload, data_dir: str, dtype: torch.dtype, compile: bool
             "mfu": flops_per_sec / (peak.flops * dist_env.world_size), "peak_source": peak.source,
             "peak_memory_mib": peak_memory_mib(device), "data_wait": sum(data_seconds) / sum(step_seconds),
             "loss": result.loss}
+
+
+class FullLogitsGPT(GPT):
+    """The baseline's loss, as build-nanogpt computes it: the whole (B, T, vocab) logits, then cross-entropy on an
+    fp32 copy of them, where GPT's own loss works through the vocabulary a chunk of tokens at a time."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        logits, _ = super().forward(idx)
+        if targets is None:
+            return logits, None
+        return None, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 def run_name(dtype: torch.dtype, compile: bool, plain: bool) -> str:
