@@ -1,7 +1,10 @@
-"""Shared test fixtures: the offline data beside the project (../shared/data) and tiny shard directories."""
+"""Shared test fixtures and helpers: the offline data beside the project (../shared/data), tiny shard
+directories, tiny saved models, perturbed weights and free ports. (Launching train_gpt2.py: helpers_train.py.)"""
 
 import os
+import socket
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -48,3 +51,33 @@ def make_shards(directory: Path, split: str, sizes: list[int], seed: int = 0, vo
         write_shard(directory / f"test_{split}_{i:06d}.bin", tokens)
         arrays.append(tokens)
     return arrays
+
+
+def perturb_(model: torch.nn.Module, scale: float, seed: int = 0) -> torch.nn.Module:
+    """Add noise to every parameter, so LayerNorm gains and biases are no longer 1 and 0 and a mix-up between
+    weights (a missed transpose, a swapped or dropped tensor) shows in the outputs."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=generator))
+    return model
+
+
+def save_tiny_model(path: Path, block_size: int = 64, perturb: float = 0.0) -> Path:
+    """A random `tiny` GPT saved as a model-only checkpoint ({"model", "model_config"}), as GPT.from_checkpoint
+    reads it; perturb > 0 moves every weight away from its init."""
+    from dataclasses import replace
+
+    from model import GPT, PRESETS
+
+    torch.manual_seed(0)
+    model = perturb_(GPT(replace(PRESETS["tiny"], block_size=block_size)), perturb)
+    torch.save({"model": model.state_dict(), "model_config": asdict(model.config)}, path)
+    return path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -17,12 +17,16 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
+import train_gpt2
 from conftest import ROOT
 
 TRAIN_SCRIPT = ROOT / "train_gpt2.py"
@@ -127,3 +131,64 @@ def wait_train(proc: subprocess.Popen, log_dir: Path, timeout: float = 300, chec
 
 def _tail(stdout: str, stderr: str, chars: int = 4000) -> str:
     return f"--- stdout (end) ---\n{stdout[-chars:]}\n--- stderr (end) ---\n{stderr[-chars:]}"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# runs in the background, for tests that interrupt them
+
+@contextmanager
+def launched(args: list[str], log_dir: Path, nproc: int, launcher_args: list[str] = ()):
+    """Start train_gpt2.py under torchrun without waiting; kill it and its workers if the test fails."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with open(log_dir / "output.txt", "w") as output:
+        proc = subprocess.Popen(train_command([*args, "--log_dir", str(log_dir)], nproc, launcher_args), cwd=log_dir,
+                                env=train_env(), stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def wait_until(condition, proc: subprocess.Popen, log_dir: Path, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            state = f"exited with {proc.returncode}" if proc.poll() is not None else f"ran {timeout} s"
+            raise AssertionError(f"the run {state} before {what}:\n{(log_dir / 'output.txt').read_text()[-4000:]}")
+        time.sleep(0.05)
+
+
+def records_so_far(log_dir: Path) -> list[dict]:
+    """metrics.jsonl of a run that is still writing it: a line caught half-written waits for the next look."""
+    path = log_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines(keepends=True) if path.exists() else []
+    return [json.loads(line) for line in lines if line.endswith("\n")]
+
+
+def worker_pids(launcher: subprocess.Popen) -> dict[int, int]:
+    """torchrun's worker processes, its children, by RANK (read from their environment in /proc)."""
+    workers = {}
+    for proc_dir in Path("/proc").iterdir():
+        if not proc_dir.name.isdigit():
+            continue
+        try:
+            parent = int((proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (proc_dir / "environ").read_bytes().split(b"\0") if parent == launcher.pid else []
+        except (OSError, ValueError, IndexError):  # the process ended while we looked
+            continue
+        rank = [int(v[5:]) for v in environ if v.startswith(b"RANK=")]
+        if rank:
+            workers[rank[0]] = int(proc_dir.name)
+    return workers
+
+
+def main_in_process(argv: list[str]) -> None:
+    """train_gpt2.main in this process (no interpreter to start), undoing the process-wide settings it makes."""
+    handler, precision = signal.getsignal(signal.SIGTERM), torch.get_float32_matmul_precision()
+    try:
+        train_gpt2.main([*TINY_ARGS, *argv])
+    finally:  # what the run sets for its process must not outlive it in ours
+        signal.signal(signal.SIGTERM, handler)
+        torch.set_float32_matmul_precision(precision)

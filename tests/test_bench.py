@@ -39,6 +39,7 @@ def test_bench_compare_prints_one_json_object_with_the_documented_keys():
     assert report["speedup"] == pytest.approx(configured["tokens_per_sec"] / baseline["tokens_per_sec"])
 
 
+@pytest.mark.slow
 def test_compiled_training_with_validation_and_sampling_matches_eager(tmp_path, gpt2_encoding):
     # The one torch.compile run of the suite (~1 min on 2 cores: inductor compiles the training and the
     # no-grad validation graphs). Sampling uses the uncompiled module; it must still run in the same process.

@@ -1,25 +1,17 @@
-from dataclasses import asdict
 
 import pytest
 import torch
 
+from conftest import save_tiny_model
 from export_hf import main
-from model import GPT, GPTConfig
+from model import GPT
 
 
 @pytest.fixture
 def perturbed_ckpt(tmp_path):
-    """Random weights with every tensor moved far from its init (LayerNorm gains off 1, biases off 0), so a
-    transposed, swapped or dropped tensor changes the logits."""
-    torch.manual_seed(0)
-    cfg = GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64)
-    model = GPT(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    path = tmp_path / "model.pt"
-    torch.save({"model": model.state_dict(), "model_config": asdict(cfg)}, path)
-    return path
+    """Random weights with every tensor moved far from its init, so a transposed, swapped or dropped tensor
+    changes the logits."""
+    return save_tiny_model(tmp_path / "model.pt", perturb=0.1)
 
 
 def test_transformers_loads_the_export_with_our_logits_and_tokenizer(perturbed_ckpt, shared_data, tmp_path):

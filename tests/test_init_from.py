@@ -9,7 +9,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from config import model_config, parse_args
-from conftest import make_shards
+from conftest import make_shards, perturb_
 from dataloader import DistributedDataLoader
 from helpers_train import run_train
 from model import GPT
@@ -28,9 +28,7 @@ def pretrained(tmp_path_factory):
     root = tmp_path_factory.mktemp("init_from")
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(GPT2Config(vocab_size=50257, n_positions=64, n_embd=64, n_layer=2, n_head=2)).eval()
-    with torch.no_grad():  # non-trivial biases and gains, so a weight that did not load would show
-        for p in hf.parameters():
-            p.add_(0.05 * torch.randn(p.shape))
+    perturb_(hf, 0.05)  # non-trivial biases and gains, so a weight that did not load would show
     hf.save_pretrained(root / "hf")
     # Tokens from a 100-word vocabulary: learnable, so a few steps move the loss visibly.
     make_shards(root / "data", "train", [400], vocab=100)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from conftest import perturb_
 from model import GPT, PRESETS, GPTConfig
 
 # Full GPT-2 vocabulary (so the internal padding 50257 -> 50304 is exercised), everything else small.
@@ -21,15 +22,6 @@ def hf_config(config: GPTConfig) -> GPT2Config:
                       n_layer=config.n_layer, n_head=config.n_head)
 
 
-def perturb_(model: torch.nn.Module, seed: int) -> None:
-    """Add noise to every parameter, so LayerNorm gains/biases and linear biases are no longer 1/0 and a
-    mix-up between them (or a missed transpose) shows in the logits."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=g))
-
-
 def random_tokens(config: GPTConfig, B: int, T: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, config.vocab_size, (B, T), generator=torch.Generator().manual_seed(seed))
 
@@ -38,7 +30,7 @@ def random_tokens(config: GPTConfig, B: int, T: int, seed: int = 0) -> torch.Ten
 def hf_model() -> GPT2LMHeadModel:
     torch.manual_seed(0)
     model = GPT2LMHeadModel(hf_config(PARITY_CONFIG)).eval()  # eval: HF has dropout, we do not
-    perturb_(model, seed=1)
+    perturb_(model, 0.3, seed=1)
     return model
 
 
@@ -63,7 +55,7 @@ def test_logits_and_loss_match_hugging_face_loaded_from_save_pretrained(hf_model
 def test_hf_state_dict_loads_into_hugging_face_with_same_logits():
     torch.manual_seed(0)
     ours = GPT(PARITY_CONFIG).eval()
-    perturb_(ours, seed=2)
+    perturb_(ours, 0.3, seed=2)
     hf_model = GPT2LMHeadModel(hf_config(PARITY_CONFIG)).eval()
     hf_model.load_state_dict(ours.hf_state_dict(), strict=True)  # names, shapes (unpadded wte, Conv1D) all match
 
@@ -156,7 +148,7 @@ def test_configure_optimizers_decays_matrices_only():
 def tiny_model() -> GPT:
     torch.manual_seed(0)
     model = GPT(TINY).eval()
-    perturb_(model, seed=4)  # larger logits than at init, so greedy and sampled continuations differ
+    perturb_(model, 0.3, seed=4)  # larger logits than at init, so greedy and sampled continuations differ
     return model
 
 

@@ -6,7 +6,6 @@ Both nodes run on this machine, on 127.0.0.1, and share one --log_dir as real no
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,17 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_shards
+from conftest import free_port, make_shards
 from helpers_train import TINY_ARGS, TRAIN_SCRIPT, TrainRun, read_metrics, run_train, train_env
+
+pytestmark = pytest.mark.slow  # two torchrun launchers
 
 JOB = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "64", "--max_steps", "4",
        "--warmup_steps", "1", "--val_every", "2", "--val_tokens", "64", "--dtype", "fp32", "--ckpt_every", "0"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def node_command(node_rank: int, port: int, run_id: str, args: list[str]) -> list[str]:

@@ -11,20 +11,25 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import time
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import pytest
 import torch
 
-import train_gpt2
 from conftest import make_shards
 from dataloader import DistributedDataLoader
-from helpers_train import TINY_ARGS, TrainRun, read_metrics, run_train, train_command, train_env
+from helpers_train import (
+    TrainRun,
+    launched,
+    main_in_process,
+    read_metrics,
+    records_so_far,
+    run_train,
+    wait_until,
+    worker_pids,
+)
 from model import GPT
 from runtime import UserError
 from snapshot import SNAPSHOT_NAME, list_snapshots, load_snapshot, save_snapshot, snapshot_path
@@ -36,26 +41,31 @@ JOB = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "64",
 needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds torchrun's workers in /proc")
 
 
-@dataclass
 class Job:
-    data: Path
-    args: list[str]  # JOB plus --data_dir
-    one_rank: Path  # the uninterrupted runs' log dirs: one_rank keeps snapshots 3, 7 and 11, two_ranks 8 and 11
-    two_ranks: Path
-    one_rank_run: TrainRun
-    two_ranks_run: TrainRun
+    """The uninterrupted runs that the tests compare against: one process now (it keeps snapshots 3, 7 and 11), and
+    2 torchrun ranks (snapshots 8 and 11) on first use, so that the tests without torchrun do not wait for it."""
+
+    def __init__(self, root: Path):
+        self.root, self.data = root, root / "data"
+        make_shards(self.data, "train", [300, 300], seed=0)
+        make_shards(self.data, "val", [200], seed=1)
+        self.args = [*JOB, "--data_dir", str(self.data)]
+        self.one_rank = root / "one_rank"
+        self.one_rank_run = run_train([*self.args, "--ckpt_every", "4", "--keep_last", "3"], self.one_rank)
+
+    @cached_property
+    def two_ranks_run(self) -> TrainRun:
+        return run_train([*self.args, "--ckpt_every", "3", "--keep_last", "2"], self.root / "two_ranks", nproc=2)
+
+    @property
+    def two_ranks(self) -> Path:
+        self.two_ranks_run  # noqa: B018 (run it on first use)
+        return self.root / "two_ranks"
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> Job:
-    root = tmp_path_factory.mktemp("job")
-    make_shards(root / "data", "train", [300, 300], seed=0)
-    make_shards(root / "data", "val", [200], seed=1)
-    args = [*JOB, "--data_dir", str(root / "data")]
-    with ThreadPoolExecutor(2) as pool:
-        one = pool.submit(run_train, [*args, "--ckpt_every", "4", "--keep_last", "3"], root / "one_rank")
-        two = pool.submit(run_train, [*args, "--ckpt_every", "3", "--keep_last", "2"], root / "two_ranks", nproc=2)
-        return Job(root / "data", args, root / "one_rank", root / "two_ranks", one.result(), two.result())
+    return Job(tmp_path_factory.mktemp("job"))
 
 
 def by_step(records: list[dict], key: str) -> dict[int, float]:
@@ -87,57 +97,9 @@ def after_resume(records: list[dict]) -> tuple[dict, list[dict]]:
 # ----------------------------------------------------------------------------------------------------------------
 # runs in the background, for tests that interrupt them
 
-@contextmanager
-def launched(args: list[str], log_dir: Path, nproc: int, launcher_args: list[str] = ()):
-    """Start train_gpt2.py under torchrun without waiting; kill it and its workers if the test fails."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    with open(log_dir / "output.txt", "w") as output:
-        proc = subprocess.Popen(train_command([*args, "--log_dir", str(log_dir)], nproc, launcher_args), cwd=log_dir,
-                                env=train_env(), stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def wait_until(condition, proc: subprocess.Popen, log_dir: Path, what: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            state = f"exited with {proc.returncode}" if proc.poll() is not None else f"ran {timeout} s"
-            raise AssertionError(f"the run {state} before {what}:\n{(log_dir / 'output.txt').read_text()[-4000:]}")
-        time.sleep(0.05)
-
-
-def records_so_far(log_dir: Path) -> list[dict]:
-    """metrics.jsonl of a run that is still writing it: a line caught half-written waits for the next look."""
-    path = log_dir / "metrics.jsonl"
-    lines = path.read_text().splitlines(keepends=True) if path.exists() else []
-    return [json.loads(line) for line in lines if line.endswith("\n")]
-
-
 def newest_snapshot_step(log_dir: Path) -> int:
     snapshots = list_snapshots(log_dir)
     return int(SNAPSHOT_NAME.fullmatch(snapshots[0].name).group(1)) if snapshots else -1
-
-
-def worker_pids(launcher: subprocess.Popen) -> dict[int, int]:
-    """torchrun's worker processes, its children, by RANK (read from their environment in /proc)."""
-    workers = {}
-    for proc_dir in Path("/proc").iterdir():
-        if not proc_dir.name.isdigit():
-            continue
-        try:
-            parent = int((proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            environ = (proc_dir / "environ").read_bytes().split(b"\0") if parent == launcher.pid else []
-        except (OSError, ValueError, IndexError):  # the process ended while we looked
-            continue
-        rank = [int(v[5:]) for v in environ if v.startswith(b"RANK=")]
-        if rank:
-            workers[rank[0]] = int(proc_dir.name)
-    return workers
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -160,6 +122,7 @@ def test_one_rank_resume_after_a_crash_continues_exactly(job, tmp_path):
 
 
 @needs_proc
+@pytest.mark.slow
 def test_sigterm_to_one_rank_stops_both_after_the_same_step_and_resumes_exactly(job, tmp_path):
     args = [*job.args, "--ckpt_every", "100"]  # so the only snapshot is the one SIGTERM asks for
     with launched(args, tmp_path, nproc=2) as proc:
@@ -179,6 +142,7 @@ def test_sigterm_to_one_rank_stops_both_after_the_same_step_and_resumes_exactly(
 
 
 @needs_proc
+@pytest.mark.slow
 def test_killed_ranks_are_restarted_by_torchrun_and_finish_exactly(job, tmp_path):
     """SIGKILL a worker three times in one run; each time torchrun restarts both ranks from the newest snapshot.
 
@@ -204,6 +168,7 @@ def test_killed_ranks_are_restarted_by_torchrun_and_finish_exactly(job, tmp_path
     assert_continues_exactly(read_metrics(tmp_path), job.two_ranks_run, from_step=0, tol=1e-6)
 
 
+@pytest.mark.slow
 def test_two_rank_snapshot_resumes_exactly_on_one_rank(job, tmp_path):
     # Same B·T and total batch: 1 rank accumulates 2 micro-steps where 2 ranks took 1 each, on the same tokens.
     ckpt_dir = tmp_path / "snapshots"
@@ -214,6 +179,7 @@ def test_two_rank_snapshot_resumes_exactly_on_one_rank(job, tmp_path):
     assert list_snapshots(ckpt_dir) == [snapshot_path(ckpt_dir, 11)] and not list_snapshots(tmp_path / "logs")
 
 
+@pytest.mark.slow
 def test_snapshots_hold_the_whole_training_state(job):
     assert list_snapshots(job.one_rank) == [snapshot_path(job.one_rank, s) for s in (11, 7, 3)]  # --keep_last 3
     assert list_snapshots(job.two_ranks) == [snapshot_path(job.two_ranks, s) for s in (11, 8)]  # --keep_last 2
@@ -236,15 +202,6 @@ def test_snapshot_loads_into_a_plain_gpt_that_reproduces_the_logged_val_loss(job
 
 
 # Runs that stop before training, or train a single step, run in this process: no interpreter to start.
-
-def main_in_process(argv: list[str]) -> None:
-    handler, precision = signal.getsignal(signal.SIGTERM), torch.get_float32_matmul_precision()
-    try:
-        train_gpt2.main([*TINY_ARGS, *argv])
-    finally:  # what the run sets for its process must not outlive it in ours
-        signal.signal(signal.SIGTERM, handler)
-        torch.set_float32_matmul_precision(precision)
-
 
 def test_auto_resume_of_a_finished_run_trains_nothing(job, capsys):
     before = (job.one_rank / "metrics.jsonl").read_text()

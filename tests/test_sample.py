@@ -1,12 +1,11 @@
 import subprocess
 import sys
-from dataclasses import asdict
 
 import pytest
 import torch
 
-from conftest import ROOT
-from model import GPT, GPTConfig
+from conftest import ROOT, save_tiny_model
+from model import GPT
 from sample import generate_text, main
 
 PROMPT = "Hello, I'm a language model,"
@@ -14,11 +13,7 @@ PROMPT = "Hello, I'm a language model,"
 
 @pytest.fixture
 def tiny_ckpt(tmp_path):
-    torch.manual_seed(0)
-    cfg = GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64)
-    path = tmp_path / "model.pt"
-    torch.save({"model": GPT(cfg).state_dict(), "model_config": asdict(cfg)}, path)
-    return path
+    return save_tiny_model(tmp_path / "model.pt")
 
 
 def test_same_seed_gives_same_text_and_another_seed_differs(tiny_ckpt, gpt2_encoding):

@@ -158,6 +158,7 @@ def one_rank_reference() -> dict:
             "grad_norm": result.grad_norm, "local_grad_after_micro_step_0": local}
 
 
+@pytest.mark.slow
 def test_gradients_are_all_reduced_once_per_step_after_the_last_micro_step(two_ranks, one_rank_reference):
     for rank, results in enumerate(two_ranks):
         ddp = results["ddp"]
@@ -170,6 +171,7 @@ def test_gradients_are_all_reduced_once_per_step_after_the_last_micro_step(two_r
                               two_ranks[1]["ddp"]["grad_after_micro_step_0"])
 
 
+@pytest.mark.slow
 def test_the_sync_check_catches_a_step_that_syncs_every_micro_step(two_ranks):
     for results in two_ranks:
         always = results["always_sync"]
@@ -180,6 +182,7 @@ def test_the_sync_check_catches_a_step_that_syncs_every_micro_step(two_ranks):
                                two_ranks[1]["always_sync"]["grad_after_micro_step_0"])
 
 
+@pytest.mark.slow
 def test_two_ranks_step_like_one_rank_with_twice_the_accumulation(two_ranks, one_rank_reference):
     rank0, rank1 = (r["ddp"] for r in two_ranks)
     assert torch.equal(rank0["params"], rank1["params"])  # the same update on both ranks, bit for bit
@@ -191,11 +194,13 @@ def test_two_ranks_step_like_one_rank_with_twice_the_accumulation(two_ranks, one
         assert r["grad_norm"] == pytest.approx(one_rank_reference["grad_norm"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_average_across_ranks_is_the_mean_on_gloo(two_ranks):
     for results in two_ranks:  # rank 0 holds 1 and [1, 10, 100], rank 1 twice that
         assert results["average_across_ranks"] == [1.5, [1.5, 15.0, 150.0]]
 
 
+@pytest.mark.slow
 def test_gloo_all_reduce_avg_gives_the_mean(two_ranks):
     # Documents gloo in the pinned torch: all_reduce with ReduceOp.AVG works and is right (gloo gained AVG in 2025,
     # pytorch#149781; before, it raised), so average_across_ranks' SUM / world_size on gloo is a fallback only.
@@ -305,6 +310,7 @@ def rank_runs(tmp_path_factory):
     return run_train(args, tmp / "one"), run_train(args, tmp / "two", nproc=2)
 
 
+@pytest.mark.slow
 def test_two_ranks_train_like_one_rank(rank_runs):
     one, two = rank_runs
     assert "1 ranks × 4 accumulation steps" in one.proc.stdout and "2 ranks × 2 accumulation steps" in two.proc.stdout
@@ -336,6 +342,7 @@ def test_loss_falls_on_tiny_shakespeare(tmp_path, shared_data, gpt2_encoding):
     assert val[-1] < val[0] - 2.0
 
 
+@pytest.mark.slow
 def test_metrics_jsonl_has_the_documented_keys(rank_runs):
     for train_run in rank_runs:
         assert len(train_run.records) == 5 + 3
