@@ -7,8 +7,9 @@
 
 The documents are streamed from the Hugging Face hub (only the shards are kept on disk) and cut into shards of
 --shard_size tokens (default 100M, 200 MB; sample-10BT gives about 100): the first is val, the rest train, named
-<dir name>_val_000000.bin, <dir name>_train_000000.bin, .... Documents are separated by the EOT token (see
-data/tokenize_shards.py). Shards are byte-identical whatever --num_proc is.
+<dir name>_val_000000.bin, <dir name>_train_000000.bin, .... Every document is preceded by the EOT token, as in
+llm.c's dev/data/fineweb.py, so the shards hold llm.c's token stream (see data/tokenize_shards.py). Shards are
+byte-identical whatever --num_proc is.
 
 Restarting: after each shard, <output_dir>/progress.json records where in the document stream the next shard
 starts. The stream's order is fixed, so re-running the same command reads past the documents already in shards
@@ -33,6 +34,7 @@ import pyarrow.parquet as pq
 
 from data.tokenize_shards import ShardWriter, check_input_files, shard_paths, summary, tokenize_documents
 from dataloader import read_shard_header
+from runtime import UserError, atomic_write
 
 DATASETS = {"edu": ("HuggingFaceFW/fineweb-edu", "fineweb_edu"), "classic": ("HuggingFaceFW/fineweb", "fineweb")}
 DATA_DIR = Path(__file__).resolve().parent
@@ -77,8 +79,9 @@ def load_progress(path: Path, source: str | list[str], shard_size: int, shard_pa
     for i in range(progress["shards"]):
         try:
             read_shard_header(shard_path(i))
-        except (OSError, ValueError) as e:
-            raise SystemExit(f"{e}\n{path} lists this shard as finished. Delete {path} to write all shards again.")
+        except (OSError, UserError) as e:
+            raise SystemExit(f"{e}\n{path} lists this shard as finished. Delete {path} to write all shards "
+                             "again.") from None
     return progress
 
 
@@ -125,9 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     def save_progress(writer: ShardWriter, complete: bool = False) -> None:
         state = {"source": source, "shard_size": args.shard_size, "shards": writer.shards,
                  "documents": writer.documents, "offset": writer.offset, "complete": complete}
-        tmp = progress_path.with_name(progress_path.name + ".tmp")
-        tmp.write_text(json.dumps(state, indent=1))
-        os.replace(tmp, progress_path)  # atomic, like the shards it describes
+        atomic_write(progress_path, lambda f: f.write(json.dumps(state, indent=1).encode()))  # like the shards
 
     t0 = time.time()
     texts = file_texts(args.input) if args.input else hub_texts(repo, config)

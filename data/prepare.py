@@ -4,8 +4,9 @@
     python data/prepare.py --source shakespeare --input path/input.txt   # offline, from a local copy
     python data/prepare.py --input a.txt b.txt --output_dir data/mytext
 
-Each input file is one document; documents are separated by the EOT token (see data/tokenize_shards.py).
-The val split:
+Each --input file is one document, preceded by the EOT token as llm.c writes documents (see
+data/tokenize_shards.py); Tiny Shakespeare is one text without EOT, tokenized exactly as nanoGPT's
+data/shakespeare/prepare.py does it. The val split:
   --val_fraction F > 0 (default 0.1): the last F of each file's characters is val, the rest train, as nanoGPT
       splits Tiny Shakespeare (train 301,966 / val 36,059 tokens).
   --val_fraction 0: the first --shard_size tokens are val, the rest train (llm.c's convention, for corpora of
@@ -21,11 +22,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: `import dataloader, data` as a script
 
 import argparse
-import os
 import time
 import urllib.request
 
 from data.tokenize_shards import ShardWriter, check_input_files, shard_paths, summary, tokenize_documents
+from runtime import atomic_write
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 DATA_DIR = Path(__file__).resolve().parent
@@ -39,10 +40,9 @@ def download_shakespeare(path: Path) -> None:
             data = response.read()
     except OSError as e:  # URLError, timeouts and connection errors are all OSErrors
         raise SystemExit(f"could not download Tiny Shakespeare from {SHAKESPEARE_URL} ({e}). If this machine is "
-                         "offline, copy input.txt here from elsewhere and pass it with --input path/to/input.txt.")
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+                         "offline, copy input.txt here from elsewhere and pass it with --input "
+                         "path/to/input.txt.") from None
+    atomic_write(path, lambda f: f.write(data))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     tokens = shards = 0
     for desc, (paths, documents) in streams.items():
         writer = ShardWriter(paths, args.shard_size, desc)
-        for document_tokens in tokenize_documents(documents):
+        for document_tokens in tokenize_documents(documents, eot=args.source != "shakespeare"):
             writer.add(document_tokens)
         writer.close()
         print(f"{desc}: {writer.tokens_added:,} tokens in {writer.shards} shard(s)")

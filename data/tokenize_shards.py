@@ -1,8 +1,9 @@
 """GPT-2 tokenization and the shard writer shared by data/prepare.py and data/fineweb.py.
 
-Documents are separated by one EOT token (<|endoftext|>, id 50256): every document except the first of a token
-stream is preceded by it, so the model learns that a new, unrelated text starts after an EOT. With no separator
-before the first document, a single text tokenizes exactly as nanoGPT's data/shakespeare/prepare.py does it.
+Document boundaries follow llm.c's dev/data/fineweb.py: every document is preceded by one EOT token (<|endoftext|>,
+id 50256), the first of a stream included, so the model learns that a new, unrelated text starts after an EOT and
+our shards of the same documents hold the same token stream as llm.c's. The one exception is a single text split
+the way nanoGPT splits Tiny Shakespeare (data/prepare.py --source shakespeare): tokenize(text, eot=False), no EOT.
 """
 
 import argparse
@@ -24,20 +25,22 @@ def gpt2_encoding() -> tiktoken.Encoding:
     return tiktoken.get_encoding("gpt2")
 
 
-def tokenize(text: str) -> np.ndarray:
-    """The EOT separator followed by the document's tokens (special-token text like "<|endoftext|>" is plain text)."""
+def tokenize(text: str, eot: bool = True) -> np.ndarray:
+    """The EOT token (unless eot=False) followed by the document's tokens; special-token text like
+    "<|endoftext|>" inside a document is plain text."""
     enc = gpt2_encoding()
-    return np.array([enc.eot_token, *enc.encode_ordinary(text)], dtype=np.int32)  # ShardWriter checks uint16
+    return np.array([enc.eot_token] * eot + enc.encode_ordinary(text), dtype=np.int32)  # ShardWriter checks uint16
 
 
-def tokenize_documents(texts: Iterable[str], num_proc: int = 1) -> Iterator[np.ndarray]:
+def tokenize_documents(texts: Iterable[str], num_proc: int = 1, eot: bool = True) -> Iterator[np.ndarray]:
     """tokenize() of each text, in input order whatever num_proc is (ordered imap), so shards don't depend on it."""
+    tokenize_one = functools.partial(tokenize, eot=eot)  # a partial of a module function pickles into the workers
     if num_proc == 1:
-        yield from map(tokenize, texts)
+        yield from map(tokenize_one, texts)
         return
     # Workers ignore Ctrl-C: the main process gets it, and leaving this block (break, Ctrl-C) terminates them.
     with multiprocessing.Pool(num_proc, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN)) as pool:
-        yield from pool.imap(tokenize, texts, chunksize=16)
+        yield from pool.imap(tokenize_one, texts, chunksize=16)
 
 
 def shard_paths(output_dir: Path, split: str | None = None) -> Callable[[int], Path]:
@@ -71,8 +74,6 @@ class ShardWriter:
 
     def add(self, tokens: np.ndarray) -> None:
         """Append one document, as tokenize() returns it."""
-        if self.documents == 0:
-            tokens = tokens[1:]  # nothing to separate the stream's first document from
         if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
             raise ValueError(
                 f"document {self.documents} (0-based, in input order; it would go into {self.shard_path(self.shards)}) "

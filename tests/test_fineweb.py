@@ -1,5 +1,5 @@
 """data/fineweb.py (and the shard writer in data/tokenize_shards.py) on local parquet and JSON-lines files: shards
-that decode to the documents, EOT between documents, byte-identical output for any number of processes, resuming
+that hold llm.c's token stream (EOT before every document), byte-identical output for any number of processes, resuming
 after --max_shards or an interruption, and clear errors for bad input."""
 
 import json
@@ -75,13 +75,19 @@ def file_ids(output_dir) -> dict[str, tuple[int, int]]:
     return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in shards(output_dir)}
 
 
+def llm_c_stream(documents: list[str], encoding) -> list[int]:
+    """The token stream llm.c's dev/data/fineweb.py writes for these documents: EOT, then the document, for each."""
+    return [token for text in documents for token in [encoding.eot_token, *encoding.encode_ordinary(text)]]
+
+
 @pytest.mark.parametrize("kind", ["parquet", "jsonl"])
-def test_shards_decode_to_the_documents_with_eot_between_them(kind, corpus, documents, gpt2_encoding, tmp_path):
+def test_shards_hold_the_documents_each_after_an_eot_as_llm_c_writes_them(kind, corpus, documents, gpt2_encoding,
+                                                                          tmp_path):
     out = tmp_path / "out"
     run(corpus[kind], out)
 
-    encoded = [gpt2_encoding.encode_ordinary(text) for text in documents]
-    total = sum(map(len, encoded)) + len(documents) - 1  # one EOT between each two documents
+    expected = llm_c_stream(documents, gpt2_encoding)
+    total = len(expected)
     num_shards = -(-total // SHARD_SIZE)
     assert num_shards >= 5
     assert [p.name for p in shards(out)] == ["out_val_000000.bin"] + [f"out_train_{i:06d}.bin"
@@ -89,8 +95,8 @@ def test_shards_decode_to_the_documents_with_eot_between_them(kind, corpus, docu
     arrays = read_stream(out)
     assert [a.size for a in arrays] == [SHARD_SIZE] * (num_shards - 1) + [total - SHARD_SIZE * (num_shards - 1)]
     stream = np.concatenate(arrays).tolist()
-    assert split_at_eot(stream, gpt2_encoding.eot_token) == encoded
-    assert gpt2_encoding.decode(stream) == "<|endoftext|>".join(documents)
+    assert stream == expected
+    assert gpt2_encoding.decode(stream) == "".join("<|endoftext|>" + text for text in documents)
     assert json.loads((out / "progress.json").read_text())["complete"]
 
 
@@ -101,8 +107,10 @@ def test_real_fineweb_rows_round_trip(shared_data, gpt2_encoding, tmp_path):
 
     arrays = read_stream(tmp_path / "out")
     assert len(arrays) == 3 and arrays[0].size == arrays[1].size == 8192
-    pieces = split_at_eot(np.concatenate(arrays).tolist(), gpt2_encoding.eot_token)
-    assert [gpt2_encoding.decode(piece) for piece in pieces] == [row["text"] for row in rows]
+    stream = np.concatenate(arrays).tolist()
+    assert stream == llm_c_stream([row["text"] for row in rows], gpt2_encoding)
+    pieces = split_at_eot(stream, gpt2_encoding.eot_token)
+    assert pieces[0] == [] and [gpt2_encoding.decode(piece) for piece in pieces[1:]] == [row["text"] for row in rows]
 
 
 def test_two_processes_give_byte_identical_shards(corpus, tmp_path):
@@ -137,9 +145,11 @@ def test_interrupted_run_leaves_only_whole_shards_and_resumes_to_the_same_shards
     fsync, calls = os.fsync, []
 
     def interrupt_third_shard(fd):  # write_shard fsyncs each shard's data before renaming it into place
-        calls.append(fd)
-        if len(calls) == 3:
-            raise KeyboardInterrupt  # as if Ctrl-C came while shard 3 was half written
+        name = os.readlink(f"/proc/self/fd/{fd}")
+        if ".bin." in name and name.endswith(".tmp"):  # a shard's temp file (not progress.json's, nor the directory)
+            calls.append(fd)
+            if len(calls) == 3:
+                raise KeyboardInterrupt  # as if Ctrl-C came while shard 3 was half written
         fsync(fd)
 
     monkeypatch.setattr(os, "fsync", interrupt_third_shard)

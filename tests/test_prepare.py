@@ -1,4 +1,4 @@
-"""data/prepare.py: nanoGPT's Tiny Shakespeare split to the token, the llm.c val-first split with EOT between files,
+"""data/prepare.py: nanoGPT's Tiny Shakespeare split to the token, the llm.c val-first split with EOT before files,
 and clear errors for a missing input or a failed download."""
 
 import urllib.error
@@ -33,7 +33,7 @@ def test_shakespeare_split_matches_nanogpt_token_counts(shared_data, gpt2_encodi
     assert gpt2_encoding.decode(val.tolist()) == text[cut:]
 
 
-def test_val_fraction_zero_makes_first_shard_val_and_separates_files_with_eot(gpt2_encoding, tmp_path):
+def test_val_fraction_zero_makes_first_shard_val_and_puts_eot_before_every_file(gpt2_encoding, tmp_path):
     texts = ["First file: the quick brown fox jumps over the lazy dog. " * 5, "Second file, ünïcode ✓ and more. " * 7]
     for i, text in enumerate(texts):
         (tmp_path / f"{i}.txt").write_text(text, encoding="utf-8")
@@ -41,8 +41,8 @@ def test_val_fraction_zero_makes_first_shard_val_and_separates_files_with_eot(gp
     prepare.main(["--input", str(tmp_path / "0.txt"), str(tmp_path / "1.txt"), "--output_dir", str(out),
                   "--val_fraction", "0", "--shard_size", "50"])
 
-    expected = [*gpt2_encoding.encode_ordinary(texts[0]), gpt2_encoding.eot_token,
-                *gpt2_encoding.encode_ordinary(texts[1])]
+    eot = gpt2_encoding.eot_token  # llm.c's documents: EOT, then the text, for each
+    expected = [eot, *gpt2_encoding.encode_ordinary(texts[0]), eot, *gpt2_encoding.encode_ordinary(texts[1])]
     num_train = -(-(len(expected) - 50) // 50)
     assert sorted(p.name for p in out.glob("*.bin")) == \
         [f"mine_train_{i:06d}.bin" for i in range(num_train)] + ["mine_val_000000.bin"]
@@ -50,7 +50,7 @@ def test_val_fraction_zero_makes_first_shard_val_and_separates_files_with_eot(gp
     stream = [shard_tokens(p) for p in shards]
     assert [s.size for s in stream[:-1]] == [50] * num_train  # all but the last are full
     assert np.concatenate(stream).tolist() == expected
-    assert gpt2_encoding.decode(expected) == texts[0] + "<|endoftext|>" + texts[1]
+    assert gpt2_encoding.decode(expected) == "<|endoftext|>" + texts[0] + "<|endoftext|>" + texts[1]
 
 
 def test_missing_input_file_is_named_in_the_error(tmp_path, capsys):
