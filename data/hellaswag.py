@@ -20,8 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: `i
 import argparse
 import hashlib
 import json
-import os
+import math
 import urllib.request
+from collections.abc import Callable
 
 import tiktoken
 import torch
@@ -30,43 +31,41 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from model import GPT
-from sample import default_device
+from runtime import UserError, any_rank, atomic_write, autocast, default_device
 
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 SHA256 = "0aa3b88843990f3f10a97b9575c94d7b71fb2205240ba04ae4884d9e9c992588"
 CACHE_DIR = Path(__file__).resolve().parent / "hellaswag_cache"
+FILE_NAME = "hellaswag_val.jsonl"
 
 
 def download(path: Path) -> None:
-    """Fetch the validation set to `path`, atomically: concurrent ranks or a crash never leave a partial file."""
+    """Fetch the validation set to `path`, atomically: a crash, or another node writing the same shared file, never
+    leaves a partial file. Raises UserError, one paragraph, if there is no network."""
     print(f"downloading {URL} to {path}")
     try:
-        with urllib.request.urlopen(URL) as response:
+        with urllib.request.urlopen(URL, timeout=60) as response:
             data = response.read()
     except OSError as e:
-        raise RuntimeError(f"could not download HellaSwag from {URL} ({e}). Without network access, download "
-                           "hellaswag_val.jsonl elsewhere and pass it with --hellaswag_path.") from e
+        raise UserError(f"could not download HellaSwag from {URL} ({e}); this node seems to have no network. "
+                        "Download hellaswag_val.jsonl on a machine that has, copy it here and pass it with "
+                        "--hellaswag_path, or turn HellaSwag off with --hellaswag_every 0.") from e
     if hashlib.sha256(data).hexdigest() != SHA256:
-        raise RuntimeError(f"the file downloaded from {URL} is not the HellaSwag validation set (sha256 mismatch); "
-                           "download it by hand and pass it with --hellaswag_path.")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # one per process, so ranks don't write into each other
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+        raise UserError(f"the file downloaded from {URL} is not the HellaSwag validation set (sha256 mismatch); "
+                        "download it by hand and pass it with --hellaswag_path, or turn HellaSwag off with "
+                        "--hellaswag_every 0.")
+    atomic_write(path, lambda f: f.write(data))
 
 
 def load_examples(path: str | None = None, limit: int | None = None) -> list[dict]:
     """The raw jsonl rows of the validation set (the first `limit` if given); path None downloads it once."""
-    if path is None:
-        file = CACHE_DIR / "hellaswag_val.jsonl"
-        if not file.exists():
-            download(file)
-    else:
-        file = Path(path)
-        if not file.is_file():
-            raise FileNotFoundError(f"HellaSwag file {file} does not exist. Point --hellaswag_path at the validation "
-                                    f"set (hellaswag_val.jsonl, from {URL}), or leave the flag out to download it "
-                                    f"to {CACHE_DIR}.")
+    file = CACHE_DIR / FILE_NAME if path is None else Path(path)
+    if path is None and not file.exists():
+        download(file)
+    if not file.is_file():
+        raise UserError(f"HellaSwag file {file} does not exist. Point --hellaswag_path at the validation set "
+                        f"(hellaswag_val.jsonl, from {URL}), leave the flag out to download it to {CACHE_DIR}, or "
+                        "turn HellaSwag off with --hellaswag_every 0.")
     examples = []
     with open(file, encoding="utf-8") as f:
         for line in f:
@@ -104,36 +103,70 @@ def ending_losses(model: torch.nn.Module, tokens: torch.Tensor,
     return total, total / mask.sum(dim=1)
 
 
-def accuracies(model: torch.nn.Module, examples: list[dict], device: str, autocast_dtype: torch.dtype | None = None,
-               rank: int = 0, world_size: int = 1, progress: bool = False) -> dict[str, float]:
+# A stop check is a collective: every this many examples, so that SIGTERM during a full evaluation (10,042 examples,
+# minutes on one GPU) is noticed within seconds, at the cost of a few hundred tiny all_reduces.
+STOP_CHECK_EVERY = 16
+
+
+def accuracies(model: torch.nn.Module, examples: list[dict], device: str, dtype: torch.dtype = torch.float32,
+               rank: int = 0, world_size: int = 1, progress: bool = False,
+               should_stop: Callable[[], bool] | None = None) -> dict[str, float] | None:
     """acc and acc_norm over all examples; see evaluate."""
     enc = tiktoken.get_encoding("gpt2")
-    device_type = torch.device(device).type
-    mine = examples[rank::world_size]
     hits = torch.zeros(2, dtype=torch.long, device=device)  # [acc_norm, acc]
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            for example in tqdm(mine, desc="hellaswag", disable=not progress):
+        with torch.no_grad(), autocast(device, dtype):
+            # Every rank goes round the same number of times (a rank whose share is one shorter skips its last
+            # turn), so the stop checks, a collective, happen at the same points on all of them.
+            for turn in tqdm(range(math.ceil(len(examples) / world_size)), desc="hellaswag", disable=not progress):
+                if should_stop is not None and turn % STOP_CHECK_EVERY == 0 and turn > 0 and should_stop():
+                    return None
+                index = turn * world_size + rank
+                if index >= len(examples):
+                    continue
+                example = examples[index]
                 tokens, mask = render_example(example, enc, model.config.block_size)
                 total, mean = ending_losses(model, tokens.to(device), mask.to(device))
                 hits += torch.stack([mean.argmin() == example["label"], total.argmin() == example["label"]])
     finally:
         model.train(was_training)
-    counts = torch.cat([hits, torch.tensor([len(mine)], device=device)])
+    counts = torch.cat([hits, torch.tensor([len(examples[rank::world_size])], device=device)])
     if world_size > 1:
         dist.all_reduce(counts, op=dist.ReduceOp.SUM)
     correct_norm, correct, n = counts.tolist()
     return {"acc_norm": correct_norm / n, "acc": correct / n}
 
 
-def evaluate(model: torch.nn.Module, examples: list[dict], device: str, autocast_dtype: torch.dtype | None = None,
-             rank: int = 0, world_size: int = 1) -> float:
+def evaluate(model: torch.nn.Module, examples: list[dict], device: str, dtype: torch.dtype = torch.float32,
+             rank: int = 0, world_size: int = 1, should_stop: Callable[[], bool] | None = None) -> float | None:
     """acc_norm over ALL examples. Rank r scores examples r, r+W, ... and the counts are summed across ranks, so
     every rank returns the same number. `model` is a plain GPT (not compiled or DDP-wrapped); its train/eval mode
-    is restored afterwards."""
-    return accuracies(model, examples, device, autocast_dtype, rank, world_size)["acc_norm"]
+    is restored afterwards. dtype is the autocast dtype (torch.float32: none).
+
+    should_stop, if given, is called every STOP_CHECK_EVERY examples on every rank (in training it is a collective
+    that agrees on a SIGTERM); when it returns True the evaluation ends at once and returns None."""
+    result = accuracies(model, examples, device, dtype, rank, world_size, should_stop=should_stop)
+    return None if result is None else result["acc_norm"]
+
+
+def load_examples_distributed(path: str | None, limit: int | None, local_rank: int,
+                              device: torch.device) -> list[dict]:
+    """load_examples for a training run: with no path, local rank 0 of each node downloads the file if it is not
+    cached yet (the other ranks would fetch the same bytes), then all ranks agree on whether that worked (a
+    collective, so that no rank is left waiting for one that failed) before they read it."""
+    failure = None
+    if path is None and local_rank == 0 and not (CACHE_DIR / FILE_NAME).exists():
+        try:
+            download(CACHE_DIR / FILE_NAME)
+        except UserError as e:
+            failure = e
+    if any_rank(failure is not None, device):
+        raise failure or UserError(f"HellaSwag could not be downloaded from {URL} on local rank 0 of this or another "
+                                   "node (its message says why; most likely no network). Pass a local copy with "
+                                   "--hellaswag_path, or turn HellaSwag off with --hellaswag_every 0.")
+    return load_examples(path, limit)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -152,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     device = default_device() if args.device == "auto" else args.device
     try:
         examples = load_examples(args.hellaswag_path, args.limit)  # before the model, so a bad path fails fast
-    except FileNotFoundError as e:
+    except UserError as e:
         parser.error(str(e))
     try:
         model = GPT.from_pretrained(args.model) if args.model else GPT.from_checkpoint(args.ckpt)
@@ -160,8 +193,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(e))
     model.to(device)
     torch.set_float32_matmul_precision("high")  # TF32 on GPUs that have it, as llm.c and build-nanogpt do
-    autocast_dtype = None if args.dtype == "float32" else getattr(torch, args.dtype)
-    result = accuracies(model, examples, device, autocast_dtype, progress=True)
+    result = accuracies(model, examples, device, getattr(torch, args.dtype), progress=True)
     print(f"acc_norm {result['acc_norm']:.4f}  acc {result['acc']:.4f}  ({len(examples)} examples)")
 
 

@@ -1,11 +1,12 @@
-"""data/hellaswag.py: scoring against an independent Hugging Face computation, rank splitting, data loading."""
+"""data/hellaswag.py: scoring against an independent Hugging Face computation, rank splitting, stopping early on
+request, data loading, and one download per node that fails cleanly without network."""
 
 import hashlib
 import json
-import socket
 import subprocess
 import sys
-from dataclasses import asdict, replace
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -13,21 +14,21 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import free_port, save_tiny_model
 from data import hellaswag
-from model import GPT, PRESETS
+from model import GPT
+from runtime import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
 VAL_FILE = Path("hellaswag") / "hellaswag_val.jsonl"
+RENDER_EXAMPLE = hellaswag.render_example  # the real one, for the spies below
 
 
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory) -> Path:
-    """A random tiny model saved the way train_gpt2.py saves one. Its block_size of 32 is shorter than most
-    examples, so evaluating it also exercises the left truncation."""
-    torch.manual_seed(0)
-    model = GPT(replace(PRESETS["tiny"], block_size=32))
-    path = tmp_path_factory.mktemp("ckpt") / "model.pt"
-    torch.save({"model": model.state_dict(), "model_config": asdict(model.config)}, path)
+    """A random tiny model. Its block_size of 32 is shorter than most examples, so evaluating it also exercises
+    the left truncation."""
+    path = save_tiny_model(tmp_path_factory.mktemp("ckpt") / "model.pt", block_size=32)
     return path
 
 
@@ -83,28 +84,99 @@ def test_long_rows_are_cut_from_the_left_keeping_the_ending(shared_data, gpt2_en
         assert cut_mask[i].tolist() == [t >= 12 - n_ending for t in range(12)]
 
 
-def _evaluate_on_rank(rank: int, port: int, ckpt: Path, data_file: Path, out_dir: Path) -> None:
+def _on_rank(rank: int, port: int, ckpt: Path, data_file: Path, out_dir: Path) -> None:
+    """One of 2 gloo ranks (each its own node's local rank `rank`... as on one node: local rank = rank): evaluate
+    25 examples, then load the data set through load_examples_distributed from a source that works and from one
+    that does not, counting the downloads."""
     torch.set_num_threads(1)  # two processes share the cores
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    results = {}
     try:
         model = GPT.from_checkpoint(ckpt)
-        acc = hellaswag.evaluate(model, hellaswag.load_examples(str(data_file), limit=25), "cpu", rank=rank,
-                                 world_size=2)
-        (out_dir / f"rank{rank}.json").write_text(json.dumps(acc))
+        results["acc"] = hellaswag.evaluate(model, hellaswag.load_examples(str(data_file), limit=25), "cpu",
+                                            rank=rank, world_size=2)
+        downloads, download = [], hellaswag.download
+        hellaswag.download = lambda path: (downloads.append(path), download(path))
+        hellaswag.CACHE_DIR, hellaswag.URL = out_dir / "cache", data_file.as_uri()
+        results["examples"] = len(hellaswag.load_examples_distributed(None, 3, rank, torch.device("cpu")))
+        hellaswag.CACHE_DIR, hellaswag.URL = out_dir / "empty_cache", (out_dir / "offline.jsonl").as_uri()
+        try:
+            hellaswag.load_examples_distributed(None, 3, rank, torch.device("cpu"))
+        except UserError as e:
+            results["offline_error"] = str(e)
+        results["downloads"] = len(downloads)
+        (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
 
 
-def test_two_ranks_match_one_rank(tmp_path, shared_data, tiny_ckpt):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, shared_data, tiny_ckpt) -> list[dict]:
+    out = tmp_path_factory.mktemp("two_ranks")
+    mp.spawn(_on_rank, args=(free_port(), tiny_ckpt, shared_data / VAL_FILE, out), nprocs=2)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.slow
+def test_two_ranks_match_one_rank(two_ranks, shared_data, tiny_ckpt):
     # 25 examples: the ranks get 13 and 12, so an unequal split is covered.
-    mp.spawn(_evaluate_on_rank, args=(port, tiny_ckpt, shared_data / VAL_FILE, tmp_path), nprocs=2)
     one_rank = hellaswag.evaluate(GPT.from_checkpoint(tiny_ckpt),
                                   hellaswag.load_examples(str(shared_data / VAL_FILE), limit=25), "cpu")
-    per_rank = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert per_rank == [one_rank, one_rank]
+    assert [r["acc"] for r in two_ranks] == [one_rank, one_rank]
+
+
+@pytest.mark.slow
+def test_only_local_rank_0_downloads_and_without_network_every_rank_stops_with_one_paragraph(two_ranks):
+    assert [r["downloads"] for r in two_ranks] == [2, 0]  # rank 0: the working source, then the offline one
+    assert [r["examples"] for r in two_ranks] == [3, 3]  # rank 1 read what rank 0 downloaded
+    rank0, rank1 = (r["offline_error"] for r in two_ranks)
+    assert "could not download HellaSwag" in rank0 and "seems to have no network" in rank0
+    assert "local rank 0" in rank1  # it did not try, and says where to look
+    for message in (rank0, rank1):
+        assert "--hellaswag_path" in message and "--hellaswag_every 0" in message and "\n" not in message
+
+
+def test_without_network_the_download_is_a_user_error_naming_the_flags(tmp_path, monkeypatch):
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("Temporary failure in name resolution")
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    monkeypatch.setattr(hellaswag, "CACHE_DIR", tmp_path / "cache")
+    with pytest.raises(UserError, match=r"no network.*--hellaswag_path.*--hellaswag_every 0"):
+        hellaswag.load_examples_distributed(None, 3, local_rank=0, device=torch.device("cpu"))
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+
+
+def scored_by(rank: int, world_size: int, examples: list[dict], model: GPT, monkeypatch,
+              should_stop=None) -> tuple[list[str], float | None]:
+    """The contexts of the examples rank `rank` of world_size scores (the counts' all_reduce left out)."""
+    seen = []
+    monkeypatch.setattr(hellaswag, "render_example", lambda example, *a: (seen.append(example["ctx"]),
+                                                                          RENDER_EXAMPLE(example, *a))[1])
+    monkeypatch.setattr(hellaswag.dist, "all_reduce", lambda *args, **kwargs: None)
+    acc = hellaswag.evaluate(model, examples, "cpu", rank=rank, world_size=world_size, should_stop=should_stop)
+    return seen, acc
+
+
+def test_each_rank_scores_only_its_own_share_of_the_examples(shared_data, tiny_ckpt, monkeypatch):
+    examples = hellaswag.load_examples(str(shared_data / VAL_FILE), limit=9)
+    model = GPT.from_checkpoint(tiny_ckpt)
+    rank0, _ = scored_by(0, 2, examples, model, monkeypatch)
+    rank1, _ = scored_by(1, 2, examples, model, monkeypatch)
+    assert rank0 == [e["ctx"] for e in examples[0::2]] and rank1 == [e["ctx"] for e in examples[1::2]]
+    assert len(rank0) == 5 and len(rank1) == 4  # disjoint halves that together are all 9
+
+
+def test_a_stop_request_ends_the_evaluation_within_a_few_examples_on_every_rank(shared_data, tiny_ckpt,
+                                                                                   monkeypatch):
+    examples = hellaswag.load_examples(str(shared_data / VAL_FILE), limit=2 * hellaswag.STOP_CHECK_EVERY + 3)
+    model = GPT.from_checkpoint(tiny_ckpt)
+    for rank in (0, 1):  # shares of 18 and 17: both ranks must check equally often, or a collective would hang
+        checks = []
+        seen, acc = scored_by(rank, 2, examples, model, monkeypatch,
+                              should_stop=lambda checks=checks: checks.append(1) or False)
+        assert len(checks) == 1 and acc is not None  # at turn 16 of 18, the same on both ranks
+        seen, acc = scored_by(rank, 2, examples, model, monkeypatch, should_stop=lambda: True)
+        assert acc is None and len(seen) == hellaswag.STOP_CHECK_EVERY
 
 
 def test_evaluate_restores_train_mode(shared_data, tiny_ckpt):
@@ -126,7 +198,7 @@ def test_load_examples_reads_a_local_file_and_honours_limit(shared_data):
 
 def test_missing_hellaswag_path_names_the_file(tmp_path, capsys):
     missing = tmp_path / "nowhere.jsonl"
-    with pytest.raises(FileNotFoundError, match="nowhere.jsonl"):
+    with pytest.raises(UserError, match="nowhere.jsonl"):
         hellaswag.load_examples(str(missing))
     with pytest.raises(SystemExit):  # the CLI checks the data before loading any model
         hellaswag.main(["--model", "gpt2", "--hellaswag_path", str(missing)])
@@ -150,7 +222,7 @@ def test_download_is_cached_and_checked(tmp_path, monkeypatch, shared_data):
     wrong = tmp_path / "wrong.jsonl"
     wrong.write_text('{"ctx": "not hellaswag"}\n')
     monkeypatch.setattr(hellaswag, "URL", wrong.as_uri())
-    with pytest.raises(RuntimeError, match="sha256"):
+    with pytest.raises(UserError, match="sha256"):
         hellaswag.load_examples()
     assert not any(cache.iterdir())
 
