@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import ROOT, make_shards
 from helpers_train import run_train, train_env
@@ -60,3 +61,26 @@ def test_compiled_training_with_validation_and_sampling_matches_eager(tmp_path, 
         assert abs(a["loss"] - b["loss"]) < 0.02
     for a, b in zip(eager.val, compiled.val):
         assert abs(a["val_loss"] - b["val_loss"]) < 0.02
+
+
+def test_a_configuration_that_runs_out_of_memory_is_reported_and_the_rest_still_measured(monkeypatch, capsys):
+    """On an 80 GB GPU the fp32 baseline at the CUDA defaults (B=64, T=1024) needs ~87 GiB."""
+    import bench
+    from runtime import Distributed
+
+    real_time_config = bench.time_config
+
+    def baseline_out_of_memory(work, data_dir, dtype, compile, plain, steps, warmup):
+        if plain:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.28 GiB")
+        return real_time_config(work, data_dir, dtype, compile, plain, steps, warmup)
+
+    monkeypatch.setattr(bench, "time_config", baseline_out_of_memory)
+    args = bench.parse_args(["--model", "tiny", "--device", "cpu", "--micro_batch_size", "2", "--seq_len", "16",
+                             "--steps", "1", "--warmup", "0", "--compare", "--dtype", "fp32"])
+    report = bench.benchmark(args, Distributed(0, 0, 1, torch.device("cpu")))
+    baseline, configured = report["runs"]
+    assert baseline["skipped"] == "out of memory at B=2, T=16: lower --micro_batch_size to measure it"
+    assert configured["tokens_per_sec"] > 0 and report["speedup"] is None
+    assert "going on with the rest" in capsys.readouterr().err
+    assert "skipped: out of memory" in bench.format_report(report, args)

@@ -154,3 +154,23 @@ def test_rng_state_restores_every_generator_after_a_save(tmp_path):
     draw()  # move every generator on
     restore_rng_state(load_snapshot(snapshot_path(tmp_path, 0))["rng"][0], CPU)
     assert draw() == expected
+
+
+def test_a_snapshot_is_fsynced_before_its_rename_and_the_directory_after(tmp_path, monkeypatch):
+    import runtime
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("rename", os.path.basename(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(runtime.os, "fsync", fsync)
+    monkeypatch.setattr(runtime.os, "replace", replace)
+    save_snapshot(fake_snapshot(5), snapshot_path(tmp_path, 5))
+    assert [kind for kind, _ in events] == ["fsync", "rename", "fsync"]
+    assert events[0][1].startswith("snapshot_0000005.pt.") and events[0][1].endswith(".tmp")  # the data, then...
+    assert events[1][1] == "snapshot_0000005.pt" and events[2][1] == tmp_path.name  # ...the name, then the directory
