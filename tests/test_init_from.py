@@ -60,6 +60,7 @@ def test_step_0_of_a_run_from_hugging_face_weights_has_the_hugging_face_models_l
     assert GPT.from_checkpoint(snapshot_path(tmp_path, 0)).transformer.wpe.weight.shape == (32, 64)  # cropped
 
 
+@pytest.mark.slow
 def test_step_0_of_a_run_from_our_snapshot_has_that_models_loss(pretrained, tmp_path):
     root, _ = pretrained
     first = run_train(["--data_dir", str(root / "data"), *ARGS, "--max_steps", "3"], tmp_path / "first")
@@ -75,6 +76,7 @@ def test_step_0_of_a_run_from_our_snapshot_has_that_models_loss(pretrained, tmp_
     assert second.train[0]["lr"] == first.train[0]["lr"]  # the schedule starts over
 
 
+@pytest.mark.slow
 def test_a_restarted_finetune_resumes_from_its_own_snapshot_with_the_uninterrupted_losses(pretrained, tmp_path):
     root, _ = pretrained
     args = ["--data_dir", str(root / "data"), *ARGS, "--init_from", str(root / "hf"), "--max_steps", "6",

@@ -226,6 +226,7 @@ def runs(tmp_path_factory) -> Runs:
     return Runs(root, root / "logs", first, resumed)
 
 
+@pytest.mark.slow
 def test_offline_training_run_mirrors_metrics_jsonl_with_its_config(runs):
     first_dir = wandb_run_dirs(runs.wandb_dir)[0]
     records = wandb_records(first_dir)
@@ -235,6 +236,7 @@ def test_offline_training_run_mirrors_metrics_jsonl_with_its_config(runs):
     assert load_snapshot(snapshot_path(runs.log_dir, 2))["config"].items() <= wandb_config(records).items()
 
 
+@pytest.mark.slow
 def test_resumed_training_run_continues_the_same_wandb_run(runs):
     first_dir, resumed_dir = wandb_run_dirs(runs.wandb_dir)
     resume_line = [i for i, r in enumerate(runs.resumed.records) if r.get("event") == "resume"]

@@ -326,6 +326,7 @@ def test_two_ranks_train_like_one_rank(rank_runs):
         assert b["val_loss"] == pytest.approx(a["val_loss"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_loss_falls_on_tiny_shakespeare(tmp_path, shared_data, gpt2_encoding):
     text = (shared_data / "tinyshakespeare" / "input.txt").read_text()
     write_text_shards(tmp_path / "data", text, gpt2_encoding)
