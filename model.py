@@ -292,7 +292,7 @@ class GPT(nn.Module):
         hf_state = {k: v for k, v in hf_state.items()
                     if not k.endswith((".attn.bias", ".attn.masked_bias")) and k != "lm_head.weight"}
         if set(ours) - {"lm_head.weight"} != set(hf_state):
-            raise ValueError("Hugging Face checkpoint does not match GPT-2's parameters: missing "
+            raise ValueError("Hugging Face weights do not match GPT-2's parameters: missing "
                              f"{sorted(set(ours) - set(hf_state) - {'lm_head.weight'})}, unexpected "
                              f"{sorted(set(hf_state) - set(ours))}")
         with torch.no_grad():
@@ -322,17 +322,17 @@ class GPT(nn.Module):
         return hf_state
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, map_location: str = "cpu") -> "GPT":
-        """A plain GPT from a training snapshot or a model-only checkpoint ({"model", "model_config"})."""
+    def from_snapshot(cls, path: str | Path, map_location: str = "cpu") -> "GPT":
+        """A plain GPT from a training snapshot, or from a file with just a snapshot's "model" and "model_config"."""
         if not Path(path).is_file():
-            raise FileNotFoundError(f"checkpoint {path}: no such file. Pass a snapshot_*.pt written by train_gpt2.py.")
+            raise FileNotFoundError(f"snapshot {path}: no such file. Pass a snapshot_*.pt written by train_gpt2.py.")
         try:
             ckpt = torch.load(path, map_location=map_location, weights_only=True)
         except Exception as e:  # a foreign file fails with anything from KeyError to UnpicklingError
-            raise ValueError(f"{path} could not be read as a PyTorch checkpoint ({type(e).__name__}: {e}). "
+            raise ValueError(f"{path} could not be read as a PyTorch file ({type(e).__name__}: {e}). "
                              "Pass a snapshot_*.pt written by train_gpt2.py.") from e
         if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
-            raise ValueError(f"{path} is not a checkpoint of this codebase (it lacks 'model' and 'model_config'). "
+            raise ValueError(f"{path} is not a snapshot of this codebase (it lacks 'model' and 'model_config'). "
                              "Pass a snapshot_*.pt written by train_gpt2.py.")
         known = {f.name for f in fields(GPTConfig)}
         model = cls(GPTConfig(**{k: v for k, v in ckpt["model_config"].items() if k in known}))

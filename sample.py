@@ -1,4 +1,4 @@
-"""Sample text from a checkpoint of this codebase or from a Hugging Face GPT-2.
+"""Sample text from a snapshot of this codebase or from a Hugging Face GPT-2.
 
     python sample.py --ckpt logs/snapshot_0019072.pt
     python sample.py --model gpt2 --prompt "The meaning of life is" --num_samples 2 --max_new_tokens 64
@@ -36,7 +36,7 @@ def generate_text(model: GPT, prompt: str, num_samples: int = 4, max_new_tokens:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--ckpt", help="checkpoint written by train_gpt2.py (a snapshot or a model-only file)")
+    source.add_argument("--ckpt", help="a snapshot_*.pt written by train_gpt2.py (or a file with just its model)")
     source.add_argument("--model", help="Hugging Face GPT-2: a hub name (gpt2, gpt2-medium, ...) or a local directory")
     parser.add_argument("--prompt", default="Hello, I'm a language model,")
     parser.add_argument("--num_samples", type=int, default=4)
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.ckpt is not None:
         try:
-            model = GPT.from_checkpoint(args.ckpt)
+            model = GPT.from_snapshot(args.ckpt)
         except (FileNotFoundError, ValueError) as e:
             parser.error(f"--ckpt: {e} (For Hugging Face weights use --model instead.)")
     else:

@@ -174,7 +174,7 @@ def initial_model(cfg: TrainConfig, plan: Plan) -> GPT:
                             "with GPT2LMHeadModel.from_pretrained(name).save_pretrained(directory), copy the "
                             "directory over and pass --init_from directory.") from e
     else:
-        model = GPT.from_checkpoint(cfg.init_from)
+        model = GPT.from_snapshot(cfg.init_from)
     model.crop_block_size(plan.model_config.block_size)
     return model
 

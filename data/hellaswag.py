@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="Hugging Face GPT-2: a hub name (gpt2, gpt2-medium, ...) or a local directory")
-    source.add_argument("--ckpt", help="a checkpoint written by train_gpt2.py")
+    source.add_argument("--ckpt", help="a snapshot_*.pt written by train_gpt2.py")
     parser.add_argument("--hellaswag_path",
                         help="a local hellaswag_val.jsonl (default: download it to data/hellaswag_cache/)")
     parser.add_argument("--limit", type=int, help="evaluate only the first N examples")
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as e:
         parser.error(str(e))
     try:
-        model = GPT.from_pretrained(args.model) if args.model else GPT.from_checkpoint(args.ckpt)
+        model = GPT.from_pretrained(args.model) if args.model else GPT.from_snapshot(args.ckpt)
     except (FileNotFoundError, ValueError) as e:  # a bad --ckpt: the message names the file and the fix
         parser.error(str(e))
     model.to(device)

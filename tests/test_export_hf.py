@@ -24,7 +24,7 @@ def test_transformers_loads_the_export_with_our_logits_and_tokenizer(perturbed_c
     hf_model = GPT2LMHeadModel.from_pretrained(out).eval()
     assert (hf_model.config.n_positions, hf_model.config.n_layer, hf_model.config.n_head) == (64, 2, 2)
     assert hf_model.config.activation_function == "gelu_new"
-    ours = GPT.from_checkpoint(perturbed_ckpt)
+    ours = GPT.from_snapshot(perturbed_ckpt)
     idx = torch.randint(0, 50257, (2, 64), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected, _ = ours(idx)
@@ -46,7 +46,7 @@ def test_without_tokenizer_dir_says_how_to_add_it(perturbed_ckpt, tmp_path, caps
     assert not (tmp_path / "hf" / "vocab.json").exists()
 
 
-def test_missing_or_foreign_checkpoint_is_refused_clearly(tmp_path, capsys):
+def test_missing_or_foreign_snapshot_is_refused_clearly(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([str(tmp_path / "nope.pt"), str(tmp_path / "hf")])
     assert "nope.pt: no such file" in capsys.readouterr().err
@@ -55,5 +55,5 @@ def test_missing_or_foreign_checkpoint_is_refused_clearly(tmp_path, capsys):
     torch.save({"state_dict": {"w": torch.zeros(2)}}, foreign)
     with pytest.raises(SystemExit):
         main([str(foreign), str(tmp_path / "hf")])
-    assert "is not a checkpoint of this codebase" in capsys.readouterr().err
+    assert "is not a snapshot of this codebase" in capsys.readouterr().err
     assert not (tmp_path / "hf").exists()

@@ -92,7 +92,7 @@ def _on_rank(rank: int, port: int, ckpt: Path, data_file: Path, out_dir: Path) -
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     results = {}
     try:
-        model = GPT.from_checkpoint(ckpt)
+        model = GPT.from_snapshot(ckpt)
         results["acc"] = hellaswag.evaluate(model, hellaswag.load_examples(str(data_file), limit=25), "cpu",
                                             rank=rank, world_size=2)
         downloads, download = [], hellaswag.download
@@ -120,7 +120,7 @@ def two_ranks(tmp_path_factory, shared_data, tiny_ckpt) -> list[dict]:
 @pytest.mark.slow
 def test_two_ranks_match_one_rank(two_ranks, shared_data, tiny_ckpt):
     # 25 examples: the ranks get 13 and 12, so an unequal split is covered.
-    one_rank = hellaswag.evaluate(GPT.from_checkpoint(tiny_ckpt),
+    one_rank = hellaswag.evaluate(GPT.from_snapshot(tiny_ckpt),
                                   hellaswag.load_examples(str(shared_data / VAL_FILE), limit=25), "cpu")
     assert [r["acc"] for r in two_ranks] == [one_rank, one_rank]
 
@@ -159,7 +159,7 @@ def scored_by(rank: int, world_size: int, examples: list[dict], model: GPT, monk
 
 def test_each_rank_scores_only_its_own_share_of_the_examples(shared_data, tiny_ckpt, monkeypatch):
     examples = hellaswag.load_examples(str(shared_data / VAL_FILE), limit=9)
-    model = GPT.from_checkpoint(tiny_ckpt)
+    model = GPT.from_snapshot(tiny_ckpt)
     rank0, _ = scored_by(0, 2, examples, model, monkeypatch)
     rank1, _ = scored_by(1, 2, examples, model, monkeypatch)
     assert rank0 == [e["ctx"] for e in examples[0::2]] and rank1 == [e["ctx"] for e in examples[1::2]]
@@ -169,7 +169,7 @@ def test_each_rank_scores_only_its_own_share_of_the_examples(shared_data, tiny_c
 def test_a_stop_request_ends_the_evaluation_within_a_few_examples_on_every_rank(shared_data, tiny_ckpt,
                                                                                    monkeypatch):
     examples = hellaswag.load_examples(str(shared_data / VAL_FILE), limit=2 * hellaswag.STOP_CHECK_EVERY + 3)
-    model = GPT.from_checkpoint(tiny_ckpt)
+    model = GPT.from_snapshot(tiny_ckpt)
     for rank in (0, 1):  # shares of 18 and 17: both ranks must check equally often, or a collective would hang
         checks = []
         seen, acc = scored_by(rank, 2, examples, model, monkeypatch,
@@ -180,7 +180,7 @@ def test_a_stop_request_ends_the_evaluation_within_a_few_examples_on_every_rank(
 
 
 def test_evaluate_restores_train_mode(shared_data, tiny_ckpt):
-    model = GPT.from_checkpoint(tiny_ckpt).train()
+    model = GPT.from_snapshot(tiny_ckpt).train()
     modes = []
     model.register_forward_hook(lambda module, args, output: modes.append(module.training))
     hellaswag.evaluate(model, hellaswag.load_examples(str(shared_data / VAL_FILE), limit=2), "cpu")
@@ -227,10 +227,10 @@ def test_download_is_cached_and_checked(tmp_path, monkeypatch, shared_data):
     assert not any(cache.iterdir())
 
 
-def test_cli_prints_the_accuracy_of_a_checkpoint(shared_data, tiny_ckpt):
+def test_cli_prints_the_accuracy_of_a_snapshot(shared_data, tiny_ckpt):
     data_file = shared_data / VAL_FILE
     result = subprocess.run([sys.executable, "data/hellaswag.py", "--ckpt", str(tiny_ckpt), "--hellaswag_path",
                              str(data_file), "--limit", "8", "--device", "cpu"],
                             cwd=ROOT, capture_output=True, text=True, check=True)
-    expected = hellaswag.evaluate(GPT.from_checkpoint(tiny_ckpt), hellaswag.load_examples(str(data_file), 8), "cpu")
+    expected = hellaswag.evaluate(GPT.from_snapshot(tiny_ckpt), hellaswag.load_examples(str(data_file), 8), "cpu")
     assert f"acc_norm {expected:.4f}" in result.stdout and "(8 examples)" in result.stdout

@@ -1,5 +1,5 @@
 """model.py: parity with Hugging Face's GPT-2 both ways, parameter and FLOP counts, init, optimizer groups,
-generation and checkpoint loading."""
+generation and snapshot loading."""
 
 import math
 from dataclasses import asdict
@@ -203,10 +203,10 @@ def test_forward_rejects_sequences_longer_than_block_size(tiny_model):
         tiny_model(random_tokens(TINY, B=1, T=17))
 
 
-def test_from_checkpoint_restores_the_same_model(tiny_model, tmp_path):
+def test_from_snapshot_restores_the_same_model(tiny_model, tmp_path):
     path = tmp_path / "model.pt"
     torch.save({"model": tiny_model.state_dict(), "model_config": asdict(TINY), "step": 7}, path)
-    loaded = GPT.from_checkpoint(path).eval()
+    loaded = GPT.from_snapshot(path).eval()
     assert loaded.config == TINY
     assert loaded.lm_head.weight is loaded.transformer.wte.weight  # still tied after load_state_dict
     idx = random_tokens(TINY, B=2, T=TINY.block_size)
@@ -214,8 +214,8 @@ def test_from_checkpoint_restores_the_same_model(tiny_model, tmp_path):
         assert torch.equal(loaded(idx)[0], tiny_model(idx)[0])
 
 
-def test_from_checkpoint_rejects_a_file_without_model_and_config(tmp_path):
-    path = tmp_path / "not_a_checkpoint.pt"
+def test_from_snapshot_rejects_a_file_without_model_and_config(tmp_path):
+    path = tmp_path / "not_a_snapshot.pt"
     torch.save({"weights": torch.zeros(3)}, path)
-    with pytest.raises(ValueError, match=r"not_a_checkpoint\.pt.*'model' and 'model_config'"):
-        GPT.from_checkpoint(path)
+    with pytest.raises(ValueError, match=r"not_a_snapshot\.pt.*'model' and 'model_config'"):
+        GPT.from_snapshot(path)

@@ -193,7 +193,7 @@ def test_snapshots_hold_the_whole_training_state(job):
 
 def test_snapshot_loads_into_a_plain_gpt_that_reproduces_the_logged_val_loss(job):
     # Validation at step 8 runs before step 8's update, on the weights the snapshot of step 7 holds.
-    model = GPT.from_checkpoint(snapshot_path(job.one_rank, 7)).eval()
+    model = GPT.from_snapshot(snapshot_path(job.one_rank, 7)).eval()
     val = DistributedDataLoader(job.data, "val", B=2, T=16)
     with torch.no_grad():
         loss = sum(model(*val.next_batch())[1] for _ in range(2)) / 2  # --val_tokens 64 = 2 micro-batches of 32
