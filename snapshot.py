@@ -109,10 +109,7 @@ class Snapshots:
                      "fresh.")
         else:  # (a disabled scaler ignores the state of an fp16 snapshot continued in bf16 or fp32)
             t.scaler.load_state_dict(state["scaler"])
-        try:
-            self.train_loader.load_state_dict(state["loader"])
-        except ValueError as e:
-            raise UserError(f"{path}: {e}") from e
+        self.train_loader.load_state_dict(state["loader"])
         if len(state["rng"]) == dist_env.world_size:
             restore_rng_state(state["rng"][dist_env.rank], dist_env.device)
         else:  # a different number of ranks: the data position carries over exactly (see dataloader.py)

@@ -279,7 +279,8 @@ def log_setup(cfg: TrainConfig, plan: Plan, model: GPT, dist_env: Distributed, d
     if not dist_env.is_master:
         return
     tokens_per_micro_step = cfg.micro_batch_size * plan.seq_len * dist_env.world_size
-    print(f"model: {cfg.model or cfg.init_from} {plan.model_config} | {model.num_params():,} parameters\n"
+    name = cfg.model or ("gpt2" if cfg.init_from == "scratch" else cfg.init_from)
+    print(f"model: {name} {plan.model_config} | {model.num_params():,} parameters\n"
           f"device: {dist_env.device} × {dist_env.world_size} ranks | dtype {dtype_name(dtype)} | compile "
           f"{cfg.compile} | peak {peak.flops / 1e12:,.1f} TFLOP/s per device ({peak.source})\n"
           f"batch: {cfg.total_batch_size:,} tokens = {cfg.micro_batch_size} × {plan.seq_len} × "
