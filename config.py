@@ -57,6 +57,8 @@ class TrainConfig:
                              "else fp16 on GPUs, else fp32)", choices=("auto", "bf16", "fp16", "fp32"))
     device: str = arg("auto", "where to train (auto: cuda, else mps, else cpu)", choices=("auto", "cuda", "mps", "cpu"))
     compile: bool = arg(False, "torch.compile the model")
+    parallel: str = arg("ddp", "ddp: every GPU holds the whole model | fsdp: weights, gradients and AdamW state "
+                               "sharded across the ranks, for models that do not fit one GPU", choices=("ddp", "fsdp"))
     deterministic: bool = arg(False, "bitwise-repeatable GPU runs (deterministic kernels; slower)")
     seed: int = arg(1337, "random seed (weights init, data shuffling)")
     # evaluation and logging
@@ -211,7 +213,9 @@ def init_weights_config(init_from: str) -> GPTConfig:
     if init_from in HF_MODELS:
         return PRESETS[init_from]  # OpenAI's GPT-2 sizes are our presets of the same names
     path = Path(init_from)
-    if path.is_dir():
+    if path.is_dir() and (path / "meta.pt").is_file():  # an fsdp run's snapshot
+        path = path / "meta.pt"
+    elif path.is_dir():
         config_file = path / "config.json"
         if not config_file.is_file():
             raise UserError(f"--init_from {init_from}: the directory has no config.json, so it is not a Hugging Face "

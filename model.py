@@ -5,7 +5,7 @@ by name and a trained model exports back the same way.
 """
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -323,8 +323,12 @@ class GPT(nn.Module):
 
     @classmethod
     def from_snapshot(cls, path: str | Path, map_location: str = "cpu") -> "GPT":
-        """A plain GPT from a training snapshot, or from a file with just a snapshot's "model" and "model_config"."""
-        if not Path(path).is_file():
+        """A plain GPT from a training snapshot (a snapshot_*.pt file, or the directory of an fsdp run's), or from a
+        file with just a snapshot's "model" and "model_config"."""
+        path = Path(path)
+        if path.is_dir() and (path / "meta.pt").is_file():
+            return cls._from_sharded_snapshot(path)
+        if not path.is_file():
             raise FileNotFoundError(f"snapshot {path}: no such file. Pass a snapshot_*.pt written by train_gpt2.py.")
         try:
             ckpt = torch.load(path, map_location=map_location, weights_only=True)
@@ -334,7 +338,19 @@ class GPT(nn.Module):
         if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
             raise ValueError(f"{path} is not a snapshot of this codebase (it lacks 'model' and 'model_config'). "
                              "Pass a snapshot_*.pt written by train_gpt2.py.")
-        known = {f.name for f in fields(GPTConfig)}
-        model = cls(GPTConfig(**{k: v for k, v in ckpt["model_config"].items() if k in known}))
+        model = cls(GPTConfig(**ckpt["model_config"]))
         model.load_state_dict(ckpt["model"])
+        return model
+
+    @classmethod
+    def _from_sharded_snapshot(cls, path: Path) -> "GPT":
+        """An fsdp run's snapshot: torch.distributed.checkpoint puts the ranks' shards back together, in one
+        process and without a process group."""
+        import torch.distributed.checkpoint as dcp
+
+        meta = torch.load(path / "meta.pt", map_location="cpu", weights_only=True)
+        model = cls(GPTConfig(**meta["model_config"]))
+        state = {"model": model.state_dict()}
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+        model.load_state_dict(state["model"])
         return model

@@ -19,7 +19,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from model import GPT
 
 # ----------------------------------------------------------------------------------------------------------------
 # errors a user can fix
@@ -65,8 +69,9 @@ def default_device() -> str:
     return "cpu"
 
 
-def setup_distributed(device_arg: str) -> Distributed:
-    """One process per device. torchrun sets RANK/LOCAL_RANK/WORLD_SIZE; without them we are the only process."""
+def setup_distributed(device_arg: str, parallel: str = "ddp") -> Distributed:
+    """One process per device. torchrun sets RANK/LOCAL_RANK/WORLD_SIZE; without them we are the only process
+    (with --parallel fsdp, in a process group of one, which FSDP needs)."""
     rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in
                                     (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
     device_type = default_device() if device_arg == "auto" else device_arg
@@ -78,7 +83,10 @@ def setup_distributed(device_arg: str) -> Distributed:
     device = torch.device(f"cuda:{local_rank}" if device_type == "cuda" else device_type)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if world_size > 1:
+    if world_size == 1 and parallel == "fsdp":
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1, device_id=device if device.type == "cuda" else None)
+    elif world_size > 1:
         store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(minutes=10)))
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             # torchrun's agent keeps one TCPStore for the whole job, where a dead round's addresses are still
@@ -199,15 +207,31 @@ def keep_freed_memory() -> None:
 
 @dataclass
 class TrainingModel:
-    raw: torch.nn.Module  # the plain GPT: its state_dict, evaluation, sampling
+    raw: torch.nn.Module  # the GPT itself (with fsdp: its parameters are shards): state_dict, validation
     model: torch.nn.Module  # what the training step calls: compiled and/or DDP-wrapped
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler  # enabled for fp16 only
+    parallel: str = "ddp"  # or "fsdp"
+
+    @property
+    def sharded(self) -> bool:
+        return self.parallel == "fsdp"
+
+    def full_model(self) -> torch.nn.Module:
+        """A GPT with all of its weights, for HellaSwag and sampling, which run different work on each rank. With
+        fsdp a collective: every rank calls it and gets its own unsharded copy."""
+        if not self.sharded:
+            return self.raw
+        full = get_model_state_dict(self.raw, options=StateDictOptions(full_state_dict=True))
+        copy = GPT(self.raw.config).to(next(iter(full.values())).device)
+        copy.load_state_dict(full)
+        return copy
 
 
 def build_model(raw_model: torch.nn.Module, dist_env: Distributed, dtype: torch.dtype, weight_decay: float,
-                learning_rate: float, compile: bool, plain: bool = False) -> TrainingModel:
-    """Move the model to the device, make its optimizer and GradScaler, then compile and wrap it in DDP.
+                learning_rate: float, compile: bool, plain: bool = False, parallel: str = "ddp") -> TrainingModel:
+    """Move the model to the device, shard it (fsdp), make its optimizer and GradScaler, then compile it and wrap
+    it in DDP (ddp, several ranks).
 
     plain: bench.py's baseline, with the for-loop AdamW instead of the fused one.
     """
@@ -215,13 +239,40 @@ def build_model(raw_model: torch.nn.Module, dist_env: Distributed, dtype: torch.
     if compile and device.type == "mps":
         raise UserError("--compile is not supported on MPS (torch.compile's MPS backend is experimental and fails "
                         "on this model); leave --compile out.")
+    if parallel == "fsdp" and dtype == torch.float16:
+        raise UserError("--parallel fsdp with fp16 is not supported (its loss scaling would need a sharded "
+                        "GradScaler): use --dtype bf16 on GPUs that have it, --dtype fp32, or --parallel ddp.")
     raw_model = raw_model.to(device)
+    if parallel == "fsdp":
+        shard(raw_model, dtype)
     optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, device.type, fused=not plain)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     model = torch.compile(raw_model) if compile else raw_model
-    if dist_env.world_size > 1:
+    if dist_env.world_size > 1 and parallel == "ddp":
         model = DDP(model, device_ids=[dist_env.local_rank] if device.type == "cuda" else None)
-    return TrainingModel(raw_model, model, optimizer, scaler)
+    return TrainingModel(raw_model, model, optimizer, scaler, parallel)
+
+
+def shard(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """FSDP2, in place: each Block's parameters are one shard group (gathered just before the block runs, freed
+    after), the rest (embeddings, tied with the output layer, and the last LayerNorm) the root's. Under bf16 the
+    gathered weights are bf16 for compute and gradients are reduced in fp32."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if dtype == torch.bfloat16 else MixedPrecisionPolicy()
+    for block in model.transformer.h:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+
+
+def set_gradient_sync(model: torch.nn.Module, sync: bool) -> None:
+    """Whether this backward pass reduces gradients across ranks: only the last micro-step's does, the earlier
+    ones add into the local gradients (DDP: the all-reduce; FSDP: the reduce-scatter)."""
+    inner = getattr(model, "_orig_mod", model)  # under torch.compile
+    if isinstance(model, DDP):
+        # Setting the flag rather than `with model.no_sync()` keeps one code path.
+        model.require_backward_grad_sync = sync
+    elif isinstance(inner, FSDPModule):
+        inner.set_requires_gradient_sync(sync)
 
 
 # ----------------------------------------------------------------------------------------------------------------

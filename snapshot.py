@@ -3,14 +3,20 @@
 The interface for the training run is `Snapshots`: `resume()` at the start and `save_if_due(step, stopping)` after
 every step. What a snapshot holds is decided here, in `_capture` and `_restore`, and nowhere else.
 
-A snapshot is valid only once its final name exists: it is written to a temp file, fsynced and renamed, so a crash
-mid-write leaves the previous snapshots as they were. Loading uses torch.load(weights_only=True), so everything
+Two kinds: with --parallel ddp, one file snapshot_<step>.pt that rank 0 writes; with --parallel fsdp, a directory
+snapshot_<step>/ in which every rank writes its shards of the model and optimizer (torch.distributed.checkpoint,
+which reshards them on loading, so a resume may use another number of ranks) and rank 0 the rest, meta.pt.
+
+A snapshot is valid only once its final name exists: it is written under a temp name, fsynced and renamed, so a
+crash mid-write leaves the previous snapshots as they were. Loading uses torch.load(weights_only=True), so everything
 in a snapshot is tensors, numbers, strings, lists and dicts; and mmap=True, so that 8 ranks resuming on one node
 share the file's pages instead of each reading the whole model and optimizer state into its own memory.
 """
 
+import os
 import random
 import re
+import shutil
 import sys
 import uuid
 from collections.abc import Callable
@@ -20,12 +26,15 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from dataloader import DistributedDataLoader
-from runtime import Distributed, TrainingModel, UserError, atomic_write
+from runtime import Distributed, TrainingModel, UserError, atomic_write, fsync_directory
 
-SNAPSHOT_NAME = re.compile(r"snapshot_(\d+)\.pt")
+SNAPSHOT_NAME = re.compile(r"snapshot_(\d+)(\.pt)?")  # a file (ddp) or a directory (fsdp)
 REQUIRED_KEYS = ("model", "model_config", "optimizer", "scaler", "step", "loader", "rng", "config", "wandb_id")
+SHARDED_KEYS = ("model", "optimizer")  # in a directory snapshot: in the shards, not in meta.pt
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -64,9 +73,12 @@ class Snapshots:
         if not due or step <= self.last_saved:  # nothing trained since the last one (a stop during evaluation)
             return None
         state = self._capture(step)
-        path = snapshot_path(self.ckpt_dir, step)
-        if state is not None:
+        path = snapshot_path(self.ckpt_dir, step, self.trained.sharded)
+        if self.trained.sharded:
+            save_sharded_snapshot(state, self.trained, path)
+        elif state is not None:
             save_snapshot(state, path)
+        if self.dist_env.is_master:
             prune_snapshots(self.ckpt_dir, self.keep_last)
             self.log(f"snapshot written: {path}")
         self.last_saved = step
@@ -75,7 +87,8 @@ class Snapshots:
     # --- what a snapshot holds
 
     def _capture(self, step: int) -> dict | None:
-        """Everything needed to continue exactly after `step`. Collective: every rank calls it; rank 0 gets it."""
+        """Everything needed to continue exactly after `step` (with fsdp: but the sharded model and optimizer).
+        Collective: every rank calls it; rank 0 gets it."""
         device = self.dist_env.device
         mine = (capture_rng_state(device), self.train_loader.state_dict())
         per_rank = [mine]
@@ -90,10 +103,12 @@ class Snapshots:
         if not self.dist_env.is_master:
             return None
         t = self.trained
-        return {"model": t.raw.state_dict(), "model_config": asdict(t.raw.config),
-                "optimizer": t.optimizer.state_dict(), "scaler": t.scaler.state_dict(), "step": step,
-                "loader": loader_states[0], "rng": list(rng_states), "config": self.run_config,
-                "wandb_id": self.wandb_id}
+        state = {"model_config": asdict(t.raw.config), "scaler": t.scaler.state_dict(), "step": step,
+                 "loader": loader_states[0], "rng": list(rng_states), "config": self.run_config,
+                 "wandb_id": self.wandb_id}
+        if not t.sharded:
+            state |= {"model": t.raw.state_dict(), "optimizer": t.optimizer.state_dict()}
+        return state
 
     def _restore(self, path: str, state: dict) -> None:
         t, dist_env = self.trained, self.dist_env
@@ -101,8 +116,21 @@ class Snapshots:
             raise UserError(f"{path} holds a model {state['model_config']}, but this run builds "
                             f"{asdict(t.raw.config)}. Pass the --model/--n_layer/--n_head/--n_embd/--block_size of "
                             "the run that wrote it, or --resume never to start over.")
-        t.raw.load_state_dict(state["model"])
-        t.optimizer.load_state_dict(state["optimizer"])
+        sharded_snapshot = Path(path).is_dir()
+        if sharded_snapshot != t.sharded:
+            kind = "fsdp" if sharded_snapshot else "ddp"
+            raise UserError(f"{path} was written by a --parallel {kind} run, and this run is --parallel "
+                            f"{t.parallel}: their optimizer states are laid out differently. Resume it with --parallel "
+                            f"{kind} (on any number of ranks), or start a new run from its weights with --init_from "
+                            f"{path}.")
+        if t.sharded:  # each rank reads its own shards, resharded if the number of ranks changed
+            model_state, optimizer_state = get_state_dict(t.raw, t.optimizer)
+            loaded = {"model": model_state, "optimizer": optimizer_state}
+            dcp.load(loaded, checkpoint_id=path)
+            set_state_dict(t.raw, t.optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"])
+        else:
+            t.raw.load_state_dict(state["model"])
+            t.optimizer.load_state_dict(state["optimizer"])
         if t.scaler.is_enabled() and not state["scaler"]:
             # A bf16 or fp32 run continued in fp16 (an A100 run moved to a V100): there is no loss scale to carry.
             self.log(f"{path} was written without fp16, so it has no GradScaler state: the fp16 loss scale starts "
@@ -127,8 +155,8 @@ class Snapshots:
             return None
         if self.resume_from != "auto":
             # Every rank checks, so that none is left waiting in a collective for a rank 0 that has exited.
-            if not Path(self.resume_from).is_file():
-                raise UserError(f"--resume {self.resume_from}: no such file. Pass the path of a snapshot_*.pt file, "
+            if not Path(self.resume_from).exists():
+                raise UserError(f"--resume {self.resume_from}: no such file. Pass the path of a snapshot_* file, "
                                 "'auto' (the newest valid snapshot in --ckpt_dir) or 'never' (start fresh).")
             try:
                 return self.resume_from, load_snapshot(self.resume_from)
@@ -149,23 +177,46 @@ class Snapshots:
 # ----------------------------------------------------------------------------------------------------------------
 # files
 
-def snapshot_path(ckpt_dir: str | Path, step: int) -> Path:
-    return Path(ckpt_dir) / f"snapshot_{step:07d}.pt"
+def snapshot_path(ckpt_dir: str | Path, step: int, sharded: bool = False) -> Path:
+    return Path(ckpt_dir) / (f"snapshot_{step:07d}" if sharded else f"snapshot_{step:07d}.pt")
 
 
 def save_snapshot(state: dict, path: Path) -> None:
     atomic_write(path, lambda f: torch.save(state, f))
 
 
+def save_sharded_snapshot(meta: dict | None, trained: TrainingModel, path: Path) -> None:
+    """Every rank writes its shards of the model and optimizer into a temp directory, rank 0 adds meta (the rest of
+    the snapshot) and renames the directory into place once all are written. Collective."""
+    tmp = path.with_name(path.name + ".tmp")
+    if meta is not None:
+        shutil.rmtree(tmp, ignore_errors=True)  # a dead run's
+    dist.barrier()
+    model_state, optimizer_state = get_state_dict(trained.raw, trained.optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp)  # returns once all have written
+    if meta is not None:
+        atomic_write(tmp / "meta.pt", lambda f: torch.save(meta, f))
+        shutil.rmtree(path, ignore_errors=True)  # a snapshot of the same step from before a restart
+        os.replace(tmp, path)
+        fsync_directory(path.parent)
+    dist.barrier()  # nobody goes on (or exits) before the snapshot is complete
+
+
 def load_snapshot(path: str | Path) -> dict:
-    """Load and check a snapshot; raises ValueError naming the file if it is truncated or not ours."""
+    """Load and check a snapshot (of a directory snapshot: meta.pt, the shards are read when restoring); raises
+    ValueError naming the file if it is truncated or not ours."""
+    path = Path(path)
+    sharded = path.is_dir()
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        if sharded and not (path / ".metadata").is_file():
+            raise FileNotFoundError(f"{path / '.metadata'} is missing")
+        state = torch.load(path / "meta.pt" if sharded else path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # torch's message can run to a page; its first line says what failed
         first_line = str(e).strip().split("\n")[0]
         raise ValueError(f"{path} could not be read as a snapshot ({type(e).__name__}: {first_line}); "
                          "it is truncated, corrupt or not a torch file.") from e
-    missing = [k for k in REQUIRED_KEYS if not isinstance(state, dict) or k not in state]
+    required = [k for k in REQUIRED_KEYS if not (sharded and k in SHARDED_KEYS)]
+    missing = [k for k in required if not isinstance(state, dict) or k not in state]
     if missing:
         raise ValueError(f"{path} is not a training snapshot of this codebase (missing {missing}).")
     return state
@@ -193,10 +244,17 @@ def find_latest_snapshot(ckpt_dir: str | Path) -> tuple[Path, dict] | None:
 def prune_snapshots(ckpt_dir: str | Path, keep_last: int) -> None:
     """Delete all but the keep_last newest snapshots, and the temp files of writes that a crash cut short."""
     for old in list_snapshots(ckpt_dir)[keep_last:]:
-        old.unlink(missing_ok=True)
-    # One writer saves one snapshot at a time, so once a save has finished every temp file is a dead run's.
-    for tmp in Path(ckpt_dir).glob("snapshot_*.pt.*tmp"):
-        tmp.unlink(missing_ok=True)
+        remove(old)
+    # One snapshot is saved at a time, so once a save has finished every temp file or directory is a dead run's.
+    for tmp in Path(ckpt_dir).glob("snapshot_*tmp"):
+        remove(tmp)
+
+
+def remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ from training import StepResult, get_lr, train_step
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv, __doc__)
-    dist_env = setup_distributed(cfg.device)
+    dist_env = setup_distributed(cfg.device, cfg.parallel)
     # Settings for the whole process, made here so that run() changes nothing outside itself.
     torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere+: ~8x faster than fp32, precise enough
     if cfg.deterministic:
@@ -91,7 +91,8 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: "StopRequest | None" = No
                                                                  dist_env.local_rank, device)
 
     # --- model, optimizer, and the snapshot to resume from
-    trained = build_model(initial_model(cfg, plan), dist_env, dtype, cfg.weight_decay, cfg.max_lr, cfg.compile)
+    trained = build_model(initial_model(cfg, plan), dist_env, dtype, cfg.weight_decay, cfg.max_lr, cfg.compile,
+                          parallel=cfg.parallel)
     snapshots = Snapshots(plan.ckpt_dir, cfg.ckpt_every, cfg.keep_last, cfg.resume, trained, train_loader,
                           asdict(cfg), dist_env, log)
     start_step, resumed_from = snapshots.resume()
@@ -165,7 +166,7 @@ def initial_model(cfg: TrainConfig, plan: Plan) -> GPT:
     """Random weights, or the --init_from ones (cropped to --block_size), before compile and DDP see the model."""
     if cfg.init_from == "scratch":
         return GPT(plan.model_config)
-    if cfg.init_from in HF_MODELS or Path(cfg.init_from).is_dir():
+    if cfg.init_from in HF_MODELS or (Path(cfg.init_from) / "config.json").is_file():
         try:
             model = GPT.from_pretrained(cfg.init_from)
         except OSError as e:  # what transformers raises for no network, an unknown name or missing weight files
@@ -243,19 +244,22 @@ class Evaluations:
                 return False
             log(f"step {step:5d} | val loss {val_loss:.4f}")
             self.logger.log({"step": step, "val_loss": val_loss})
-        if self.hellaswag_examples and (step % cfg.hellaswag_every == 0 or step == last_step):
+        hellaswag_due = self.hellaswag_examples and (step % cfg.hellaswag_every == 0 or step == last_step)
+        sample_due = cfg.sample_every and step > 0 and (step % cfg.sample_every == 0 or step == last_step)
+        # The uncompiled module, whole: HellaSwag's sequence lengths vary and would make torch.compile recompile,
+        # and each rank scores other examples (and only rank 0 samples), so fsdp's gathers could not pair up.
+        full_model = self.trained.full_model() if hellaswag_due or sample_due else None
+        if hellaswag_due:
             from data import hellaswag
-            # The uncompiled module: HellaSwag's sequence lengths vary and would make torch.compile recompile.
-            acc = hellaswag.evaluate(self.trained.raw, self.hellaswag_examples, device, dtype, self.dist_env.rank,
+            acc = hellaswag.evaluate(full_model, self.hellaswag_examples, device, dtype, self.dist_env.rank,
                                      self.dist_env.world_size, should_stop)
             if acc is None:
                 return False
             log(f"step {step:5d} | hellaswag acc_norm {acc:.4f}")
             self.logger.log({"step": step, "hellaswag_acc": acc})
-        if self.dist_env.is_master and cfg.sample_every and step > 0 and \
-                (step % cfg.sample_every == 0 or step == last_step) and not self.stop.requested:
+        if self.dist_env.is_master and sample_due and not self.stop.requested:
             # Rank 0 alone, so no collective: a stop request seen later is agreed on after the step.
-            texts = generate_text(self.trained.raw, "Hello, I'm a language model,", num_samples=4, max_new_tokens=32,
+            texts = generate_text(full_model, "Hello, I'm a language model,", num_samples=4, max_new_tokens=32,
                                   temperature=1.0, top_k=50, seed=42)
             for text in texts:
                 print(f"sample {step}: {text!r}")

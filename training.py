@@ -5,11 +5,11 @@ import time
 from dataclasses import dataclass
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.distributed.tensor import DTensor
 
 from config import TrainConfig
 from dataloader import DistributedDataLoader
-from runtime import autocast, average_across_ranks, to_device
+from runtime import autocast, average_across_ranks, set_gradient_sync, to_device
 
 
 def get_lr(step: int, cfg: TrainConfig) -> float:
@@ -45,10 +45,9 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler:
         t0 = time.perf_counter()
         x, y = to_device(*loader.next_batch(), device)
         data_seconds += time.perf_counter() - t0
-        if isinstance(model, DDP):
-            # Gradients are all-reduced only after the last micro-step: the earlier backward passes just add into
-            # .grad locally. (Setting the flag rather than `with model.no_sync()` keeps one code path.)
-            model.require_backward_grad_sync = micro_step == grad_accum_steps - 1
+        # Gradients are reduced across ranks only after the last micro-step: the earlier backward passes just add
+        # into .grad locally.
+        set_gradient_sync(model, micro_step == grad_accum_steps - 1)
         with autocast(device, dtype):
             _, loss = model(x, y)
         # Each micro-loss is a mean over its B·T tokens; dividing by the number of micro-steps makes the summed
@@ -58,6 +57,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler:
         scaler.scale(loss).backward()
     scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+    if isinstance(grad_norm, DTensor):  # fsdp: the norm over every rank's shards
+        grad_norm = grad_norm.full_tensor()
     scale_before = scaler.get_scale()
     scaler.step(optimizer)
     scaler.update()
