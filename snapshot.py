@@ -19,6 +19,7 @@ import re
 import shutil
 import sys
 import uuid
+import zipfile
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -207,6 +208,8 @@ def load_snapshot(path: str | Path) -> dict:
     ValueError naming the file if it is truncated or not ours."""
     path = Path(path)
     sharded = path.is_dir()
+    if path.is_file() and not zipfile.is_zipfile(path):  # torch's own message here would be about mmap, misleading
+        raise ValueError(f"{path} could not be read as a snapshot: it is truncated, corrupt or not a torch file.")
     try:
         if sharded and not (path / ".metadata").is_file():
             raise FileNotFoundError(f"{path / '.metadata'} is missing")

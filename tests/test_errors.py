@@ -1,150 +1,204 @@
-"""Mistakes a user can make with train_gpt2.py end in one paragraph that names the file or flag and the fix, exit
-status 2 and no traceback, on one process and under torchrun; a bug keeps its traceback."""
+"""Mistakes a user can make with train_gpt2.py, run as a real `python train_gpt2.py` (and once under torchrun): each
+ends with exit status 2 and one `error:` paragraph naming the file or flag and the fix, and no traceback. A bug of
+ours keeps its traceback.
+
+Every launch pays for a fresh Python importing torch (~5 s on 2 cores), so the `runs` fixture starts all of the
+single-process cases at once, a few at a time, and each test reads its own result."""
 
 import re
-import urllib.error
-import urllib.request
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-import train_gpt2
-from conftest import make_shards
+from conftest import ROOT, make_shards
 from data import hellaswag
-from helpers_train import main_in_process, run_train
-from runtime import run_entry_point
-from snapshot import snapshot_path
+from helpers_train import TrainRun, run_train, train_env
 
-RUN = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "32", "--max_steps", "2", "--val_every",
+pytestmark = pytest.mark.slow  # 16 launches of a fresh Python: about a minute
+
+RUN = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "32", "--max_steps", "1", "--val_every",
        "0", "--ckpt_every", "1", "--dtype", "fp32"]
-OUR_FILES = re.compile(r'File ".*/(train_gpt2|runtime|config|dataloader|snapshot|training|model|memory)\.py"')
+TRACEBACK = "Traceback (most recent call last)"
+# A traceback frame in our code (torchrun's launcher prints its own, from torch's files in .venv, beyond our control).
+OUR_FRAME = re.compile(rf'File "{re.escape(str(ROOT))}/(?!\.venv/)')
+# Port 9 (discard) on this machine refuses connections: a download through this proxy fails at once, and no
+# address beyond this machine is ever contacted (urllib hands the whole request to the proxy, DNS included).
+NO_NETWORK = {name: "http://127.0.0.1:9" for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy")} | {
+    "NO_PROXY": "", "no_proxy": "", "HF_HUB_OFFLINE": "1"}
+HELLASWAG_CACHED = (hellaswag.CACHE_DIR / hellaswag.FILE_NAME).exists()
+
+# case: the words its error paragraph must hold (the file or flag, what is wrong, the fix)
+EXPECTED = {
+    "missing data dir": ["data directory", "nowhere", "does not exist", "python data/prepare.py", "--data_dir"],
+    "empty data dir": ["no train shards", "empty", "python data/prepare.py"],
+    "truncated shard": ["test_train_000000.bin", "header says 400 tokens", "cut off mid-write", "Delete it"],
+    "bad magic": ["test_train_000000.bin", "bad magic number 1234", "Re-create it with data/prepare.py"],
+    "indivisible batch": ["--total_batch_size 33", "--micro_batch_size × --seq_len × ranks", "e.g. 32"],
+    "resume not a torch file": ["--resume", "garbage.pt", "could not be read as a snapshot", "Pass another snapshot"],
+    "resume truncated snapshot": ["--resume", "snapshot_0000000.pt", "could not be read as a snapshot", "truncated",
+                                  "Pass another snapshot"],
+    "resume missing path": ["--resume", "nope.pt", "no such file", "'auto'", "'never'"],
+    "config missing": ["--config", "missing.toml", "no such file", "recipes/"],
+    "config unknown key": ["--config", "recipe.toml", "unknown setting 'max_step'", "train_gpt2.py --help"],
+    "init_from missing": ["--init_from", "nowhere.pt", "no such file or directory", "snapshot_*.pt"],
+    "init_from foreign file": ["--init_from", "foreign.pt", "not a snapshot of this codebase", "KeyError",
+                               "snapshot_*.pt written by train_gpt2.py"],
+    "init_from gpt2 with --n_layer 3": ["--init_from gpt2", "--n_layer 3 (the weights have 12)",
+                                        "Leave out the shape flags"],
+    "hellaswag offline": ["HellaSwag", "--hellaswag_path", "--hellaswag_every 0"],
+}
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    """Good shards, and a finished run's snapshot to damage."""
-    root = tmp_path_factory.mktemp("errors")
-    make_shards(root / "data", "train", [400])
-    make_shards(root / "data", "val", [200], seed=1)
-    run_train(["--data_dir", str(root / "data"), *RUN], root / "run")
-    return root
+def data(tmp_path_factory) -> Path:
+    """Good shards: 400 train tokens, 200 val tokens."""
+    directory = tmp_path_factory.mktemp("errors_data")
+    make_shards(directory, "train", [400])
+    make_shards(directory, "val", [200], seed=1)
+    return directory
 
 
-def error_of(argv: list[str], capsys) -> str:
-    """Run train_gpt2.py's entry point in this process; it must exit 2 printing one `error:` paragraph."""
-    with pytest.raises(SystemExit) as exit_status:
-        run_entry_point(lambda: main_in_process(argv))
-    assert exit_status.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.endswith("\n") and err.count("\n") == 1, err  # one paragraph
-    return err
+def damaged_copy(data: Path, to: Path, damage) -> Path:
+    """A copy of the data directory with its train shard damaged."""
+    to.mkdir(parents=True)
+    for shard in data.iterdir():
+        (to / shard.name).write_bytes(shard.read_bytes())
+    damage(to / "test_train_000000.bin")
+    return to
 
 
-def damaged_copy(data, tmp_path, damage) -> str:
-    """The data directory with its train shard damaged."""
-    bad = tmp_path / "data"
-    bad.mkdir()
-    for shard in (data / "data").iterdir():
-        (bad / shard.name).write_bytes(shard.read_bytes())
-    damage(bad / "test_train_000000.bin")
-    return str(bad)
-
-
-def cut_short(path):
+def cut_short(path: Path) -> None:
     path.write_bytes(path.read_bytes()[:-10])
 
 
-def bad_magic(path):
+def bad_magic(path: Path) -> None:
     with open(path, "r+b") as f:
         f.write(np.array([1234], dtype="<i4").tobytes())
 
 
-@pytest.mark.parametrize("case, expected", [
-    ("missing data dir", r"data directory .*nowhere does not exist; prepare data first, e\.g\. `python data/prepare"),
-    ("empty data dir", r"no train shards .* in .*empty; prepare data first"),
-    ("truncated shard", r"test_train_000000\.bin: header says 400 tokens .* it was cut off mid-write .* Delete it"),
-    ("bad magic", r"test_train_000000\.bin: bad magic number 1234 .* Re-create it with data/prepare\.py"),
-    ("indivisible batch", r"--total_batch_size 33 is not a multiple .* e\.g\. 32"),
-])
-def test_bad_data_or_batch_is_one_paragraph_naming_the_file_or_flag(data, tmp_path, capsys, case, expected):
-    (tmp_path / "empty").mkdir()
-    data_dir = {"missing data dir": lambda: str(tmp_path / "nowhere"),
-                "empty data dir": lambda: str(tmp_path / "empty"),
-                "truncated shard": lambda: damaged_copy(data, tmp_path, cut_short),
-                "bad magic": lambda: damaged_copy(data, tmp_path, bad_magic)}.get(case, lambda: str(data / "data"))()
-    flags = ["--total_batch_size", "33"] if case == "indivisible batch" else []
-    err = error_of([*RUN, "--data_dir", data_dir, "--log_dir", str(tmp_path / "logs"), *flags], capsys)
-    assert re.search(expected, err), err
+def run_with_a_bug(data: Path, tmp: Path) -> TrainRun:
+    """train_gpt2.main through run_entry_point, in a fresh Python, with resolve_plan replaced by one that raises a
+    KeyError: the kind of exception a bug of ours raises."""
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT)!r})
+        import train_gpt2
+        from runtime import run_entry_point
+        def resolve_plan(*args, **kwargs):
+            raise KeyError("a bug of ours")
+        train_gpt2.resolve_plan = resolve_plan
+        run_entry_point(lambda: train_gpt2.main({[*RUN, "--model", "tiny", "--device", "cpu", "--hellaswag_every",
+                                                  "0", "--sample_every", "0", "--data_dir", str(data), "--log_dir",
+                                                  str(tmp / "logs")]!r}))
+    """)
+    tmp.mkdir(parents=True)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp, env=train_env(), capture_output=True, text=True,
+                          timeout=120)
+    return TrainRun(proc, [])
 
 
-@pytest.mark.parametrize("case, expected", [
-    ("missing", r"--resume .*nope\.pt: no such file\. Pass the path of a snapshot_\* file"),
-    ("not a torch file", r"--resume: .*garbage\.pt could not be read as a snapshot .* Pass another snapshot"),
-    ("truncated", r"--resume: .*snapshot_0000001\.pt could not be read as a snapshot .*truncated"),
-])
-def test_a_bad_snapshot_for_resume_is_one_paragraph(data, tmp_path, capsys, case, expected):
-    path = {"missing": tmp_path / "nope.pt", "not a torch file": tmp_path / "garbage.pt",
-            "truncated": tmp_path / "snapshot_0000001.pt"}[case]
-    if case == "not a torch file":
-        path.write_bytes(b"not a torch file\n" * 100)
-    elif case == "truncated":
-        whole = snapshot_path(data / "run", 1).read_bytes()
-        path.write_bytes(whole[: len(whole) // 2])
-    err = error_of([*RUN, "--data_dir", str(data / "data"), "--log_dir", str(tmp_path / "logs"), "--resume",
-                    str(path)], capsys)
-    assert re.search(expected, err), err
+@pytest.fixture(scope="module")
+def runs(data, tmp_path_factory) -> dict[str, TrainRun | BaseException]:
+    """Every case of EXPECTED (HellaSwag's only if its cache is empty), plus "bug", each run to its end (or the
+    exception that stopped it)."""
+    root = tmp_path_factory.mktemp("errors")
+    (root / "empty").mkdir()
+    (root / "garbage.pt").write_bytes(b"not a torch file\n" * 100)
+    (root / "recipe.toml").write_text("max_step = 5\n")
+    torch.save({"x": torch.zeros(1)}, root / "foreign.pt")
+    good = ["--data_dir", str(data), *RUN]
+    cases = {
+        "missing data dir": (["--data_dir", str(root / "nowhere"), *RUN], None),
+        "empty data dir": (["--data_dir", str(root / "empty"), *RUN], None),
+        "truncated shard": (["--data_dir", str(damaged_copy(data, root / "truncated", cut_short)), *RUN], None),
+        "bad magic": (["--data_dir", str(damaged_copy(data, root / "magic", bad_magic)), *RUN], None),
+        "indivisible batch": ([*good, "--total_batch_size", "33"], None),
+        "resume not a torch file": ([*good, "--resume", str(root / "garbage.pt")], None),
+        "resume truncated snapshot": ([*good, "--resume", str(root / "snapshot_0000000.pt")], None),
+        "resume missing path": ([*good, "--resume", str(root / "nope.pt")], None),
+        "config missing": ([*good, "--config", str(root / "missing.toml")], None),
+        "config unknown key": ([*good, "--config", str(root / "recipe.toml")], None),
+        "init_from missing": ([*good, "--init_from", str(root / "nowhere.pt")], None),
+        "init_from foreign file": ([*good, "--init_from", str(root / "foreign.pt")], None),
+        # The shape check reads the name alone; NO_NETWORK makes sure a download could not succeed anyway.
+        "init_from gpt2 with --n_layer 3": ([*good, "--init_from", "gpt2", "--n_layer", "3"], NO_NETWORK),
+        "hellaswag offline": ([*good, "--hellaswag_every", "1"], NO_NETWORK),
+    }
+    if HELLASWAG_CACHED:
+        del cases["hellaswag offline"]
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        # A real snapshot from a 1-step run, cut in half for "resume truncated snapshot" once it exists.
+        snapshot_run = pool.submit(run_train, good, root / "snapshot_run")
+
+        def resume_from_truncated(args, env):
+            snapshot_run.result()
+            (whole,) = (root / "snapshot_run").glob("snapshot_*.pt")
+            (root / whole.name).write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+            return run_train(args, root / "resume truncated snapshot", env=env, check=False, timeout=120)
+
+        futures = {
+            case: pool.submit(resume_from_truncated, args, env) if case == "resume truncated snapshot" else
+            pool.submit(run_train, args, root / case, env=env, check=False, timeout=120)
+            for case, (args, env) in cases.items()}
+        futures["bug"] = pool.submit(run_with_a_bug, data, root / "bug")
+        # A run that failed to launch or ran past its timeout fails its own test, not all of them.
+        return {case: future.exception() or future.result() for case, future in futures.items()}
 
 
-@pytest.mark.parametrize("case, expected", [
-    ("missing recipe", r"--config .*missing\.toml: no such file"),
-    ("unknown key", r"--config .*recipe\.toml: unknown setting 'max_step'"),
-    ("missing init_from", r"--init_from .*nowhere: no such file or directory"),
-    ("foreign init_from", r"--init_from .*foreign\.pt is not a snapshot of this codebase"),
-    ("conflicting shape", r"--init_from gpt2: .*--n_layer 2 \(the weights have 12\).* Leave out the shape flags"),
-])
-def test_a_bad_recipe_or_init_from_is_one_paragraph(data, tmp_path, capsys, case, expected):
-    (tmp_path / "recipe.toml").write_text("max_step = 5\n")
-    torch.save({"weights": torch.zeros(2)}, tmp_path / "foreign.pt")
-    flags = {"missing recipe": ["--config", str(tmp_path / "missing.toml")],
-             "unknown key": ["--config", str(tmp_path / "recipe.toml")],
-             "missing init_from": ["--init_from", str(tmp_path / "nowhere")],
-             "foreign init_from": ["--init_from", str(tmp_path / "foreign.pt")],
-             "conflicting shape": ["--init_from", "gpt2"]}[case]  # the tests' --model tiny has 2 layers, 64 wide
-    err = error_of([*RUN, "--data_dir", str(data / "data"), "--log_dir", str(tmp_path / "logs"), *flags], capsys)
-    assert re.search(expected, err), err
+def result(runs: dict, case: str) -> TrainRun:
+    if isinstance(runs[case], BaseException):
+        raise runs[case]
+    return runs[case]
 
 
-def test_hellaswag_without_network_says_so_at_start_up(data, tmp_path, capsys, monkeypatch):
-    def offline(*args, **kwargs):
-        raise urllib.error.URLError("Temporary failure in name resolution")
-    monkeypatch.setattr(urllib.request, "urlopen", offline)
-    monkeypatch.setattr(hellaswag, "CACHE_DIR", tmp_path / "cache")
-    err = error_of([*RUN, "--data_dir", str(data / "data"), "--log_dir", str(tmp_path / "logs"), "--hellaswag_every",
-                    "1"], capsys)
-    assert "no network" in err and "--hellaswag_path" in err and "--hellaswag_every 0" in err
-    assert not (tmp_path / "logs" / "metrics.jsonl").exists()  # at start-up, before any step
+def error_paragraph(run: TrainRun) -> str:
+    """The one `error: ` line of a run's stderr, checking what every user error promises."""
+    assert run.proc.returncode == 2, run.output[-4000:]
+    assert TRACEBACK not in run.output, run.output[-4000:]
+    errors = [line for line in run.proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, run.proc.stderr[-4000:]
+    return errors[0]
 
 
-def test_a_user_error_prints_no_traceback_and_a_bug_keeps_its_own(data, tmp_path, monkeypatch):
-    bad = damaged_copy(data, tmp_path, bad_magic)
-    run = run_train(["--data_dir", bad, *RUN], tmp_path / "user", check=False)
-    assert run.proc.returncode == 2 and "error: " in run.proc.stderr and "bad magic number" in run.proc.stderr
-    assert "Traceback" not in run.output
-
-    def bug(*args, **kwargs):
-        raise KeyError("a bug of ours")
-    monkeypatch.setattr(train_gpt2, "resolve_plan", bug)
-    with pytest.raises(KeyError):  # not turned into a user error: its traceback is what a bug report needs
-        run_entry_point(lambda: main_in_process(["--data_dir", str(data / "data"), *RUN]))
+@pytest.mark.parametrize("case", list(EXPECTED))
+def test_a_bad_input_exits_2_with_one_paragraph_naming_it_and_the_fix(runs, case):
+    if case == "hellaswag offline" and HELLASWAG_CACHED:
+        pytest.skip(f"{hellaswag.CACHE_DIR / hellaswag.FILE_NAME} is cached, so a run never downloads it, and "
+                    "data/hellaswag.py has no flag or environment variable to move its cache")
+    error = error_paragraph(result(runs, case))
+    missing = [words for words in EXPECTED[case] if words not in error]
+    assert not missing, f"{missing} not in: {error}"
 
 
-@pytest.mark.slow
-def test_under_torchrun_every_rank_stops_with_the_message_and_no_traceback_of_ours(data, tmp_path):
-    bad = damaged_copy(data, tmp_path, cut_short)
-    run = run_train(["--data_dir", bad, *RUN, "--total_batch_size", "64"], tmp_path / "logs", nproc=2, check=False,
-                    timeout=120)
-    assert run.proc.returncode != 0
-    assert run.output.count("error: ") == 2 and "it was cut off mid-write" in run.output  # each rank that hit it
-    # torchrun's launcher prints its own report (with a traceback of the launcher); none of our frames appear.
-    assert not OUR_FILES.search(run.output), run.output[-3000:]
+def test_hellaswag_offline_fails_at_start_up_and_leaves_no_cache_file(runs):
+    if HELLASWAG_CACHED:
+        pytest.skip(f"{hellaswag.CACHE_DIR / hellaswag.FILE_NAME} is cached, so a run never downloads it")
+    run = result(runs, "hellaswag offline")
+    assert run.proc.returncode == 2 and run.records == []  # before step 0: nothing logged
+    assert not (hellaswag.CACHE_DIR / hellaswag.FILE_NAME).exists()
+
+
+def test_a_bug_keeps_its_traceback(runs):
+    run = result(runs, "bug")
+    assert run.proc.returncode == 1, run.output[-4000:]
+    assert TRACEBACK in run.proc.stderr and "KeyError: 'a bug of ours'" in run.proc.stderr, run.proc.stderr[-4000:]
+    assert "error: " not in run.proc.stderr
+
+
+def test_under_torchrun_a_truncated_shard_stops_every_rank_with_the_message_and_no_traceback_of_ours(data, tmp_path):
+    bad = damaged_copy(data, tmp_path / "data", cut_short)
+    # 2 ranks × 2 × 16 tokens divide 64; timeout: a rank left waiting for its peer would hang well past it.
+    run = run_train(["--data_dir", str(bad), *RUN, "--total_batch_size", "64"], tmp_path / "logs", nproc=2,
+                    check=False, timeout=120)
+    assert run.proc.returncode != 0, run.output[-4000:]
+    errors = [line for line in run.output.splitlines() if line.startswith("error: ")]
+    assert errors and all("test_train_000000.bin" in e and "cut off mid-write" in e for e in errors), run.output[-4000:]
+    # torchrun's launcher prints its own ChildFailedError report, with a traceback of torch's files; none of ours.
+    assert not OUR_FRAME.search(run.output), run.output[-4000:]
