@@ -206,3 +206,26 @@ def test_the_tools_read_an_fsdp_snapshot(runs, tmp_path, capsys, gpt2_encoding):
     assert "--- sample 0 ---" in capsys.readouterr().out
     export_hf.main([str(path), str(tmp_path / "hf")])
     assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+def test_sigterm_to_one_fsdp_rank_snapshots_the_shards_and_the_resume_continues_exactly(runs, tmp_path):
+    args = [*JOB, "--data_dir", str(runs["root"] / "data"), "--parallel", "fsdp"]
+    with launched([*args, "--ckpt_every", "100"], tmp_path, nproc=2) as proc:
+        wait_until(lambda: by_step(records_so_far(tmp_path), "loss").keys() >= {2}, proc, tmp_path, "step 2")
+        os.kill(worker_pids(proc)[1], signal.SIGTERM)  # rank 0, which renames the snapshot, learns by agreeing
+        assert proc.wait(timeout=120) == 0, (tmp_path / "output.txt").read_text()[-4000:]
+    stopped = max(by_step(read_metrics(tmp_path), "loss"))
+    assert list_snapshots(tmp_path) == [snapshot_path(tmp_path, stopped, sharded=True)]
+    run = run_train(args, tmp_path, nproc=2)
+    resume = max(i for i, r in enumerate(run.records) if r.get("event") == "resume")
+    resumed, whole = by_step(run.records[resume:], "loss"), by_step(runs["fsdp"].records, "loss")
+    assert min(resumed) == stopped + 1 and max(resumed) == LAST_STEP
+    assert all(resumed[s] == pytest.approx(whole[s], rel=1e-5) for s in resumed)
+
+
+def test_a_compiled_fsdp_run_trains_like_the_eager_one(runs, tmp_path):
+    run = run_train([*JOB, "--data_dir", str(runs["root"] / "data"), "--parallel", "fsdp", "--compile"], tmp_path,
+                    nproc=2, timeout=400)
+    compiled, eager = by_step(run.records, "loss"), by_step(runs["fsdp"].records, "loss")
+    assert sorted(compiled) == sorted(eager)
+    assert all(compiled[s] == pytest.approx(eager[s], rel=1e-4) for s in eager)  # inductor's kernels, fp32
