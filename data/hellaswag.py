@@ -30,8 +30,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from distributed import any_rank, default_device
+from errors import UserError
+from files import atomic_write
 from model import GPT
-from runtime import UserError, any_rank, atomic_write, autocast, default_device
+from precision import autocast
 
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 SHA256 = "0aa3b88843990f3f10a97b9575c94d7b71fb2205240ba04ae4884d9e9c992588"
@@ -155,17 +158,21 @@ def load_examples_distributed(path: str | None, limit: int | None, local_rank: i
                               device: torch.device) -> list[dict]:
     """load_examples for a training run: with no path, local rank 0 of each node downloads the file if it is not
     cached yet (the other ranks would fetch the same bytes), then all ranks agree on whether that worked (a
-    collective, so that no rank is left waiting for one that failed) before they read it."""
-    failure = None
+    collective, so that no rank is left waiting for one that failed) before they read it. A failed download is a
+    UserError on every rank, with the failing rank's reason, so whichever rank's output a user reads says why."""
+    reason = None
     if path is None and local_rank == 0 and not (CACHE_DIR / FILE_NAME).exists():
         try:
             download(CACHE_DIR / FILE_NAME)
         except UserError as e:
-            failure = e
-    if any_rank(failure is not None, device):
-        raise failure or UserError(f"HellaSwag could not be downloaded from {URL} on local rank 0 of this or another "
-                                   "node (its message says why; most likely no network). Pass a local copy with "
-                                   "--hellaswag_path, or turn HellaSwag off with --hellaswag_every 0.")
+            reason = str(e)
+    if any_rank(reason is not None, device):
+        if not dist.is_initialized():
+            raise UserError(reason)
+        reasons = [None] * dist.get_world_size()
+        dist.all_gather_object(reasons, reason)  # only on failure: the reason is text, not a tensor
+        rank, reason = next((r, text) for r, text in enumerate(reasons) if text is not None)
+        raise UserError(f"rank {rank} (local rank 0 of its node): {reason}")
     return load_examples(path, limit)
 
 

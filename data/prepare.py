@@ -4,8 +4,9 @@
     python data/prepare.py --source shakespeare --input path/input.txt   # offline, from a local copy
     python data/prepare.py --input a.txt b.txt --output_dir data/mytext
 
-Each --input file is one document, preceded by the EOT token as llm.c writes documents (see
-data/tokenize_shards.py); Tiny Shakespeare is one text without EOT, tokenized exactly as nanoGPT's
+Document boundaries: each --input file is one document, preceded by the EOT token as llm.c writes documents (see
+data/tokenize_shards.py); with --val_fraction > 0, a file's val part and its train part are each preceded by one.
+Tiny Shakespeare (--source shakespeare) is one text without EOT, tokenized exactly as nanoGPT's
 data/shakespeare/prepare.py does it. The val split:
   --val_fraction F > 0 (default 0.1): the last F of each file's characters is val, the rest train, as nanoGPT
       splits Tiny Shakespeare (train 301,966 / val 36,059 tokens).
@@ -26,7 +27,7 @@ import time
 import urllib.request
 
 from data.tokenize_shards import ShardWriter, check_input_files, shard_paths, summary, tokenize_documents
-from runtime import atomic_write
+from files import atomic_write
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 DATA_DIR = Path(__file__).resolve().parent
@@ -62,6 +63,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--val_fraction {args.val_fraction}: must be at least 0 and below 1")
     if args.shard_size < 1:
         parser.error(f"--shard_size {args.shard_size}: must be a positive number of tokens")
+    if args.source == "shakespeare" and args.input and len(args.input) > 1:
+        parser.error("--source shakespeare reads one file, a copy of input.txt; for several files of your own leave "
+                     "out --source (each file is then a document, preceded by <|endoftext|>)")
     output_dir = args.output_dir or DATA_DIR / "shakespeare"
     output_dir.mkdir(parents=True, exist_ok=True)
     if args.input:

@@ -16,8 +16,8 @@ import torch.multiprocessing as mp
 
 from conftest import free_port, save_tiny_model
 from data import hellaswag
+from errors import UserError
 from model import GPT
-from runtime import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
 VAL_FILE = Path("hellaswag") / "hellaswag_val.jsonl"
@@ -130,10 +130,10 @@ def test_only_local_rank_0_downloads_and_without_network_every_rank_stops_with_o
     assert [r["downloads"] for r in two_ranks] == [2, 0]  # rank 0: the working source, then the offline one
     assert [r["examples"] for r in two_ranks] == [3, 3]  # rank 1 read what rank 0 downloaded
     rank0, rank1 = (r["offline_error"] for r in two_ranks)
-    assert "could not download HellaSwag" in rank0 and "seems to have no network" in rank0
-    assert "local rank 0" in rank1  # it did not try, and says where to look
-    for message in (rank0, rank1):
-        assert "--hellaswag_path" in message and "--hellaswag_every 0" in message and "\n" not in message
+    assert rank1 == rank0  # rank 1 did not try, but reports rank 0's reason
+    assert rank0.startswith("rank 0 (local rank 0 of its node): could not download HellaSwag")
+    assert "offline.jsonl" in rank0 and "seems to have no network" in rank0  # the reason: the URL that failed
+    assert "--hellaswag_path" in rank0 and "--hellaswag_every 0" in rank0 and "\n" not in rank0
 
 
 def test_without_network_the_download_is_a_user_error_naming_the_flags(tmp_path, monkeypatch):
@@ -146,15 +146,20 @@ def test_without_network_the_download_is_a_user_error_naming_the_flags(tmp_path,
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
 
 
+STOP_CHECK = "<should_stop called>"
+
+
 def scored_by(rank: int, world_size: int, examples: list[dict], model: GPT, monkeypatch,
               should_stop=None) -> tuple[list[str], float | None]:
-    """The contexts of the examples rank `rank` of world_size scores (the counts' all_reduce left out)."""
-    seen = []
-    monkeypatch.setattr(hellaswag, "render_example", lambda example, *a: (seen.append(example["ctx"]),
+    """The contexts of the examples rank `rank` of world_size scores, in order, with STOP_CHECK wherever it called
+    should_stop (the counts' all_reduce left out)."""
+    events = []
+    monkeypatch.setattr(hellaswag, "render_example", lambda example, *a: (events.append(example["ctx"]),
                                                                           RENDER_EXAMPLE(example, *a))[1])
     monkeypatch.setattr(hellaswag.dist, "all_reduce", lambda *args, **kwargs: None)
-    acc = hellaswag.evaluate(model, examples, "cpu", rank=rank, world_size=world_size, should_stop=should_stop)
-    return seen, acc
+    spy = None if should_stop is None else lambda: (events.append(STOP_CHECK), should_stop())[1]
+    acc = hellaswag.evaluate(model, examples, "cpu", rank=rank, world_size=world_size, should_stop=spy)
+    return events, acc
 
 
 def test_each_rank_scores_only_its_own_share_of_the_examples(shared_data, tiny_ckpt, monkeypatch):
@@ -166,17 +171,19 @@ def test_each_rank_scores_only_its_own_share_of_the_examples(shared_data, tiny_c
     assert len(rank0) == 5 and len(rank1) == 4  # disjoint halves that together are all 9
 
 
-def test_a_stop_request_ends_the_evaluation_within_a_few_examples_on_every_rank(shared_data, tiny_ckpt,
-                                                                                   monkeypatch):
-    examples = hellaswag.load_examples(str(shared_data / VAL_FILE), limit=2 * hellaswag.STOP_CHECK_EVERY + 3)
+def test_stop_checks_come_at_the_same_points_on_every_rank_and_a_stop_returns_none(shared_data, tiny_ckpt,
+                                                                                    monkeypatch):
+    every = hellaswag.STOP_CHECK_EVERY
+    examples = hellaswag.load_examples(str(shared_data / VAL_FILE), limit=2 * every + 1)
     model = GPT.from_snapshot(tiny_ckpt)
-    for rank in (0, 1):  # shares of 18 and 17: both ranks must check equally often, or a collective would hang
-        checks = []
-        seen, acc = scored_by(rank, 2, examples, model, monkeypatch,
-                              should_stop=lambda checks=checks: checks.append(1) or False)
-        assert len(checks) == 1 and acc is not None  # at turn 16 of 18, the same on both ranks
-        seen, acc = scored_by(rank, 2, examples, model, monkeypatch, should_stop=lambda: True)
-        assert acc is None and len(seen) == hellaswag.STOP_CHECK_EVERY
+    for rank, share in ((0, every + 1), (1, every)):
+        # Rank 1 has no example left when the check after `every` turns comes; it must still take part, or rank 0
+        # would wait for it in the collective forever.
+        events, acc = scored_by(rank, 2, examples, model, monkeypatch, should_stop=lambda: False)
+        assert acc is not None and len(events) == share + 1
+        assert [i for i, event in enumerate(events) if event == STOP_CHECK] == [every]  # after `every` examples
+        events, acc = scored_by(rank, 2, examples, model, monkeypatch, should_stop=lambda: True)
+        assert acc is None and events[-1] == STOP_CHECK and len(events) == every + 1  # stopped at the first check
 
 
 def test_evaluate_restores_train_mode(shared_data, tiny_ckpt):

@@ -1,5 +1,5 @@
-"""data/prepare.py: nanoGPT's Tiny Shakespeare split to the token, the llm.c val-first split with EOT before files,
-and clear errors for a missing input or a failed download."""
+"""data/prepare.py: nanoGPT's Tiny Shakespeare split to the token (no EOT), EOT before every file (llm.c's stream)
+in the val-first split and in the --val_fraction split, and clear errors for bad input or a failed download."""
 
 import urllib.error
 import urllib.request
@@ -51,6 +51,30 @@ def test_val_fraction_zero_makes_first_shard_val_and_puts_eot_before_every_file(
     assert [s.size for s in stream[:-1]] == [50] * num_train  # all but the last are full
     assert np.concatenate(stream).tolist() == expected
     assert gpt2_encoding.decode(expected) == "<|endoftext|>" + texts[0] + "<|endoftext|>" + texts[1]
+
+
+def test_val_fraction_puts_eot_before_each_files_val_part_and_train_part(gpt2_encoding, tmp_path):
+    texts = ["Alpha file, line one.\nLine two of alpha. " * 9, "Beta: ünïcode ✓, 日本語. " * 11,
+             "Gamma mentions <|endoftext|> as plain text. " * 6]
+    for i, text in enumerate(texts):
+        (tmp_path / f"{i}.txt").write_text(text, encoding="utf-8")
+    out = tmp_path / "mine"
+    prepare.main(["--input", *(str(tmp_path / f"{i}.txt") for i in range(3)), "--output_dir", str(out),
+                  "--val_fraction", "0.2"])
+
+    cuts = [int(len(text) * 0.8) for text in texts]  # the last 20 % of each file's characters is val
+    eot = gpt2_encoding.eot_token
+    val = [t for text, cut in zip(texts, cuts) for t in [eot, *gpt2_encoding.encode_ordinary(text[cut:])]]
+    train = [t for text, cut in zip(texts, cuts) for t in [eot, *gpt2_encoding.encode_ordinary(text[:cut])]]
+    assert sorted(p.name for p in out.glob("*.bin")) == ["mine_train_000000.bin", "mine_val_000000.bin"]
+    assert shard_tokens(out / "mine_val_000000.bin").tolist() == val
+    assert shard_tokens(out / "mine_train_000000.bin").tolist() == train
+
+
+def test_shakespeare_takes_one_input_file(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        prepare.main(["--source", "shakespeare", "--input", str(tmp_path / "a.txt"), str(tmp_path / "b.txt")])
+    assert "--source shakespeare reads one file" in capsys.readouterr().err
 
 
 def test_missing_input_file_is_named_in_the_error(tmp_path, capsys):
