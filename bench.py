@@ -5,7 +5,7 @@
     python bench.py --model gpt2 --micro_batch_size 16 --seq_len 512 --dtype bf16 --compile --json
     torchrun --standalone --nproc_per_node=2 bench.py # 2 ranks (NCCL on GPUs, gloo on CPUs)
 
-It runs the real step (training.train_step, its data loader, dtype choice and runtime.build_model) on random tokens
+It runs the real step (training.train_step, its data loader, dtype choice and parallel.build_model) on random tokens
 written to a temporary shard directory, unless --data_dir points at real shards. Each configuration gets
 --warmup untimed steps (torch.compile compiles in the first), then --steps timed ones; figures are medians.
 
@@ -46,19 +46,13 @@ import torch.nn.functional as F
 
 from config import HelpFormatter, Plan, TrainConfig, add_flags, resolve_plan
 from dataloader import DistributedDataLoader, write_shard
-from memory import GiB, MiB, largest_micro_batch, measure_activation_bytes_per_sequence, state_bytes
+from distributed import Distributed, setup_distributed, synchronize
+from errors import run_entry_point
+from memory import GiB, MiB, keep_freed_memory, largest_micro_batch, measure_activation_bytes_per_sequence, state_bytes
 from mfu import peak_flops
 from model import GPT, PRESETS
-from runtime import (
-    Distributed,
-    build_model,
-    dtype_name,
-    keep_freed_memory,
-    pick_dtype,
-    run_entry_point,
-    setup_distributed,
-    synchronize,
-)
+from parallel import build_model
+from precision import dtype_name, pick_dtype
 from training import train_step
 
 # The flags that mean what they mean in train_gpt2.py; bench.py's own defaults depend on the device.

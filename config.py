@@ -16,8 +16,8 @@ import tomllib
 import torch
 
 from dataloader import find_shards, read_shard_header
+from errors import UserError
 from model import PRESETS, GPTConfig
-from runtime import UserError
 
 HF_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 

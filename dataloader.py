@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from runtime import UserError, atomic_write
+from errors import UserError
+from files import atomic_write
 
 MAGIC = 20240520
 VERSION = 1

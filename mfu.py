@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime import synchronize
+from distributed import synchronize
 
 # Datasheet dense (no sparsity) FLOP/s: (name, bf16/fp16, TF32). Matched in order against
 # torch.cuda.get_device_name(), so the more specific names come first ("H100 NVL" and "H100 PCIe" before "H100",

@@ -12,8 +12,8 @@ import argparse
 import tiktoken
 import torch
 
+from distributed import default_device
 from model import GPT
-from runtime import default_device
 
 
 def generate_text(model: GPT, prompt: str, num_samples: int = 4, max_new_tokens: int = 32,

@@ -31,7 +31,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from dataloader import DistributedDataLoader
-from runtime import Distributed, TrainingModel, UserError, atomic_write, fsync_directory
+from distributed import Distributed
+from errors import UserError
+from files import atomic_write, fsync_directory
+from parallel import TrainingModel
 
 SNAPSHOT_NAME = re.compile(r"snapshot_(\d+)(\.pt)?")  # a file (ddp) or a directory (fsdp)
 REQUIRED_KEYS = ("model", "model_config", "optimizer", "scaler", "step", "loader", "rng", "config", "wandb_id")

@@ -22,27 +22,14 @@ import torch.distributed as dist
 
 from config import HF_MODELS, Plan, TrainConfig, parse_args, resolve_plan
 from dataloader import DistributedDataLoader
-from memory import auto_micro_batch
+from distributed import Distributed, any_rank, average_across_ranks, setup_distributed, synchronize, to_device
+from errors import UserError, run_entry_point
+from memory import auto_micro_batch, keep_freed_memory
 from mfu import Peak, peak_flops
 from model import GPT
+from parallel import TrainingModel, build_model
+from precision import autocast, dtype_name, pick_dtype, set_deterministic
 from run_logger import RunLogger
-from runtime import (
-    Distributed,
-    TrainingModel,
-    UserError,
-    any_rank,
-    autocast,
-    average_across_ranks,
-    build_model,
-    dtype_name,
-    keep_freed_memory,
-    pick_dtype,
-    run_entry_point,
-    set_deterministic,
-    setup_distributed,
-    synchronize,
-    to_device,
-)
 from sample import generate_text
 from snapshot import Snapshots
 from training import StepResult, get_lr, train_step

@@ -9,7 +9,9 @@ from torch.distributed.tensor import DTensor
 
 from config import TrainConfig
 from dataloader import DistributedDataLoader
-from runtime import autocast, average_across_ranks, set_gradient_sync, to_device
+from distributed import average_across_ranks, to_device
+from parallel import set_gradient_sync
+from precision import autocast
 
 
 def get_lr(step: int, cfg: TrainConfig) -> float:

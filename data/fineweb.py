@@ -34,7 +34,8 @@ import pyarrow.parquet as pq
 
 from data.tokenize_shards import ShardWriter, check_input_files, shard_paths, summary, tokenize_documents
 from dataloader import read_shard_header
-from runtime import UserError, atomic_write
+from errors import UserError
+from files import atomic_write
 
 DATASETS = {"edu": ("HuggingFaceFW/fineweb-edu", "fineweb_edu"), "classic": ("HuggingFaceFW/fineweb", "fineweb")}
 DATA_DIR = Path(__file__).resolve().parent

@@ -66,7 +66,7 @@ def test_compiled_training_with_validation_and_sampling_matches_eager(tmp_path, 
 def test_a_configuration_that_runs_out_of_memory_is_reported_and_the_rest_still_measured(monkeypatch, capsys):
     """On an 80 GB GPU the fp32 baseline at the CUDA defaults (B=64, T=1024) needs ~87 GiB."""
     import bench
-    from runtime import Distributed
+    from distributed import Distributed
 
     real_time_config = bench.time_config
 

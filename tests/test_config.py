@@ -7,8 +7,8 @@ import pytest
 
 from config import TrainConfig, parse_args, resolve_plan
 from conftest import ROOT, make_shards
+from errors import UserError
 from model import PRESETS
-from runtime import UserError
 
 RECIPES = sorted((ROOT / "recipes").glob("*.toml"))
 

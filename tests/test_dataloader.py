@@ -11,7 +11,7 @@ import torch
 
 from conftest import make_shards
 from dataloader import HEADER_BYTES, MAGIC, VERSION, DistributedDataLoader, read_shard_header, write_shard
-from runtime import UserError
+from errors import UserError
 
 B, T = 2, 4  # one chunk = B·T = 8 tokens (+1 for the last target)
 

@@ -89,7 +89,7 @@ def run_with_a_bug(data: Path, tmp: Path) -> TrainRun:
         import sys
         sys.path.insert(0, {str(ROOT)!r})
         import train_gpt2
-        from runtime import run_entry_point
+        from errors import run_entry_point
         def resolve_plan(*args, **kwargs):
             raise KeyError("a bug of ours")
         train_gpt2.resolve_plan = resolve_plan

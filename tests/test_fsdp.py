@@ -15,12 +15,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
-import runtime
+import parallel
 from conftest import make_shards
 from dataloader import DistributedDataLoader
+from distributed import Distributed
+from errors import UserError
 from helpers_train import TrainRun, launched, read_metrics, records_so_far, run_train, wait_until, worker_pids
 from model import GPT, GPTConfig
-from runtime import Distributed, UserError, build_model
+from parallel import build_model
 from snapshot import find_latest_snapshot, list_snapshots, load_snapshot, snapshot_path
 from training import train_step
 
@@ -155,9 +157,9 @@ def fsdp_worker(rank: int, store: str, out_dir: str, sync_gate: bool) -> None:
 
         _fsdp_param_group.foreach_reduce = counting_reduce
         if not sync_gate:  # the control: a train_step that never turns the sync off
-            runtime.set_gradient_sync = lambda model, sync: None
+            parallel.set_gradient_sync = lambda model, sync: None
             import training
-            training.set_gradient_sync = runtime.set_gradient_sync
+            training.set_gradient_sync = parallel.set_gradient_sync
         torch.manual_seed(0)
         trained = build_model(GPT(CONFIG), Distributed(rank, rank, 2, torch.device("cpu")), torch.float32, 0.1,
                               1e-3, compile=False, parallel="fsdp")

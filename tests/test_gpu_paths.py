@@ -10,13 +10,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import distributed
 import mfu
-import runtime
+import parallel
+import precision
 import snapshot
 import train_gpt2
 from config import parse_args
+from distributed import Distributed
+from errors import UserError
 from model import GPT, PRESETS
-from runtime import Distributed, UserError
 
 CUDA = torch.device("cuda", 0)
 MPS = torch.device("mps")
@@ -41,8 +44,8 @@ def fake_gpu(monkeypatch, capability: tuple[int, int], name: str = "NVIDIA A100-
                                                   ((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16)])
 def test_auto_dtype_is_fp16_before_ampere_and_bf16_from_ampere_on(monkeypatch, capability, expected):
     fake_gpu(monkeypatch, capability)
-    assert runtime.pick_dtype("auto", CUDA) == expected
-    assert runtime.pick_dtype("bf16", CUDA) == torch.bfloat16  # asked for by name: the user's choice stands
+    assert precision.pick_dtype("auto", CUDA) == expected
+    assert precision.pick_dtype("bf16", CUDA) == torch.bfloat16  # asked for by name: the user's choice stands
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -103,7 +106,7 @@ def test_the_process_group_is_bound_to_the_ranks_gpu(monkeypatch, device, backen
     monkeypatch.setattr(dist, "rendezvous", lambda *args, **kwargs: iter([("store", 1, 2)]))
     monkeypatch.setattr(dist, "init_process_group", lambda *args, **kwargs: calls.append((args, kwargs)))
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    dist_env = runtime.setup_distributed(device)
+    dist_env = distributed.setup_distributed(device)
     [(args, kwargs)] = calls
     assert args == (backend,) and kwargs["device_id"] == device_id and kwargs["world_size"] == 2
     assert dist_env.device == (device_id or CPU)
@@ -150,14 +153,14 @@ def test_several_processes_on_mps_are_refused_before_any_process_group(monkeypat
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(dist, "rendezvous", lambda *a, **k: pytest.fail("reached the rendezvous"))
     with pytest.raises(UserError, match="--device mps with 2 processes"):
-        runtime.setup_distributed("mps")
+        distributed.setup_distributed("mps")
 
 
 def test_compile_on_mps_is_refused_before_the_model_moves(monkeypatch):
     model = GPT(PRESETS["tiny"])
     monkeypatch.setattr(model, "to", lambda *a, **k: pytest.fail("moved the model to MPS"))
     with pytest.raises(UserError, match="--compile is not supported on MPS"):
-        runtime.build_model(model, Distributed(0, 0, 1, MPS), torch.float32, 0.1, 1e-3, compile=True)
+        parallel.build_model(model, Distributed(0, 0, 1, MPS), torch.float32, 0.1, 1e-3, compile=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -166,7 +169,7 @@ def test_compile_on_mps_is_refused_before_the_model_moves(monkeypatch):
 def test_deterministic_turns_on_deterministic_kernels_and_a_fixed_cublas_workspace(monkeypatch):
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     try:
-        runtime.set_deterministic()
+        precision.set_deterministic()
         assert torch.are_deterministic_algorithms_enabled()
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     finally:

@@ -11,9 +11,9 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from config import model_config, parse_args
 from conftest import make_shards, perturb_
 from dataloader import DistributedDataLoader
+from errors import UserError
 from helpers_train import run_train
 from model import GPT
-from runtime import UserError
 from snapshot import list_snapshots, snapshot_path
 
 B, T = 2, 16

@@ -110,8 +110,8 @@ def test_auto_micro_batch_fits_the_memory_and_divides_the_ranks_share(monkeypatc
 def test_a_run_with_micro_batch_size_auto_logs_its_choice_and_trains_with_it(tmp_path, monkeypatch, capsys):
     from config import parse_args
     from conftest import make_shards
+    from distributed import Distributed
     from memory import GiB
-    from runtime import Distributed
     from train_gpt2 import run
 
     make_shards(tmp_path / "data", "train", [5000])

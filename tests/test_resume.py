@@ -20,6 +20,7 @@ import torch
 
 from conftest import make_shards
 from dataloader import DistributedDataLoader
+from errors import UserError
 from helpers_train import (
     TrainRun,
     launched,
@@ -31,7 +32,6 @@ from helpers_train import (
     worker_pids,
 )
 from model import GPT
-from runtime import UserError
 from snapshot import SNAPSHOT_NAME, list_snapshots, load_snapshot, save_snapshot, snapshot_path
 
 LAST_STEP = 11

@@ -17,9 +17,9 @@ import wandb
 
 import train_gpt2
 from conftest import make_shards
+from distributed import Distributed
 from helpers_train import TINY_ARGS, TrainRun, read_metrics, run_train
 from run_logger import INIT_TIMEOUT_S, WANDB_KEYS, RunLogger
-from runtime import Distributed
 from snapshot import load_snapshot, snapshot_path
 
 OFFLINE_ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_ERROR_REPORTING": "false"}

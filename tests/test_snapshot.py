@@ -157,7 +157,7 @@ def test_rng_state_restores_every_generator_after_a_save(tmp_path):
 
 
 def test_a_snapshot_is_fsynced_before_its_rename_and_the_directory_after(tmp_path, monkeypatch):
-    import runtime
+    import files
     events, real_fsync, real_replace = [], os.fsync, os.replace
 
     def fsync(fd):
@@ -168,8 +168,8 @@ def test_a_snapshot_is_fsynced_before_its_rename_and_the_directory_after(tmp_pat
         events.append(("rename", os.path.basename(dst)))
         real_replace(src, dst)
 
-    monkeypatch.setattr(runtime.os, "fsync", fsync)
-    monkeypatch.setattr(runtime.os, "replace", replace)
+    monkeypatch.setattr(files.os, "fsync", fsync)
+    monkeypatch.setattr(files.os, "replace", replace)
     save_snapshot(fake_snapshot(5), snapshot_path(tmp_path, 5))
     assert [kind for kind, _ in events] == ["fsync", "rename", "fsync"]
     assert events[0][1].startswith("snapshot_0000005.pt.") and events[0][1].endswith(".tmp")  # the data, then...

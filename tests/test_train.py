@@ -16,9 +16,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from config import TrainConfig, grad_accum_steps_for, model_config, parse_args, resolve_plan
 from conftest import make_shards
+from distributed import Distributed, average_across_ranks
+from errors import UserError
 from helpers_train import run_train, write_text_shards
 from model import GPT, GPTConfig
-from runtime import Distributed, UserError, average_across_ranks
 from train_gpt2 import run
 from training import get_lr, train_step
 

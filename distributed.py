@@ -1,0 +1,100 @@
+"""Processes and devices: torchrun's environment, the process group (NCCL on GPUs, gloo elsewhere), the collectives
+every rank takes part in, and moving work to the device."""
+
+import os
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from errors import UserError
+
+
+@dataclass
+class Distributed:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_master(self) -> bool:
+        return self.rank == 0
+
+
+def default_device() -> str:
+    if torch.cuda.is_available():
+        return "cuda"
+    if torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def setup_distributed(device_arg: str, parallel: str = "ddp") -> Distributed:
+    """One process per device. torchrun sets RANK/LOCAL_RANK/WORLD_SIZE; without them we are the only process
+    (with --parallel fsdp, in a process group of one, which FSDP needs)."""
+    rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in
+                                    (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
+    device_type = default_device() if device_arg == "auto" else device_arg
+    if device_type == "mps" and world_size > 1:
+        # gloo cannot reduce MPS tensors, so DDP and the loss average would fail at the first step.
+        raise UserError(f"--device mps with {world_size} processes: a Mac has one GPU, and torch.distributed cannot "
+                        "work on MPS tensors. Run one process (`python train_gpt2.py ...`, no torchrun), or "
+                        "--device cpu for several CPU processes.")
+    device = torch.device(f"cuda:{local_rank}" if device_type == "cuda" else device_type)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world_size == 1 and parallel == "fsdp":
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1, device_id=device if device.type == "cuda" else None)
+    elif world_size > 1:
+        store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(minutes=10)))
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun's agent keeps one TCPStore for the whole job, where a dead round's addresses are still
+            # stored after a restart; a per-restart prefix makes each round meet only its own peers. (With
+            # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 every round gets a fresh store instead, and needs no prefix.)
+            store = dist.PrefixStore(f"restart_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+            nodes, max_restarts = int(os.environ["GROUP_WORLD_SIZE"]), int(os.environ["TORCHELASTIC_MAX_RESTARTS"])
+            if rank == 0 and nodes > 1 and max_restarts > 0:
+                # A node whose workers are restarted for another node's failure keeps its restart count, so
+                # after a failure the nodes' prefixes can differ and their workers never meet.
+                print("WARNING: restarts of a multi-node job need a fresh store per restart: export "
+                      "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node before torchrun (see README, Multi-node).",
+                      file=sys.stderr)
+        # A timeout, so that ranks whose peer died raise instead of waiting forever in a collective. device_id
+        # binds NCCL to this rank's GPU, so its barriers need not guess the device (and warn).
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
+                                world_size=world_size, timeout=timedelta(minutes=10),
+                                device_id=device if device.type == "cuda" else None)
+    return Distributed(rank, local_rank, world_size, device)
+
+
+def average_across_ranks(value: torch.Tensor) -> torch.Tensor:
+    """Mean of a tensor over ranks, for logging (gloo's AVG is right in torch 2.13: tests/test_train.py checks)."""
+    if dist.is_initialized():
+        dist.all_reduce(value, op=dist.ReduceOp.AVG)
+    return value
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank if `flag` is True on any rank (a collective: every rank must call it)."""
+    value = torch.tensor(float(flag), device=device)
+    if dist.is_initialized():
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so that a wall-clock time covers it (GPUs run asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def to_device(x: torch.Tensor, y: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    if device.type == "cuda":  # pinned memory lets the copy run asynchronously with the GPU's work
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.to(device), y.to(device)

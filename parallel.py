@@ -1,0 +1,83 @@
+"""The model as a run trains it: on its device, sharded (fsdp) or replicated (ddp), compiled, with its optimizer
+and GradScaler; `build_model` does all of it in one place for train_gpt2.py and bench.py."""
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distributed import Distributed
+from errors import UserError
+from model import GPT
+
+
+@dataclass
+class TrainingModel:
+    raw: torch.nn.Module  # the GPT itself (with fsdp: its parameters are shards): state_dict, validation
+    model: torch.nn.Module  # what the training step calls: compiled and/or DDP-wrapped
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler  # enabled for fp16 only
+    parallel: str = "ddp"  # or "fsdp"
+
+    @property
+    def sharded(self) -> bool:
+        return self.parallel == "fsdp"
+
+    def full_model(self) -> torch.nn.Module:
+        """A GPT with all of its weights, for HellaSwag and sampling, which run different work on each rank. With
+        fsdp a collective: every rank calls it and gets its own unsharded copy."""
+        if not self.sharded:
+            return self.raw
+        full = get_model_state_dict(self.raw, options=StateDictOptions(full_state_dict=True))
+        copy = GPT(self.raw.config).to(next(iter(full.values())).device)
+        copy.load_state_dict(full)
+        return copy
+
+
+def build_model(raw_model: torch.nn.Module, dist_env: Distributed, dtype: torch.dtype, weight_decay: float,
+                learning_rate: float, compile: bool, plain: bool = False, parallel: str = "ddp") -> TrainingModel:
+    """Move the model to the device, shard it (fsdp), make its optimizer and GradScaler, then compile it and wrap
+    it in DDP (ddp, several ranks).
+
+    plain: bench.py's baseline, with the for-loop AdamW instead of the fused one.
+    """
+    device = dist_env.device
+    if compile and device.type == "mps":
+        raise UserError("--compile is not supported on MPS (torch.compile's MPS backend is experimental and fails "
+                        "on this model); leave --compile out.")
+    if parallel == "fsdp" and dtype == torch.float16:
+        raise UserError("--parallel fsdp with fp16 is not supported (its loss scaling would need a sharded "
+                        "GradScaler): use --dtype bf16 on GPUs that have it, --dtype fp32, or --parallel ddp.")
+    raw_model = raw_model.to(device)
+    if parallel == "fsdp":
+        shard(raw_model, dtype)
+    optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, device.type, fused=not plain)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    model = torch.compile(raw_model) if compile else raw_model
+    if dist_env.world_size > 1 and parallel == "ddp":
+        model = DDP(model, device_ids=[dist_env.local_rank] if device.type == "cuda" else None)
+    return TrainingModel(raw_model, model, optimizer, scaler, parallel)
+
+
+def shard(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """FSDP2, in place: each Block's parameters are one shard group (gathered just before the block runs, freed
+    after), the rest (embeddings, tied with the output layer, and the last LayerNorm) the root's. Under bf16 the
+    gathered weights are bf16 for compute and gradients are reduced in fp32."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if dtype == torch.bfloat16 else MixedPrecisionPolicy()
+    for block in model.transformer.h:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+
+
+def set_gradient_sync(model: torch.nn.Module, sync: bool) -> None:
+    """Whether this backward pass reduces gradients across ranks: only the last micro-step's does, the earlier
+    ones add into the local gradients (DDP: the all-reduce; FSDP: the reduce-scatter)."""
+    inner = getattr(model, "_orig_mod", model)  # under torch.compile
+    if isinstance(model, DDP):
+        # Setting the flag rather than `with model.no_sync()` keeps one code path.
+        model.require_backward_grad_sync = sync
+    elif isinstance(inner, FSDPModule):
+        inner.set_requires_gradient_sync(sync)
