@@ -22,17 +22,18 @@ import torch.distributed as dist
 
 from config import HF_MODELS, Plan, TrainConfig, parse_args, resolve_plan
 from dataloader import DistributedDataLoader
-from distributed import Distributed, any_rank, average_across_ranks, setup_distributed, synchronize, to_device
+from distributed import Distributed, any_rank, setup_distributed, synchronize
 from errors import UserError, run_entry_point
 from memory import auto_micro_batch, keep_freed_memory
 from mfu import Peak, peak_flops
 from model import GPT
 from parallel import TrainingModel, build_model
-from precision import autocast, dtype_name, pick_dtype, set_deterministic
+from precision import dtype_name, pick_dtype, set_deterministic
 from run_logger import RunLogger
 from sample import generate_text
 from snapshot import Snapshots
 from training import StepResult, get_lr, train_step
+from validation import validation_loss
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -183,28 +184,6 @@ class StopRequest:
 
     def agreed(self, device: torch.device) -> bool:
         return any_rank(self.requested, device)
-
-
-# A stop check is a collective and a device sync: often enough that a long evaluation notices SIGTERM within
-# seconds (torchrun and SLURM give 30 s before SIGKILL), rarely enough to cost nothing.
-VAL_STOP_CHECK_EVERY = 16
-
-
-@torch.no_grad()
-def validation_loss(model: torch.nn.Module, loader: DistributedDataLoader, steps: int, device: torch.device,
-                    dtype: torch.dtype, should_stop=lambda: False) -> float | None:
-    """Mean loss over `steps` micro-batches from the start of the val shards; None if should_stop() said so."""
-    model.eval()
-    loader.reset()
-    loss_sum = torch.zeros((), device=device)
-    for i in range(steps):
-        if i % VAL_STOP_CHECK_EVERY == 0 and i > 0 and should_stop():
-            return None
-        x, y = to_device(*loader.next_batch(), device)
-        with autocast(device, dtype):
-            _, loss = model(x, y)
-        loss_sum += loss.detach()
-    return average_across_ranks(loss_sum / steps).item()
 
 
 class Evaluations:
