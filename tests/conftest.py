@@ -81,3 +81,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# tests/gpu: the GPU acceptance tests (marker `gpu`, run by gpu_check.py). On a CUDA GPU they run at GPU size; with
+# GPU_TESTS_DEVICE=cpu (gpu_check.py --cpu-smoke) on the CPU at a tiny size, so that they cannot rot; else they skip.
+GPU_TESTS_DEVICE = "GPU_TESTS_DEVICE"
+GPU_TESTS_COMPILE = "GPU_TESTS_COMPILE"  # =1: the torch.compile ones on the CPU too (minutes on 2 cores)
+
+
+@pytest.fixture(scope="session")
+def gpu_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if os.environ.get(GPU_TESTS_DEVICE) == "cpu":
+        return torch.device("cpu")
+    pytest.skip("needs a CUDA GPU (`python gpu_check.py --out DIR` runs these; `--cpu-smoke` runs them on the CPU)")
+
+
+@pytest.fixture(scope="session")
+def gpu_compile(gpu_device) -> bool:
+    """Whether the GPU tests compile: always on CUDA; on the CPU only with GPU_TESTS_COMPILE=1."""
+    return gpu_device.type == "cuda" or os.environ.get(GPU_TESTS_COMPILE) == "1"

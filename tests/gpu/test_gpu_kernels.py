@@ -1,0 +1,176 @@
+"""The GPU kernels against plain references, in one process: the chunked loss against F.cross_entropy on the full
+logits (fp32, bf16, fp16 with a GradScaler), flash attention in bf16, compiled training against eager (losses and
+peak memory), and a DDP step over NCCL against the plain step.
+
+Run by gpu_check.py's tests stage on a CUDA GPU, at GPT-2's vocabulary and width; skipped without CUDA, except under
+GPU_TESTS_DEVICE=cpu (gpu_check.py --cpu-smoke), where the same bodies run on the CPU at a tiny size.
+"""
+
+import gc
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from conftest import make_shards, perturb_
+from dataloader import DistributedDataLoader
+from distributed import Distributed
+from model import GPT, PRESETS, GPTConfig
+from parallel import build_model
+from precision import DTYPES, autocast
+from training import train_step
+
+pytestmark = pytest.mark.gpu
+
+
+def loss_case(device: torch.device) -> tuple[GPT, torch.Tensor, torch.Tensor]:
+    """A perturbed model (logits far from uniform, so errors show) and a batch whose tokens fill several loss chunks,
+    the last one partial: on a GPU GPT-2's vocabulary, 2,700 tokens in chunks of 1,024; on the CPU a vocabulary of
+    97 (padded to 128 rows, whose gradient must stay 0) and 48 tokens in chunks of 10."""
+    if device.type == "cuda":
+        config, (B, T), chunk, noise = GPTConfig(block_size=1024, n_layer=2, n_head=4, n_embd=256), (3, 900), 1024, 0.1
+    else:
+        config, (B, T), chunk, noise = GPTConfig(block_size=16, vocab_size=97, n_layer=2, n_head=2, n_embd=16), \
+            (3, 16), 10, 0.3
+    torch.manual_seed(0)
+    model = perturb_(GPT(config), noise).to(device)  # perturbed on the CPU: its generator is a CPU one
+    model.loss_chunk_tokens = chunk
+    g = torch.Generator().manual_seed(0)
+    idx, targets = (torch.randint(0, config.vocab_size, (B, T), generator=g).to(device) for _ in range(2))
+    return model, idx, targets
+
+
+def loss_and_gradients(model: GPT, idx: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype,
+                       chunked: bool) -> tuple[float, dict[str, torch.Tensor]]:
+    """The loss and the unscaled gradients of one training micro-step, as training.train_step takes it (autocast,
+    and in fp16 the GradScaler's scaled backward and unscale_)."""
+    device = idx.device
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    with autocast(device, dtype):
+        if chunked:
+            _, loss = model(idx, targets)
+        else:  # the path the chunked loss replaces: all the logits, then F.cross_entropy on an fp32 copy
+            logits, _ = model(idx)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    grads = {name: p.grad.float().clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return loss.item(), grads
+
+
+# Relative error bounds: fp32 keeps 24 bits of mantissa, fp16 11 and bf16 8; both paths round the logits to the
+# autocast dtype, and the chunked one sums wte's gradient over chunks in fp32, so they differ by a few roundings.
+TOLERANCE = {"fp32": (1e-5, 1e-4), "bf16": (2e-3, 3e-2), "fp16": (1e-3, 1e-2)}  # (loss, each gradient)
+
+
+@pytest.mark.parametrize("dtype_name", ["fp32", "bf16", "fp16"])
+def test_chunked_loss_and_every_gradient_match_full_logits_cross_entropy(gpu_device, dtype_name):
+    model, idx, targets = loss_case(gpu_device)
+    dtype = DTYPES[dtype_name]
+    loss, grads = loss_and_gradients(model, idx, targets, dtype, chunked=True)
+    expected_loss, expected = loss_and_gradients(model, idx, targets, dtype, chunked=False)
+
+    loss_tol, grad_tol = TOLERANCE[dtype_name]
+    assert abs(loss - expected_loss) / expected_loss <= loss_tol
+    assert grads.keys() == expected.keys() and len(grads) == 2 + 12 * model.config.n_layer + 2
+    worst = {}
+    for name, want in expected.items():
+        assert torch.isfinite(grads[name]).all(), name  # fp16: the GradScaler's scale did not overflow
+        assert want.abs().max() > 0, name  # an all-zero gradient would make the comparison empty
+        worst[name] = ((grads[name] - want).abs().max() / want.abs().max()).item()
+    print(f"{dtype_name}: loss {loss:.6f} vs {expected_loss:.6f}; worst gradient {max(worst, key=worst.get)} "
+          f"{max(worst.values()):.2e}")
+    assert max(worst.values()) <= grad_tol
+    assert torch.all(grads["transformer.wte.weight"][model.config.vocab_size:] == 0)  # the padding rows
+
+
+def test_attention_runs_the_flash_kernel_in_bf16_and_agrees_with_the_math_kernel(gpu_device):
+    model, idx, targets = loss_case(gpu_device)
+
+    def step(backend: SDPBackend) -> tuple[float, list[str]]:
+        # Restricted to one backend, SDPA raises "No available kernel" rather than falling back to another.
+        with sdpa_kernel([backend]), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            with autocast(gpu_device, torch.bfloat16):
+                _, loss = model(idx, targets)
+            loss.backward()
+        model.zero_grad(set_to_none=True)
+        return loss.item(), [event.key for event in prof.key_averages()]
+
+    flash_loss, flash_ops = step(SDPBackend.FLASH_ATTENTION)
+    math_loss, _ = step(SDPBackend.MATH)
+    attention_ops = sorted({op for op in flash_ops if "scaled_dot_product" in op})
+    print("attention ops:", attention_ops)
+    # aten::_scaled_dot_product_flash_attention (on a CPU: ..._flash_attention_for_cpu) and its backward
+    assert any("flash_attention" in op and "backward" not in op for op in attention_ops)
+    assert any("flash_attention" in op and "backward" in op for op in attention_ops)
+    assert abs(flash_loss - math_loss) / math_loss < 5e-3  # bf16 attention, two kernels
+
+
+def train_in_process(device: torch.device, data_dir, compile: bool, steps: int, config: GPTConfig, B: int,
+                     T: int) -> tuple[list[float], float]:
+    """`steps` training steps of a fresh model (seed 0) as train_gpt2.py takes them (build_model, train_step), in
+    bf16 on a GPU and fp32 on the CPU; returns the losses and the peak memory allocated on a GPU (MiB), else 0.
+    Inside a process group the model is DDP-wrapped (build_model wraps it only from two ranks on)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    trained = build_model(GPT(config), Distributed(0, 0, 1, device), dtype, 0.1, 1e-3, compile)
+    if dist.is_initialized():
+        trained.model = DDP(trained.model, device_ids=[device.index or 0] if device.type == "cuda" else None)
+    loader = DistributedDataLoader(data_dir, "train", B, T)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    losses = [train_step(trained.model, trained.optimizer, trained.scaler, loader, 1, 1e-3, 1.0, device, dtype).loss
+              for _ in range(steps)]
+    peak_mib = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else 0.0
+    del trained
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # so that the next run's peak starts from nothing of this one
+    return losses, peak_mib
+
+
+def test_compiled_training_matches_eager_over_20_steps_with_no_more_peak_memory(gpu_device, gpu_compile, tmp_path):
+    if not gpu_compile:
+        pytest.skip("torch.compile takes minutes on a CPU; GPU_TESTS_COMPILE=1 runs it here too")
+    # GPU: GPT-2 124M at T=1024, B=8, bf16; CPU: the tiny preset. Tokens from a vocabulary of 100, so the loss
+    # falls fast (from 10.8 towards ln 100 = 4.6) and a wrong graph could not hide in a flat curve.
+    config, B, T = (PRESETS["gpt2"], 8, 1024) if gpu_device.type == "cuda" else (PRESETS["tiny"], 2, 32)
+    make_shards(tmp_path, "train", [20 * B * T + 1], vocab=100)
+    eager, eager_peak = train_in_process(gpu_device, tmp_path, False, 20, config, B, T)
+    compiled, compiled_peak = train_in_process(gpu_device, tmp_path, True, 20, config, B, T)
+
+    print(f"losses eager {eager[0]:.4f} -> {eager[-1]:.4f}, compiled {compiled[0]:.4f} -> {compiled[-1]:.4f}; "
+          f"max |difference| {max(abs(a - b) for a, b in zip(eager, compiled)):.4f}; peak memory eager "
+          f"{eager_peak:,.0f} MiB, compiled {compiled_peak:,.0f} MiB")
+    assert eager[-1] < eager[0] - 1.0  # it learns
+    # Inductor's fused kernels round differently from eager's in bf16, so not bit for bit; a wrong graph is far off.
+    assert all(abs(a - b) < 0.05 for a, b in zip(eager, compiled))
+    assert compiled_peak <= eager_peak
+
+
+def test_a_ddp_step_over_nccl_equals_the_plain_step(gpu_device, tmp_path):
+    """DDP's reducer and the loss average over a real process group (NCCL on a GPU, gloo on the CPU) of one rank:
+    on one GPU, the NCCL path torchrun cannot reach (one process per GPU, and train_gpt2.py wraps DDP only from two
+    ranks on). Two or more GPUs: test_gpu_runs.py's torchrun test runs the whole thing."""
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    config, B, T = (PRESETS["small"], 8, 256) if gpu_device.type == "cuda" else (PRESETS["tiny"], 2, 32)
+    make_shards(tmp_path, "train", [4 * B * T + 1], vocab=100)
+    plain, _ = train_in_process(gpu_device, tmp_path, False, 4, config, B, T)
+    cuda = gpu_device.type == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=torch.device("cuda", torch.cuda.current_device()) if cuda else None)
+    try:
+        assert dist.get_backend() == ("nccl" if cuda else "gloo")
+        ddp, _ = train_in_process(gpu_device, tmp_path, False, 4, config, B, T)
+    finally:
+        dist.destroy_process_group()
+    print(f"plain {plain}\nddp   {ddp}")
+    assert ddp[-1] < ddp[0] - 0.1  # the steps really update the weights
+    assert all(abs(a - b) / b < (1e-3 if cuda else 1e-6) for a, b in zip(ddp, plain))
