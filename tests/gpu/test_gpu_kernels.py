@@ -171,6 +171,8 @@ def test_a_ddp_step_over_nccl_equals_the_plain_step(gpu_device, tmp_path):
         ddp, _ = train_in_process(gpu_device, tmp_path, False, 4, config, B, T)
     finally:
         dist.destroy_process_group()
-    print(f"plain {plain}\nddp   {ddp}")
+    worst = max(abs(a - b) / b for a, b in zip(ddp, plain))
+    print(f"DDP over {'NCCL' if cuda else 'gloo'}: loss {ddp[0]:.4f} -> {ddp[-1]:.4f}, max relative difference to "
+          f"the plain steps {worst:.2e}")
     assert ddp[-1] < ddp[0] - 0.1  # the steps really update the weights
-    assert all(abs(a - b) / b < (1e-3 if cuda else 1e-6) for a, b in zip(ddp, plain))
+    assert worst < (1e-3 if cuda else 1e-6)

@@ -95,6 +95,7 @@ def test_deterministic_runs_repeat_their_losses_bit_for_bit(job, tmp_path):
     dtype = "bf16" if job.device.type == "cuda" else "fp32"  # bf16: flash attention's backward is in the step
     args = [*job.args, "--dtype", dtype, "--deterministic", "--ckpt_every", "0"]
     first, second = run_train(args, tmp_path / "first"), run_train(args, tmp_path / "second")
+    print(f"{dtype} --deterministic, twice: losses {[r['loss'] for r in first.train]}")
     for key in ("loss", "grad_norm", "val_loss"):
         assert by_step(first.records, key) == by_step(second.records, key), key
 
@@ -147,9 +148,11 @@ def evaluated_run(job, gpu_compile, tmp_path_factory) -> TrainRun:
     except Exception as e:  # no cache and no network: tiktoken's errors vary
         pytest.skip(f"the GPT-2 tokenizer is not available offline ({type(e).__name__}); set TIKTOKEN_CACHE_DIR")
     hellaswag = os.environ.get(HELLASWAG_ENV)
+    hellaswag_args = ["--hellaswag_every", "2", "--hellaswag_limit", "40", "--hellaswag_path", hellaswag] \
+        if hellaswag else []
     args = [*job.args, "--max_steps", "3", "--val_every", "2", "--sample_every", "2", "--ckpt_every", "0",
             "--dtype", "bf16" if job.device.type == "cuda" else "fp32", *(["--compile"] if gpu_compile else []),
-            *(["--hellaswag_every", "2", "--hellaswag_limit", "40", "--hellaswag_path", hellaswag] if hellaswag else [])]
+            *hellaswag_args]
     return run_train(args, tmp_path_factory.mktemp("evaluated"), timeout=600)
 
 
