@@ -217,10 +217,10 @@ def tests_stage(report: Report, scale: Scale, args: argparse.Namespace) -> None:
         return
     cases = ET.parse(junit).getroot().iter("testcase")
     for case in cases:
-        report.check("tests", case.get("name"), test_result, case)
+        report.check("tests", case.get("name"), junit_row, case)
 
 
-def test_result(case: ET.Element) -> Result:
+def junit_row(case: ET.Element) -> Result:
     """A test's verdict, and as its figure the last line it printed (tests/gpu print what they measured)."""
     seconds = float(case.get("time", 0))
     for tag in ("failure", "error"):

@@ -1,0 +1,105 @@
+"""gpu_check.py, the GPU acceptance run: on this CPU-only machine it refuses in one line, and --cpu-smoke runs all
+three stages at a tiny size, without wandb, datasets or transformers, so that the command cannot rot before the
+first GPU run. (tests/gpu, which it runs, skip here without GPU_TESTS_DEVICE=cpu.)"""
+
+import json
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+import torch
+
+import gpu_check
+from conftest import ROOT, SHARED_DATA
+from gpu_check import Report, Scale, junit_row
+from helpers_train import train_env
+
+# What an offline GPU machine with a bare PyTorch lacks; gpu_check.py and everything it starts must not need them.
+ABSENT_PACKAGES = ("wandb", "datasets", "transformers")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_without_a_gpu_it_says_so_in_one_line_and_exits_2(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "gpu_check.py"), "--out", str(tmp_path / "report")],
+                          env=train_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: no CUDA GPU here") and "--cpu-smoke" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert not (tmp_path / "report").exists()
+
+
+def junit_case(xml: str) -> ET.Element:
+    return ET.fromstring(xml)
+
+
+def test_a_junit_test_case_becomes_a_row_with_what_the_test_printed():
+    passed = junit_case('<testcase name="t" time="2.5"><system-out>setup\nmax difference 1.2e-05\n</system-out>'
+                        '</testcase>')
+    failed = junit_case('<testcase name="t" time="1"><failure message="assert 0.3 &lt;= 0.05">long</failure>'
+                        '</testcase>')
+    skipped = junit_case('<testcase name="t" time="0"><skipped message="needs a CUDA GPU"/></testcase>')
+    assert junit_row(passed) == ("max difference 1.2e-05; 2.5 s", "passes", True)
+    assert junit_row(failed) == ("failure: assert 0.3 <= 0.05", "passes", False)
+    assert junit_row(skipped) == ("skipped: needs a CUDA GPU", "passes", None)
+
+
+def test_a_check_that_raises_is_a_fail_row_and_the_report_goes_on(tmp_path):
+    report = Report(tmp_path, {"device": "cpu"}, gpu_check.CPU_SMOKE)
+
+    def broken() -> tuple:
+        raise KeyError("loss")
+
+    report.check("train", "broken", broken)
+    report.check("train", "fine", lambda: ("1.0", "≤ 2", True))
+    assert [(r.name, r.verdict, r.figure) for r in report.rows] == [("broken", "FAIL", "KeyError: 'loss'"),
+                                                                     ("fine", "PASS", "1.0")]
+    written = json.loads((tmp_path / "report.json").read_text())
+    assert [r["verdict"] for r in written["rows"]] == ["FAIL", "PASS"] and written["machine"] == {"device": "cpu"}
+    assert "| train | broken | KeyError: 'loss' | no error | **FAIL** |" in (tmp_path / "report.md").read_text()
+
+
+def test_the_gpu_scale_is_the_124m_recipe_shortened():
+    gpu: Scale = gpu_check.GPU
+    assert (gpu.model, gpu.seq_len, gpu.dtype, gpu.compile, gpu.train_steps) == ("gpt2", 1024, "bf16", True, 300)
+    assert gpu.max_lr == 6e-4 and gpu.bench_sequences * gpu.seq_len == 524_288  # the recipe's LR and batch
+
+
+@pytest.mark.slow
+def test_cpu_smoke_runs_every_stage_and_reports_a_verdict_per_check(tmp_path, gpt2_encoding):
+    # gpt2_encoding: the samples need the tokenizer's offline cache. About 1 min on 2 idle cores, most of it the
+    # tests stage's dozen training subprocesses; more on a loaded machine.
+    blocked = tmp_path / "absent_packages"
+    blocked.mkdir()
+    for name in ABSENT_PACKAGES:  # importing any of them anywhere, in any subprocess, fails the run
+        (blocked / f"{name}.py").write_text(f"raise ImportError('{name} is not installed on the GPU machine')\n")
+    hellaswag = SHARED_DATA / "hellaswag" / "hellaswag_val.jsonl"
+    command = [sys.executable, str(ROOT / "gpu_check.py"), "--cpu-smoke", "--out", str(tmp_path / "out"),
+               *(["--hellaswag_path", str(hellaswag)] if hellaswag.is_file() else [])]
+    proc = subprocess.run(command, cwd=tmp_path, env=train_env({"PYTHONPATH": str(blocked)}), capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    rows = {(r["stage"], r["name"]): r for r in report["rows"]}
+    assert {"device", "torch", "python"} <= set(report["machine"])
+    assert [r["verdict"] for r in report["rows"]].count("FAIL") == 0
+    # Every stage reported, with the rows that carry the figures.
+    for key in [("tests", "test_a_torchrun_run_trains_like_the_plain_run"),
+                ("tests", "test_chunked_loss_and_every_gradient_match_full_logits_cross_entropy[fp16]"),
+                ("train", "the loss falls"), ("train", "samples"), ("train", "speed"),
+                ("bench", "tiny fp32 eager"), ("bench", "wall time")]:
+        assert rows[key]["verdict"] == "PASS", rows.get(key)
+    # What is skipped on a CPU is skipped for a stated reason: compilation (minutes here), and HellaSwag without data.
+    skipped = {name for (stage, name), r in rows.items() if r["verdict"] == "SKIP"}
+    allowed = {"test_compiled_training_matches_eager_over_20_steps_with_no_more_peak_memory", "tiny fp32 compiled",
+               "tiny: compiled against eager"}
+    if not hellaswag.is_file():
+        allowed |= {"test_hellaswag_inside_a_compiled_run_scores_a_slice", "HellaSwag slice"}
+    assert skipped <= allowed
+    assert all(rows[("tests", name)]["figure"].startswith("skipped: ") for name in skipped if ("tests", name) in rows)
+    markdown = (tmp_path / "out" / "report.md").read_text()
+    assert "| stage | check | figure | bound | verdict |" in markdown
+    assert markdown.count("**PASS**") == sum(r["verdict"] == "PASS" for r in report["rows"]) >= 20
+    assert Path(tmp_path / "out" / "train" / "metrics.jsonl").is_file()
