@@ -156,11 +156,15 @@ def machine_info(device: torch.device) -> dict:
     if device.type != "cuda":
         return {"device": f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"} | info
     properties = torch.cuda.get_device_properties(device)
-    nccl = torch.cuda.nccl.version()
+    try:
+        nccl = torch.cuda.nccl.version()  # (2, 21, 5) in current torch
+        nccl = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+    except Exception as e:  # a build without NCCL
+        nccl = f"unknown ({type(e).__name__})"
     return {"device": properties.name, "GPUs": torch.cuda.device_count(),
             "compute capability": f"{properties.major}.{properties.minor}",
             "memory": f"{properties.total_memory / GiB:.1f} GiB", "driver": nvidia_driver()} | info | {
-            "cuDNN": torch.backends.cudnn.version(), "NCCL": ".".join(map(str, nccl)) if nccl else None}
+            "cuDNN": torch.backends.cudnn.version(), "NCCL": nccl}
 
 
 def nvidia_driver() -> str:

@@ -92,10 +92,10 @@ GPU_TESTS_COMPILE = "GPU_TESTS_COMPILE"  # =1: the torch.compile ones on the CPU
 
 @pytest.fixture(scope="session")
 def gpu_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda")
     if os.environ.get(GPU_TESTS_DEVICE) == "cpu":
         return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda")
     pytest.skip("needs a CUDA GPU (`python gpu_check.py --out DIR` runs these; `--cpu-smoke` runs them on the CPU)")
 
 
