@@ -5,6 +5,7 @@ first GPU run. (tests/gpu, which it runs, skip here without GPU_TESTS_DEVICE=cpu
 import json
 import subprocess
 import sys
+import types
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -58,6 +59,21 @@ def test_a_check_that_raises_is_a_fail_row_and_the_report_goes_on(tmp_path):
     written = json.loads((tmp_path / "report.json").read_text())
     assert [r["verdict"] for r in written["rows"]] == ["FAIL", "PASS"] and written["machine"] == {"device": "cpu"}
     assert "| train | broken | KeyError: 'loss' | no error | **FAIL** |" in (tmp_path / "report.md").read_text()
+
+
+def test_the_report_names_the_gpu_its_capability_memory_driver_and_versions(monkeypatch):
+    # The CUDA branch, with torch.cuda's answers faked as test_gpu_paths.py does (this torch build has no CUDA).
+    properties = types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", major=9, minor=0, total_memory=85_520_809_984)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: properties)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 3))
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91002)
+    monkeypatch.setattr(gpu_check, "nvidia_driver", lambda: "570.86.15")
+    info = gpu_check.machine_info(torch.device("cuda", 0))
+    assert {k: info[k] for k in ("device", "GPUs", "compute capability", "memory", "driver", "cuDNN", "NCCL")} == {
+        "device": "NVIDIA H100 80GB HBM3", "GPUs": 1, "compute capability": "9.0", "memory": "79.6 GiB",
+        "driver": "570.86.15", "cuDNN": 91002, "NCCL": "2.27.3"}
+    assert info["torch"] == torch.__version__ and "CUDA (torch build)" in info
 
 
 def test_the_gpu_scale_is_the_124m_recipe_shortened():
