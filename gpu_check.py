@@ -30,6 +30,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -176,6 +177,21 @@ def nvidia_driver() -> str:
         return "unknown (no nvidia-smi)"
 
 
+def run_logged(command: list[str], env: dict[str, str], timeout: float, log: Path) -> tuple[int, str]:
+    """Run command in the repository, its output (stdout, then stderr) also written to log; returns (exit status,
+    output). Past timeout its whole process group is killed (pytest's and torchrun's children too): status -9."""
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        stderr += f"\nstopped after {timeout:.0f} s"
+    log.write_text(stdout + stderr)
+    return proc.returncode, stdout + stderr
+
+
 def within_budget(seconds: float, budget: int) -> Result:
     return f"{seconds:,.0f} s", f"< {budget} s", seconds < budget
 
@@ -208,13 +224,7 @@ def tests_stage(report: Report, scale: Scale, args: argparse.Namespace) -> None:
         env["GPU_TESTS_HELLASWAG"] = str(Path(args.hellaswag_path).resolve())
     command = [sys.executable, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-p", "no:cacheprovider",
                f"--junitxml={junit}", "-o", "junit_logging=system-out"]
-    try:
-        proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=2 * scale.stage_seconds)
-        output = proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as e:
-        output = f"{e.stdout or ''}{e.stderr or ''}\npytest ran past {2 * scale.stage_seconds} s and was stopped"
-    (report.out / "tests_output.txt").write_text(output)
+    _, output = run_logged(command, env, 2 * scale.stage_seconds, report.out / "tests_output.txt")
     if not junit.exists():
         report.check("tests", "pytest -m gpu tests/gpu", lambda: (
             first_line(output.strip().splitlines()[-1] if output.strip() else "no output"), "runs", False))
@@ -292,13 +302,8 @@ def train_stage(report: Report, scale: Scale, args: argparse.Namespace) -> None:
                "--ckpt_every", "0", "--log_dir", str(log_dir), *(["--compile"] if scale.compile else []),
                *(["--hellaswag_path", str(args.hellaswag_path)] if hellaswag else [])]
     print("train:", " ".join(command[1:]), flush=True)
-    try:
-        proc = subprocess.run(command, cwd=ROOT, env=os.environ | {"PYTHONUNBUFFERED": "1"}, capture_output=True,
-                              text=True, timeout=2 * scale.stage_seconds)
-        returncode, output = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as e:
-        returncode, output = -1, f"{e.stdout or ''}{e.stderr or ''}\nstopped after {2 * scale.stage_seconds} s"
-    (log_dir / "output.txt").write_text(output)
+    returncode, output = run_logged(command, os.environ | {"PYTHONUNBUFFERED": "1"}, 2 * scale.stage_seconds,
+                                    log_dir / "output.txt")
     metrics = log_dir / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] \
         if metrics.exists() else []
