@@ -218,6 +218,17 @@ def test_cached_generation_gives_the_uncached_tokens_within_and_past_block_size(
     assert torch.equal(got, expected)
 
 
+def test_generate_reads_the_prompt_once_then_one_token_per_step_until_block_size(tiny_model):
+    seen = []  # the number of tokens each forward embeds, per row
+    hook = tiny_model.transformer.wte.register_forward_hook(lambda module, args, out: seen.append(args[0].size(1)))
+    try:
+        tiny_model.generate(random_tokens(TINY, B=2, T=5), 14)  # 5 + 14 = 19 > block_size 16
+    finally:
+        hook.remove()
+    # The prompt, then each sampled token alone up to 16 tokens; past that, the whole 16-token window per step.
+    assert seen == [5] + [1] * 11 + [16] * 2
+
+
 def test_cached_logits_match_a_full_forward(tiny_model):
     tokens = random_tokens(TINY, B=2, T=TINY.block_size)
     with torch.no_grad():
