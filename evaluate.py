@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from config import HelpFormatter, TrainConfig, add_flags, validation_steps
 from dataloader import DistributedDataLoader
-from distributed import setup_distributed
+from distributed import Distributed, setup_distributed
 from errors import UserError, run_entry_point
 from model import GPT
 from precision import pick_dtype
@@ -87,7 +87,7 @@ def load_model(ckpt: str | None, hf_name: str | None) -> tuple[GPT, dict, int | 
     return model, saved.get("config", {}), saved.get("step")
 
 
-def evaluate(model: GPT, args: argparse.Namespace, dist_env) -> dict:
+def evaluate(model: GPT, args: argparse.Namespace, dist_env: Distributed) -> dict:
     """The validation loss and HellaSwag accuracies, each rank doing its share; every rank returns the same."""
     device, results = dist_env.device, {}
     torch.set_float32_matmul_precision("high")  # as in training (TF32 on GPUs that have it)
