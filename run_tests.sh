@@ -5,8 +5,7 @@
 #   bash run_tests.sh -m "not slow"    # the inner loop: no torchrun, no torch.compile (about a minute)
 set -euo pipefail
 cd "$(dirname "$0")"
-[ -d .venv ] || python3 -m venv .venv
-. .venv/bin/activate
-python -m pip install -q -r requirements-dev.txt
-ruff check .
-python -m pytest -q tests "$@"
+. ./python_env.sh
+use_python requirements-dev.txt torch numpy tiktoken tqdm pytest ruff transformers safetensors wandb pyarrow matplotlib
+"$PYTHON" -m ruff check .
+"$PYTHON" -m pytest -q tests "$@"
