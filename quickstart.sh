@@ -4,6 +4,7 @@
 #
 #   bash quickstart.sh                              # downloads the tokenizer and the corpus
 #   OFFLINE_DATA=../shared/data bash quickstart.sh  # no network: local tokenizer files and corpus
+#   USE_CURRENT_PYTHON=1 bash quickstart.sh         # the python on PATH as it is (PyTorch >= 2.11): no venv, no pip
 set -euo pipefail
 cd "$(dirname "$0")"
 . ./python_env.sh

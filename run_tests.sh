@@ -3,6 +3,7 @@
 # Tests that need the offline data read it from ../shared/data (or $SHARED_DATA) and skip, saying so, without it.
 #   bash run_tests.sh                  # everything: what CI runs
 #   bash run_tests.sh -m "not slow"    # the inner loop: no torchrun, no torch.compile (about a minute)
+#   USE_CURRENT_PYTHON=1 bash run_tests.sh   # the python on PATH as it is: no venv, no pip (see python_env.sh)
 set -euo pipefail
 cd "$(dirname "$0")"
 . ./python_env.sh
