@@ -59,7 +59,7 @@ class TrainConfig:
     compile: bool = arg(False, "torch.compile the model")
     parallel: str = arg("ddp", "ddp: every GPU holds the whole model | fsdp: weights, gradients and AdamW state "
                                "sharded across the ranks, for models that do not fit one GPU", choices=("ddp", "fsdp"))
-    deterministic: bool = arg(False, "bitwise-repeatable GPU runs (deterministic kernels; slower)")
+    deterministic: bool = arg(False, "bitwise-repeatable GPU runs (strictly deterministic kernels; slower)")
     seed: int = arg(1337, "random seed (weights init, data shuffling)")
     # evaluation and logging
     val_every: int = arg(250, "validate every N steps (0 = never)")
