@@ -78,6 +78,9 @@ class TrainConfig:
     ckpt_every: int = arg(500, "snapshot every N steps (0 = off); the last step always writes one")
     keep_last: int = arg(2, "keep this many newest snapshots")
     resume: str = arg("auto", "auto (newest valid snapshot in --ckpt_dir) | never | PATH to a snapshot")
+    dist_timeout: int = arg(600, "seconds a rank waits for the others in a collective before it exits, so that a "
+                                 "stopped or stuck rank ends the job (to be restarted) instead of hanging it; longer "
+                                 "than any snapshot write or evaluation that only some ranks do")
 
 
 # The --help sections, named at the first flag of each (the comments in TrainConfig).

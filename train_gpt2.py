@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from config import HF_MODELS, Plan, TrainConfig, parse_args, resolve_plan
 from dataloader import DistributedDataLoader
-from distributed import Distributed, any_rank, setup_distributed, synchronize
+from distributed import Distributed, any_rank, hangs_reported, setup_distributed, synchronize
 from errors import UserError, run_entry_point
 from memory import auto_micro_batch, keep_freed_memory
 from mfu import Peak, peak_flops
@@ -38,7 +38,7 @@ from validation import validation_loss
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv, __doc__)
-    dist_env = setup_distributed(cfg.device, cfg.parallel)
+    dist_env = setup_distributed(cfg.device, cfg.parallel, cfg.dist_timeout)
     # Settings for the whole process, made here so that run() changes nothing outside itself.
     torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere+: ~8x faster than fp32, precise enough
     if cfg.deterministic:
@@ -48,10 +48,11 @@ def main(argv: list[str] | None = None) -> None:
     stop = StopRequest()
     signal.signal(signal.SIGTERM, stop.request)
     try:
-        run(cfg, dist_env, stop)
-        if dist.is_initialized():
-            # Leave together: a rank that tears gloo down while rank 0 still writes the last snapshot can abort.
-            dist.barrier()
+        with hangs_reported(cfg.dist_timeout, dist_env.rank):
+            run(cfg, dist_env, stop)
+            if dist.is_initialized():
+                # Leave together: a rank that tears gloo down while rank 0 still writes the last snapshot can abort.
+                dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
