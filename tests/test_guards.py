@@ -160,7 +160,7 @@ def test_no_snapshot_is_written_from_nan_weights(data, tmp_path):
 # runs with planted faults
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_a_nan_loss_skips_that_update_and_training_goes_on_as_without_it(data, tmp_path, monkeypatch, dtype):
+def test_a_nan_loss_skips_that_update_and_training_goes_on_as_without_it(data, tmp_path, monkeypatch, dtype, capsys):
     # The reference: no NaN, and AdamW's 6th update (step 5's) simply not made, the data of step 5 still read.
     real_step, calls = torch.optim.AdamW.step, []
 
@@ -176,6 +176,7 @@ def test_a_nan_loss_skips_that_update_and_training_goes_on_as_without_it(data, t
     records = run_in_process(data, tmp_path / "nan", "--max_steps", "10", "--dtype", dtype)
 
     assert skipped(records) == {5: "non-finite loss"}
+    assert re.search(r"step     5 \| loss nan .* \| step skipped: non-finite loss\n", capsys.readouterr().out)
     got = losses(records)
     assert got[5] is None  # NaN is logged as null
     assert {s: v for s, v in got.items() if s != 5} == {s: v for s, v in reference.items() if s != 5}
