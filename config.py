@@ -185,6 +185,9 @@ def resolve_plan(cfg: TrainConfig, world_size: int) -> Plan:
                         "or raise --block_size.")
     grad_accum_steps = grad_accum_steps_for(cfg, seq_len, world_size)
     val_steps = validation_steps(cfg, seq_len, world_size) if cfg.val_every else 0
+    if cfg.skip_zscore < 0:
+        raise UserError(f"--skip_zscore {cfg.skip_zscore}: a number of standard deviations above the mean, so "
+                        "positive (5 or 6 skips only real spikes), or 0 to turn the spike guard off.")
     if cfg.max_skips < 1:
         raise UserError(f"--max_skips {cfg.max_skips}: a divergence is at least 1 skipped update; pass 1 or more "
                         "(the default 10 outlasts the GradScaler's start-up overflows in fp16).")

@@ -109,6 +109,7 @@ class Snapshots:
             return None
         state = load_snapshot(path)
         self._restore(path, state, data_position=False)
+        self.guard.skips_in_a_row = 0  # (a snapshot from before the guard holds no count)
         self.last_saved = state["step"]
         return state["step"] + 1, path
 

@@ -110,7 +110,7 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: "StopRequest | None" = No
 
     last_step = cfg.max_steps - 1
     step = start_step
-    while step < cfg.max_steps:
+    while step < cfg.max_steps:  # (not a for loop: a rollback takes the step back)
         # --- evaluate (before the update, so step 0 shows the untrained model); a stop request cuts it short
         evaluated = evaluations.run_due(step, last_step)
         # --- train

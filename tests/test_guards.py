@@ -156,6 +156,15 @@ def test_no_snapshot_is_written_from_nan_weights(data, tmp_path):
     assert "no snapshot after step 1: the weights or optimizer state hold NaN or inf" in messages[-1]
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--on_divergence", "rollback"], "--on_divergence rollback reloads .* --ckpt_every 0"),
+    (["--skip_zscore", "-3"], "--skip_zscore -3.0: .* positive"),
+    (["--max_skips", "0"], "--max_skips 0: .* 1 or more")])
+def test_guard_flags_that_cannot_work_are_refused(data, tmp_path, flags, message):
+    with pytest.raises(UserError, match=message):
+        run_in_process(data, tmp_path, "--max_steps", "2", *flags)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # runs with planted faults
 
@@ -231,11 +240,6 @@ def test_spike_statistics_resume_exactly(data, tmp_path, monkeypatch):
     assert final[0] == final[1] and len(final[0]["losses"]) == 31
 
 
-def test_rollback_needs_snapshots(data, tmp_path):
-    with pytest.raises(UserError, match="--on_divergence rollback reloads .* --ckpt_every 0"):
-        run_in_process(data, tmp_path, "--max_steps", "2", "--on_divergence", "rollback")
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # a run forced to diverge by a huge learning rate, in real processes
 
@@ -280,3 +284,4 @@ def test_two_ranks_roll_back_together_then_stop_when_rollbacks_run_out(data, tmp
     assert "after 2 rollback(s) (--max_rollbacks 2)" in errors[0]
     assert [r["rollbacks"] for r in run.records if r.get("event") == "rollback"] == [1, 2]
     assert_every_snapshot_loads_and_is_finite(tmp_path)
+
