@@ -219,25 +219,27 @@ def test_rollback_reloads_the_newest_healthy_snapshot_and_skips_the_bad_data(dat
 
 
 def test_spike_guard_skips_a_planted_spike_and_no_normal_step(data, tmp_path, monkeypatch):
-    plant(monkeypatch, data, [30], 10.0)
-    records = run_in_process(data, tmp_path, "--max_steps", "36", "--skip_zscore", "5")
-    assert list(skipped(records)) == [30]
-    assert re.fullmatch(r"loss spike z=\d+\.\d", skipped(records)[30])
+    monkeypatch.setattr(DivergenceGuard, "SPIKE_WARMUP", 5)  # (20 in real runs: fewer steps keep the test short)
+    plant(monkeypatch, data, [12], 10.0)
+    records = run_in_process(data, tmp_path, "--max_steps", "16", "--skip_zscore", "5")
+    assert list(skipped(records)) == [12]
+    assert re.fullmatch(r"loss spike z=\d+\.\d", skipped(records)[12])
 
 
 def test_spike_statistics_resume_exactly(data, tmp_path, monkeypatch):
+    monkeypatch.setattr(DivergenceGuard, "SPIKE_WARMUP", 5)
     # A spike 3 steps after the resume: a guard that restarted its warm-up there would let it through.
-    plant(monkeypatch, data, [28], 10.0)
-    args = ["--max_steps", "32", "--skip_zscore", "5", "--ckpt_every", "25", "--keep_last", "3"]
+    plant(monkeypatch, data, [12], 10.0)
+    args = ["--max_steps", "16", "--skip_zscore", "5", "--ckpt_every", "10", "--keep_last", "3"]
     uninterrupted = run_in_process(data, tmp_path / "uninterrupted", *args)
     (tmp_path / "resumed").mkdir()
-    shutil.copy(snapshot_path(tmp_path / "uninterrupted", 24), tmp_path / "resumed")
+    shutil.copy(snapshot_path(tmp_path / "uninterrupted", 9), tmp_path / "resumed")
     resumed = run_in_process(data, tmp_path / "resumed", *args)
 
-    assert list(skipped(uninterrupted)) == list(skipped(resumed)) == [28]
-    assert losses(resumed) == {s: v for s, v in losses(uninterrupted).items() if s >= 25}
-    final = [load_snapshot(snapshot_path(tmp_path / d, 31))["guard"] for d in ("uninterrupted", "resumed")]
-    assert final[0] == final[1] and len(final[0]["losses"]) == 31
+    assert list(skipped(uninterrupted)) == list(skipped(resumed)) == [12]
+    assert losses(resumed) == {s: v for s, v in losses(uninterrupted).items() if s >= 10}
+    final = [load_snapshot(snapshot_path(tmp_path / d, 15))["guard"] for d in ("uninterrupted", "resumed")]
+    assert final[0] == final[1] and len(final[0]["losses"]) == 15
 
 
 # ----------------------------------------------------------------------------------------------------------------
