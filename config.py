@@ -59,7 +59,7 @@ class TrainConfig:
     compile: bool = arg(False, "torch.compile the model")
     parallel: str = arg("ddp", "ddp: every GPU holds the whole model | fsdp: weights, gradients and AdamW state "
                                "sharded across the ranks, for models that do not fit one GPU", choices=("ddp", "fsdp"))
-    deterministic: bool = arg(False, "bitwise-repeatable GPU runs (deterministic kernels; slower)")
+    deterministic: bool = arg(False, "bitwise-repeatable GPU runs (strictly deterministic kernels; slower)")
     seed: int = arg(1337, "random seed (weights init, data shuffling)")
     # evaluation and logging
     val_every: int = arg(250, "validate every N steps (0 = never)")
@@ -78,6 +78,17 @@ class TrainConfig:
     ckpt_every: int = arg(500, "snapshot every N steps (0 = off); the last step always writes one")
     keep_last: int = arg(2, "keep this many newest snapshots")
     resume: str = arg("auto", "auto (newest valid snapshot in --ckpt_dir) | never | PATH to a snapshot")
+    dist_timeout: int = arg(600, "seconds a rank waits for the others in a collective before it exits, so that a "
+                                 "stopped or stuck rank ends the job (to be restarted) instead of hanging it; longer "
+                                 "than any snapshot write or evaluation that only some ranks do")
+    skip_zscore: float = arg(0.0, "also skip an update whose loss or grad norm is more than this many standard "
+                                  "deviations above its mean over the last 100 applied steps (0 = off; NaN/inf "
+                                  "updates are always skipped)")
+    on_divergence: str = arg("stop", "after --max_skips skipped updates in a row: stop (exit, naming the newest "
+                                     "healthy snapshot) | rollback (reload it, skip the data in between, train on)",
+                             choices=("stop", "rollback"))
+    max_skips: int = arg(10, "skipped updates in a row that count as a divergence")
+    max_rollbacks: int = arg(3, "with --on_divergence rollback: roll back at most this many times, then stop")
 
 
 # The --help sections, named at the first flag of each (the comments in TrainConfig).
@@ -177,6 +188,15 @@ def resolve_plan(cfg: TrainConfig, world_size: int) -> Plan:
                         "or raise --block_size.")
     grad_accum_steps = grad_accum_steps_for(cfg, seq_len, world_size)
     val_steps = validation_steps(cfg, seq_len, world_size) if cfg.val_every else 0
+    if cfg.skip_zscore < 0:
+        raise UserError(f"--skip_zscore {cfg.skip_zscore}: a number of standard deviations above the mean, so "
+                        "positive (5 or 6 skips only real spikes), or 0 to turn the spike guard off.")
+    if cfg.max_skips < 1:
+        raise UserError(f"--max_skips {cfg.max_skips}: a divergence is at least 1 skipped update; pass 1 or more "
+                        "(the default 10 outlasts the GradScaler's start-up overflows in fp16).")
+    if cfg.on_divergence == "rollback" and not cfg.ckpt_every:
+        raise UserError("--on_divergence rollback reloads the newest healthy snapshot, and --ckpt_every 0 writes "
+                        "none. Pass --ckpt_every N (e.g. 500), or --on_divergence stop.")
     return Plan(config, seq_len, grad_accum_steps, val_steps, cfg.ckpt_dir or cfg.log_dir)
 
 

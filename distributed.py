@@ -1,8 +1,11 @@
 """Processes and devices: torchrun's environment, the process group (NCCL on GPUs, gloo elsewhere), the collectives
 every rank takes part in, and moving work to the device."""
 
+import linecache
 import os
 import sys
+import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -10,6 +13,8 @@ import torch
 import torch.distributed as dist
 
 from errors import UserError
+
+PROJECT_DIR = os.path.dirname(os.path.abspath(__file__))  # to find our own frames in a traceback
 
 
 @dataclass
@@ -32,9 +37,10 @@ def default_device() -> str:
     return "cpu"
 
 
-def setup_distributed(device_arg: str, parallel: str = "ddp") -> Distributed:
+def setup_distributed(device_arg: str, parallel: str = "ddp", timeout_s: float = 600) -> Distributed:
     """One process per device. torchrun sets RANK/LOCAL_RANK/WORLD_SIZE; without them we are the only process
-    (with --parallel fsdp, in a process group of one, which FSDP needs)."""
+    (with --parallel fsdp, in a process group of one, which FSDP needs). timeout_s: how long a collective waits
+    for a peer before it raises (--dist_timeout)."""
     rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in
                                     (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
     device_type = default_device() if device_arg == "auto" else device_arg
@@ -63,12 +69,43 @@ def setup_distributed(device_arg: str, parallel: str = "ddp") -> Distributed:
                 print("WARNING: restarts of a multi-node job need a fresh store per restart: export "
                       "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node before torchrun (see README, Multi-node).",
                       file=sys.stderr)
-        # A timeout, so that ranks whose peer died raise instead of waiting forever in a collective. device_id
+        # A timeout, so that ranks whose peer died or hangs raise instead of waiting forever in a collective (gloo
+        # raises; NCCL's watchdog aborts the process). device_id
         # binds NCCL to this rank's GPU, so its barriers need not guess the device (and warn).
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
-                                world_size=world_size, timeout=timedelta(minutes=10),
+                                world_size=world_size, timeout=timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
     return Distributed(rank, local_rank, world_size, device)
+
+
+@contextmanager
+def hangs_reported(timeout_s: float, rank: int):
+    """Turn a collective's timeout in the block (a peer stopped: SIGSTOP, a stuck filesystem, a dead link) into one
+    paragraph naming the step and the line of ours that waited, so that the rank exits non-zero and torchrun
+    (--max-restarts) restarts the job from the newest snapshot. Other errors pass through untouched."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "timed out" not in str(e).lower():  # gloo: "Timed out waiting 10000ms for recv operation to complete"
+            raise
+        # Read from the traceback rather than passed in, so that no phase of the run needs wrapping: the innermost
+        # line of ours is the collective (or the backward pass, for DDP's gradient all-reduce), and the nearest
+        # `step` variable is the training step.
+        frames = [(frame, line) for frame, line in traceback.walk_tb(e.__traceback__)
+                  if os.path.dirname(frame.f_code.co_filename) == PROJECT_DIR]
+        steps = [frame.f_locals["step"] for frame, _ in frames if isinstance(frame.f_locals.get("step"), int)]
+        where = ""
+        if frames:
+            frame, line = frames[-1]
+            code = linecache.getline(frame.f_code.co_filename, line).strip()
+            where = f" in {frame.f_code.co_name} ({os.path.basename(frame.f_code.co_filename)}:{line}: `{code}`)"
+        raise UserError(
+            f"rank {rank} waited {timeout_s:g} s{f' at step {steps[-1]}' if steps else ''} for the other ranks in a "
+            f"collective{where} and gave up ({str(e).strip().splitlines()[0]}). Another rank stopped making progress "
+            "(a stopped or swapped-out process, a stuck filesystem, a dead network link). This rank exits so that "
+            "torchrun --max-restarts can restart the job, which resumes from the newest snapshot; without restarts, "
+            "rerun the same command. If a rank legitimately needs longer here (a long snapshot write, a slow first "
+            "torch.compile), raise --dist_timeout.") from e
 
 
 def average_across_ranks(value: torch.Tensor) -> torch.Tensor:

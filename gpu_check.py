@@ -314,6 +314,10 @@ def train_stage(report: Report, scale: Scale, args: argparse.Namespace) -> None:
         report.check("train", name, check, run, scale)
 
 
+def finite(loss: float | None) -> bool:
+    return loss is not None and math.isfinite(loss)  # metrics.jsonl logs a skipped step's non-finite loss as null
+
+
 def train_finished(run: TrainRun, scale: Scale) -> Result:
     tail = "" if run.returncode == 0 else f": {first_line(run.output.strip().splitlines()[-1])}" if run.output else ""
     return f"exit status {run.returncode}{tail}", "0", run.returncode == 0
@@ -322,7 +326,7 @@ def train_finished(run: TrainRun, scale: Scale) -> Result:
 def train_every_step(run: TrainRun, scale: Scale) -> Result:
     steps = [r["step"] for r in run.train]
     skipped = sum(bool(r.get("skipped")) for r in run.train)
-    not_finite = sum(not math.isfinite(r["loss"]) for r in run.train)
+    not_finite = sum(not finite(r["loss"]) for r in run.train)
     return (f"{len(steps)} steps logged, {skipped} skipped, {not_finite} losses not finite",
             f"steps 0..{scale.train_steps - 1}, none skipped, all finite",
             steps == list(range(scale.train_steps)) and skipped == 0 and not_finite == 0)
@@ -334,7 +338,7 @@ def train_first_loss(run: TrainRun, scale: Scale) -> Result:
 
 
 def train_loss_falls(run: TrainRun, scale: Scale) -> Result:
-    first, last = run.train[0]["loss"], statistics.mean(r["loss"] for r in run.train[-10:])
+    first, last = run.train[0]["loss"], statistics.mean(r["loss"] for r in run.train[-10:] if finite(r["loss"]))
     return (f"{first:.3f} at step 0, {last:.3f} over the last 10 steps", f"≤ step 0's − {scale.loss_drop:g}",
             last <= first - scale.loss_drop)
 

@@ -46,6 +46,9 @@ def measure_activation_bytes_per_sequence(config: GPTConfig, seq_len: int, dtype
         raise ValueError(f"batch_size must be at least 2 to measure a difference, got {batch_size}")
     torch.manual_seed(0)
     model = GPT(config).to(device)
+    # Unmeasured: the process's first matmuls and attention allocate cuBLAS's and cuDNN's workspaces, which would
+    # otherwise land in the B=1 peak only and make the per-sequence slope 32-64 MiB low.
+    _peak_activation_bytes(model, 1, seq_len, dtype)
     peak_1 = _peak_activation_bytes(model, 1, seq_len, dtype)
     peak_b = _peak_activation_bytes(model, batch_size, seq_len, dtype)
     return (peak_b - peak_1) // (batch_size - 1)
@@ -135,10 +138,36 @@ def available_bytes(device: torch.device, ranks_on_node: int) -> int:
     return int(meminfo["MemAvailable"].split()[0]) * 1024 // ranks_on_node
 
 
+def fixed_bytes(config: GPTConfig, world_size: int, parallel: str, dtype: torch.dtype) -> int:
+    """What a rank holds whatever its micro-batch size.
+
+    ddp: the whole state (state_bytes) on every rank, plus DDP's gradient buckets when there are peers (one more
+    copy of the gradients, 4 of the 16 bytes/parameter).
+    fsdp: the rank's 1/world_size of the state; the units FSDP gathers whole while they compute, in the compute
+    dtype, weights and their gradients: the root (embeddings, tied output layer, last LayerNorm; gathered for the
+    whole forward and backward) and two Blocks (the one computing and the one prefetched); and, under gradient
+    accumulation, the unsharded gradients of every parameter in fp32, which FSDP2 keeps between micro-steps that do
+    not reduce-scatter (FSDPParam.unsharded_accumulated_grad). The last is counted even when the rank's whole batch
+    is one micro-step: it is small where that fits.
+    """
+    with torch.device("meta"):
+        model = GPT(config)
+    state = state_bytes(model)
+    if parallel == "ddp":
+        return state + (state // 4 if world_size > 1 else 0)
+    params = sum(p.numel() for p in model.parameters())
+    block = sum(p.numel() for p in model.transformer.h[0].parameters())
+    root = params - config.n_layer * block
+    gathered = 2 * (root + 2 * block) * dtype.itemsize  # weights and their gradients (fsdp refuses fp16)
+    accumulated_grads = 4 * params
+    return state // world_size + gathered + accumulated_grads
+
+
 def auto_micro_batch(config: GPTConfig, seq_len: int, total_batch_size: int, world_size: int, device: torch.device,
-                     dtype: torch.dtype, ranks_on_node: int) -> MicroBatch:
+                     dtype: torch.dtype, ranks_on_node: int, parallel: str = "ddp") -> MicroBatch:
     """--micro_batch_size auto: measure this model's activations per sequence on the device (on MPS: on the CPU,
-    whose figure is the same model's) and fit as many sequences as divide this rank's share of the batch."""
+    whose figure is the same model's) and fit as many sequences as divide this rank's share of the batch, next to
+    what the rank holds anyway (fixed_bytes: the whole model state under ddp, a shard of it under fsdp)."""
     rank_tokens, remainder = divmod(total_batch_size, world_size * seq_len)
     if remainder:
         raise ValueError(f"--total_batch_size {total_batch_size} is not a whole number of sequences per rank "
@@ -147,10 +176,7 @@ def auto_micro_batch(config: GPTConfig, seq_len: int, total_batch_size: int, wor
     per_sequence = measure_activation_bytes_per_sequence(config, seq_len, dtype, measure_on)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the probe's memory back to the device, so that it counts as free
-    with torch.device("meta"):
-        fixed = state_bytes(GPT(config))
-    if world_size > 1:
-        fixed += fixed // 4  # DDP's gradient buckets: one more copy of the gradients (4 of the 16 bytes/parameter)
+    fixed = fixed_bytes(config, world_size, parallel, dtype)
     return largest_micro_batch(available_bytes(device, ranks_on_node), fixed, per_sequence, rank_tokens)
 
 

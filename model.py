@@ -13,6 +13,28 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+class KVCache:
+    """One attention layer's keys and values of the tokens seen so far, so that generating a token runs only that
+    token through the model instead of the whole context again. The buffers hold max_len positions, filled from the
+    left; they are made at the first call, when the batch size, dtype and device are known."""
+
+    def __init__(self, max_len: int):
+        self.max_len = max_len
+        self.length = 0  # positions filled
+        self.k: torch.Tensor | None = None  # (B, nh, max_len, hs)
+        self.v: torch.Tensor | None = None
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append k, v (B, nh, T, hs); returns every key and value so far, each (B, nh, length, hs)."""
+        if self.k is None:
+            B, nh, _, hs = k.shape
+            self.k, self.v = (k.new_empty(B, nh, self.max_len, hs) for _ in range(2))
+        start, self.length = self.length, self.length + k.size(2)
+        self.k[:, :, start:self.length] = k
+        self.v[:, :, start:self.length] = v
+        return self.k[:, :, :self.length], self.v[:, :, :self.length]
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: "GPTConfig"):
         super().__init__()
@@ -22,11 +44,15 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.c_proj.RESIDUAL_SCALED_INIT = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # flash attention where the device has it
+        if kv_cache is not None:
+            k, v = kv_cache.extend(k, v)  # (B, nh, past + T, hs)
+        # Causal for a whole sequence (training, or a prefill into an empty cache); a single new token may attend to
+        # every key there is, so it needs no mask. (GPT.forward allows nothing in between.)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1)  # flash attention where the device has it
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble all head outputs side by side
         return self.c_proj(y)
 
@@ -53,8 +79,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), kv_cache)
         x = x + self.mlp(self.ln_2(x))
         return x
 
@@ -214,17 +240,24 @@ class GPT(nn.Module):
         cfg = self.config
         return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_embd * seq_len
 
-    def forward(self, idx: torch.Tensor,
-                targets: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                kv_caches: list[KVCache] | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(logits, None) without targets, for sampling and evaluation; (None, mean loss) with targets, for
-        training, where the (B, T, vocab) logits are never built (see ChunkedLinearCrossEntropy)."""
+        training, where the (B, T, vocab) logits are never built (see ChunkedLinearCrossEntropy).
+
+        kv_caches (one per layer, see generate): idx continues the tokens the caches hold, so its positions start
+        after them. Into empty caches idx may be a whole prompt; after that, one token at a time."""
         B, T = idx.size()
-        if T > self.config.block_size:
-            raise ValueError(f"sequence of length {T} is longer than the model's block_size {self.config.block_size}")
-        pos = torch.arange(T, dtype=torch.long, device=idx.device)
+        past = kv_caches[0].length if kv_caches else 0
+        if past and T > 1:
+            raise ValueError(f"{T} tokens after {past} cached ones: after the first call, feed one token at a time")
+        if past + T > self.config.block_size:
+            raise ValueError(f"sequence of length {past + T} is longer than the model's block_size "
+                             f"{self.config.block_size}")
+        pos = torch.arange(past, past + T, dtype=torch.long, device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
-        for block in self.transformer.h:
-            x = block(x)
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, kv_caches[i] if kv_caches else None)
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x)[..., : self.config.vocab_size], None  # (B, T, vocab): padding columns dropped
@@ -246,21 +279,23 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
-        """Extend idx (B, T) by max_new_tokens sampled tokens; temperature 0 means greedy."""
+                 top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Extend idx (B, T) by max_new_tokens sampled tokens (see sample_next_token; temperature 0 is greedy).
+
+        The prompt is read once into a key/value cache, then each new token alone: n tokens cost n one-token
+        forwards instead of n whole-context ones. Past block_size the context window slides, and since positions
+        are absolute embeddings, every cached key would have to move to another position: the cache is refilled
+        from the last block_size tokens at each step there, so from then on a token costs a whole-window forward,
+        as it would without a cache (the tokens are the same either way). The cache lives only in this call."""
+        block_size = self.config.block_size
+        kv_caches = None
         for _ in range(max_new_tokens):
-            context = idx[:, -self.config.block_size:]
-            logits, _ = self(context)
-            logits = logits[:, -1, :].float()
-            if temperature == 0:
-                next_token = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth_largest = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                    logits[logits < kth_largest] = -float("inf")
-                probs = F.softmax(logits, dim=-1)
-                next_token = torch.multinomial(probs, num_samples=1, generator=generator)
+            if kv_caches is None or kv_caches[0].length == block_size:  # prefill: the (last block_size) tokens
+                kv_caches = [KVCache(block_size) for _ in range(self.config.n_layer)]
+                logits, _ = self(idx[:, -block_size:], kv_caches=kv_caches)
+            else:  # only the token sampled last
+                logits, _ = self(idx[:, -1:], kv_caches=kv_caches)
+            next_token = sample_next_token(logits[:, -1, :].float(), temperature, top_k, top_p, generator)
             idx = torch.cat((idx, next_token), dim=1)
         return idx
 
@@ -354,3 +389,25 @@ class GPT(nn.Module):
         dcp.load(state, checkpoint_id=path, no_dist=True)
         model.load_state_dict(state["model"])
         return model
+
+
+def sample_next_token(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
+                      generator: torch.Generator | None) -> torch.Tensor:
+    """The next token (B, 1) from the last position's logits (B, vocab): the likeliest one at temperature 0; else
+    sampled from softmax(logits / temperature), among the top_k likeliest tokens and, within those, the nucleus:
+    the fewest likeliest tokens whose probabilities add up to top_p (Holtzman et al. 2019). None (or top_p 1): no
+    such limit."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        kth_largest = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+        logits[logits < kth_largest] = -float("inf")
+    if top_p is not None and top_p < 1:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = F.softmax(sorted_logits, dim=-1)
+        # A token is out if the likelier ones already reach top_p; so the likeliest token is always in.
+        outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
+        logits[outside.scatter(1, order, outside)] = -float("inf")
+    probs = F.softmax(logits, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator)

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -30,16 +31,20 @@ class TrainingModel:
         fsdp a collective: every rank calls it and gets its own unsharded copy."""
         if not self.sharded:
             return self.raw
+        # Gathered on the training device, one full tensor per parameter, which become the copy's own parameters
+        # (assign=True) on a copy built on the meta device: one full set of weights per rank, no random init.
         full = get_model_state_dict(self.raw, options=StateDictOptions(full_state_dict=True))
-        copy = GPT(self.raw.config).to(next(iter(full.values())).device)
-        copy.load_state_dict(full)
+        with torch.device("meta"):
+            copy = GPT(self.raw.config)
+        copy.load_state_dict(full, assign=True)
+        copy.lm_head.weight = copy.transformer.wte.weight  # assigning replaced the tied parameter by two tensors
         return copy
 
 
 def build_model(raw_model: torch.nn.Module, dist_env: Distributed, dtype: torch.dtype, weight_decay: float,
                 learning_rate: float, compile: bool, plain: bool = False, parallel: str = "ddp") -> TrainingModel:
-    """Move the model to the device, shard it (fsdp), make its optimizer and GradScaler, then compile it and wrap
-    it in DDP (ddp, several ranks).
+    """Move the model to the device (ddp) or shard it onto the device (fsdp), make its optimizer and GradScaler,
+    then compile it and wrap it in DDP (ddp, several ranks).
 
     plain: bench.py's baseline, with the for-loop AdamW instead of the fused one.
     """
@@ -50,9 +55,12 @@ def build_model(raw_model: torch.nn.Module, dist_env: Distributed, dtype: torch.
     if parallel == "fsdp" and dtype == torch.float16:
         raise UserError("--parallel fsdp with fp16 is not supported (its loss scaling would need a sharded "
                         "GradScaler): use --dtype bf16 on GPUs that have it, --dtype fp32, or --parallel ddp.")
-    raw_model = raw_model.to(device)
     if parallel == "fsdp":
-        shard(raw_model, dtype)
+        # From the CPU: fully_shard moves one unit's weights at a time to the device and keeps only this rank's
+        # shard of them, so the whole model never sits on one GPU (a model that only fits sharded would not start).
+        shard(raw_model, dtype, init_device_mesh(device.type, (dist_env.world_size,)))
+    else:
+        raw_model = raw_model.to(device)
     optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, device.type, fused=not plain)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     model = torch.compile(raw_model) if compile else raw_model
@@ -61,15 +69,15 @@ def build_model(raw_model: torch.nn.Module, dist_env: Distributed, dtype: torch.
     return TrainingModel(raw_model, model, optimizer, scaler, parallel)
 
 
-def shard(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """FSDP2, in place: each Block's parameters are one shard group (gathered just before the block runs, freed
-    after), the rest (embeddings, tied with the output layer, and the last LayerNorm) the root's. Under bf16 the
-    gathered weights are bf16 for compute and gradients are reduced in fp32."""
+def shard(model: torch.nn.Module, dtype: torch.dtype, mesh: DeviceMesh) -> None:
+    """FSDP2, in place, onto the mesh's device: each Block's parameters are one shard group (gathered just before
+    the block runs, freed after), the rest (embeddings, tied with the output layer, and the last LayerNorm) the
+    root's. Under bf16 the gathered weights are bf16 for compute and gradients are reduced in fp32."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if dtype == torch.bfloat16 else MixedPrecisionPolicy()
     for block in model.transformer.h:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
 def set_gradient_sync(model: torch.nn.Module, sync: bool) -> None:

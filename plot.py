@@ -8,8 +8,9 @@ HellaSwag acc_norm 0.2955 (completion style, as llm.c and build-nanogpt score it
 
 metrics.jsonl holds one JSON object per line, written by train_gpt2.py: training steps ("loss", "lr", ...),
 validation ("val_loss"), HellaSwag ("hellaswag_acc"), and events such as {"event": "resume", ...}, which are
-skipped. After a crash and resume, the steps between the last snapshot and the crash are trained and logged a
-second time; the LATER line for a step wins, because it belongs to the run that continued.
+skipped, as are null losses (a step whose update was skipped for a NaN). After a crash and resume, the steps
+between the last snapshot and the crash are trained and logged a second time; the LATER line for a step wins,
+because it belongs to the run that continued.
 """
 
 import argparse
@@ -45,7 +46,7 @@ def read_metrics(path: str | Path) -> dict[str, dict[int, float]]:
             if "event" in record:
                 continue
             for name in METRICS:
-                if name in record:
+                if record.get(name) is not None:  # a skipped step's NaN loss is written as null: nothing to plot
                     series[name][record["step"]] = record[name]
     return series
 

@@ -4,16 +4,16 @@
 #
 #   bash quickstart.sh                              # downloads the tokenizer and the corpus
 #   OFFLINE_DATA=../shared/data bash quickstart.sh  # no network: local tokenizer files and corpus
+#   USE_CURRENT_PYTHON=1 bash quickstart.sh         # the python on PATH as it is (PyTorch >= 2.11): no venv, no pip
 set -euo pipefail
 cd "$(dirname "$0")"
-[ -d .venv ] || python3 -m venv .venv
-. .venv/bin/activate
-python -m pip install -q -r requirements.txt
+. ./python_env.sh
+use_python requirements.txt torch numpy tiktoken tqdm
 
 corpus=()
 if [ -n "${OFFLINE_DATA:-}" ]; then
   export TIKTOKEN_CACHE_DIR="$OFFLINE_DATA/gpt2_tokenizer/tiktoken_cache"  # tiktoken reads GPT-2's BPE from here
   corpus=(--input "$OFFLINE_DATA/tinyshakespeare/input.txt")
 fi
-python data/prepare.py --source shakespeare "${corpus[@]}" --output_dir data/shakespeare
-python train_gpt2.py --config recipes/shakespeare_small.toml "$@"
+"$PYTHON" data/prepare.py --source shakespeare "${corpus[@]}" --output_dir data/shakespeare
+"$PYTHON" train_gpt2.py --config recipes/shakespeare_small.toml "$@"

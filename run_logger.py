@@ -2,14 +2,17 @@
 
 Only rank 0 logs. metrics.jsonl holds one JSON object per event; it is appended to across restarts, so after a
 resume the steps between the last snapshot and the crash appear twice, after a {"event": "resume"} line: readers
-keep the later line for a step. wandb is a mirror: if it fails, training goes on and says so once.
+keep the later line for a step. wandb is a mirror: if it fails, training goes on and says so once. Neither is worth
+a run: a full disk under --log_dir loses metrics.jsonl lines (with one warning), never the training.
 
 wandb files go to <log_dir>/wandb (or $WANDB_DIR/wandb). Offline runs are uploaded later with
 `wandb sync <log_dir>/wandb/offline-run-*`; the directories of a resumed run share its id and are synced in order.
 """
 
+import errno
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -17,7 +20,7 @@ from pathlib import Path
 WANDB_KEYS = {
     "loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "dt_ms": "train/dt_ms",
     "tokens_per_sec": "train/tokens_per_sec", "mfu": "train/mfu", "skipped": "train/skipped_step",
-    "val_loss": "val/loss", "hellaswag_acc": "eval/hellaswag_acc",
+    "rollbacks": "train/rollbacks", "val_loss": "val/loss", "hellaswag_acc": "eval/hellaswag_acc",
 }
 # wandb.init retries an unreachable server for init_timeout (90 s by default in wandb 0.31), then raises; a minute
 # tells as well. WANDB_INIT_TIMEOUT overrides it (keep it under the process group's 10-minute timeout: the other
@@ -33,6 +36,7 @@ class RunLogger:
         self.enabled = enabled
         self.wandb_run = None
         self.metrics_path = Path(log_dir) / "metrics.jsonl"
+        self.metrics_failed = False  # warned once about a failed write
         if enabled:
             self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -63,12 +67,31 @@ class RunLogger:
         """Append one event to metrics.jsonl and mirror its numbers to wandb."""
         if not self.enabled:
             return
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self._append_line((json.dumps(record) + "\n").encode())
         if self.wandb_run is not None and "step" in record:
             data = {WANDB_KEYS[k]: v for k, v in record.items() if k in WANDB_KEYS}
             if data:
                 self._wandb_call(lambda: self.wandb_run.log({"step": record["step"], **data}))
+
+    def _append_line(self, line: bytes) -> None:
+        """Append a whole line or nothing: a write cut short by a full disk is cut back off, so that readers never
+        meet half a line. A failure is reported once; every later line is tried again (the disk may have room)."""
+        try:
+            with open(self.metrics_path, "ab", buffering=0) as f:
+                start = f.tell()
+                try:
+                    if f.write(line) != len(line):
+                        raise OSError(errno.ENOSPC, "No space left on device (a short write)")
+                except OSError:
+                    f.truncate(start)
+                    raise
+        except OSError as e:
+            if not self.metrics_failed:
+                free = shutil.disk_usage(self.metrics_path.parent).free
+                print(f"WARNING: could not write {self.metrics_path} ({type(e).__name__}: {e}; {free / 2**20:,.0f} MiB "
+                      "free). Training goes on; its numbers are on stdout (and wandb, if on), and later lines are "
+                      "written once there is room. This warning is not repeated.", file=sys.stderr)
+                self.metrics_failed = True
 
     def log_samples(self, step: int, texts: list[str]) -> None:
         """Sampled text as a wandb table (stdout already has it)."""

@@ -3,10 +3,10 @@
 # Tests that need the offline data read it from ../shared/data (or $SHARED_DATA) and skip, saying so, without it.
 #   bash run_tests.sh                  # everything: what CI runs
 #   bash run_tests.sh -m "not slow"    # the inner loop: no torchrun, no torch.compile (about a minute)
+#   USE_CURRENT_PYTHON=1 bash run_tests.sh   # the python on PATH as it is: no venv, no pip (see python_env.sh)
 set -euo pipefail
 cd "$(dirname "$0")"
-[ -d .venv ] || python3 -m venv .venv
-. .venv/bin/activate
-python -m pip install -q -r requirements-dev.txt
-ruff check .
-python -m pytest -q tests "$@"
+. ./python_env.sh
+use_python requirements-dev.txt torch numpy tiktoken tqdm pytest ruff transformers safetensors wandb pyarrow matplotlib
+"$PYTHON" -m ruff check .
+"$PYTHON" -m pytest -q tests "$@"

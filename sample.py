@@ -17,7 +17,8 @@ from model import GPT
 
 
 def generate_text(model: GPT, prompt: str, num_samples: int = 4, max_new_tokens: int = 32,
-                  temperature: float = 1.0, top_k: int | None = 50, seed: int = 42) -> list[str]:
+                  temperature: float = 1.0, top_k: int | None = 50, seed: int = 42,
+                  top_p: float | None = None) -> list[str]:
     """num_samples continuations of prompt, each returned with the prompt in front.
 
     Runs on the device the model's weights are on. The generator is private, so sampling neither reads nor
@@ -29,7 +30,7 @@ def generate_text(model: GPT, prompt: str, num_samples: int = 4, max_new_tokens:
     device = next(model.parameters()).device
     idx = torch.tensor(prompt_tokens, dtype=torch.long, device=device).repeat(num_samples, 1)  # (B, T)
     generator = torch.Generator(device=device).manual_seed(seed)
-    out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator)
+    out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
     return [prompt + enc.decode(row[len(prompt_tokens):].tolist()) for row in out]
 
 
@@ -43,9 +44,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max_new_tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=1.0, help="0 means greedy (always the likeliest token)")
     parser.add_argument("--top_k", type=int, default=50, help="sample only among the k likeliest tokens; 0 = all")
+    parser.add_argument("--top_p", type=float, default=1.0,
+                        help="nucleus sampling: only among the likeliest tokens that together have probability "
+                             "top_p (after --top_k); 1 = no limit")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--device", default=default_device(), help="cuda, mps or cpu (default: the best available)")
     args = parser.parse_args(argv)
+    if not 0 < args.top_p <= 1:
+        parser.error(f"--top_p {args.top_p}: pass a probability in (0, 1]; 1 turns nucleus sampling off")
 
     if args.ckpt is not None:
         try:
@@ -57,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     model.to(args.device)
 
     texts = generate_text(model, args.prompt, args.num_samples, args.max_new_tokens, args.temperature,
-                          args.top_k or None, args.seed)
+                          args.top_k or None, args.seed, args.top_p)
     for i, text in enumerate(texts):
         print(f"--- sample {i} ---\n{text}")
 

@@ -6,7 +6,8 @@
 
 The defaults reproduce GPT-2 124M on FineWeb-Edu 10B (524,288-token batches, 19,073 steps). The story of a run:
 set up the processes and the device, resolve the flags into a plan, build the data loaders and the model, resume
-from the newest snapshot if there is one, then loop {evaluate, train one step, log, snapshot}.
+from the newest snapshot if there is one, then loop {evaluate, train one step, log, snapshot}; after updates skipped
+in a row for NaN or spikes, stop or roll back to the newest healthy snapshot (--on_divergence).
 """
 
 import math
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from config import HF_MODELS, Plan, TrainConfig, parse_args, resolve_plan
 from dataloader import DistributedDataLoader
-from distributed import Distributed, any_rank, setup_distributed, synchronize
+from distributed import Distributed, any_rank, hangs_reported, setup_distributed, synchronize
 from errors import UserError, run_entry_point
 from memory import auto_micro_batch, keep_freed_memory
 from mfu import Peak, peak_flops
@@ -32,13 +33,13 @@ from precision import dtype_name, pick_dtype, set_deterministic
 from run_logger import RunLogger
 from sample import generate_text
 from snapshot import Snapshots
-from training import StepResult, get_lr, train_step
+from training import DivergenceGuard, StepResult, get_lr, train_step
 from validation import validation_loss
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv, __doc__)
-    dist_env = setup_distributed(cfg.device, cfg.parallel)
+    dist_env = setup_distributed(cfg.device, cfg.parallel, cfg.dist_timeout)
     # Settings for the whole process, made here so that run() changes nothing outside itself.
     torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere+: ~8x faster than fp32, precise enough
     if cfg.deterministic:
@@ -48,10 +49,11 @@ def main(argv: list[str] | None = None) -> None:
     stop = StopRequest()
     signal.signal(signal.SIGTERM, stop.request)
     try:
-        run(cfg, dist_env, stop)
-        if dist.is_initialized():
-            # Leave together: a rank that tears gloo down while rank 0 still writes the last snapshot can abort.
-            dist.barrier()
+        with hangs_reported(cfg.dist_timeout, dist_env.rank):
+            run(cfg, dist_env, stop)
+            if dist.is_initialized():
+                # Leave together: a rank that tears gloo down while rank 0 still writes the last snapshot can abort.
+                dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -81,8 +83,9 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: "StopRequest | None" = No
     # --- model, optimizer, and the snapshot to resume from
     trained = build_model(initial_model(cfg, plan), dist_env, dtype, cfg.weight_decay, cfg.max_lr, cfg.compile,
                           parallel=cfg.parallel)
+    guard = DivergenceGuard(cfg.skip_zscore)
     snapshots = Snapshots(plan.ckpt_dir, cfg.ckpt_every, cfg.keep_last, cfg.resume, trained, train_loader,
-                          asdict(cfg), dist_env, log)
+                          asdict(cfg), dist_env, log, guard)
     start_step, resumed_from = snapshots.resume()
     if start_step >= cfg.max_steps:
         log(f"{resumed_from} is from step {start_step - 1}, the last of --max_steps {cfg.max_steps}: the run is "
@@ -104,9 +107,11 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: "StopRequest | None" = No
     speed = Speedometer(trained.raw.flops_per_token(plan.seq_len) * cfg.total_batch_size, cfg.total_batch_size,
                         peak.flops * dist_env.world_size)
     log_setup(cfg, plan, trained.raw, dist_env, dtype, peak)
+    divergence = DivergenceResponse(cfg, snapshots, train_loader, logger, log)
 
     last_step = cfg.max_steps - 1
-    for step in range(start_step, cfg.max_steps):
+    step = start_step
+    while step < cfg.max_steps:  # (not a for loop: a rollback takes the step back)
         # --- evaluate (before the update, so step 0 shows the untrained model); a stop request cuts it short
         evaluated = evaluations.run_due(step, last_step)
         # --- train
@@ -115,9 +120,12 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: "StopRequest | None" = No
             t0 = time.perf_counter()
             lr = get_lr(step, cfg)
             result = train_step(trained.model, trained.optimizer, trained.scaler, train_loader,
-                                plan.grad_accum_steps, lr, cfg.grad_clip, device, dtype)
+                                plan.grad_accum_steps, lr, cfg.grad_clip, device, dtype, guard)
             synchronize(device)
             log_step(step, result, lr, speed.measure(time.perf_counter() - t0), logger)
+            if guard.skips_in_a_row >= cfg.max_skips:  # the same on every rank: they all stop or roll back
+                step = divergence.respond(step, result.skip_reason)
+                continue
         # --- snapshot (of the state after the last step trained)
         stopping = not evaluated or stop.agreed(device)
         snapshots.save_if_due(step if evaluated else step - 1, last_step, stopping)
@@ -126,6 +134,7 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: "StopRequest | None" = No
             log(f"stopping {where} on SIGTERM; " + ("rerun the same command to resume" if cfg.ckpt_every
                 else "no snapshot written, as --ckpt_every is 0"))
             break
+        step += 1
     logger.finish()
 
 
@@ -134,17 +143,29 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: "StopRequest | None" = No
 
 def choose_micro_batch(cfg: TrainConfig, dist_env: Distributed, dtype: torch.dtype, log) -> int:
     """--micro_batch_size auto: the largest micro-batch that fits the device's memory (memory.auto_micro_batch) and
-    divides the rank's share of the batch; the smallest rank's choice, so that every rank takes the same."""
+    divides the rank's share of the batch; the smallest rank's choice, so that every rank takes the same.
+
+    A rank where not even one sequence fits (by the arithmetic, or the probe itself running out of memory) takes
+    part in the MIN all-reduce with 0, so that every rank learns of it and raises, none waiting for a peer."""
     plan = resolve_plan(replace(cfg, micro_batch_size=1), dist_env.world_size)  # every other flag checked first
     try:
-        choice = auto_micro_batch(plan.model_config, plan.seq_len, cfg.total_batch_size, dist_env.world_size,
-                                  dist_env.device, dtype, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        choice, failure = auto_micro_batch(plan.model_config, plan.seq_len, cfg.total_batch_size, dist_env.world_size,
+                                           dist_env.device, dtype, int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+                                           cfg.parallel), None
     except ValueError as e:
-        raise UserError(f"--micro_batch_size auto: {e}. Lower --seq_len, pick a smaller model, or use more "
-                        "ranks.") from e
-    size = torch.tensor(choice.size, device=dist_env.device)
+        choice, failure = None, str(e)
+    except torch.OutOfMemoryError as e:
+        choice, failure = None, (f"one sequence does not fit: measuring the activations of one and two sequences "
+                                 f"ran out of memory ({str(e).strip().splitlines()[0]})")
+    if failure and dist_env.device.type == "cuda":
+        torch.cuda.empty_cache()  # the probe's memory back, as the error leaves
+    size = torch.tensor(choice.size if choice else 0, device=dist_env.device)
     if dist.is_initialized():
         dist.all_reduce(size, op=dist.ReduceOp.MIN)
+    if size.item() == 0:
+        reason = failure or "one sequence does not fit on another rank (its error says by how much)"
+        raise UserError(f"--micro_batch_size auto: {reason.rstrip('.')}. Lower --seq_len, pick a smaller model, or "
+                        "use more ranks (with --parallel fsdp, each holds a smaller share of the model).")
     log(f"--micro_batch_size auto: {choice.reason}"
         + (f"; {size.item()}, another rank's smaller choice, on every rank" if size.item() != choice.size else ""))
     return size.item()
@@ -184,6 +205,50 @@ class StopRequest:
 
     def agreed(self, device: torch.device) -> bool:
         return any_rank(self.requested, device)
+
+
+class DivergenceResponse:
+    """--on_divergence: what the run does once --max_skips updates in a row were skipped (training.DivergenceGuard).
+
+    rollback: restore the newest healthy snapshot (Snapshots.rollback) and train on from its step with the data after
+    the divergence, at most --max_rollbacks times. stop, or no rollback left: a UserError, raised on every rank at
+    the same step, saying where the run stands and what to try.
+    """
+
+    def __init__(self, cfg: TrainConfig, snapshots: Snapshots, train_loader: DistributedDataLoader,
+                 logger: RunLogger, log):
+        self.cfg, self.snapshots, self.train_loader, self.logger, self.log = cfg, snapshots, train_loader, logger, log
+        self.rollbacks = 0
+
+    def respond(self, step: int, reason: str) -> int:
+        """Roll back and return the step to go on at, or raise UserError."""
+        cfg, position = self.cfg, self.train_loader.state_dict()
+        where = (f"epoch {position['epoch']}, shard {position['shard_position']}, chunk "
+                 f"{position['chunk_position']}")
+        if cfg.on_divergence == "rollback" and self.rollbacks < cfg.max_rollbacks:
+            restored = self.snapshots.rollback()
+            if restored is not None:
+                self.rollbacks += 1
+                next_step, path = restored
+                self.log(f"step {step:5d} | {cfg.max_skips} updates skipped in a row (last: {reason}): rollback "
+                         f"{self.rollbacks} of {cfg.max_rollbacks} to {path}; training goes on at step {next_step} "
+                         f"with the data after the skipped steps ({where})")
+                self.logger.log({"event": "rollback", "step": step, "to_step": next_step, "snapshot": path,
+                                 "rollbacks": self.rollbacks, "reason": reason, "data_position": position})
+                return next_step
+        healthy = self.snapshots.newest_healthy()
+        self.logger.log({"event": "diverged", "step": step, "reason": reason, "rollbacks": self.rollbacks,
+                         "data_position": position, "healthy_snapshot": healthy})
+        self.logger.finish()
+        after = f"after {self.rollbacks} rollback(s) (--max_rollbacks {cfg.max_rollbacks}), " if self.rollbacks else ""
+        restart = (f"The newest healthy snapshot is {healthy}: restart from it with --resume {healthy} and "
+                   if healthy else "There is no healthy snapshot to restart from: start again with ")
+        raise UserError(
+            f"training diverged: {after}{cfg.max_skips} updates in a row were skipped up to step {step} (the last "
+            f"for {reason}; --max_skips {cfg.max_skips}), with the data loader at {where}. {restart}a lower "
+            f"--max_lr (now {cfg.max_lr:g}), or --skip_zscore 6 to skip loss spikes before they run away, or "
+            "--on_divergence rollback to reload the newest healthy snapshot automatically and skip the data that "
+            "diverged.")
 
 
 class Evaluations:
@@ -262,11 +327,11 @@ def log_step(step: int, result: StepResult, lr: float, speed: dict, logger: RunL
     print_if = print if logger.enabled else (lambda *args: None)
     print_if(f"step {step:5d} | loss {result.loss:.6f} | lr {lr:.2e} | norm {result.grad_norm:.4f} | "
              f"{speed['dt_ms']:.1f} ms | {speed['tokens_per_sec']:,.0f} tok/s | mfu {100 * speed['mfu']:.1f}%"
-             + (" | fp16 overflow: step skipped" if result.skipped else ""))
-    # An fp16 overflow makes the norm inf/NaN, which strict JSON readers reject: logged as null.
-    grad_norm = result.grad_norm if math.isfinite(result.grad_norm) else None
-    logger.log({"step": step, "loss": result.loss, "lr": lr, "grad_norm": grad_norm} | speed
-               | ({"skipped": True} if result.skipped else {}))
+             + (f" | step skipped: {result.skip_reason}" if result.skipped else ""))
+    # A NaN or inf loss or norm (a skipped step) is logged as null, as strict JSON readers reject NaN.
+    loss, grad_norm = (v if math.isfinite(v) else None for v in (result.loss, result.grad_norm))
+    logger.log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm} | speed
+               | ({"skipped": True, "skip_reason": result.skip_reason} if result.skipped else {}))
 
 
 if __name__ == "__main__":

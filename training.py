@@ -1,7 +1,10 @@
-"""One optimizer step, and the learning rate it takes: shared by train_gpt2.py and bench.py."""
+"""One optimizer step, the learning rate it takes, and the guard that refuses bad updates: shared by train_gpt2.py
+and bench.py."""
 
 import math
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -28,15 +31,80 @@ def get_lr(step: int, cfg: TrainConfig) -> float:
 @dataclass
 class StepResult:
     loss: float  # mean over the whole batch, averaged across ranks
-    grad_norm: float  # before clipping
-    skipped: bool  # fp16 only: the GradScaler found inf/NaN gradients and skipped the update
+    grad_norm: float  # before clipping, over the whole model (the same on every rank)
+    skip_reason: str | None  # why the update was not applied ("non-finite loss", ...), None if it was
     data_seconds: float  # time spent waiting for the data loader
+
+    @property
+    def skipped(self) -> bool:
+        return self.skip_reason is not None
+
+
+def nonfinite_reason(loss: float, grad_norm: float, fp16: bool) -> str | None:
+    """Why an update must not be applied whatever the flags: a NaN or inf loss or gradient norm would put NaN into
+    the weights and AdamW's moments, from which no later step recovers. (In fp16 an inf norm with a finite loss is
+    the GradScaler's overflow, which it answers by halving the loss scale.)"""
+    if not math.isfinite(loss):
+        return "non-finite loss"
+    if not math.isfinite(grad_norm):
+        return "fp16 overflow" if fp16 else "non-finite grad norm"
+    return None
+
+
+class DivergenceGuard:
+    """Decides, from a step's global loss and gradient norm, whether its update is applied, and counts the updates
+    skipped in a row (train_gpt2.py acts on that count: --on_divergence).
+
+    Always: a non-finite loss or norm is skipped. With zscore > 0 (--skip_zscore), also a spike: a loss or norm more
+    than zscore standard deviations above its mean over the last SPIKE_WINDOW applied steps, once SPIKE_WARMUP
+    steps have been seen (llm.c skips outliers the same way). Every rank sees the same loss (averaged across ranks)
+    and norm (of the all-reduced gradients), so every rank decides the same without a collective of its own. The
+    state goes into snapshots, so a resumed run decides as the uninterrupted one would have.
+    """
+
+    SPIKE_WINDOW = 100  # steps: long enough for a stable spread, short enough to follow the falling loss
+    SPIKE_WARMUP = 20  # steps before the first spike check: the early statistics are noise
+
+    def __init__(self, zscore: float = 0.0):
+        self.zscore = zscore
+        self.losses: deque[float] = deque(maxlen=self.SPIKE_WINDOW)
+        self.grad_norms: deque[float] = deque(maxlen=self.SPIKE_WINDOW)
+        self.skips_in_a_row = 0
+
+    def review(self, loss: float, grad_norm: float, fp16: bool) -> str | None:
+        """The reason to skip this step's update (None: apply it); records the step either way."""
+        reason = nonfinite_reason(loss, grad_norm, fp16) or self._spike(loss, grad_norm)
+        if reason is None:
+            self.losses.append(loss)
+            self.grad_norms.append(grad_norm)
+        self.skips_in_a_row = self.skips_in_a_row + 1 if reason else 0
+        return reason
+
+    def _spike(self, loss: float, grad_norm: float) -> str | None:
+        if not self.zscore or len(self.losses) < self.SPIKE_WARMUP:
+            return None
+        for name, value, recent in (("loss", loss, self.losses), ("grad norm", grad_norm, self.grad_norms)):
+            spread = statistics.pstdev(recent)
+            z = (value - statistics.fmean(recent)) / spread if spread else 0.0
+            if z > self.zscore:
+                return f"{name} spike z={z:.1f}"
+        return None
+
+    def state_dict(self) -> dict:
+        return {"losses": list(self.losses), "grad_norms": list(self.grad_norms),
+                "skips_in_a_row": self.skips_in_a_row}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.losses = deque(state["losses"], maxlen=self.SPIKE_WINDOW)
+        self.grad_norms = deque(state["grad_norms"], maxlen=self.SPIKE_WINDOW)
+        self.skips_in_a_row = state["skips_in_a_row"]
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                loader: DistributedDataLoader, grad_accum_steps: int, lr: float, grad_clip: float,
-               device: torch.device, dtype: torch.dtype) -> StepResult:
-    """One optimizer update on total_batch_size tokens, accumulated over grad_accum_steps micro-steps."""
+               device: torch.device, dtype: torch.dtype, guard: DivergenceGuard | None = None) -> StepResult:
+    """One optimizer update on total_batch_size tokens, accumulated over grad_accum_steps micro-steps; not applied
+    if the loss or gradient norm is non-finite, or if `guard` says it is a spike."""
     model.train()
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -61,8 +129,13 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler:
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
     if isinstance(grad_norm, DTensor):  # fsdp: the norm over every rank's shards
         grad_norm = grad_norm.full_tensor()
-    scale_before = scaler.get_scale()
-    scaler.step(optimizer)
+    # The norm rides along with the loss's average: it is already the same on every rank, and this way the
+    # decision below is taken on the very same numbers everywhere, at no extra collective.
+    loss, grad_norm = average_across_ranks(torch.stack([loss_sum, grad_norm.float()])).tolist()
+    fp16 = scaler.is_enabled()
+    reason = guard.review(loss, grad_norm, fp16) if guard else nonfinite_reason(loss, grad_norm, fp16)
+    if reason is None:
+        scaler.step(optimizer)
+    # In fp16 the scaler saw the inf gradients in unscale_ and halves its scale, as if its own step had skipped.
     scaler.update()
-    skipped = scaler.is_enabled() and scaler.get_scale() < scale_before
-    return StepResult(average_across_ranks(loss_sum).item(), grad_norm.item(), skipped, data_seconds)
+    return StepResult(loss, grad_norm, reason, data_seconds)

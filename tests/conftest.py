@@ -83,6 +83,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def flip_a_byte_in_tensor_data(path: Path) -> str:
+    """Flip one byte in the middle of the largest tensor of a torch file (not in its pickle or zip directory, where
+    loading would fail anyway): the silent corruption a bad disk or copy causes. Returns the record's name."""
+    import zipfile
+    with zipfile.ZipFile(path) as archive:
+        record = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    with open(path, "r+b") as f:
+        f.seek(record.header_offset + 26)  # the local header: name and extra-field lengths, then they, then the data
+        name_length, extra_length = (int.from_bytes(f.read(2), "little") for _ in range(2))
+        f.seek(record.header_offset + 30 + name_length + extra_length + record.file_size // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x10]))
+    return record.filename
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # tests/gpu: the GPU acceptance tests (marker `gpu`, run by gpu_check.py). On a CUDA GPU they run at GPU size; with
 # GPU_TESTS_DEVICE=cpu (gpu_check.py --cpu-smoke) on the CPU at a tiny size, so that they cannot rot; else they skip.

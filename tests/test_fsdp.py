@@ -20,7 +20,16 @@ from conftest import make_shards
 from dataloader import DistributedDataLoader
 from distributed import Distributed
 from errors import UserError
-from helpers_train import TrainRun, launched, read_metrics, records_so_far, run_train, wait_until, worker_pids
+from helpers_train import (
+    TrainRun,
+    launched,
+    main_in_process,
+    read_metrics,
+    records_so_far,
+    run_train,
+    wait_until,
+    worker_pids,
+)
 from model import GPT, GPTConfig
 from parallel import build_model
 from snapshot import find_latest_snapshot, list_snapshots, load_snapshot, snapshot_path
@@ -231,3 +240,34 @@ def test_a_compiled_fsdp_run_trains_like_the_eager_one(runs, tmp_path):
     compiled, eager = by_step(run.records, "loss"), by_step(runs["fsdp"].records, "loss")
     assert sorted(compiled) == sorted(eager)
     assert all(compiled[s] == pytest.approx(eager[s], rel=1e-4) for s in eager)  # inductor's kernels, fp32
+
+
+def test_a_flipped_byte_in_a_shard_file_is_found_and_the_older_fsdp_snapshot_used(runs, tmp_path, capsys):
+    for step in (3, 5):
+        shutil.copytree(snapshot_path(runs["root"] / "fsdp", step, sharded=True), snapshot_path(tmp_path, step, True))
+    shard = max(snapshot_path(tmp_path, 5, True).glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(data)
+    path, state = find_latest_snapshot(tmp_path)
+    assert path == snapshot_path(tmp_path, 3, sharded=True) and state["step"] == 3
+    assert f"{shard} is missing or its bytes changed since it was written" in capsys.readouterr().err
+
+
+def test_a_failed_fsdp_snapshot_write_removes_its_directory_and_training_goes_on(runs, tmp_path, monkeypatch,
+                                                                                 capsys):
+    import snapshot
+    real_crc32, calls = snapshot.file_crc32, []
+
+    def eio_the_first_time(path):
+        calls.append(path)
+        if len(calls) == 1:
+            raise OSError(5, "Input/output error")
+        return real_crc32(path)
+
+    monkeypatch.setattr(snapshot, "file_crc32", eio_the_first_time)
+    main_in_process([*JOB, "--data_dir", str(runs["root"] / "data"), "--parallel", "fsdp", "--log_dir", str(tmp_path)])
+    assert "WARNING: the snapshot of step 1 could not be written" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.glob("snapshot_*")) == [f"snapshot_000000{s}" for s in (3, 5, 7)]
+    finished, whole = by_step(read_metrics(tmp_path), "loss"), by_step(runs["one"].records, "loss")
+    assert all(finished[s] == pytest.approx(whole[s], rel=1e-5) for s in whole)

@@ -190,3 +190,180 @@ def test_main_makes_runs_deterministic_only_when_asked(monkeypatch, tmp_path, fl
     finally:
         torch.set_float32_matmul_precision(precision)
     assert len(calls) == expected
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 11. The review of issue 18: --deterministic, --micro_batch_size auto, and fsdp on a GPU
+
+@pytest.fixture
+def deterministic_off_afterwards(monkeypatch):
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # restored (to unset) after the test
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+def test_deterministic_mode_is_strict_so_cuda_attention_takes_its_deterministic_backward(deterministic_off_afterwards):
+    # torch's attention_backward.cu switches flash and memory-efficient attention to their deterministic backward
+    # only when deterministic mode is on and warn_only is off.
+    precision.set_deterministic()
+    assert torch.are_deterministic_algorithms_enabled()
+    assert not torch.is_deterministic_algorithms_warn_only_enabled()
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_a_deterministic_run_trains_validates_and_samples_in_strict_mode(tmp_path, monkeypatch, gpt2_encoding,
+                                                                         deterministic_off_afterwards, parallel):
+    from conftest import make_shards
+    from helpers_train import main_in_process, read_metrics
+
+    make_shards(tmp_path / "data", "train", [3000], vocab=100)
+    make_shards(tmp_path / "data", "val", [500], seed=1, vocab=100)
+    strict_steps, train_step = [], train_gpt2.train_step
+
+    def spied_train_step(*args, **kwargs):
+        strict_steps.append(torch.are_deterministic_algorithms_enabled()
+                            and not torch.is_deterministic_algorithms_warn_only_enabled())
+        return train_step(*args, **kwargs)
+
+    monkeypatch.setattr(train_gpt2, "train_step", spied_train_step)
+    main_in_process(["--deterministic", "--parallel", parallel, "--data_dir", str(tmp_path / "data"), "--log_dir",
+                     str(tmp_path / "logs"), "--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "64",
+                     "--max_steps", "2", "--val_every", "1", "--val_steps", "1", "--sample_every", "1",
+                     "--ckpt_every", "0", "--dtype", "fp32"])
+    records = read_metrics(tmp_path / "logs")
+    assert strict_steps == [True, True]
+    assert [r["step"] for r in records if "loss" in r] == [0, 1] and len([r for r in records if "val_loss" in r]) == 2
+
+
+def test_auto_micro_batch_counts_a_ranks_shard_under_fsdp_gpt2_xl_fits_8_24gb_gpus(monkeypatch):
+    import memory
+    from memory import GiB, MiB, auto_micro_batch, fixed_bytes
+    config, cuda, world_size = PRESETS["gpt2-xl"], torch.device("cuda", 0), 8
+    # What a 24 GB card has free, and gpt2-xl's activations per sequence of 1,024 tokens in bf16 (from the 774M
+    # figure in the README, per layer and width: ≈ 2.4 GiB).
+    monkeypatch.setattr(memory, "available_bytes", lambda device, ranks_on_node: 22 * GiB)
+    monkeypatch.setattr(memory, "measure_activation_bytes_per_sequence", lambda *args, **kwargs: 2458 * MiB)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    batch = 524_288
+    with pytest.raises(ValueError, match="one sequence does not fit"):  # ddp: the whole 23 GiB state per rank
+        auto_micro_batch(config, 1024, batch, world_size, cuda, torch.bfloat16, 8, parallel="ddp")
+    choice = auto_micro_batch(config, 1024, batch, world_size, cuda, torch.bfloat16, 8, parallel="fsdp")
+    assert choice.size == 4, choice.reason
+    # The fixed part: an eighth of the 16 bytes/parameter, the fp32 gradients FSDP2 keeps unsharded between
+    # micro-steps (4 bytes/parameter), and the root and two Blocks gathered in bf16 with their gradients.
+    with torch.device("meta"):
+        model = GPT(config)
+    params = sum(p.numel() for p in model.parameters())
+    block = sum(p.numel() for p in model.transformer.h[0].parameters())
+    root = params - 48 * block
+    expected = 16 * params // 8 + 4 * params + 2 * 2 * (root + 2 * block)
+    assert fixed_bytes(config, world_size, "fsdp", torch.bfloat16) == expected
+    assert 8.5 * GiB < expected < 9.5 * GiB
+
+
+def test_an_out_of_memory_error_in_the_auto_probe_is_the_clean_does_not_fit_error(monkeypatch):
+    def probe(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr(train_gpt2, "auto_micro_batch", probe)
+    cfg = parse_args(["--model", "tiny", "--micro_batch_size", "auto", "--seq_len", "16", "--total_batch_size", "64",
+                      "--val_every", "0"])
+    with pytest.raises(UserError, match=r"--micro_batch_size auto: one sequence does not fit: .* ran out of memory "
+                                        r"\(CUDA out of memory\. Tried to allocate 2\.00 GiB\)\. Lower --seq_len"):
+        train_gpt2.choose_micro_batch(cfg, Distributed(0, 0, 1, CPU), torch.float32, print)
+
+
+def oom_on_rank_1_worker(rank: int, store: str, out_dir: str) -> None:
+    """One of 2 gloo ranks choosing a micro-batch, the probe of rank 1 running out of memory."""
+    from datetime import timedelta
+    from pathlib import Path
+
+    from memory import MicroBatch
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    try:
+        def probe(*args, **kwargs):
+            if rank == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory")
+            return MicroBatch(4, "fits")
+        train_gpt2.auto_micro_batch = probe
+        cfg = parse_args(["--model", "tiny", "--micro_batch_size", "auto", "--seq_len", "16", "--total_batch_size",
+                          "128", "--val_every", "0"])
+        try:
+            size = train_gpt2.choose_micro_batch(cfg, Distributed(rank, rank, 2, CPU), torch.float32, print)
+            outcome = f"chose {size}"
+        except UserError as e:
+            outcome = f"UserError: {e}"
+        dist.barrier()  # both ranks are still there: neither hung in the all-reduce
+        (Path(out_dir) / f"rank{rank}.txt").write_text(outcome)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two spawned processes
+def test_an_out_of_memory_probe_on_one_rank_stops_every_rank_with_the_error_and_none_hangs(tmp_path):
+    import torch.multiprocessing as mp
+    mp.spawn(oom_on_rank_1_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    outcomes = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+    assert outcomes[1].startswith("UserError: --micro_batch_size auto: one sequence does not fit: measuring")
+    assert outcomes[0].startswith("UserError: --micro_batch_size auto: one sequence does not fit on another rank")
+
+
+def test_the_auto_probe_warms_up_before_its_measured_passes(monkeypatch):
+    import memory
+    # The first pass of a process pays for cuBLAS's workspaces: here 900 bytes that must not enter the slope.
+    peaks, calls = iter([1000, 100, 300]), []
+
+    def spied_peak(model, batch_size, seq_len, dtype):
+        calls.append(batch_size)
+        return next(peaks)
+    monkeypatch.setattr(memory, "_peak_activation_bytes", spied_peak)
+    per_sequence = memory.measure_activation_bytes_per_sequence(PRESETS["tiny"], 16, torch.float32, batch_size=2)
+    assert calls == [1, 1, 2] and per_sequence == 300 - 100
+
+
+@pytest.fixture
+def fsdp_group_of_one():
+    """The process group a 1-process `--parallel fsdp` run makes (distributed.setup_distributed)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield Distributed(0, 0, 1, CPU)
+    dist.destroy_process_group()
+
+
+def test_fsdp_full_model_is_the_gathered_weights_without_a_random_init(fsdp_group_of_one, monkeypatch):
+    from conftest import perturb_
+    torch.manual_seed(0)
+    trained = parallel.build_model(perturb_(GPT(PRESETS["tiny"]), 0.1), fsdp_group_of_one, torch.float32, 0.1, 1e-3,
+                                   compile=False, parallel="fsdp")
+    initialised, normal = [], torch.nn.init.normal_
+
+    def spied_normal(tensor, *args, **kwargs):
+        initialised.append(tensor.device.type)
+        return normal(tensor, *args, **kwargs)
+    monkeypatch.setattr(torch.nn.init, "normal_", spied_normal)
+    full = trained.full_model()
+    assert set(initialised) <= {"meta"}  # no weights drawn in real memory, only the meta device's no-ops
+    sharded = {name: p.full_tensor() for name, p in trained.raw.named_parameters()}
+    assert sharded.keys() == dict(full.named_parameters()).keys()
+    for name, p in full.named_parameters():
+        assert p.device == CPU and not isinstance(p, torch.distributed.tensor.DTensor)
+        assert torch.equal(p, sharded[name]), name
+    assert full.lm_head.weight is full.transformer.wte.weight  # still tied: one matrix, not two
+    idx = torch.randint(0, 100, (1, 8))
+    assert torch.allclose(full(idx)[0], trained.raw(idx)[0], atol=1e-6)
+
+
+def test_fsdp_shards_the_model_before_it_reaches_the_device_never_moving_the_whole_of_it(fsdp_group_of_one,
+                                                                                          monkeypatch):
+    from torch.distributed.fsdp._fully_shard import _fsdp_init
+    model = GPT(PRESETS["tiny"])
+    total = sum(p.numel() for p in model.parameters())
+    largest_unit = total - PRESETS["tiny"].n_layer * sum(p.numel() for p in model.transformer.h[0].parameters())
+    monkeypatch.setattr(model, "to", lambda *a, **k: pytest.fail("moved the whole unsharded model to the device"))
+    moved, move = [], _fsdp_init._move_states_to_device
+    monkeypatch.setattr(_fsdp_init, "_move_states_to_device", lambda params, buffers, device: (
+        moved.append(sum(p.numel() for p in params)), move(params, buffers, device))[1])
+    parallel.build_model(model, fsdp_group_of_one, torch.float32, 0.1, 1e-3, compile=False, parallel="fsdp")
+    # FSDP moves one unit at a time (each Block, then the root's embeddings and last LayerNorm), each once.
+    assert sum(moved) == total and max(moved) == largest_unit < total

@@ -1,6 +1,7 @@
 """model.py: parity with Hugging Face's GPT-2 both ways, parameter and FLOP counts, init, optimizer groups,
 generation and snapshot loading."""
 
+import gc
 import math
 from dataclasses import asdict
 
@@ -9,7 +10,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from conftest import perturb_
-from model import GPT, PRESETS, GPTConfig
+from model import GPT, PRESETS, GPTConfig, KVCache, sample_next_token
 
 # Full GPT-2 vocabulary (so the internal padding 50257 -> 50304 is exercised), everything else small.
 PARITY_CONFIG = GPTConfig(block_size=32, vocab_size=50257, n_layer=2, n_head=4, n_embd=32)
@@ -152,17 +153,19 @@ def tiny_model() -> GPT:
     return model
 
 
-def greedy_by_hand(model: GPT, idx: torch.Tensor, n: int) -> torch.Tensor:
+def generate_without_cache(model: GPT, idx: torch.Tensor, n: int, temperature: float = 0.0, top_k: int | None = None,
+                           top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The reference for GPT.generate: every token from a forward over the whole (last block_size) context."""
     for _ in range(n):
         with torch.no_grad():
             logits, _ = model(idx[:, -model.config.block_size:])
-        idx = torch.cat((idx, logits[:, -1].argmax(-1, keepdim=True)), dim=1)
+        idx = torch.cat((idx, sample_next_token(logits[:, -1], temperature, top_k, top_p, generator)), dim=1)
     return idx
 
 
 def test_generate_temperature_zero_and_top_k_one_are_greedy(tiny_model):
     idx = random_tokens(TINY, B=2, T=5)
-    expected = greedy_by_hand(tiny_model, idx, 8)
+    expected = generate_without_cache(tiny_model, idx, 8)
     assert expected.shape == (2, 5 + 8)
     assert torch.equal(tiny_model.generate(idx, 8, temperature=0), expected)
     g = torch.Generator().manual_seed(0)
@@ -201,6 +204,101 @@ def test_generate_crops_contexts_longer_than_block_size(tiny_model):
 def test_forward_rejects_sequences_longer_than_block_size(tiny_model):
     with pytest.raises(ValueError, match=r"length 17 .*block_size 16"):
         tiny_model(random_tokens(TINY, B=1, T=17))
+
+
+@pytest.mark.parametrize("prompt_len", [5, TINY.block_size])  # shorter than block_size, and reaching it
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.0, None, None), (1.0, None, None), (0.8, 10, 0.9)])
+def test_cached_generation_gives_the_uncached_tokens_within_and_past_block_size(tiny_model, prompt_len, temperature,
+                                                                                top_k, top_p):
+    idx = random_tokens(TINY, B=3, T=prompt_len)
+    n = 2 * TINY.block_size  # well past block_size: the window slides and the cache is refilled
+    expected = generate_without_cache(tiny_model, idx, n, temperature, top_k, top_p, torch.Generator().manual_seed(3))
+    got = tiny_model.generate(idx, n, temperature, top_k, top_p, generator=torch.Generator().manual_seed(3))
+    assert got.shape == (3, prompt_len + n)
+    assert torch.equal(got, expected)
+
+
+def test_generate_reads_the_prompt_once_then_one_token_per_step_until_block_size(tiny_model):
+    seen = []  # the number of tokens each forward embeds, per row
+    hook = tiny_model.transformer.wte.register_forward_hook(lambda module, args, out: seen.append(args[0].size(1)))
+    try:
+        tiny_model.generate(random_tokens(TINY, B=2, T=5), 14)  # 5 + 14 = 19 > block_size 16
+    finally:
+        hook.remove()
+    # The prompt, then each sampled token alone up to 16 tokens; past that, the whole 16-token window per step.
+    assert seen == [5] + [1] * 11 + [16] * 2
+
+
+def test_cached_logits_match_a_full_forward(tiny_model):
+    tokens = random_tokens(TINY, B=2, T=TINY.block_size)
+    with torch.no_grad():
+        full, _ = tiny_model(tokens)
+        caches = [KVCache(TINY.block_size) for _ in range(TINY.n_layer)]
+        prefill, _ = tiny_model(tokens[:, :6], kv_caches=caches)
+        steps = [tiny_model(tokens[:, t:t + 1], kv_caches=caches)[0] for t in range(6, TINY.block_size)]
+    cached = torch.cat([prefill, *steps], dim=1)
+    assert cached.shape == full.shape
+    torch.testing.assert_close(cached, full, rtol=0, atol=1e-5)
+    assert caches[0].length == TINY.block_size
+
+
+def test_forward_with_a_cache_takes_one_token_at_a_time_and_at_most_block_size(tiny_model):
+    caches = [KVCache(TINY.block_size) for _ in range(TINY.n_layer)]
+    with torch.no_grad():
+        tiny_model(random_tokens(TINY, B=1, T=TINY.block_size), kv_caches=caches)
+        with pytest.raises(ValueError, match="after the first call, feed one token at a time"):
+            tiny_model(random_tokens(TINY, B=1, T=2), kv_caches=caches)
+        with pytest.raises(ValueError, match=r"length 17 .*block_size 16"):
+            tiny_model(random_tokens(TINY, B=1, T=1), kv_caches=caches)
+
+
+def test_generate_keeps_no_cache_after_it_returns(tiny_model):
+    gc.collect()
+    tiny_model.generate(random_tokens(TINY, B=2, T=4), 20)
+    gc.collect()
+    assert not [obj for obj in gc.get_objects() if type(obj) is KVCache]
+
+
+def test_top_p_tiny_is_greedy_and_top_p_one_is_no_limit(tiny_model):
+    idx = random_tokens(TINY, B=4, T=5)
+    greedy = tiny_model.generate(idx, 12, temperature=0)
+    tiny_p = tiny_model.generate(idx, 12, top_p=1e-6, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(tiny_p, greedy)
+    unlimited = tiny_model.generate(idx, 12, top_k=20, generator=torch.Generator().manual_seed(0))
+    assert not torch.equal(unlimited, greedy)
+    assert torch.equal(tiny_model.generate(idx, 12, top_k=20, top_p=1.0, generator=torch.Generator().manual_seed(0)),
+                       unlimited)
+
+
+def test_top_p_samples_only_from_the_nucleus(tiny_model):
+    idx = random_tokens(TINY, B=256, T=4)
+    top_p = 0.5
+    with torch.no_grad():
+        probs = tiny_model(idx)[0][:, -1].softmax(-1)
+    nuclei = []
+    for row in probs.tolist():  # by hand: the likeliest tokens, one by one, until they add up to top_p
+        nucleus, total = set(), 0.0
+        for p, token in sorted(zip(row, range(len(row))), reverse=True):
+            if total >= top_p:
+                break
+            nucleus.add(token)
+            total += p
+        nuclei.append(nucleus)
+    nucleus_only = tiny_model.generate(idx, 1, top_p=top_p, generator=torch.Generator().manual_seed(0))[:, -1]
+    unlimited = tiny_model.generate(idx, 1, generator=torch.Generator().manual_seed(0))[:, -1]
+    assert all(token in nucleus for token, nucleus in zip(nucleus_only.tolist(), nuclei))
+    assert sum(token not in nucleus for token, nucleus in zip(unlimited.tolist(), nuclei)) > 50  # it does cut
+    assert len(set(nucleus_only.tolist())) > 5  # different rows, different tokens: not a constant
+
+
+def test_hugging_face_weights_generate_the_tokens_hugging_face_generates(hf_model, tmp_path):
+    hf_model.save_pretrained(tmp_path)
+    ours = GPT.from_pretrained(str(tmp_path)).eval()
+    idx = random_tokens(PARITY_CONFIG, B=2, T=8)
+    n = PARITY_CONFIG.block_size - 8
+    expected = hf_model.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False, pad_token_id=0)  # greedy, with Hugging Face's own cache
+    assert torch.equal(ours.generate(idx, n, temperature=0), expected)
 
 
 def test_from_snapshot_restores_the_same_model(tiny_model, tmp_path):

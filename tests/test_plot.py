@@ -69,3 +69,12 @@ def test_malformed_line_names_the_file_and_line(tmp_path, capsys):
         main([str(path), "--out", str(tmp_path / "x.png")])
     assert "line 3" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_a_skipped_steps_null_loss_is_left_out(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    lines = [training_line(0, 5.0), training_line(1, 4.0) | {"loss": None, "skipped": True}, training_line(2, 3.0)]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert read_metrics(path)["loss"] == {0: 5.0, 2: 3.0}
+    main([str(path), "--out", str(tmp_path / "plot.png")])
+    assert (tmp_path / "plot.png").read_bytes().startswith(PNG_MAGIC)

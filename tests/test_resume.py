@@ -7,18 +7,24 @@ an epoch boundary (with shuffling on): a resume has to get the data position exa
 A run is a subprocess, and torchrun launches cost 10-20 s each on 2 cores, so tests share the reference runs.
 """
 
+import contextlib
+import errno
 import json
 import os
+import re
 import shutil
 import signal
+import subprocess
 import time
+from contextlib import contextmanager
 from functools import cached_property
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import make_shards
+import snapshot
+from conftest import flip_a_byte_in_tensor_data, make_shards
 from dataloader import DistributedDataLoader
 from errors import UserError
 from helpers_train import (
@@ -305,3 +311,108 @@ def test_sigterm_during_a_long_validation_snapshots_at_once_and_resumes(job, tmp
     event, after = after_resume(run.records)
     assert event["step"] == 6
     assert_continues_exactly(after, job.two_ranks_run, from_step=6, tol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# faults: a stopped rank, a full disk, a failing write, a flipped byte
+
+@needs_proc
+@pytest.mark.slow
+def test_a_stopped_rank_times_out_the_others_and_the_restarted_job_has_the_uninterrupted_losses(job, tmp_path):
+    """SIGSTOP (as a stuck filesystem or a swapped-out process): rank 0 gives up after --dist_timeout naming the
+    step, torchrun SIGKILLs the stopped rank (after its 30 s SIGTERM grace) and restarts both from the snapshot."""
+    args = [*job.args, "--ckpt_every", "2", "--dist_timeout", "5"]
+    with launched(args, tmp_path, nproc=2, launcher_args=["--max-restarts", "1"]) as proc:
+        wait_until(lambda: by_step(records_so_far(tmp_path), "loss").keys() >= {4}, proc, tmp_path, "step 4")
+        os.kill(worker_pids(proc)[1], signal.SIGSTOP)
+        assert proc.wait(timeout=150) == 0, (tmp_path / "output.txt").read_text()[-4000:]
+    output = (tmp_path / "output.txt").read_text()
+    assert re.search(r"error: rank 0 waited 5 s at step \d+ for the other ranks in a collective in \w+ "
+                     r"\(\w+\.py:\d+: `.+`\) and gave up \(.*Timed out", output), output[-4000:]
+    event, _ = after_resume(read_metrics(tmp_path))
+    assert 4 <= event["step"] <= 6  # the snapshot of step 3 or 5
+    assert_continues_exactly(read_metrics(tmp_path), job.two_ranks_run, from_step=0, tol=1e-6)
+
+
+@contextmanager
+def small_tmpfs(directory: Path, megabytes: int):
+    """A real filesystem of the given size at directory, to fill up; skips the test where mounting is not allowed."""
+    directory.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={megabytes}m", "tmpfs", str(directory)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"needs to mount a small tmpfs (as root): {mounted.stderr.strip()}")
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", str(directory)], check=True)
+
+
+def test_a_full_snapshot_disk_keeps_the_older_snapshots_and_only_a_lost_last_one_fails_the_run(job, tmp_path,
+                                                                                               capsys):
+    # Room for 1.5 snapshots: step 3's fits, step 7's does not (a warning; training goes on), nor the last, step 11's.
+    ckpt_dir = tmp_path / "small_disk"
+    args = [*job.args, "--log_dir", str(tmp_path), "--ckpt_every", "4", "--keep_last", "2"]
+    with small_tmpfs(ckpt_dir, int(1.5 * snapshot_path(job.one_rank, 3).stat().st_size / 2**20)):
+        with pytest.raises(UserError, match=r"the snapshot of step 11 could not be written to .*small_disk "
+                                            r"\(OSError: \[Errno 28\] No space left on device; \d+ MiB free of \d+ "
+                                            r"MiB\), and it was the run's last; the older snapshots are intact, "
+                                            r"the newest is .*snapshot_0000003.pt"):
+            main_in_process([*args, "--ckpt_dir", str(ckpt_dir)])
+        warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("WARNING")]
+        assert len(warnings) == 1 and "the snapshot of step 7 could not be written" in warnings[0]
+        assert by_step(read_metrics(tmp_path), "loss").keys() == set(range(LAST_STEP + 1))  # every step trained
+        assert [p.name for p in ckpt_dir.iterdir()] == ["snapshot_0000003.pt"]  # no temp file left either
+        shutil.copy(snapshot_path(ckpt_dir, 3), tmp_path)
+    # Rerun where there is room: it resumes after step 3 and finishes as if nothing had happened.
+    main_in_process(args)
+    event, after = after_resume(read_metrics(tmp_path))
+    assert event["step"] == 4
+    assert_continues_exactly(after, job.one_rank_run, from_step=4, tol=1e-6)
+
+
+def test_a_failing_snapshot_write_is_retried_at_the_next_one_and_the_run_finishes(job, tmp_path, monkeypatch,
+                                                                                  capsys):
+    writes = []
+
+    def eio_the_first_time(obj, f):
+        writes.append(obj["step"])
+        if len(writes) == 1:
+            f.write(b"half a snapshot")
+            raise OSError(errno.EIO, "Input/output error")
+        real_torch_save(obj, f)
+
+    real_torch_save = snapshot.torch_save
+    monkeypatch.setattr(snapshot, "torch_save", eio_the_first_time)
+    main_in_process([*job.args, "--log_dir", str(tmp_path), "--ckpt_every", "4", "--keep_last", "3"])
+    assert writes == [3, 7, 11]
+    assert "WARNING: the snapshot of step 3 could not be written" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.glob("snapshot_*")) == ["snapshot_0000007.pt", "snapshot_0000011.pt"]
+    assert_continues_exactly(read_metrics(tmp_path), job.one_rank_run, from_step=0, tol=1e-6)
+
+
+def test_a_full_log_disk_warns_once_and_training_goes_on(job, tmp_path, capsys):
+    log_dir = tmp_path / "small_disk"
+    with small_tmpfs(log_dir, 1):
+        with open(log_dir / "ballast", "wb", buffering=0) as ballast, contextlib.suppress(OSError):
+            while ballast.write(b"x" * 4096):  # fill it...
+                pass
+        os.truncate(log_dir / "ballast", (log_dir / "ballast").stat().st_size - 4096)  # ...but a page: ~20 lines
+        main_in_process([*job.args, "--log_dir", str(log_dir), "--ckpt_dir", str(tmp_path), "--max_steps", "40",
+                         "--val_every", "0"])
+        records = read_metrics(log_dir)  # whole lines only: json.loads would fail on a cut-off one
+        warnings = [line for line in capsys.readouterr().err.splitlines() if "could not write" in line]
+    assert len(warnings) == 1 and "metrics.jsonl (OSError: [Errno 28] No space left on device" in warnings[0]
+    assert 5 < len(records) < 40 and by_step(records, "loss").keys() == set(range(len(records)))
+    assert load_snapshot(snapshot_path(tmp_path, 39))["step"] == 39  # the run went on to the end
+
+
+def test_a_flipped_byte_in_the_newest_snapshot_resumes_the_older_one_with_a_warning(job, tmp_path, capsys):
+    for step in (3, 7):
+        shutil.copy(snapshot_path(job.one_rank, step), tmp_path)
+    record = flip_a_byte_in_tensor_data(snapshot_path(tmp_path, 7))
+    main_in_process([*job.args, "--log_dir", str(tmp_path)])
+    assert f"{snapshot_path(tmp_path, 7)}: the bytes of its record {record} changed" in capsys.readouterr().err
+    event, after = after_resume(read_metrics(tmp_path))
+    assert event == {"event": "resume", "step": 4, "snapshot": str(snapshot_path(tmp_path, 3))}
+    assert_continues_exactly(after, job.one_rank_run, from_step=4, tol=1e-6)

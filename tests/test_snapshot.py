@@ -13,8 +13,9 @@ import sys
 import numpy as np
 import pytest
 import torch
+from torch.utils._pytree import tree_leaves
 
-from conftest import ROOT
+from conftest import ROOT, flip_a_byte_in_tensor_data
 from snapshot import (
     REQUIRED_KEYS,
     capture_rng_state,
@@ -25,6 +26,7 @@ from snapshot import (
     restore_rng_state,
     save_snapshot,
     snapshot_path,
+    torch_save,
 )
 
 CPU = torch.device("cpu")
@@ -123,6 +125,30 @@ def test_broken_newest_snapshot_is_skipped_with_a_warning_naming_it(tmp_path, ca
     assert "WARNING" in warning and str(snapshot_path(tmp_path, 20)) in warning
     with pytest.raises(ValueError, match="snapshot_0000020.pt"):
         load_snapshot(snapshot_path(tmp_path, 20))
+
+
+def test_a_flipped_byte_in_tensor_data_is_found_by_its_checksum_and_the_older_snapshot_used(tmp_path, capsys):
+    for step in (10, 20):
+        save_snapshot(fake_snapshot(step), snapshot_path(tmp_path, step))
+    before = tree_leaves(torch.load(snapshot_path(tmp_path, 20), weights_only=True))
+    record = flip_a_byte_in_tensor_data(snapshot_path(tmp_path, 20))
+    after = tree_leaves(torch.load(snapshot_path(tmp_path, 20), weights_only=True))  # torch loads it without a word
+    assert [torch.equal(x, y) for x, y in zip(before, after) if isinstance(x, torch.Tensor)].count(False) == 1
+
+    path, state = find_latest_snapshot(tmp_path)
+    assert path == snapshot_path(tmp_path, 10) and state["step"] == 10
+    warning = capsys.readouterr().err
+    assert f"{snapshot_path(tmp_path, 20)}: the bytes of its record {record} changed" in warning
+    assert load_snapshot(snapshot_path(tmp_path, 20), verify=False)["step"] == 20  # the check is what found it
+
+
+def test_a_write_error_inside_torch_save_surfaces_as_the_oserror_behind_it(tmp_path):
+    class FailingFile(io.BytesIO):
+        def write(self, data):
+            raise OSError(5, "Input/output error")  # EIO; torch.save alone would raise "unexpected pos"
+
+    with pytest.raises(OSError, match="Input/output error"):
+        torch_save(fake_snapshot(1), FailingFile())
 
 
 def test_no_valid_snapshot_means_a_fresh_start(tmp_path):

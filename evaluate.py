@@ -1,0 +1,121 @@
+"""Evaluate a model: the validation loss on any shard directory, and HellaSwag, for a snapshot of ours (a
+snapshot_*.pt file or an fsdp run's snapshot directory) or for OpenAI's GPT-2.
+
+    python evaluate.py --ckpt logs/snapshot_0019072.pt                    # what the run logged, from its own flags
+    python evaluate.py --model gpt2 --data_dir data/fineweb_edu10B --hellaswag --json
+    torchrun --standalone --nproc_per_node=8 evaluate.py --ckpt logs/snapshot_0019072 --hellaswag
+
+For a snapshot, --data_dir, --micro_batch_size, --seq_len, --val_tokens, --val_steps, --dtype, --hellaswag_path
+and --limit default to the training run's own (saved in the snapshot), so the numbers are the ones that run
+logged: the validation loss of snapshot_<k> (the weights after step k) is the val_loss logged at step k + 1, since
+a run validates before each step's update. The validation is train_gpt2.py's own code (validation.py), with the
+batches split over the ranks as in training: with --val_tokens the same tokens, and the same loss, for any number
+of ranks.
+"""
+
+import argparse
+import json
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from config import HelpFormatter, TrainConfig, add_flags, validation_steps
+from dataloader import DistributedDataLoader
+from distributed import Distributed, setup_distributed
+from errors import UserError, run_entry_point
+from model import GPT
+from precision import pick_dtype
+from validation import validation_loss
+
+# The training flags that decide the numbers; a snapshot's own values are their defaults.
+RUN_FLAGS = ["data_dir", "micro_batch_size", "seq_len", "val_tokens", "val_steps", "dtype", "hellaswag_path"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--ckpt", help="a snapshot of train_gpt2.py: a snapshot_*.pt file or an fsdp snapshot "
+                                       "directory (or a file with just its model)")
+    source.add_argument("--model", help="OpenAI's weights from Hugging Face: gpt2, gpt2-medium, gpt2-large, "
+                                        "gpt2-xl, or a local save_pretrained directory")
+    add_flags(parser, RUN_FLAGS + ["device"])
+    parser.add_argument("--val", action=argparse.BooleanOptionalAction, default=True,
+                        help="the validation loss (--no-val: HellaSwag only)")
+    parser.add_argument("--hellaswag", action="store_true", help="HellaSwag acc_norm and acc as well")
+    parser.add_argument("--limit", type=int, default=None, help="only the first N HellaSwag examples")
+    parser.add_argument("--json", action="store_true", help="print the results as one JSON line on stdout")
+    source_args = parser.parse_known_args(argv)[0]
+    model, run_config, step = load_model(source_args.ckpt, source_args.model)
+    # A snapshot's run decides the defaults (flags given on the command line still win).
+    parser.set_defaults(**{k: v for k, v in run_config.items() if k in RUN_FLAGS},
+                        limit=run_config.get("hellaswag_limit"))
+    args = parser.parse_args(argv)
+
+    dist_env = setup_distributed(args.device)
+    try:
+        results = evaluate(model, args, dist_env)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if dist_env.is_master:
+        results = {"model": args.ckpt or args.model, "step": step} | results
+        if args.json:
+            print(json.dumps(results))
+        else:
+            print("\n".join(f"{key}: {value}" for key, value in results.items()))
+
+
+def load_model(ckpt: str | None, hf_name: str | None) -> tuple[GPT, dict, int | None]:
+    """The model on the CPU, with the flags and the last trained step of the run that wrote it (a snapshot of
+    ours; {} and None for OpenAI's weights or a file with just a model)."""
+    if hf_name is not None:
+        try:
+            return GPT.from_pretrained(hf_name), {}, None
+        except OSError as e:  # what transformers raises for no network, an unknown name or missing weight files
+            raise UserError(f"--model {hf_name}: the Hugging Face weights could not be loaded "
+                            f"({str(e).strip().splitlines()[0]}). Pass gpt2, gpt2-medium, gpt2-large or gpt2-xl "
+                            "(downloaded on first use) or a directory written by save_pretrained.") from e
+    try:
+        model = GPT.from_snapshot(ckpt)
+    except (FileNotFoundError, ValueError) as e:  # the message names the file and what to pass instead
+        raise UserError(f"--ckpt: {e} (For OpenAI's weights use --model gpt2.)") from e
+    path = Path(ckpt)
+    saved = torch.load(path / "meta.pt" if path.is_dir() else path, map_location="cpu", weights_only=True, mmap=True)
+    return model, saved.get("config", {}), saved.get("step")
+
+
+def evaluate(model: GPT, args: argparse.Namespace, dist_env: Distributed) -> dict:
+    """The validation loss and HellaSwag accuracies, each rank doing its share; every rank returns the same."""
+    device, results = dist_env.device, {}
+    torch.set_float32_matmul_precision("high")  # as in training (TF32 on GPUs that have it)
+    dtype = pick_dtype(args.dtype, device)
+    model.to(device)
+    if args.val:
+        cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if f.name in RUN_FLAGS})
+        if not isinstance(cfg.micro_batch_size, int):
+            raise UserError("--micro_batch_size auto is for training; pass a number of sequences (a snapshot "
+                            "passes the one its run used).")
+        seq_len = cfg.seq_len or model.config.block_size
+        if seq_len > model.config.block_size:
+            raise UserError(f"--seq_len {seq_len} exceeds the model's block_size {model.config.block_size}; pass "
+                            f"--seq_len {model.config.block_size} or less.")
+        val_steps = validation_steps(cfg, seq_len, dist_env.world_size)
+        loader = DistributedDataLoader(cfg.data_dir, "val", cfg.micro_batch_size, seq_len, dist_env.rank,
+                                       dist_env.world_size)
+        results["val_loss"] = validation_loss(model, loader, val_steps, device, dtype)
+        results["val_tokens"] = val_steps * cfg.micro_batch_size * seq_len * dist_env.world_size
+    if args.hellaswag:
+        from data import hellaswag
+        examples = hellaswag.load_examples_distributed(args.hellaswag_path, args.limit, dist_env.local_rank, device)
+        accuracies = hellaswag.accuracies(model, examples, device, dtype, dist_env.rank, dist_env.world_size,
+                                          progress=dist_env.is_master and not args.json)
+        results |= {"hellaswag_acc_norm": accuracies["acc_norm"], "hellaswag_acc": accuracies["acc"],
+                    "hellaswag_examples": len(examples)}
+    return results
+
+
+if __name__ == "__main__":
+    run_entry_point(lambda: main(sys.argv[1:]))

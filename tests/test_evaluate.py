@@ -1,0 +1,110 @@
+"""evaluate.py: the numbers a training run logged for a snapshot, the same on 2 ranks as on 1, OpenAI-style weights
+from a Hugging Face directory against Hugging Face's own loss, and clear errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from conftest import ROOT, SHARED_DATA, make_shards, perturb_
+from dataloader import DistributedDataLoader
+from errors import run_entry_point
+from evaluate import main
+from helpers_train import main_in_process, read_metrics, train_env
+
+HELLASWAG = SHARED_DATA / "hellaswag" / "hellaswag_val.jsonl"
+# Validation before every step, a snapshot after steps 1 and 3, HellaSwag on 8 examples: a few seconds.
+JOB = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "64", "--max_steps", "4",
+       "--warmup_steps", "1", "--val_every", "1", "--val_tokens", "128", "--dtype", "fp32", "--ckpt_every", "2",
+       "--keep_last", "5", "--hellaswag_every", "1", "--hellaswag_path", str(HELLASWAG), "--hellaswag_limit", "8"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, gpt2_encoding):
+    root = tmp_path_factory.mktemp("evaluate")
+    make_shards(root / "data", "train", [400], seed=0)
+    make_shards(root / "data", "val", [300], seed=1)
+    main_in_process([*JOB, "--data_dir", str(root / "data"), "--log_dir", str(root / "logs")])
+    return root
+
+
+def evaluate_json(argv: list[str], capsys) -> dict:
+    capsys.readouterr()
+    main([*argv, "--json", "--device", "cpu"])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1, lines
+    return json.loads(lines[0])
+
+
+def logged(log_dir, key: str) -> dict[int, float]:
+    return {r["step"]: r[key] for r in read_metrics(log_dir) if key in r}
+
+
+def test_a_snapshot_gets_the_val_loss_and_hellaswag_its_run_logged_after_that_step(trained, capsys):
+    result = evaluate_json(["--ckpt", str(trained / "logs" / "snapshot_0000001.pt"), "--hellaswag"], capsys)
+    # snapshot_1 holds the weights after step 1; the run validated them before step 2's update.
+    assert result["step"] == 1
+    assert result["val_loss"] == logged(trained / "logs", "val_loss")[2]
+    assert result["val_loss"] != logged(trained / "logs", "val_loss")[1]  # the steps are told apart
+    assert result["hellaswag_acc_norm"] == logged(trained / "logs", "hellaswag_acc")[2]
+    assert result["val_tokens"] == 128 and result["hellaswag_examples"] == 8  # the run's flags, from the snapshot
+
+
+@pytest.mark.slow  # torchrun with 2 processes
+def test_two_ranks_under_torchrun_give_the_numbers_of_one_process(trained, capsys):
+    argv = ["--ckpt", str(trained / "logs" / "snapshot_0000001.pt"), "--hellaswag", "--limit", "7"]
+    one = evaluate_json(argv, capsys)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(ROOT / "evaluate.py"), *argv, "--json", "--device", "cpu"], capture_output=True,
+                          text=True, timeout=120, env=train_env(), cwd=trained)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = json.loads(proc.stdout.strip())  # one JSON line: only rank 0 prints
+    assert two["val_loss"] == pytest.approx(one["val_loss"], rel=1e-6)
+    assert one["val_loss"] == logged(trained / "logs", "val_loss")[2]
+    assert {k: v for k, v in two.items() if k != "val_loss"} == {k: v for k, v in one.items() if k != "val_loss"}
+    assert two["hellaswag_examples"] == 7  # odd: one rank scores one more than the other
+
+
+def test_hugging_face_weights_get_hugging_faces_own_loss(tmp_path, capsys):
+    torch.manual_seed(0)
+    hf = perturb_(GPT2LMHeadModel(GPT2Config(n_positions=32, n_embd=32, n_layer=2, n_head=2)).eval(), 0.1)
+    hf.save_pretrained(tmp_path / "hf")
+    make_shards(tmp_path / "data", "val", [200], seed=2)
+    result = evaluate_json(["--model", str(tmp_path / "hf"), "--data_dir", str(tmp_path / "data"),
+                            "--micro_batch_size", "2", "--seq_len", "16", "--val_tokens", "96"], capsys)
+    loader = DistributedDataLoader(tmp_path / "data", "val", 2, 16)
+    with torch.no_grad():
+        losses = [F.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()) for x, y in
+                  (loader.next_batch() for _ in range(3))]
+    assert result["val_tokens"] == 96 and result["step"] is None
+    assert result["val_loss"] == pytest.approx(torch.stack(losses).mean().item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ckpt", "missing.pt"], "--ckpt: snapshot missing.pt: no such file"),
+    (["--ckpt", "{logs}/snapshot_0000001.pt", "--seq_len", "128"], "--seq_len 128 exceeds the model's block_size 64"),
+    (["--ckpt", "{logs}/snapshot_0000001.pt", "--data_dir", "{logs}"], "no val shards"),
+    (["--ckpt", "{logs}/snapshot_0000001.pt", "--data_dir", "{logs}/nowhere"], "nowhere does not exist"),
+    (["--ckpt", "{logs}/snapshot_0000001.pt", "--micro_batch_size", "64"], "fewer than one optimizer step needs"),
+    (["--ckpt", "{logs}/snapshot_0000001.pt", "--hellaswag", "--hellaswag_path", "{logs}/none.jsonl"],
+     "HellaSwag file"),
+])
+def test_bad_paths_and_mismatched_shards_are_clear_errors(trained, argv, message, capsys):
+    argv = [a.format(logs=trained / "logs") for a in argv]
+    with pytest.raises(SystemExit) as exit_info:
+        run_entry_point(lambda: main([*argv, "--device", "cpu"]))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+def test_an_fsdp_snapshot_directory_gets_the_val_loss_its_run_logged(trained, tmp_path, capsys):
+    fsdp_job = [*JOB, "--max_steps", "2", "--ckpt_every", "1", "--hellaswag_every", "0", "--parallel", "fsdp"]
+    main_in_process([*fsdp_job, "--data_dir", str(trained / "data"), "--log_dir", str(tmp_path)])
+    result = evaluate_json(["--ckpt", str(tmp_path / "snapshot_0000000")], capsys)
+    assert result["step"] == 0
+    assert result["val_loss"] == pytest.approx(logged(tmp_path, "val_loss")[1], rel=1e-6)

@@ -1,0 +1,289 @@
+"""The divergence guards: a NaN or a spike never reaches the weights, snapshots stay healthy, and a run that keeps
+diverging stops with a clear message or rolls back to its newest healthy snapshot.
+
+Faults are planted in the data: a forward hook multiplies the loss of chosen batches (found by their tokens) by NaN
+or by a spike factor, so a planted batch stays bad wherever and whenever the run reads it, as a bad batch of real
+data would. In-process runs (train_gpt2.run) keep these tests fast; the exit status and a 2-rank run need real
+processes.
+"""
+
+import math
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import train_gpt2
+from config import parse_args
+from conftest import make_shards
+from dataloader import DistributedDataLoader
+from distributed import Distributed
+from errors import UserError
+from helpers_train import TINY_ARGS, read_metrics, run_train
+from model import GPT
+from snapshot import list_snapshots, load_snapshot, prune_snapshots, save_snapshot, snapshot_path
+from training import DivergenceGuard
+
+CPU = torch.device("cpu")
+B, T, ACCUM = 2, 16, 2  # 2 micro-steps of 2 × 16 tokens per step
+JOB = ["--micro_batch_size", str(B), "--seq_len", str(T), "--total_batch_size", str(B * T * ACCUM),
+       "--warmup_steps", "3", "--max_lr", "1e-3", "--val_every", "0", "--dtype", "fp32", "--ckpt_every", "0"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """One shard of 40,000 tokens: 625 steps, so no test reaches an epoch boundary."""
+    directory = tmp_path_factory.mktemp("guards") / "data"
+    make_shards(directory, "train", [40_000], vocab=100)  # a small vocabulary: the loss falls, steps differ
+    make_shards(directory, "val", [500], seed=1, vocab=100)
+    return directory
+
+
+def run_in_process(data: Path, log_dir: Path, *args: str) -> list[dict]:
+    """train_gpt2.run on one CPU process; returns its metrics.jsonl."""
+    cfg = parse_args([*TINY_ARGS, "--data_dir", str(data), "--log_dir", str(log_dir), *JOB, *args])
+    train_gpt2.run(cfg, Distributed(0, 0, 1, CPU))
+    return read_metrics(log_dir)
+
+
+def first_micro_batch_of(data: Path, steps: list[int]) -> dict[tuple, int]:
+    """A key for the first micro-batch of each of `steps` (its first tokens), as a run with JOB reads them."""
+    loader = DistributedDataLoader(data, "train", B, T, grad_accum_steps=ACCUM, shuffle=True, seed=1337)
+    keys = {}
+    for step in range(max(steps) + 1):
+        for micro_step in range(ACCUM):
+            x, _ = loader.next_batch()
+            if step in steps and micro_step == 0:
+                keys[batch_key(x)] = step
+    return keys
+
+
+def batch_key(x: torch.Tensor) -> tuple:
+    return tuple(x[0, :8].tolist())
+
+
+def plant(monkeypatch, data: Path, steps: list[int], factor: float) -> None:
+    """Multiply the loss of the first micro-batch of each of `steps` (that data, whenever it is read) by factor."""
+    bad = first_micro_batch_of(data, steps)
+    real_forward = GPT.forward
+
+    def forward(self, idx, targets=None):
+        logits, loss = real_forward(self, idx, targets)
+        if loss is not None and batch_key(idx) in bad:
+            loss = loss * factor
+        return logits, loss
+
+    monkeypatch.setattr(GPT, "forward", forward)
+
+
+def losses(records: list[dict]) -> dict[int, float]:
+    """{step: loss} of the training steps; a step logged again (after a rollback) keeps its later line."""
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def skipped(records: list[dict]) -> dict[int, str]:
+    return {r["step"]: r["skip_reason"] for r in records if r.get("skipped")}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the guard on its own
+
+def test_guard_names_the_reason_for_a_non_finite_step_and_counts_skips_in_a_row():
+    guard = DivergenceGuard()
+    assert guard.review(3.0, 1.0, fp16=False) is None
+    assert guard.review(math.nan, 1.0, fp16=False) == "non-finite loss"
+    assert guard.review(3.0, math.inf, fp16=False) == "non-finite grad norm"
+    assert guard.review(3.0, math.inf, fp16=True) == "fp16 overflow"
+    assert guard.skips_in_a_row == 3
+    assert guard.review(3.0, 1.0, fp16=False) is None
+    assert guard.skips_in_a_row == 0
+    assert list(guard.losses) == [3.0, 3.0]  # skipped steps never enter the statistics
+
+
+def test_spike_guard_waits_for_its_warmup_then_skips_outliers_only():
+    guard = DivergenceGuard(zscore=4.0)
+    history = [5.0 + 0.1 * (i % 3) for i in range(DivergenceGuard.SPIKE_WARMUP - 1)]  # mean 5.1, spread 0.08
+    for loss in history:
+        assert guard.review(loss, 1.0 + loss / 100, fp16=False) is None
+    assert guard.review(50.0, 1.0, fp16=False) is None  # one short of the warm-up: not judged (and now recorded)
+    guard = DivergenceGuard(zscore=4.0)
+    for loss in history + [5.1]:
+        guard.review(loss, 1.0 + loss / 100, fp16=False)
+    assert guard.review(5.2, 1.05, fp16=False) is None  # z = 1.2
+    reason = guard.review(5.6, 1.0, fp16=False)  # loss z ≈ 6
+    assert re.fullmatch(r"loss spike z=\d+\.\d", reason) and float(reason.split("=")[1]) > 4
+    assert guard.review(5.1, 9.0, fp16=False).startswith("grad norm spike z=")
+    state = guard.state_dict()
+    resumed = DivergenceGuard(zscore=4.0)
+    resumed.load_state_dict(state)
+    assert resumed.state_dict() == state and resumed.review(5.6, 1.0, fp16=False) == reason
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# healthy snapshots
+
+def fake_snapshot(step: int, healthy: bool) -> dict:
+    from snapshot import REQUIRED_KEYS
+    return {key: {} for key in REQUIRED_KEYS} | {"step": step, "rng": [], "wandb_id": "x", "healthy": healthy}
+
+
+def test_pruning_keeps_the_newest_healthy_snapshot_beyond_keep_last(tmp_path):
+    for step, healthy in ((4, True), (9, True), (14, False), (19, False)):
+        save_snapshot(fake_snapshot(step, healthy), snapshot_path(tmp_path, step))
+    prune_snapshots(tmp_path, keep_last=2)
+    assert [p.name for p in list_snapshots(tmp_path)] == ["snapshot_0000019.pt", "snapshot_0000014.pt",
+                                                          "snapshot_0000009.pt"]
+
+
+def test_no_snapshot_is_written_from_nan_weights(data, tmp_path):
+    from parallel import build_model
+    from snapshot import Snapshots
+
+    cfg = parse_args([*TINY_ARGS, "--data_dir", str(data), *JOB])
+    trained = build_model(GPT(train_gpt2.resolve_plan(cfg, 1).model_config), Distributed(0, 0, 1, CPU),
+                          torch.float32, 0.1, 1e-3, compile=False)
+    loader = DistributedDataLoader(data, "train", B, T)
+    messages = []
+    snapshots = Snapshots(str(tmp_path), 1, 2, "never", trained, loader, {}, Distributed(0, 0, 1, CPU),
+                          messages.append)
+    assert snapshots.save_if_due(0, 10, False) == snapshot_path(tmp_path, 0)
+    with torch.no_grad():
+        trained.raw.transformer.h[1].mlp.c_fc.weight[3, 5] = math.nan
+    assert snapshots.save_if_due(1, 10, False) is None
+    assert [p.name for p in tmp_path.iterdir()] == ["snapshot_0000000.pt"]
+    assert "no snapshot after step 1: the weights or optimizer state hold NaN or inf" in messages[-1]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--on_divergence", "rollback"], "--on_divergence rollback reloads .* --ckpt_every 0"),
+    (["--skip_zscore", "-3"], "--skip_zscore -3.0: .* positive"),
+    (["--max_skips", "0"], "--max_skips 0: .* 1 or more")])
+def test_guard_flags_that_cannot_work_are_refused(data, tmp_path, flags, message):
+    with pytest.raises(UserError, match=message):
+        run_in_process(data, tmp_path, "--max_steps", "2", *flags)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# runs with planted faults
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_nan_loss_skips_that_update_and_training_goes_on_as_without_it(data, tmp_path, monkeypatch, dtype, capsys):
+    # The reference: no NaN, and AdamW's 6th update (step 5's) simply not made, the data of step 5 still read.
+    real_step, calls = torch.optim.AdamW.step, []
+
+    def step_but_the_sixth(self, *args, **kwargs):
+        calls.append(1)
+        return None if len(calls) == 6 else real_step(self, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.optim.AdamW, "step", step_but_the_sixth)
+        reference = losses(run_in_process(data, tmp_path / "reference", "--max_steps", "10", "--dtype", dtype))
+
+    plant(monkeypatch, data, [5], math.nan)
+    records = run_in_process(data, tmp_path / "nan", "--max_steps", "10", "--dtype", dtype)
+
+    assert skipped(records) == {5: "non-finite loss"}
+    assert re.search(r"step     5 \| loss nan .* \| step skipped: non-finite loss\n", capsys.readouterr().out)
+    got = losses(records)
+    assert got[5] is None  # NaN is logged as null
+    assert {s: v for s, v in got.items() if s != 5} == {s: v for s, v in reference.items() if s != 5}
+    assert got[9] < got[0] - 0.2  # and the run really trained
+
+
+def test_rollback_reloads_the_newest_healthy_snapshot_and_skips_the_bad_data(data, tmp_path, monkeypatch):
+    plant(monkeypatch, data, [6, 7, 8], math.nan)  # bad data at steps 6-8: 3 skips in a row, then a rollback
+    args = ["--max_steps", "14", "--ckpt_every", "5", "--keep_last", "3", "--max_skips", "3",
+            "--on_divergence", "rollback"]
+    records = run_in_process(data, tmp_path / "run", *args)
+
+    assert skipped(records) == {6: "non-finite loss", 7: "non-finite loss", 8: "non-finite loss"}
+    rollbacks = [r for r in records if r.get("event") == "rollback"]
+    assert len(rollbacks) == 1
+    assert rollbacks[0] | {"data_position": None} == {
+        "event": "rollback", "step": 8, "to_step": 5, "snapshot": str(snapshot_path(tmp_path / "run", 4)),
+        "rollbacks": 1, "reason": "non-finite loss", "data_position": None}
+    after = losses(records[records.index(rollbacks[0]) + 1:])
+    assert list(after) == list(range(5, 14)) and all(math.isfinite(v) for v in after.values())
+
+    # Independently: resume from the step-4 snapshot with the data loader moved 4 steps on (past steps 5-8's
+    # batches), with no fault planted. Training from there must be the same, to the bit.
+    monkeypatch.undo()
+    state = load_snapshot(snapshot_path(tmp_path / "run", 4))
+    state["loader"]["chunk_position"] += 4 * state["loader"]["chunks_per_step"]
+    moved = snapshot_path(tmp_path, 4)
+    save_snapshot(state, moved)
+    reference = losses(run_in_process(data, tmp_path / "reference", *args, "--resume", str(moved)))
+    assert after == reference
+
+
+def test_spike_guard_skips_a_planted_spike_and_no_normal_step(data, tmp_path, monkeypatch):
+    monkeypatch.setattr(DivergenceGuard, "SPIKE_WARMUP", 5)  # (20 in real runs: fewer steps keep the test short)
+    plant(monkeypatch, data, [12], 10.0)
+    records = run_in_process(data, tmp_path, "--max_steps", "16", "--skip_zscore", "5")
+    assert list(skipped(records)) == [12]
+    assert re.fullmatch(r"loss spike z=\d+\.\d", skipped(records)[12])
+
+
+def test_spike_statistics_resume_exactly(data, tmp_path, monkeypatch):
+    monkeypatch.setattr(DivergenceGuard, "SPIKE_WARMUP", 5)
+    # A spike 3 steps after the resume: a guard that restarted its warm-up there would let it through.
+    plant(monkeypatch, data, [12], 10.0)
+    args = ["--max_steps", "16", "--skip_zscore", "5", "--ckpt_every", "10", "--keep_last", "3"]
+    uninterrupted = run_in_process(data, tmp_path / "uninterrupted", *args)
+    (tmp_path / "resumed").mkdir()
+    shutil.copy(snapshot_path(tmp_path / "uninterrupted", 9), tmp_path / "resumed")
+    resumed = run_in_process(data, tmp_path / "resumed", *args)
+
+    assert list(skipped(uninterrupted)) == list(skipped(resumed)) == [12]
+    assert losses(resumed) == {s: v for s, v in losses(uninterrupted).items() if s >= 10}
+    final = [load_snapshot(snapshot_path(tmp_path / d, 15))["guard"] for d in ("uninterrupted", "resumed")]
+    assert final[0] == final[1] and len(final[0]["losses"]) == 15
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# a run forced to diverge by a huge learning rate, in real processes
+
+DIVERGE = ["--max_lr", "1000", "--warmup_steps", "100", "--dtype", "fp32", "--ckpt_every", "5", "--keep_last", "2",
+           "--max_steps", "60"]
+
+
+def assert_every_snapshot_loads_and_is_finite(ckpt_dir: Path) -> list[Path]:
+    found = list_snapshots(ckpt_dir)
+    for path in found:
+        state = load_snapshot(path)
+        tensors = [*state["model"].values(), *(v for s in state["optimizer"]["state"].values() for v in s.values())]
+        assert all(torch.isfinite(t).all() for t in tensors), f"{path} holds NaN or inf"
+    return found
+
+
+@pytest.mark.slow
+def test_a_diverging_run_stops_with_the_newest_healthy_snapshot_and_keeps_it(data, tmp_path):
+    run = run_train(["--data_dir", str(data), *JOB, *DIVERGE], tmp_path, check=False)
+    assert run.proc.returncode == 2
+    message = run.proc.stderr.strip().splitlines()[-1]
+    healthy = re.search(r"The newest healthy snapshot is (\S+):", message).group(1)
+    step = re.search(r"up to step (\d+)", message).group(1)
+    assert f"restart from it with --resume {healthy}" in message
+    for advice in ("the data loader at", "a lower --max_lr (now 1000)", "--skip_zscore", "--on_divergence rollback"):
+        assert advice in message
+    assert Path(healthy) in assert_every_snapshot_loads_and_is_finite(tmp_path)
+    assert load_snapshot(healthy)["healthy"]
+    assert run.records[-1] | {"data_position": None} == {
+        "event": "diverged", "step": int(step), "reason": "non-finite grad norm", "rollbacks": 0,
+        "data_position": None, "healthy_snapshot": healthy}
+    assert sum(1 for r in run.train if r.get("skipped")) == 10  # --max_skips' default, in a row
+
+
+@pytest.mark.slow
+def test_two_ranks_roll_back_together_then_stop_when_rollbacks_run_out(data, tmp_path):
+    run = run_train(["--data_dir", str(data), *JOB, *DIVERGE, "--on_divergence", "rollback", "--max_rollbacks", "2",
+                     "--max_skips", "4"], tmp_path, nproc=2, check=False)
+    assert run.proc.returncode != 0
+    errors = [line for line in run.output.splitlines() if line.startswith("error: training diverged")]
+    assert len(errors) == 2 and errors[0] == errors[1]  # both ranks, the same step and message
+    assert "after 2 rollback(s) (--max_rollbacks 2)" in errors[0]
+    assert [r["rollbacks"] for r in run.records if r.get("event") == "rollback"] == [1, 2]
+    assert_every_snapshot_loads_and_is_finite(tmp_path)
+
