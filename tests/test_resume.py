@@ -403,7 +403,10 @@ def test_a_full_log_disk_warns_once_and_training_goes_on(job, tmp_path, capsys):
         records = read_metrics(log_dir)  # whole lines only: json.loads would fail on a cut-off one
         warnings = [line for line in capsys.readouterr().err.splitlines() if "could not write" in line]
     assert len(warnings) == 1 and "metrics.jsonl (OSError: [Errno 28] No space left on device" in warnings[0]
-    assert 5 < len(records) < 40 and by_step(records, "loss").keys() == set(range(len(records)))
+    # The lines from before the disk filled up, whole and in order; a later, shorter line may still fit in the last
+    # few bytes (each line is tried again), so lines may be missing after the first failure but none is repeated.
+    steps = [r["step"] for r in records if "loss" in r]
+    assert 5 < len(steps) < 40 and steps[:6] == list(range(6)) and steps == sorted(set(steps))
     assert load_snapshot(snapshot_path(tmp_path, 39))["step"] == 39  # the run went on to the end
 
 
