@@ -124,7 +124,7 @@ def time_config(work: Workload, data_dir: str, dtype: torch.dtype, compile: bool
         keep_freed_memory()
     torch.manual_seed(cfg.seed)
     model = (FullLogitsGPT if plain else GPT)(plan.model_config)
-    trained = build_model(model, dist_env, dtype, cfg.weight_decay, cfg.max_lr, compile, plain)
+    trained = build_model(model, dist_env, dtype, cfg, compile, plain)
     loader = DistributedDataLoader(data_dir, "train", cfg.micro_batch_size, plan.seq_len, dist_env.rank,
                                    dist_env.world_size, plan.grad_accum_steps)
     peak = peak_flops(device, dtype)

@@ -1,28 +1,16 @@
-"""One optimizer step, and the learning rate it takes: shared by train_gpt2.py and bench.py."""
+"""One optimizer step: shared by train_gpt2.py and bench.py."""
 
-import math
 import time
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from config import TrainConfig
 from dataloader import DistributedDataLoader
 from distributed import average_across_ranks, to_device
+from optim import Optimizers
 from parallel import set_gradient_sync
 from precision import autocast
-
-
-def get_lr(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup to max_lr, then cosine decay to min_lr_ratio·max_lr at the last step."""
-    min_lr = cfg.max_lr * cfg.min_lr_ratio
-    if step < cfg.warmup_steps:
-        return cfg.max_lr * (step + 1) / cfg.warmup_steps
-    if step >= cfg.max_steps - 1:
-        return min_lr
-    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - 1 - cfg.warmup_steps)
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.max_lr - min_lr)
 
 
 @dataclass
@@ -33,13 +21,12 @@ class StepResult:
     data_seconds: float  # time spent waiting for the data loader
 
 
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+def train_step(model: torch.nn.Module, optimizer: Optimizers, scaler: torch.amp.GradScaler,
                loader: DistributedDataLoader, grad_accum_steps: int, lr: float, grad_clip: float,
                device: torch.device, dtype: torch.dtype) -> StepResult:
     """One optimizer update on total_batch_size tokens, accumulated over grad_accum_steps micro-steps."""
     model.train()
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+    optimizer.set_lr(lr)
     optimizer.zero_grad(set_to_none=True)
     loss_sum = torch.zeros((), device=device)
     data_seconds = 0.0
@@ -57,12 +44,17 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler:
         loss = loss / grad_accum_steps
         loss_sum += loss.detach()
         scaler.scale(loss).backward()
-    scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
+    for each in optimizer:  # the GradScaler works on real optimizers: AdamW, and Muon with --optimizer muon
+        scaler.unscale_(each)  # clip the true gradients, not the fp16-scaled ones
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
     if isinstance(grad_norm, DTensor):  # fsdp: the norm over every rank's shards
         grad_norm = grad_norm.full_tensor()
     scale_before = scaler.get_scale()
-    scaler.step(optimizer)
+    # All optimizers step or none: the GradScaler would decide for each from its own gradients alone, and one whose
+    # gradients were finite would step on the zeros that clipping by an inf norm leaves.
+    if not (scaler.is_enabled() and not torch.isfinite(grad_norm)):
+        for each in optimizer:
+            scaler.step(each)
     scaler.update()
     skipped = scaler.is_enabled() and scaler.get_scale() < scale_before
     return StepResult(average_across_ranks(loss_sum).item(), grad_norm.item(), skipped, data_seconds)

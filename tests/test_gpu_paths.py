@@ -16,7 +16,7 @@ import parallel
 import precision
 import snapshot
 import train_gpt2
-from config import parse_args
+from config import TrainConfig, parse_args
 from distributed import Distributed
 from errors import UserError
 from model import GPT, PRESETS
@@ -160,7 +160,7 @@ def test_compile_on_mps_is_refused_before_the_model_moves(monkeypatch):
     model = GPT(PRESETS["tiny"])
     monkeypatch.setattr(model, "to", lambda *a, **k: pytest.fail("moved the model to MPS"))
     with pytest.raises(UserError, match="--compile is not supported on MPS"):
-        parallel.build_model(model, Distributed(0, 0, 1, MPS), torch.float32, 0.1, 1e-3, compile=True)
+        parallel.build_model(model, Distributed(0, 0, 1, MPS), torch.float32, TrainConfig(), compile=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
