@@ -15,6 +15,7 @@ import torch
 import torch.optim._muon
 
 from config import TrainConfig
+from precision import pick_dtype
 
 # A relative change of the learning rate at a resume beyond this is a jump worth a warning.
 LR_JUMP_TOLERANCE = 0.03
@@ -99,11 +100,9 @@ _torch_newton_schulz = torch.optim._muon._zeropower_via_newtonschulz
 
 
 def bf16_matmul_is_slow(device: torch.device) -> bool:
-    """CPUs without AVX512-BF16 or AMX emulate bf16 matmuls, several times slower than fp32 ones; MPS has no bf16
-    matrix units either. CUDA GPUs (and AMX Xeons) multiply bf16 at full speed."""
-    if device.type == "cpu":
-        return not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-    return device.type == "mps"
+    """Where --dtype auto does not pick bf16, bf16 matmuls are emulated or unsafe: CPUs without AVX512-BF16 or AMX
+    (several times slower than fp32), pre-Ampere GPUs, MPS."""
+    return pick_dtype("auto", device) != torch.bfloat16
 
 
 def newton_schulz(grad: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
