@@ -96,12 +96,9 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: "StopRequest | None" = No
         log(f"resuming from {resumed_from} at step {start_step}")
         logger.log({"event": "resume", "step": start_step, "snapshot": str(resumed_from)})
         change = schedule_change(start_step, snapshots.resumed_config, cfg)
-        if change:
+        if change and master:
             line, jump = change
-            if jump and master:
-                print(f"WARNING: {line}", file=sys.stderr)
-            else:
-                log(line)
+            print(f"WARNING: {line}" if jump else line, file=sys.stderr if jump else sys.stdout)
     elif cfg.init_from != "scratch":
         log(f"initialised from {cfg.init_from}")
         logger.log({"event": "init", "step": 0, "init_from": cfg.init_from})

@@ -1,7 +1,12 @@
 """AdamW vs Muon on Tiny Shakespeare: an LR sweep per optimizer and shape, same steps, data order and schedule.
 
-    python sweeps/muon_sweep.py run      # trains every configuration not yet finished (sequentially)
-    python sweeps/muon_sweep.py report   # best of each, the steps Muon needs, docs/muon_vs_adamw.png
+    python data/prepare.py --source shakespeare
+    OMP_NUM_THREADS=1 python dev/muon_vs_adamw.py run     # trains every configuration not yet finished, in turn
+    SWEEP_SHAPES=narrow6 python dev/muon_vs_adamw.py run  # one shape (run two shapes side by side on 2 cores)
+    python dev/muon_vs_adamw.py report                    # best of each, the steps Muon needs, the PNG
+
+Muon's AdamW part (embeddings, biases, LayerNorms) runs at the --max_lr that the AdamW sweep of the same shape found
+best, so the Muon sweep varies --muon_lr alone: three LRs each. The README's "Optimizers" section has the results.
 """
 import json
 import os
@@ -13,14 +18,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from plot import read_metrics  # noqa: E402
 
 ROOT = Path(os.environ.get("SWEEP_ROOT", "logs/sweep"))
-STEPS = {"small": 200, "narrow6": 150}
-COMMON = ["--data_dir", "data/shakespeare", "--total_batch_size", "2048", "--min_lr_ratio", "0.1", "--val_every", "25",
-          "--val_tokens", "16384",
-          "--hellaswag_every", "0", "--sample_every", "0", "--ckpt_every", "0", "--resume", "never", "--seed", "1337"]
+STEPS = {"small": 120, "narrow6": 120}
+COMMON = ["--data_dir", "data/shakespeare", "--total_batch_size", "1024", "--min_lr_ratio", "0.1", "--val_every", "20",
+          "--val_tokens", "8192", "--hellaswag_every", "0", "--sample_every", "0", "--ckpt_every", "0",
+          "--resume", "never", "--seed", "1337"]
 SHAPES = {
-    "small": ["--model", "small", "--micro_batch_size", "8", "--seq_len", "256"],  # the quickstart model
+    "small": ["--model", "small", "--micro_batch_size", "4", "--seq_len", "256"],  # the quickstart model
     "narrow6": ["--model", "small", "--n_layer", "6", "--n_embd", "128", "--n_head", "4", "--block_size", "128",
-                "--micro_batch_size", "16"],
+                "--micro_batch_size", "8"],
 }
 ADAMW_LRS = [1e-3, 2e-3, 4e-3]
 MUON_LRS = [0.01, 0.02, 0.04]
@@ -75,41 +80,48 @@ def steps_to_reach(val: dict[int, float], target: float) -> float | None:
     return None
 
 
-def mean_step_ms(shape, name):
-    ms = [json.loads(line)["dt_ms"] for line in open(run_dir(shape, name) / "metrics.jsonl") if '"dt_ms"' in line]
-    ms = sorted(ms[5:])
+def median_step_ms(shape, name):
+    ms = sorted(r["dt_ms"] for r in read_records(run_dir(shape, name) / "metrics.jsonl") if "dt_ms" in r)
     return ms[len(ms) // 2]
 
 
+def read_records(path):
+    return [json.loads(line) for line in open(path) if line.strip()]
+
+
 def report(out="docs/muon_vs_adamw.png"):
+    """The val loss logged at step s is that of the weights after s updates, so the last one (step STEPS-1) is
+    after STEPS-1 updates: Muon's fraction is the updates it needs to reach it over those."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(SHAPES), figsize=(7 * len(SHAPES), 4.5))
+    fig, axes = plt.subplots(1, len(SHAPES), figsize=(6.5 * len(SHAPES), 4.5))
     for ax, shape in zip(axes, SHAPES):
-        print(f"== {shape}")
+        print(f"== {shape}: {STEPS[shape]} steps")
         for p in sorted((ROOT / shape).iterdir()):
             v = final_val(shape, p.name)
-            print(f"  {p.name:16s} final val {v if v is None else round(v, 4)}"
-                  + (f"  {mean_step_ms(shape, p.name):.0f} ms/step" if v else ""))
+            print(f"  {p.name:16s} final val loss {v:.4f}, {median_step_ms(shape, p.name):.0f} ms/step (median)"
+                  if v else f"  {p.name:16s} unfinished")
         a, m = best(shape, "adamw"), best(shape, "muon")
         va = read_metrics(run_dir(shape, a) / "metrics.jsonl")["val_loss"]
         vm = read_metrics(run_dir(shape, m) / "metrics.jsonl")["val_loss"]
-        target = va[STEPS[shape] - 1]
+        updates = STEPS[shape] - 1
+        target = va[updates]
         reach = steps_to_reach(vm, target)
-        frac = None if reach is None else (reach + 1) / STEPS[shape]
-        print(f"  best AdamW {a} {target:.4f}; best Muon {m} {vm[STEPS[shape] - 1]:.4f}; Muon reaches {target:.4f} "
-              "at step "
-              f"{reach if reach is None else round(reach, 1)} -> fraction {frac if frac is None else round(frac, 3)}")
+        fraction = "not reached" if reach is None else f"{reach:.1f} updates, {reach / updates:.3f} of {updates}"
+        print(f"  best AdamW {a}: {target:.4f}; best Muon {m}: {vm[updates]:.4f}; Muon reaches {target:.4f} in "
+              f"{fraction}")
         for name, val, color in ((a, va, "C0"), (m, vm, "C3")):
             steps = sorted(val)
             ax.plot(steps, [val[s] for s in steps], marker=".", color=color, label=name.replace("_lr", ", lr "))
-        ax.axhline(target, color="gray", ls=":", lw=0.8)
-        ax.set(title=f"{shape}: val loss, best of 3 LRs each", xlabel="step", ylabel="val loss",
-               ylim=(min(min(va.values()), min(vm.values())) - 0.1, min(va.values()) + 2.5))
+        ax.axhline(target, color="gray", ls=":", lw=0.8, label="best AdamW's final val loss")
+        low = min(min(va.values()), min(vm.values()))
+        ax.set(title=f"{shape}: val loss, the best of 3 LRs each", xlabel="step", ylabel="val loss",
+               ylim=(low - 0.1, low + 2.0))
+        ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=100)
     print(f"wrote {out}")
 
 
