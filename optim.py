@@ -35,10 +35,6 @@ class Optimizers:
     def __iter__(self):
         return iter(self.by_name.values())
 
-    @property
-    def param_groups(self) -> list[dict]:
-        return [group for optimizer in self for group in optimizer.param_groups]
-
     def set_lr(self, lr: float) -> None:
         """The schedule's learning rate; Muon's groups take it scaled by --muon_lr / --max_lr, so that both
         optimizers warm up and decay together."""

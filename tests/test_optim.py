@@ -30,8 +30,10 @@ BLOCK_MATRICES = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 def test_adamw_decays_matrices_only():
     model = GPT(TINY)
     optimizers = build_optimizers(model, TrainConfig(weight_decay=0.1, max_lr=6e-4), device_type="cpu")
+    assert list(optimizers.by_name) == ["adamw"]
+    optimizer = optimizers.by_name["adamw"]
     names = {id(p): name for name, p in model.named_parameters()}  # tied lm_head appears once, as wte
-    decay, no_decay = optimizers.param_groups
+    decay, no_decay = optimizer.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     decayed = {names[id(p)] for p in decay["params"]}
     free = {names[id(p)] for p in no_decay["params"]}
@@ -41,9 +43,9 @@ def test_adamw_decays_matrices_only():
     assert len(decayed) == 2 + 4 * TINY.n_layer  # wte, wpe + four matrices per block
     assert len(free) == 2 + 8 * TINY.n_layer  # ln_f's gain and bias; per block 2 LayerNorms x 2 and 4 biases
     # Every parameter in exactly one group.
-    ids = [id(p) for g in optimizers.param_groups for p in g["params"]]
+    ids = [id(p) for g in optimizer.param_groups for p in g["params"]]
     assert len(ids) == len(set(ids)) == len(names)
-    for group in optimizers.param_groups:
+    for group in optimizer.param_groups:
         assert group["betas"] == (0.9, 0.95) and group["eps"] == 1e-8 and group["lr"] == 6e-4
 
 
