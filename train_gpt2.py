@@ -215,8 +215,9 @@ class Evaluations:
                                   should_stop)
             if val is None:
                 return False
-            log(f"step {step:5d} | val loss {val.loss:.4f} | val bpb {val.bpb:.4f}")
-            self.logger.log({"step": step, "val_loss": val.loss, "val_bpb": val.bpb})
+            bpb = {"val_bpb": val.bpb} if val.bpb is not None else {}  # None: no GPT-2 tokenizer (offline)
+            log(f"step {step:5d} | val loss {val.loss:.4f}" + (f" | val bpb {val.bpb:.4f}" if bpb else ""))
+            self.logger.log({"step": step, "val_loss": val.loss} | bpb)
         hellaswag_due = self.hellaswag_examples and (step % cfg.hellaswag_every == 0 or step == last_step)
         sample_due = cfg.sample_every and step > 0 and (step % cfg.sample_every == 0 or step == last_step)
         # The uncompiled module, whole: HellaSwag's sequence lengths vary and would make torch.compile recompile,

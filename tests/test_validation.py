@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import validation
 from dataloader import DistributedDataLoader
 from helpers_train import write_text_shards
 from model import GPT, PRESETS
@@ -48,3 +49,20 @@ def test_validation_stopped_early_returns_none(tmp_path, shared_data, gpt2_encod
     write_text_shards(tmp_path, (shared_data / "tinyshakespeare" / "input.txt").read_text()[:200_000], gpt2_encoding)
     loader = DistributedDataLoader(tmp_path, "val", 1, 16)
     assert validation_loss(GPT(PRESETS["tiny"]), loader, 40, CPU, torch.float32, should_stop=lambda: True) is None
+
+
+def test_without_the_tokenizer_val_bpb_is_none_and_the_loss_still_comes(tmp_path, monkeypatch, capsys, gpt2_encoding):
+    write_text_shards(tmp_path, "To be, or not to be, that is the question. " * 400, gpt2_encoding)
+
+    def offline():
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(validation, "gpt2_encoding", offline)
+    token_byte_lengths.cache_clear()
+    try:
+        val = validation_loss(GPT(PRESETS["tiny"]), DistributedDataLoader(tmp_path, "val", 1, 16), 2, CPU,
+                              torch.float32)
+    finally:
+        token_byte_lengths.cache_clear()  # the other tests' table, not this test's None
+    assert val.bpb is None and 10 < val.loss < 12
+    assert "val_bpb is left out" in capsys.readouterr().err
