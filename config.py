@@ -57,7 +57,8 @@ class TrainConfig:
     warmdown_frac: float = arg(0.2, "wsd: the fraction of --max_steps over which the LR decays at the end")
     optimizer: str = arg("adamw", "adamw (GPT-2's) | muon: torch.optim.Muon for the 2-D weights in the blocks, AdamW "
                                   "for embeddings, biases and LayerNorms", choices=("adamw", "muon"))
-    muon_lr: float = arg(0.02, "muon: peak learning rate of the Muon-updated matrices (follows the same schedule)")
+    muon_lr: float = arg(0.01, "muon: peak learning rate of the Muon-updated matrices (follows the same schedule; "
+                               "0.01 was best of 0.005-0.04 on two small models, see the README)")
     muon_momentum: float = arg(0.95, "muon: Nesterov momentum")
     muon_weight_decay: float = arg(0.0, "muon: decoupled weight decay, applied as muon_lr·decay per step")
     muon_adjust_lr: str = arg("original", "muon: per-shape LR scaling: original (√max(1, out/in), Keller Jordan's; "

@@ -6,7 +6,7 @@
     python dev/muon_vs_adamw.py report                    # best of each, the steps Muon needs, the PNG
 
 Muon's AdamW part (embeddings, biases, LayerNorms) runs at the --max_lr that the AdamW sweep of the same shape found
-best, so the Muon sweep varies --muon_lr alone: three LRs each. The README's "Optimizers" section has the results.
+best, so the Muon sweep varies --muon_lr alone: four LRs each. The README's "Optimizers" section has the results.
 """
 import json
 import os
@@ -27,8 +27,10 @@ SHAPES = {
     "narrow6": ["--model", "small", "--n_layer", "6", "--n_embd", "128", "--n_head", "4", "--block_size", "128",
                 "--micro_batch_size", "8"],
 }
-ADAMW_LRS = [1e-3, 2e-3, 4e-3]
-MUON_LRS = [0.01, 0.02, 0.04]
+# Four LRs each: three first, then one more past the edge where the best of the three was (0.5e-3 for AdamW, whose
+# best was 1e-3 on both shapes; 0.005 for Muon, whose best was 0.01).
+ADAMW_LRS = [5e-4, 1e-3, 2e-3, 4e-3]
+MUON_LRS = [0.005, 0.01, 0.02, 0.04]
 
 
 def run_dir(shape, name):
@@ -116,7 +118,7 @@ def report(out="docs/muon_vs_adamw.png"):
             ax.plot(steps, [val[s] for s in steps], marker=".", color=color, label=name.replace("_lr", ", lr "))
         ax.axhline(target, color="gray", ls=":", lw=0.8, label="best AdamW's final val loss")
         low = min(min(va.values()), min(vm.values()))
-        ax.set(title=f"{shape}: val loss, the best of 3 LRs each", xlabel="step", ylabel="val loss",
+        ax.set(title=f"{shape}: val loss, the best of 4 LRs each", xlabel="step", ylabel="val loss",
                ylim=(low - 0.1, low + 2.0))
         ax.grid(alpha=0.3)
         ax.legend()
