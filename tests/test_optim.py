@@ -207,9 +207,10 @@ def test_an_fp16_muon_run_steps_saves_both_optimizers_and_its_scale_and_resumes_
 
 
 @pytest.mark.slow
-def test_two_muon_ranks_with_a_killed_rank_train_like_one_process(data, tmp_path):
+def test_two_muon_ranks_with_a_killed_rank_train_like_one_process_and_resume_on_one(data, tmp_path):
     """2 DDP ranks, one of them SIGKILLed after a snapshot and both restarted by torchrun, against one process
-    accumulating the same micro-batches: every rank applies the same Muon update, and the resume is exact."""
+    accumulating the same micro-batches: every rank applies the same Muon update, and the resume is exact; then a
+    2-rank snapshot resumed on one process."""
     args = [*JOB, "--data_dir", str(data), "--dtype", "fp32", "--max_steps", "12", "--ckpt_every", "4"]
     one = run_train(args, tmp_path / "one")
     with launched(args, tmp_path / "two", nproc=2, launcher_args=["--max-restarts", "1"]) as proc:
@@ -223,3 +224,7 @@ def test_two_muon_ranks_with_a_killed_rank_train_like_one_process(data, tmp_path
     worst = max(abs(two[s] - reference[s]) / reference[s] for s in range(12))
     print(f"2 ranks (killed and resumed) vs 1 process, Muon: max relative loss difference {worst:.1e}")
     assert worst <= 1e-5
+    # The 2-rank snapshot of step 7 continues on one process: the same Muon state, the next tokens.
+    moved = run_train([*args, "--resume", str(snapshot_path(tmp_path / "two", 7))], tmp_path / "moved")
+    assert {r["step"]: r["loss"] for r in moved.train} == pytest.approx({s: reference[s] for s in range(8, 12)},
+                                                                       rel=1e-5)
