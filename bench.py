@@ -3,6 +3,7 @@
     python bench.py                                   # CPU: small preset, B=8, T=256; CUDA: GPT-2 124M, B=64, T=1024
     python bench.py --compare                         # also the plain baseline, and the speed-up over it
     python bench.py --model gpt2 --micro_batch_size 16 --seq_len 512 --dtype bf16 --compile --json
+    python bench.py --optimizer muon                  # Muon for the block matrices: compare optimizer_ms with adamw
     torchrun --standalone --nproc_per_node=2 bench.py # 2 ranks (NCCL on GPUs, gloo on CPUs)
 
 It runs the real step (training.train_step, its data loader, dtype choice and parallel.build_model) on random tokens
@@ -18,14 +19,16 @@ take the median speed-up of a few runs.
 
 --json prints one object: device, world_size, model, n_layer, n_head, n_embd, parameters, micro_batch_size,
 seq_len, grad_accum_steps, tokens_per_step, flops_per_token, runs (a list; for each: name, dtype, compile,
-ms_per_step, tokens_per_sec, tflops, peak_tflops, mfu, peak_source, peak_memory_mib, data_wait, loss; a
+ms_per_step, optimizer_ms, tokens_per_sec, tflops, peak_tflops, mfu, peak_source, peak_memory_mib, data_wait, loss; a
 configuration that ran out of device memory has name, dtype, compile and skipped, the reason), speedup (the last
 run's tokens/s over the first's with --compare, else null), memory (state_bytes: weights, gradients and AdamW
 moments; activation_bytes_per_sequence, measured with MemTracker on the CPU or the allocator's peak on CUDA;
 largest_micro_batch: per --memory_gb, the largest that fits with 10 % headroom), load_average (the machine's
 1-minute load before and after) and cpu_count. peak_memory_mib is CUDA's max_memory_allocated, or on a CPU the
 process's peak resident memory (which never goes down, so a later run's includes the earlier's). data_wait is the
-share of step time spent in the data loader. With several ranks, times and memory are rank 0's.
+share of step time spent in the data loader; optimizer_ms the time of the optimizer step(s) within a step (--optimizer
+muon: Muon's, with its Newton–Schulz iterations, and AdamW's for the rest). With several ranks, times and memory are
+rank 0's.
 """
 
 import argparse
@@ -56,7 +59,8 @@ from precision import dtype_name, pick_dtype
 from training import train_step
 
 # The flags that mean what they mean in train_gpt2.py; bench.py's own defaults depend on the device.
-SHARED_FLAGS = ["model", "n_layer", "n_head", "n_embd", "micro_batch_size", "seq_len", "dtype", "compile", "device"]
+SHARED_FLAGS = ["model", "n_layer", "n_head", "n_embd", "micro_batch_size", "seq_len", "dtype", "compile", "device",
+                "optimizer"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -124,15 +128,17 @@ def time_config(work: Workload, data_dir: str, dtype: torch.dtype, compile: bool
         keep_freed_memory()
     torch.manual_seed(cfg.seed)
     model = (FullLogitsGPT if plain else GPT)(plan.model_config)
-    trained = build_model(model, dist_env, dtype, cfg.weight_decay, cfg.max_lr, compile, plain)
+    trained = build_model(model, dist_env, dtype, cfg, compile, plain)
     loader = DistributedDataLoader(data_dir, "train", cfg.micro_batch_size, plan.seq_len, dist_env.rank,
                                    dist_env.world_size, plan.grad_accum_steps)
     peak = peak_flops(device, dtype)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-    step_seconds, data_seconds = [], []
+    optimizer_seconds = time_optimizer_steps(trained.optimizer, device)
+    step_seconds, data_seconds, optimizer_ms = [], [], []
     for step in range(warmup + steps):
+        optimizer_seconds.clear()
         synchronize(device)
         t0 = time.perf_counter()
         result = train_step(trained.model, trained.optimizer, trained.scaler, loader, plan.grad_accum_steps,
@@ -141,15 +147,35 @@ def time_config(work: Workload, data_dir: str, dtype: torch.dtype, compile: bool
         if step >= warmup:
             step_seconds.append(time.perf_counter() - t0)
             data_seconds.append(result.data_seconds)
+            optimizer_ms.append(1000 * sum(optimizer_seconds))
 
     seconds = statistics.median(step_seconds)
     flops_per_sec = trained.raw.flops_per_token(plan.seq_len) * work.tokens_per_step / seconds
     return {"name": run_name(dtype, compile, plain), "dtype": dtype_name(dtype), "compile": compile,
-            "ms_per_step": 1000 * seconds, "tokens_per_sec": work.tokens_per_step / seconds,
+            "ms_per_step": 1000 * seconds, "optimizer_ms": statistics.median(optimizer_ms),
+            "tokens_per_sec": work.tokens_per_step / seconds,
             "tflops": flops_per_sec / 1e12, "peak_tflops": peak.flops * dist_env.world_size / 1e12,
             "mfu": flops_per_sec / (peak.flops * dist_env.world_size), "peak_source": peak.source,
             "peak_memory_mib": peak_memory_mib(device), "data_wait": sum(data_seconds) / sum(step_seconds),
             "loss": result.loss}
+
+
+def time_optimizer_steps(optimizers, device: torch.device) -> list[float]:
+    """A list that every optimizer.step() of these optimizers appends its seconds to (through torch's step hooks)."""
+    seconds, started = [], []
+
+    def before(*args) -> None:  # a pre-hook that returned something would replace the step's arguments
+        synchronize(device)
+        started.append(time.perf_counter())
+
+    def after(*args) -> None:
+        synchronize(device)
+        seconds.append(time.perf_counter() - started.pop())
+
+    for optimizer in optimizers:
+        optimizer.register_step_pre_hook(before)
+        optimizer.register_step_post_hook(after)
+    return seconds
 
 
 class FullLogitsGPT(GPT):
@@ -235,18 +261,19 @@ def memory_budget(work: Workload, dtype: torch.dtype, memory_gb: list[float]) ->
 def format_report(report: dict, args: argparse.Namespace) -> str:
     r = report
     lines = [f"{r['model']}: {r['n_layer']} layers, {r['n_head']} heads, {r['n_embd']} wide, {r['parameters']:,} "
-             f"parameters | {r['device']} × {r['world_size']} rank(s)",
+             f"parameters | {r['device']} × {r['world_size']} rank(s) | optimizer {args.optimizer}",
              f"batch: {r['tokens_per_step']:,} tokens/step = {r['micro_batch_size']} × {r['seq_len']} × "
              f"{r['world_size']} rank(s) × {r['grad_accum_steps']} micro-step(s) | model FLOPs per token "
              f"{r['flops_per_token'] / 1e6:,.1f} M (6·N + attention)",
-             f"{'configuration':30s} {'ms/step':>9s} {'tokens/s':>10s} {'TFLOP/s':>8s} {'peak':>7s} {'MFU':>6s} "
-             f"{'peak mem':>10s} {'data wait':>9s}"]
+             f"{'configuration':30s} {'ms/step':>9s} {'optim ms':>9s} {'tokens/s':>10s} {'TFLOP/s':>8s} {'peak':>7s} "
+             f"{'MFU':>6s} {'peak mem':>10s} {'data wait':>9s}"]
     for run in r["runs"]:
         if "skipped" in run:
             lines.append(f"{run['name']:30s} skipped: {run['skipped']}")
             continue
-        lines.append(f"{run['name']:30s} {run['ms_per_step']:9.1f} {run['tokens_per_sec']:10,.0f} "
-                     f"{run['tflops']:8.3f} {run['peak_tflops']:7.2f} {100 * run['mfu']:5.1f}% "
+        lines.append(f"{run['name']:30s} {run['ms_per_step']:9.1f} {run['optimizer_ms']:9.1f} "
+                     f"{run['tokens_per_sec']:10,.0f} {run['tflops']:8.3f} {run['peak_tflops']:7.2f} "
+                     f"{100 * run['mfu']:5.1f}% "
                      f"{run['peak_memory_mib']:7,.0f} MiB {100 * run['data_wait']:8.2f}%")
     if r["speedup"] is not None:
         lines.append(f"speed-up over the baseline: {r['speedup']:.2f}x")

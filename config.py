@@ -51,6 +51,20 @@ class TrainConfig:
     max_lr: float = arg(6e-4, "peak learning rate")
     min_lr_ratio: float = arg(0.1, "final learning rate as a fraction of max_lr")
     weight_decay: float = arg(0.1, "AdamW weight decay on matrices")
+    lr_schedule: str = arg("cosine", "after the warmup: cosine decay to min_lr_ratio·max_lr | wsd: hold max_lr, then "
+                                     "decay linearly over the last --warmdown_frac of the steps (a run can be extended "
+                                     "from a snapshot taken before the decay)", choices=("cosine", "wsd"))
+    warmdown_frac: float = arg(0.2, "wsd: the fraction of --max_steps over which the LR decays at the end")
+    optimizer: str = arg("adamw", "adamw (GPT-2's) | muon: torch.optim.Muon for the 2-D weights in the blocks, AdamW "
+                                  "for embeddings, biases and LayerNorms", choices=("adamw", "muon"))
+    muon_lr: float = arg(0.01, "muon: peak learning rate of the Muon-updated matrices (follows the same schedule; "
+                               "0.01 was best of 0.005-0.04 on two small models, see the README)")
+    muon_momentum: float = arg(0.95, "muon: Nesterov momentum")
+    muon_weight_decay: float = arg(0.0, "muon: decoupled weight decay, applied as muon_lr·decay per step")
+    muon_adjust_lr: str = arg("original", "muon: per-shape LR scaling: original (√max(1, out/in), Keller Jordan's; "
+                                          "tune --muon_lr) | match_rms_adamw (0.2·√max(out, in), Moonshot's: updates "
+                                          "of AdamW's size, so --muon_lr = --max_lr is a start)",
+                              choices=("original", "match_rms_adamw"))
     grad_clip: float = arg(1.0, "clip the global gradient norm to this (0 = off)")
     # speed and precision
     dtype: str = arg("auto", "autocast dtype (fp16 adds a GradScaler; auto: bf16 where the hardware has it, "
@@ -186,6 +200,9 @@ def resolve_plan(cfg: TrainConfig, world_size: int) -> Plan:
     if seq_len > config.block_size:
         raise UserError(f"--seq_len {seq_len} exceeds the model's --block_size {config.block_size}; lower --seq_len "
                         "or raise --block_size.")
+    if cfg.lr_schedule == "wsd" and not 0 < cfg.warmdown_frac <= 1:
+        raise UserError(f"--warmdown_frac {cfg.warmdown_frac}: the decay takes this fraction of --max_steps, so it "
+                        "must be above 0 and at most 1 (0.2 is common).")
     grad_accum_steps = grad_accum_steps_for(cfg, seq_len, world_size)
     val_steps = validation_steps(cfg, seq_len, world_size) if cfg.val_every else 0
     if cfg.skip_zscore < 0:

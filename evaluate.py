@@ -105,7 +105,8 @@ def evaluate(model: GPT, args: argparse.Namespace, dist_env: Distributed) -> dic
         val_steps = validation_steps(cfg, seq_len, dist_env.world_size)
         loader = DistributedDataLoader(cfg.data_dir, "val", cfg.micro_batch_size, seq_len, dist_env.rank,
                                        dist_env.world_size)
-        results["val_loss"] = validation_loss(model, loader, val_steps, device, dtype)
+        val = validation_loss(model, loader, val_steps, device, dtype)
+        results |= {"val_loss": val.loss, "val_bpb": val.bpb}
         results["val_tokens"] = val_steps * cfg.micro_batch_size * seq_len * dist_env.world_size
     if args.hellaswag:
         from data import hellaswag

@@ -1,4 +1,5 @@
-"""Plot training runs from their metrics.jsonl files: loss, HellaSwag accuracy and learning rate against step.
+"""Plot training runs from their metrics.jsonl files: loss, val bits per byte, HellaSwag accuracy and learning rate
+against step.
 
     python plot.py logs/run_a/metrics.jsonl logs/run_b/metrics.jsonl --out runs.png
 
@@ -7,9 +8,9 @@ metrics.jsonl). GPT-2 124M's scores are drawn as dashed reference lines: val los
 HellaSwag acc_norm 0.2955 (completion style, as llm.c and build-nanogpt score it).
 
 metrics.jsonl holds one JSON object per line, written by train_gpt2.py: training steps ("loss", "lr", ...),
-validation ("val_loss"), HellaSwag ("hellaswag_acc"), and events such as {"event": "resume", ...}, which are
-skipped, as are null losses (a step whose update was skipped for a NaN). After a crash and resume, the steps
-between the last snapshot and the crash are trained and logged a second time; the LATER line for a step wins,
+validation ("val_loss", "val_bpb"), HellaSwag ("hellaswag_acc"), and events such as {"event": "resume", ...},
+which are skipped, as are null losses (a step whose update was skipped for a NaN). After a crash and resume, the
+steps between the last snapshot and the crash are trained and logged a second time; the LATER line for a step wins,
 because it belongs to the run that continued.
 """
 
@@ -24,7 +25,7 @@ import matplotlib.pyplot as plt
 
 GPT2_124M_VAL_LOSS = 3.2924
 GPT2_124M_HELLASWAG = 0.2955
-METRICS = ("loss", "val_loss", "hellaswag_acc", "lr")
+METRICS = ("loss", "val_loss", "val_bpb", "hellaswag_acc", "lr")
 
 
 def read_metrics(path: str | Path) -> dict[str, dict[int, float]]:
@@ -60,18 +61,21 @@ def summary(label: str, series: dict[str, dict[int, float]]) -> str:
     parts = [f"{label}: {len(series['loss'])} train steps"]
     if series["val_loss"]:
         parts.append(f"min val loss {min(series['val_loss'].values()):.4f}")
+    if series["val_bpb"]:
+        parts.append(f"min val bpb {min(series['val_bpb'].values()):.4f}")
     if series["hellaswag_acc"]:
         parts.append(f"max HellaSwag {max(series['hellaswag_acc'].values()):.4f}")
     return ", ".join(parts)
 
 
 def plot_runs(paths: list[str | Path], out: str | Path) -> None:
-    fig, (ax_loss, ax_hella, ax_lr) = plt.subplots(1, 3, figsize=(18, 5))
+    fig, (ax_loss, ax_bpb, ax_hella, ax_lr) = plt.subplots(1, 4, figsize=(24, 5))
     for i, path in enumerate(paths):
         series, label, color = read_metrics(path), run_label(path), f"C{i}"
         # Train loss is noisy and dense, so it is faint; val loss, measured on fixed held-out data, is the headline.
         for ax, name, style in ((ax_loss, "loss", dict(alpha=0.35, lw=0.8, label=f"{label} train")),
                                 (ax_loss, "val_loss", dict(marker=".", label=f"{label} val")),
+                                (ax_bpb, "val_bpb", dict(marker=".", label=label)),
                                 (ax_hella, "hellaswag_acc", dict(marker=".", label=label)),
                                 (ax_lr, "lr", dict(label=label))):
             steps = sorted(series[name])
@@ -81,7 +85,8 @@ def plot_runs(paths: list[str | Path], out: str | Path) -> None:
 
     ax_loss.axhline(GPT2_124M_VAL_LOSS, color="k", ls="--", lw=1, label=f"GPT-2 124M val ({GPT2_124M_VAL_LOSS})")
     ax_hella.axhline(GPT2_124M_HELLASWAG, color="k", ls="--", lw=1, label=f"GPT-2 124M ({GPT2_124M_HELLASWAG})")
-    for ax, title in ((ax_loss, "loss"), (ax_hella, "HellaSwag accuracy (acc_norm)"), (ax_lr, "learning rate")):
+    for ax, title in ((ax_loss, "loss"), (ax_bpb, "val bits per byte (comparable across tokenizers)"),
+                      (ax_hella, "HellaSwag accuracy (acc_norm)"), (ax_lr, "learning rate")):
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

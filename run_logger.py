@@ -20,7 +20,8 @@ from pathlib import Path
 WANDB_KEYS = {
     "loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "dt_ms": "train/dt_ms",
     "tokens_per_sec": "train/tokens_per_sec", "mfu": "train/mfu", "skipped": "train/skipped_step",
-    "rollbacks": "train/rollbacks", "val_loss": "val/loss", "hellaswag_acc": "eval/hellaswag_acc",
+    "rollbacks": "train/rollbacks", "val_loss": "val/loss", "val_bpb": "val/bpb",
+    "hellaswag_acc": "eval/hellaswag_acc",
 }
 # wandb.init retries an unreachable server for init_timeout (90 s by default in wandb 0.31), then raises; a minute
 # tells as well. WANDB_INIT_TIMEOUT overrides it (keep it under the process group's 10-minute timeout: the other

@@ -74,6 +74,7 @@ class Snapshots:
         self.guard = guard or DivergenceGuard()
         self.wandb_id = uuid.uuid4().hex[:12]
         self.last_saved = -1
+        self.resumed_config: dict | None = None  # the flags of the run that wrote the snapshot resumed from
 
     def resume(self) -> tuple[int, str | None]:
         """Restore the newest snapshot (or the one --resume names). Returns the step to start at and the path
@@ -83,7 +84,7 @@ class Snapshots:
             return 0, None
         path, state = found
         self._restore(path, state)
-        self.wandb_id, self.last_saved = state["wandb_id"], state["step"]
+        self.wandb_id, self.last_saved, self.resumed_config = state["wandb_id"], state["step"], state["config"]
         return state["step"] + 1, path
 
     def save_if_due(self, step: int, last_step: int, stopping: bool) -> Path | None:
@@ -162,7 +163,8 @@ class Snapshots:
         rank checks its own shards). A tensor's sum is NaN or inf if any of its values is (or if they are around
         1e30 and more, which is no healthy state either): one read of each tensor, 20x faster than isfinite()
         on a CPU, and less than an AdamW step (README)."""
-        optimizer_state = (v for s in self.trained.optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+        optimizer_state = (v for optimizer in self.trained.optimizer for s in optimizer.state.values()
+                           for v in s.values() if torch.is_tensor(v))
         tensors = [t.to_local() if isinstance(t, DTensor) else t for t in (*self.trained.raw.parameters(),
                                                                             *optimizer_state)]
         finite = bool(torch.stack([t.sum() for t in tensors]).isfinite().all()) if tensors else True
@@ -202,6 +204,12 @@ class Snapshots:
             raise UserError(f"{path} holds a model {state['model_config']}, but this run builds "
                             f"{asdict(t.raw.config)}. Pass the --model/--n_layer/--n_head/--n_embd/--block_size of "
                             "the run that wrote it, or --resume never to start over.")
+        written_with = state["config"].get("optimizer", "adamw")
+        if written_with != self.run_config["optimizer"]:
+            raise UserError(f"{path} was written by an --optimizer {written_with} run, and this run is --optimizer "
+                            f"{self.run_config['optimizer']}: their optimizer states do not convert. Resume it with "
+                            f"--optimizer {written_with}, or start a new run from its weights with --init_from {path} "
+                            "(a fresh optimizer, schedule and data order).")
         sharded_snapshot = Path(path).is_dir()
         if sharded_snapshot != t.sharded:
             kind = "fsdp" if sharded_snapshot else "ddp"
@@ -210,10 +218,11 @@ class Snapshots:
                             f"{kind} (on any number of ranks), or start a new run from its weights with --init_from "
                             f"{path}.")
         if t.sharded:  # each rank reads its own shards, resharded if the number of ranks changed
-            model_state, optimizer_state = get_state_dict(t.raw, t.optimizer)
+            model_state, optimizer_state = get_state_dict(t.raw, list(t.optimizer))
             loaded = {"model": model_state, "optimizer": optimizer_state}
             dcp.load(loaded, checkpoint_id=path)
-            set_state_dict(t.raw, t.optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"])
+            set_state_dict(t.raw, list(t.optimizer), model_state_dict=loaded["model"],
+                           optim_state_dict=loaded["optimizer"])
         else:
             t.raw.load_state_dict(state["model"])
             t.optimizer.load_state_dict(state["optimizer"])
@@ -294,7 +303,7 @@ def save_sharded_snapshot(meta: dict | None, trained: TrainingModel, path: Path,
     if meta is not None:
         shutil.rmtree(tmp, ignore_errors=True)  # a dead run's
     dist.barrier()
-    model_state, optimizer_state = get_state_dict(trained.raw, trained.optimizer)
+    model_state, optimizer_state = get_state_dict(trained.raw, list(trained.optimizer))
     failure = None
     try:
         # dcp.save returns once all ranks have written, or raises CheckpointException on all if one failed.

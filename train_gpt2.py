@@ -28,12 +28,13 @@ from errors import UserError, run_entry_point
 from memory import auto_micro_batch, keep_freed_memory
 from mfu import Peak, peak_flops
 from model import GPT
+from optim import get_lr, schedule_change
 from parallel import TrainingModel, build_model
 from precision import dtype_name, pick_dtype, set_deterministic
 from run_logger import RunLogger
 from sample import generate_text
 from snapshot import Snapshots
-from training import DivergenceGuard, StepResult, get_lr, train_step
+from training import DivergenceGuard, StepResult, train_step
 from validation import validation_loss
 
 
@@ -81,20 +82,26 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: "StopRequest | None" = No
                                                                  dist_env.local_rank, device)
 
     # --- model, optimizer, and the snapshot to resume from
-    trained = build_model(initial_model(cfg, plan), dist_env, dtype, cfg.weight_decay, cfg.max_lr, cfg.compile,
-                          parallel=cfg.parallel)
+    trained = build_model(initial_model(cfg, plan), dist_env, dtype, cfg, cfg.compile, parallel=cfg.parallel)
     guard = DivergenceGuard(cfg.skip_zscore)
     snapshots = Snapshots(plan.ckpt_dir, cfg.ckpt_every, cfg.keep_last, cfg.resume, trained, train_loader,
                           asdict(cfg), dist_env, log, guard)
     start_step, resumed_from = snapshots.resume()
     if start_step >= cfg.max_steps:
         log(f"{resumed_from} is from step {start_step - 1}, the last of --max_steps {cfg.max_steps}: the run is "
-            "already finished, nothing to do. (Raise --max_steps to train on, or --resume never to start over.)")
+            "already finished, nothing to do. To train on, raise --max_steps and resume from a snapshot taken before "
+            "the LR decayed (--resume PATH): with --lr_schedule wsd, one from the stable phase continues with no LR "
+            "jump; with cosine, or from this last snapshot, the LR jumps back up (a warning says by how much). Or "
+            "--resume never to start over.")
         return
     logger = RunLogger(cfg.log_dir, enabled=master)
     if resumed_from:
         log(f"resuming from {resumed_from} at step {start_step}")
         logger.log({"event": "resume", "step": start_step, "snapshot": str(resumed_from)})
+        change = schedule_change(start_step, snapshots.resumed_config, cfg)
+        if change and master:
+            line, jump = change
+            print(f"WARNING: {line}" if jump else line, file=sys.stderr if jump else sys.stdout)
     elif cfg.init_from != "scratch":
         log(f"initialised from {cfg.init_from}")
         logger.log({"event": "init", "step": 0, "init_from": cfg.init_from})
@@ -269,12 +276,13 @@ class Evaluations:
 
         log = print if self.dist_env.is_master else (lambda *args: None)
         if self.val_loader and (step % cfg.val_every == 0 or step == last_step):
-            val_loss = validation_loss(self.trained.model, self.val_loader, self.plan.val_steps, device, dtype,
-                                       should_stop)
-            if val_loss is None:
+            val = validation_loss(self.trained.model, self.val_loader, self.plan.val_steps, device, dtype,
+                                  should_stop)
+            if val is None:
                 return False
-            log(f"step {step:5d} | val loss {val_loss:.4f}")
-            self.logger.log({"step": step, "val_loss": val_loss})
+            bpb = {"val_bpb": val.bpb} if val.bpb is not None else {}  # None: no GPT-2 tokenizer (offline)
+            log(f"step {step:5d} | val loss {val.loss:.4f}" + (f" | val bpb {val.bpb:.4f}" if bpb else ""))
+            self.logger.log({"step": step, "val_loss": val.loss} | bpb)
         hellaswag_due = self.hellaswag_examples and (step % cfg.hellaswag_every == 0 or step == last_step)
         sample_due = cfg.sample_every and step > 0 and (step % cfg.sample_every == 0 or step == last_step)
         # The uncompiled module, whole: HellaSwag's sequence lengths vary and would make torch.compile recompile,

@@ -1,5 +1,4 @@
-"""One optimizer step, the learning rate it takes, and the guard that refuses bad updates: shared by train_gpt2.py
-and bench.py."""
+"""One optimizer step, and the guard that refuses bad updates: shared by train_gpt2.py and bench.py."""
 
 import math
 import statistics
@@ -10,22 +9,11 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-from config import TrainConfig
 from dataloader import DistributedDataLoader
 from distributed import average_across_ranks, to_device
+from optim import Optimizers
 from parallel import set_gradient_sync
 from precision import autocast
-
-
-def get_lr(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup to max_lr, then cosine decay to min_lr_ratio·max_lr at the last step."""
-    min_lr = cfg.max_lr * cfg.min_lr_ratio
-    if step < cfg.warmup_steps:
-        return cfg.max_lr * (step + 1) / cfg.warmup_steps
-    if step >= cfg.max_steps - 1:
-        return min_lr
-    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - 1 - cfg.warmup_steps)
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.max_lr - min_lr)
 
 
 @dataclass
@@ -100,14 +88,13 @@ class DivergenceGuard:
         self.skips_in_a_row = state["skips_in_a_row"]
 
 
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+def train_step(model: torch.nn.Module, optimizer: Optimizers, scaler: torch.amp.GradScaler,
                loader: DistributedDataLoader, grad_accum_steps: int, lr: float, grad_clip: float,
                device: torch.device, dtype: torch.dtype, guard: DivergenceGuard | None = None) -> StepResult:
     """One optimizer update on total_batch_size tokens, accumulated over grad_accum_steps micro-steps; not applied
     if the loss or gradient norm is non-finite, or if `guard` says it is a spike."""
     model.train()
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+    optimizer.set_lr(lr)
     optimizer.zero_grad(set_to_none=True)
     loss_sum = torch.zeros((), device=device)
     data_seconds = 0.0
@@ -125,7 +112,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler:
         loss = loss / grad_accum_steps
         loss_sum += loss.detach()
         scaler.scale(loss).backward()
-    scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
+    for each in optimizer:  # the GradScaler works on real optimizers: AdamW, and Muon with --optimizer muon
+        scaler.unscale_(each)  # clip the true gradients, not the fp16-scaled ones
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
     if isinstance(grad_norm, DTensor):  # fsdp: the norm over every rank's shards
         grad_norm = grad_norm.full_tensor()
@@ -134,8 +122,9 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler:
     loss, grad_norm = average_across_ranks(torch.stack([loss_sum, grad_norm.float()])).tolist()
     fp16 = scaler.is_enabled()
     reason = guard.review(loss, grad_norm, fp16) if guard else nonfinite_reason(loss, grad_norm, fp16)
-    if reason is None:
-        scaler.step(optimizer)
+    if reason is None:  # all optimizers step or none (AdamW, and Muon with --optimizer muon)
+        for each in optimizer:
+            scaler.step(each)
     # In fp16 the scaler saw the inf gradients in unscale_ and halves its scale, as if its own step had skipped.
     scaler.update()
     return StepResult(loss, grad_norm, reason, data_seconds)

@@ -11,8 +11,8 @@ from conftest import ROOT, make_shards
 from helpers_train import run_train, train_env
 from model import GPT, PRESETS
 
-RUN_KEYS = {"name", "dtype", "compile", "ms_per_step", "tokens_per_sec", "tflops", "peak_tflops", "mfu", "peak_source",
-            "peak_memory_mib", "data_wait", "loss"}
+RUN_KEYS = {"name", "dtype", "compile", "ms_per_step", "optimizer_ms", "tokens_per_sec", "tflops", "peak_tflops",
+            "mfu", "peak_source", "peak_memory_mib", "data_wait", "loss"}
 REPORT_KEYS = {"device", "world_size", "model", "n_layer", "n_head", "n_embd", "parameters", "micro_batch_size",
                "seq_len", "grad_accum_steps", "tokens_per_step", "flops_per_token", "runs", "speedup", "memory",
                "load_average", "cpu_count"}
@@ -36,6 +36,7 @@ def test_bench_compare_prints_one_json_object_with_the_documented_keys():
         assert run["tflops"] == pytest.approx(report["flops_per_token"] * run["tokens_per_sec"] / 1e12)
         assert run["mfu"] == pytest.approx(run["tflops"] / run["peak_tflops"])
         assert 0 < run["mfu"] and 0 <= run["data_wait"] < 1 and run["peak_memory_mib"] > 0
+        assert 0 < run["optimizer_ms"] < run["ms_per_step"]
         assert 10.0 < run["loss"] < 11.5  # about ln(50257) = 10.8 for an untrained model
     assert report["speedup"] == pytest.approx(configured["tokens_per_sec"] / baseline["tokens_per_sec"])
 

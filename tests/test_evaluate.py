@@ -49,6 +49,7 @@ def test_a_snapshot_gets_the_val_loss_and_hellaswag_its_run_logged_after_that_st
     # snapshot_1 holds the weights after step 1; the run validated them before step 2's update.
     assert result["step"] == 1
     assert result["val_loss"] == logged(trained / "logs", "val_loss")[2]
+    assert result["val_bpb"] == logged(trained / "logs", "val_bpb")[2] and result["val_bpb"] > 0
     assert result["val_loss"] != logged(trained / "logs", "val_loss")[1]  # the steps are told apart
     assert result["hellaswag_acc_norm"] == logged(trained / "logs", "hellaswag_acc")[2]
     assert result["val_tokens"] == 128 and result["hellaswag_examples"] == 8  # the run's flags, from the snapshot
@@ -65,7 +66,9 @@ def test_two_ranks_under_torchrun_give_the_numbers_of_one_process(trained, capsy
     two = json.loads(proc.stdout.strip())  # one JSON line: only rank 0 prints
     assert two["val_loss"] == pytest.approx(one["val_loss"], rel=1e-6)
     assert one["val_loss"] == logged(trained / "logs", "val_loss")[2]
-    assert {k: v for k, v in two.items() if k != "val_loss"} == {k: v for k, v in one.items() if k != "val_loss"}
+    assert two["val_bpb"] == pytest.approx(one["val_bpb"], rel=1e-6)
+    assert {k: v for k, v in two.items() if k not in ("val_loss", "val_bpb")} == \
+        {k: v for k, v in one.items() if k not in ("val_loss", "val_bpb")}
     assert two["hellaswag_examples"] == 7  # odd: one rank scores one more than the other
 
 

@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
 import parallel
+from config import TrainConfig
 from conftest import make_shards
 from dataloader import DistributedDataLoader
 from distributed import Distributed
@@ -170,13 +171,13 @@ def fsdp_worker(rank: int, store: str, out_dir: str, sync_gate: bool) -> None:
             import training
             training.set_gradient_sync = parallel.set_gradient_sync
         torch.manual_seed(0)
-        trained = build_model(GPT(CONFIG), Distributed(rank, rank, 2, torch.device("cpu")), torch.float32, 0.1,
-                              1e-3, compile=False, parallel="fsdp")
+        trained = build_model(GPT(CONFIG), Distributed(rank, rank, 2, torch.device("cpu")), torch.float32,
+                              TrainConfig(), compile=False, parallel="fsdp")
         batches = Batches(rank, count)
         train_step(trained.model, trained.optimizer, trained.scaler, batches, 3, 1e-3, 1.0, torch.device("cpu"),
                    torch.float32)
         params = list(trained.raw.parameters())
-        moments = [v for s in trained.optimizer.state.values() for k, v in s.items() if k != "step"]
+        moments = [v for opt in trained.optimizer for s in opt.state.values() for k, v in s.items() if k != "step"]
         full = sum(p.numel() for p in params) * 4
         result = {"reduces_before_micro_step": batches.seen, "reduces": count[0],
                   "params": local_bytes(params) / full, "grads": local_bytes(p.grad for p in params) / full,
@@ -204,7 +205,7 @@ def test_reduce_scatters_happen_only_after_the_last_micro_step_and_each_rank_hol
 
 def test_fsdp_refuses_fp16_with_a_clear_error():
     with pytest.raises(UserError, match="--parallel fsdp with fp16 is not supported"):
-        build_model(GPT(CONFIG), Distributed(0, 0, 1, torch.device("cpu")), torch.float16, 0.1, 1e-3,
+        build_model(GPT(CONFIG), Distributed(0, 0, 1, torch.device("cpu")), torch.float16, TrainConfig(),
                     compile=False, parallel="fsdp")
 
 

@@ -16,7 +16,7 @@ import parallel
 import precision
 import snapshot
 import train_gpt2
-from config import parse_args
+from config import TrainConfig, parse_args
 from distributed import Distributed
 from errors import UserError
 from model import GPT, PRESETS
@@ -160,7 +160,7 @@ def test_compile_on_mps_is_refused_before_the_model_moves(monkeypatch):
     model = GPT(PRESETS["tiny"])
     monkeypatch.setattr(model, "to", lambda *a, **k: pytest.fail("moved the model to MPS"))
     with pytest.raises(UserError, match="--compile is not supported on MPS"):
-        parallel.build_model(model, Distributed(0, 0, 1, MPS), torch.float32, 0.1, 1e-3, compile=True)
+        parallel.build_model(model, Distributed(0, 0, 1, MPS), torch.float32, TrainConfig(), compile=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -334,8 +334,8 @@ def fsdp_group_of_one():
 def test_fsdp_full_model_is_the_gathered_weights_without_a_random_init(fsdp_group_of_one, monkeypatch):
     from conftest import perturb_
     torch.manual_seed(0)
-    trained = parallel.build_model(perturb_(GPT(PRESETS["tiny"]), 0.1), fsdp_group_of_one, torch.float32, 0.1, 1e-3,
-                                   compile=False, parallel="fsdp")
+    trained = parallel.build_model(perturb_(GPT(PRESETS["tiny"]), 0.1), fsdp_group_of_one, torch.float32,
+                                   TrainConfig(max_lr=1e-3), compile=False, parallel="fsdp")
     initialised, normal = [], torch.nn.init.normal_
 
     def spied_normal(tensor, *args, **kwargs):
@@ -364,6 +364,7 @@ def test_fsdp_shards_the_model_before_it_reaches_the_device_never_moving_the_who
     moved, move = [], _fsdp_init._move_states_to_device
     monkeypatch.setattr(_fsdp_init, "_move_states_to_device", lambda params, buffers, device: (
         moved.append(sum(p.numel() for p in params)), move(params, buffers, device))[1])
-    parallel.build_model(model, fsdp_group_of_one, torch.float32, 0.1, 1e-3, compile=False, parallel="fsdp")
+    parallel.build_model(model, fsdp_group_of_one, torch.float32, TrainConfig(max_lr=1e-3), compile=False,
+                         parallel="fsdp")
     # FSDP moves one unit at a time (each Block, then the root's embeddings and last LayerNorm), each once.
     assert sum(moved) == total and max(moved) == largest_unit < total

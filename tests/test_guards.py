@@ -143,7 +143,7 @@ def test_no_snapshot_is_written_from_nan_weights(data, tmp_path):
 
     cfg = parse_args([*TINY_ARGS, "--data_dir", str(data), *JOB])
     trained = build_model(GPT(train_gpt2.resolve_plan(cfg, 1).model_config), Distributed(0, 0, 1, CPU),
-                          torch.float32, 0.1, 1e-3, compile=False)
+                          torch.float32, cfg, compile=False)
     loader = DistributedDataLoader(data, "train", B, T)
     messages = []
     snapshots = Snapshots(str(tmp_path), 1, 2, "never", trained, loader, {}, Distributed(0, 0, 1, CPU),
@@ -253,7 +253,9 @@ def assert_every_snapshot_loads_and_is_finite(ckpt_dir: Path) -> list[Path]:
     found = list_snapshots(ckpt_dir)
     for path in found:
         state = load_snapshot(path)
-        tensors = [*state["model"].values(), *(v for s in state["optimizer"]["state"].values() for v in s.values())]
+        moments = (v for optimizer in state["optimizer"].values() for s in optimizer["state"].values()
+                   for v in s.values())
+        tensors = [*state["model"].values(), *moments]
         assert all(torch.isfinite(t).all() for t in tensors), f"{path} holds NaN or inf"
     return found
 

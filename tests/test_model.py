@@ -125,26 +125,6 @@ def test_flops_per_token_matches_hand_count():
     assert model.flops_per_token(T) == 6 * 8192 + 12 * L * C * T == 52_224
 
 
-def test_configure_optimizers_decays_matrices_only():
-    model = GPT(TINY)
-    optimizer = model.configure_optimizers(weight_decay=0.1, learning_rate=6e-4, device_type="cpu")
-    names = {id(p): name for name, p in model.named_parameters()}  # tied lm_head appears once, as wte
-    decay, no_decay = optimizer.param_groups
-    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
-    decayed = {names[id(p)] for p in decay["params"]}
-    free = {names[id(p)] for p in no_decay["params"]}
-    assert all(n.endswith(("wte.weight", "wpe.weight", "c_attn.weight", "c_proj.weight", "c_fc.weight"))
-               for n in decayed)
-    assert all(n.endswith("bias") or ".ln_" in n for n in free)
-    assert len(decayed) == 2 + 4 * TINY.n_layer  # wte, wpe + four matrices per block
-    assert len(free) == 2 + 8 * TINY.n_layer  # ln_f's gain and bias; per block 2 LayerNorms x 2 and 4 biases
-    # Every parameter in exactly one group.
-    ids = [id(p) for g in optimizer.param_groups for p in g["params"]]
-    assert len(ids) == len(set(ids)) == len(names)
-    for group in optimizer.param_groups:
-        assert group["betas"] == (0.9, 0.95) and group["eps"] == 1e-8 and group["lr"] == 6e-4
-
-
 @pytest.fixture(scope="module")
 def tiny_model() -> GPT:
     torch.manual_seed(0)

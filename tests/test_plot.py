@@ -23,7 +23,7 @@ def write_crashed_and_resumed_run(path) -> None:
         for step in steps:
             lines.append(training_line(step, 3.0 + 8.0 * math.exp(-step / 30) + offset))
             if step % 25 == 0:
-                lines.append({"step": step, "val_loss": 3.1 + 8.0 * math.exp(-step / 30)})
+                lines.append({"step": step, "val_loss": 3.1 + 8.0 * math.exp(-step / 30), "val_bpb": 1.1 + step / 1e3})
             if step % 50 == 0:
                 lines.append({"step": step, "hellaswag_acc": 0.25 + 0.0002 * step})
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -37,7 +37,7 @@ def test_later_line_for_a_step_wins_after_a_resume(tmp_path):
     assert sorted(series["loss"]) == list(range(200))  # each step once, although 100..129 were logged twice
     assert series["loss"][110] == pytest.approx(3.0 + 8.0 * math.exp(-110 / 30))  # the resumed run's value
     assert series["loss"][99] == pytest.approx(4.0 + 8.0 * math.exp(-99 / 30))  # before the snapshot: one line
-    assert sorted(series["val_loss"]) == [0, 25, 50, 75, 100, 125, 150, 175]
+    assert sorted(series["val_loss"]) == sorted(series["val_bpb"]) == [0, 25, 50, 75, 100, 125, 150, 175]
     assert series["hellaswag_acc"][150] == pytest.approx(0.28)
 
 

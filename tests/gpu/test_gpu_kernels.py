@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from config import TrainConfig
 from conftest import make_shards, perturb_
 from dataloader import DistributedDataLoader
 from distributed import Distributed
@@ -118,7 +119,7 @@ def train_in_process(device: torch.device, data_dir, compile: bool, steps: int, 
     Inside a process group the model is DDP-wrapped (build_model wraps it only from two ranks on)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
-    trained = build_model(GPT(config), Distributed(0, 0, 1, device), dtype, 0.1, 1e-3, compile)
+    trained = build_model(GPT(config), Distributed(0, 0, 1, device), dtype, TrainConfig(max_lr=1e-3), compile)
     if dist.is_initialized():
         trained.model = DDP(trained.model, device_ids=[device.index or 0] if device.type == "cuda" else None)
     loader = DistributedDataLoader(data_dir, "train", B, T)

@@ -1,0 +1,169 @@
+"""How the model learns: which optimizer updates which parameter (AdamW, or Muon for the block matrices and AdamW
+for the rest), and the learning-rate schedule every one of them follows (warmup + cosine, or warmup-stable-decay).
+
+    --optimizer adamw   GPT-2's: AdamW for every parameter, decay on matrices only.
+    --optimizer muon    torch.optim.Muon for the 2-D weights inside the blocks (c_attn, attn.c_proj, c_fc,
+                        mlp.c_proj); AdamW as above for the tied wte/lm_head, wpe, biases and LayerNorms, which Muon
+                        is not for (an embedding row is a lookup, not a linear map, and 1-D tensors have no
+                        orthogonal update).
+"""
+
+import math
+from dataclasses import replace
+
+import torch
+import torch.optim._muon
+
+from config import TrainConfig
+from precision import pick_dtype
+
+# A relative change of the learning rate at a resume beyond this is a jump worth a warning.
+LR_JUMP_TOLERANCE = 0.03
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the optimizers
+
+class Optimizers:
+    """The run's optimizers seen as one: the learning rate, zero_grad and the snapshot state go through here.
+    Iterating gives the real torch optimizers, one by one: the GradScaler unscales and steps each of them, and
+    fsdp's get_state_dict takes them as a list."""
+
+    def __init__(self, optimizers: dict[str, torch.optim.Optimizer], lr_ratios: dict[str, float]):
+        self.by_name, self.lr_ratios = optimizers, lr_ratios
+
+    def __iter__(self):
+        return iter(self.by_name.values())
+
+    def set_lr(self, lr: float) -> None:
+        """The schedule's learning rate; Muon's groups take it scaled by --muon_lr / --max_lr, so that both
+        optimizers warm up and decay together."""
+        for name, optimizer in self.by_name.items():
+            for group in optimizer.param_groups:
+                group["lr"] = lr * self.lr_ratios[name]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {name: optimizer.state_dict() for name, optimizer in self.by_name.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "param_groups" in state:  # a snapshot from before there was a choice: AdamW's own state
+            state = {"adamw": state}
+        if state.keys() != self.by_name.keys():
+            raise ValueError(f"the optimizer state holds {sorted(state)}, this run has {sorted(self.by_name)}")
+        for name, optimizer in self.by_name.items():
+            optimizer.load_state_dict(state[name])
+
+
+def build_optimizers(model: torch.nn.Module, cfg: TrainConfig, device_type: str, fused: bool = True) -> Optimizers:
+    """AdamW, or Muon + AdamW (see the module docstring), at the schedule's peak learning rate."""
+    if cfg.optimizer == "adamw":
+        return Optimizers({"adamw": adamw(list(model.parameters()), cfg, device_type, fused)}, {"adamw": 1.0})
+    matrices, rest = split_for_muon(model)
+    use_fp32_newton_schulz_where_bf16_is_slow()
+    # Muon's adjust_lr_fn reads the shape as (A, B) = (rows, columns) = (out, in) for nn.Linear: "original" scales
+    # the step by sqrt(max(1, out/in)), more for the matrices that widen (c_fc ×2, c_attn ×√3), which is the
+    # RMS-to-RMS operator-norm scaling it is meant to be. HF's Conv1D stores (in, out) and would scale the others.
+    muon = torch.optim.Muon(matrices, lr=cfg.muon_lr, weight_decay=cfg.muon_weight_decay,
+                            momentum=cfg.muon_momentum, adjust_lr_fn=cfg.muon_adjust_lr)
+    return Optimizers({"muon": muon, "adamw": adamw(rest, cfg, device_type, fused)},
+                      {"muon": cfg.muon_lr / cfg.max_lr, "adamw": 1.0})
+
+
+def split_for_muon(model: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+    """(the 2-D weights inside the transformer blocks, everything else). named_parameters lists the tied
+    wte/lm_head weight once, so every parameter is in exactly one of the two."""
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    in_muon = [".h." in f".{name}" and p.dim() == 2 for name, p in named]
+    return [p for (_, p), m in zip(named, in_muon) if m], [p for (_, p), m in zip(named, in_muon) if not m]
+
+
+def adamw(params: list[torch.nn.Parameter], cfg: TrainConfig, device_type: str, fused: bool) -> torch.optim.AdamW:
+    # Decay only matrices (matmul weights, embeddings); biases and LayerNorm gains stay free.
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    # The fused kernel does the whole update in one pass per tensor instead of a dozen; on a CPU that is
+    # 12 ms instead of 70 ms per step for the small preset. fused=False is the plain loop (bench.py's baseline).
+    fused = fused and device_type in ("cuda", "mps", "cpu")
+    return torch.optim.AdamW(groups, lr=cfg.max_lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Muon's Newton–Schulz iteration where bf16 matmuls are slow
+
+_torch_newton_schulz = torch.optim._muon._zeropower_via_newtonschulz
+
+
+def bf16_matmul_is_slow(device: torch.device) -> bool:
+    """Where --dtype auto does not pick bf16, bf16 matmuls are emulated or unsafe: CPUs without AVX512-BF16 or AMX
+    (several times slower than fp32), pre-Ampere GPUs, MPS."""
+    return pick_dtype("auto", device) != torch.bfloat16
+
+
+def newton_schulz(grad: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
+                  eps: float) -> torch.Tensor:
+    """torch.optim.Muon's orthogonalisation, the same quintic iteration with the same coefficients, in fp32 where
+    bf16 is slow (torch's casts to bf16 unconditionally and has no option to do otherwise); torch's own elsewhere."""
+    if not bf16_matmul_is_slow(grad.device):
+        return _torch_newton_schulz(grad, ns_coefficients, ns_steps, eps)
+    a, b, c = ns_coefficients
+    wide = grad.size(0) <= grad.size(1)
+    x = grad.float() if wide else grad.float().T  # iterate on the (small, small) Gram matrix
+    x = x / x.norm().clamp(min=eps)  # spectral norm ≤ Frobenius norm = 1
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x if wide else x.T
+
+
+def use_fp32_newton_schulz_where_bf16_is_slow() -> None:
+    """Muon looks its Newton–Schulz function up in its module at every step: point it at `newton_schulz`. A test
+    (tests/test_optim.py) checks that this is still where torch keeps it and that both agree."""
+    torch.optim._muon._zeropower_via_newtonschulz = newton_schulz
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the learning-rate schedule
+
+def get_lr(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to max_lr, then
+    cosine: cosine decay to min_lr_ratio·max_lr at the last step;
+    wsd: max_lr held, then over the last --warmdown_frac of the steps a linear decay to min_lr_ratio·max_lr at the
+    last step. Only wsd's warmdown depends on max_steps, so a longer run continues a stable-phase snapshot as is."""
+    min_lr = cfg.max_lr * cfg.min_lr_ratio
+    if step < cfg.warmup_steps:
+        return cfg.max_lr * (step + 1) / cfg.warmup_steps
+    if step >= cfg.max_steps - 1:
+        return min_lr
+    if cfg.lr_schedule == "wsd":
+        warmdown_steps = max(1, round(cfg.warmdown_frac * cfg.max_steps))
+        steps_left = cfg.max_steps - 1 - step  # 0 at the last step
+        return min_lr + min(1.0, steps_left / warmdown_steps) * (cfg.max_lr - min_lr)
+    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - 1 - cfg.warmup_steps)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.max_lr - min_lr)
+
+
+def schedule_change(step: int, snapshot_config: dict, cfg: TrainConfig) -> tuple[str, bool] | None:
+    """On a resume at `step` with another schedule than the snapshot's run had (max_steps or any schedule flag):
+    a line saying what the LR was going to be and what it is now, and whether that is a jump. None if unchanged."""
+    schedule_flags = ("lr_schedule", "max_steps", "warmup_steps", "max_lr", "min_lr_ratio", "warmdown_frac")
+    old = replace(cfg, **{k: snapshot_config[k] for k in schedule_flags if k in snapshot_config})
+    if all(getattr(old, k) == getattr(cfg, k) for k in schedule_flags):
+        return None
+    old_lr, new_lr = get_lr(step, old), get_lr(step, cfg)
+    line = (f"the LR schedule changed since the snapshot (--max_steps {old.max_steps} → {cfg.max_steps}, "
+            f"--lr_schedule {old.lr_schedule} → {cfg.lr_schedule}): at step {step} the old schedule gives "
+            f"{old_lr:.3e}, the new one {new_lr:.3e}")
+    jump = abs(new_lr - old_lr) > LR_JUMP_TOLERANCE * old_lr
+    if jump and cfg.lr_schedule == "cosine":
+        line += (". Cosine stretches over --max_steps, so the LR jumps here and the weights get a shock: the loss "
+                 "rises before it falls again. To extend a run without a jump, train with --lr_schedule wsd from "
+                 "the start and resume from a snapshot taken before its warmdown; or keep --max_steps.")
+    elif jump:
+        line += (". The snapshot is past the point where the new schedule's warmdown starts (or inside the old "
+                 "one's), so the LR jumps: resume from a snapshot taken in the stable phase, before step "
+                 f"{cfg.max_steps - round(cfg.warmdown_frac * cfg.max_steps)}, to continue without one.")
+    return line, jump

@@ -1,0 +1,230 @@
+"""optim.py: which optimizer updates which parameter, Muon's Newton–Schulz where bf16 is slow, the LR schedules and
+extending a run; and Muon through the whole run: DDP, fp16, snapshots, resume (exact, after a killed rank)."""
+
+import math
+import os
+import shutil
+import signal
+
+import pytest
+import torch
+
+import optim
+from config import TrainConfig
+from conftest import make_shards
+from distributed import Distributed
+from errors import UserError
+from helpers_train import launched, main_in_process, read_metrics, records_so_far, run_train, wait_until, worker_pids
+from model import GPT, PRESETS
+from optim import build_optimizers, get_lr, newton_schulz, schedule_change
+from parallel import build_model
+from snapshot import list_snapshots, load_snapshot, snapshot_path
+
+TINY = PRESETS["tiny"]
+BLOCK_MATRICES = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the parameter split
+
+def test_adamw_decays_matrices_only():
+    model = GPT(TINY)
+    optimizers = build_optimizers(model, TrainConfig(weight_decay=0.1, max_lr=6e-4), device_type="cpu")
+    assert list(optimizers.by_name) == ["adamw"]
+    optimizer = optimizers.by_name["adamw"]
+    names = {id(p): name for name, p in model.named_parameters()}  # tied lm_head appears once, as wte
+    decay, no_decay = optimizer.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    decayed = {names[id(p)] for p in decay["params"]}
+    free = {names[id(p)] for p in no_decay["params"]}
+    assert all(n.endswith(("wte.weight", "wpe.weight", "c_attn.weight", "c_proj.weight", "c_fc.weight"))
+               for n in decayed)
+    assert all(n.endswith("bias") or ".ln_" in n for n in free)
+    assert len(decayed) == 2 + 4 * TINY.n_layer  # wte, wpe + four matrices per block
+    assert len(free) == 2 + 8 * TINY.n_layer  # ln_f's gain and bias; per block 2 LayerNorms x 2 and 4 biases
+    # Every parameter in exactly one group.
+    ids = [id(p) for g in optimizer.param_groups for p in g["params"]]
+    assert len(ids) == len(set(ids)) == len(names)
+    for group in optimizer.param_groups:
+        assert group["betas"] == (0.9, 0.95) and group["eps"] == 1e-8 and group["lr"] == 6e-4
+
+
+def test_muon_takes_the_block_matrices_and_adamw_everything_else_each_exactly_once():
+    model = GPT(TINY)
+    optimizers = build_optimizers(model, TrainConfig(optimizer="muon", max_lr=1e-3, muon_lr=0.02), "cpu")
+    names = {id(p): name for name, p in model.named_parameters()}
+    muon, adamw = optimizers.by_name["muon"], optimizers.by_name["adamw"]
+    in_muon = [names[id(p)] for g in muon.param_groups for p in g["params"]]
+    in_adamw = [names[id(p)] for g in adamw.param_groups for p in g["params"]]
+    assert sorted(in_muon) == sorted(f"transformer.h.{i}.{m}.weight" for i in range(TINY.n_layer)
+                                     for m in BLOCK_MATRICES)
+    assert sorted(in_muon + in_adamw) == sorted(names.values())  # each once, none left out
+    assert model.lm_head.weight is model.transformer.wte.weight and "transformer.wte.weight" in in_adamw
+    # Both follow the schedule: Muon's LR is the schedule's scaled by muon_lr / max_lr.
+    optimizers.set_lr(5e-4)
+    assert [g["lr"] for g in muon.param_groups] == [pytest.approx(0.01, rel=1e-12)]
+    assert [g["lr"] for g in adamw.param_groups] == [5e-4, 5e-4]
+
+
+def test_an_adamw_state_saved_before_optimizers_were_named_still_loads():
+    model = GPT(TINY)
+    plain = optim.adamw(list(model.parameters()), TrainConfig(), "cpu", fused=False)  # GPT-2's two groups, as before
+    model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))[1].backward()
+    plain.step()
+    optimizers = build_optimizers(model, TrainConfig(), "cpu", fused=False)
+    optimizers.load_state_dict(plain.state_dict())
+    assert optimizers.state_dict()["adamw"]["state"][0]["step"] == 1
+
+
+def test_fsdp_with_muon_is_refused_with_a_clear_error():
+    with pytest.raises(UserError, match="--optimizer muon with --parallel fsdp.*Use --parallel ddp"):
+        build_model(GPT(TINY), Distributed(0, 0, 1, torch.device("cpu")), torch.float32,
+                    TrainConfig(optimizer="muon"), compile=False, parallel="fsdp")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Newton–Schulz in fp32 where bf16 is slow
+
+@pytest.mark.parametrize("shape", [(48, 16), (16, 48)])
+def test_fp32_newton_schulz_agrees_with_torchs_and_muon_calls_it(monkeypatch, shape):
+    grad = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    args = ((3.4445, -4.7750, 2.0315), 5, 1e-7)
+    theirs = optim._torch_newton_schulz(grad, *args).float()  # bf16
+    monkeypatch.setattr(optim, "bf16_matmul_is_slow", lambda device: True)
+    ours = newton_schulz(grad, *args)
+    assert ours.dtype == torch.float32 and ours.shape == grad.shape
+    assert (ours - theirs).norm() / theirs.norm() < 0.02  # bf16's rounding, compounded over 5 iterations
+    # Muon still looks the function up where optim.py puts it (else the fp32 path would silently be dead).
+    calls = []
+    monkeypatch.setattr(optim, "newton_schulz", lambda *a: calls.append(a) or newton_schulz(*a))
+    monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", optim._torch_newton_schulz)
+    optim.use_fp32_newton_schulz_where_bf16_is_slow()
+    p = torch.nn.Parameter(torch.zeros(shape))
+    p.grad = grad
+    torch.optim.Muon([p]).step()
+    monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", optim._torch_newton_schulz)
+    assert len(calls) == 1 and p.abs().sum() > 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the schedules
+
+def test_cosine_warms_up_linearly_then_decays_to_min_lr():
+    cfg = TrainConfig(max_lr=6e-4, min_lr_ratio=0.1, warmup_steps=10, max_steps=111)  # 100 decay intervals
+    assert get_lr(0, cfg) == pytest.approx(6e-5, rel=1e-12)  # max_lr / warmup_steps
+    assert get_lr(4, cfg) == pytest.approx(3e-4, rel=1e-12)
+    assert get_lr(9, cfg) == pytest.approx(6e-4, rel=1e-12)  # end of warmup: the peak
+    assert get_lr(10, cfg) == pytest.approx(6e-4, rel=1e-12)  # cosine at progress 0
+    assert get_lr(35, cfg) == pytest.approx(6e-5 + 0.5 * (1 + math.sqrt(0.5)) * 5.4e-4, rel=1e-12)  # a quarter
+    assert get_lr(60, cfg) == pytest.approx(3.3e-4, rel=1e-12)  # halfway: (max_lr + min_lr) / 2
+    assert get_lr(110, cfg) == pytest.approx(6e-5, rel=1e-12)  # the last step: min_lr_ratio · max_lr
+    decay = [get_lr(s, cfg) for s in range(10, 111)]
+    assert all(a > b for a, b in zip(decay, decay[1:]))
+
+
+def test_wsd_warms_up_holds_max_lr_then_decays_linearly_over_the_last_fraction():
+    cfg = TrainConfig(lr_schedule="wsd", max_lr=1e-3, min_lr_ratio=0.1, warmup_steps=10, max_steps=110,
+                      warmdown_frac=0.2)  # warmdown: the last 22 steps, 88..109
+    assert get_lr(0, cfg) == pytest.approx(1e-4, rel=1e-12)
+    assert get_lr(9, cfg) == get_lr(10, cfg) == get_lr(87, cfg) == 1e-3  # warmup's end, the stable phase
+    assert get_lr(88, cfg) == pytest.approx(1e-4 + 21 / 22 * 9e-4, rel=1e-12)  # the first step of the decay
+    assert get_lr(98, cfg) == pytest.approx(1e-4 + 11 / 22 * 9e-4, rel=1e-12)
+    assert get_lr(109, cfg) == pytest.approx(1e-4, rel=1e-12)  # the last step: min_lr_ratio · max_lr
+    assert sum(get_lr(s, cfg) < 1e-3 for s in range(10, 110)) == 22
+
+
+def test_schedule_change_at_a_resume_is_no_jump_for_wsd_in_its_stable_phase_and_a_warning_for_cosine():
+    wsd = TrainConfig(lr_schedule="wsd", max_steps=1000, warmup_steps=10, warmdown_frac=0.2)
+    assert schedule_change(500, vars(wsd), wsd) is None  # nothing changed: nothing to say
+    line, jump = schedule_change(500, vars(wsd), TrainConfig(**vars(wsd) | {"max_steps": 3000}))
+    assert not jump and "gives 6.000e-04, the new one 6.000e-04" in line
+    # From the old warmdown, the LR goes back up: a jump, with the way around it.
+    line, jump = schedule_change(900, vars(wsd), TrainConfig(**vars(wsd) | {"max_steps": 3000}))
+    assert jump and "before step 2400" in line
+    cosine = TrainConfig(max_steps=1000, warmup_steps=10)
+    line, jump = schedule_change(800, vars(cosine), TrainConfig(max_steps=3000, warmup_steps=10))
+    assert jump and "--lr_schedule wsd" in line
+
+
+def test_extending_a_finished_wsd_run_from_its_stable_phase_continues_at_max_lr(tmp_path, capsys):
+    make_shards(tmp_path / "data", "train", [600], seed=0)
+    args = ["--data_dir", str(tmp_path / "data"), "--micro_batch_size", "2", "--seq_len", "16",
+            "--total_batch_size", "32", "--warmup_steps", "1", "--max_lr", "1e-3", "--val_every", "0",
+            "--ckpt_every", "2", "--keep_last", "5", "--dtype", "fp32", "--lr_schedule", "wsd", "--warmdown_frac",
+            "0.5"]
+    main_in_process([*args, "--max_steps", "6", "--log_dir", str(tmp_path / "short")])  # warmdown: steps 3-5
+    main_in_process([*args, "--max_steps", "12", "--log_dir", str(tmp_path / "long"), "--resume",
+                     str(snapshot_path(tmp_path / "short", 1))])
+    out, err = capsys.readouterr()
+    assert "already finished" not in out and "WARNING" not in err
+    assert "at step 2 the old schedule gives 1.000e-03, the new one 1.000e-03" in out
+    lrs = {r["step"]: r["lr"] for r in read_metrics(tmp_path / "long") if "lr" in r}
+    assert [lrs[s] for s in range(2, 6)] == [1e-3] * 4  # where the short run had decayed
+    # Under cosine, the same extension warns.
+    cosine = [a if a != "wsd" else "cosine" for a in args]
+    main_in_process([*cosine, "--max_steps", "6", "--log_dir", str(tmp_path / "cos")])
+    main_in_process([*cosine, "--max_steps", "12", "--log_dir", str(tmp_path / "cos"), "--resume",
+                     str(snapshot_path(tmp_path / "cos", 3))])
+    assert "WARNING: the LR schedule changed" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Muon through the run
+
+JOB = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "64", "--warmup_steps", "2",
+       "--val_every", "0", "--optimizer", "muon", "--muon_lr", "0.05"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("muon_data")
+    make_shards(root, "train", [300, 300], seed=0)
+    return root
+
+
+def losses(log_dir) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(log_dir) if "loss" in r}
+
+
+def test_an_fp16_muon_run_steps_saves_both_optimizers_and_its_scale_and_resumes_exactly(data, tmp_path):
+    args = [*JOB, "--data_dir", str(data), "--dtype", "fp16", "--max_steps", "4", "--ckpt_every", "2"]
+    main_in_process([*args, "--log_dir", str(tmp_path / "whole")])
+    whole = losses(tmp_path / "whole")
+    assert not [r for r in read_metrics(tmp_path / "whole") if r.get("skipped")]
+    state = load_snapshot(snapshot_path(tmp_path / "whole", 1))
+    assert state["scaler"]["scale"] == 2.0**16 and state["optimizer"].keys() == {"muon", "adamw"}
+    # Muon stepped: a momentum buffer per block matrix, holding its gradients
+    buffers = [s["momentum_buffer"] for s in state["optimizer"]["muon"]["state"].values()]
+    assert len(buffers) == 4 * TINY.n_layer and all(b.abs().sum() > 0 for b in buffers)
+    (tmp_path / "resumed").mkdir()
+    shutil.copy(snapshot_path(tmp_path / "whole", 1), tmp_path / "resumed")
+    main_in_process([*args, "--log_dir", str(tmp_path / "resumed")])
+    assert losses(tmp_path / "resumed") == {2: whole[2], 3: whole[3]}  # bitwise
+    # The snapshot of a Muon run cannot continue under AdamW.
+    with pytest.raises(UserError, match="--optimizer muon run, and this run is --optimizer adamw"):
+        main_in_process([*args, "--log_dir", str(tmp_path / "other"), "--optimizer", "adamw", "--resume",
+                         str(snapshot_path(tmp_path / "whole", 1))])
+
+
+@pytest.mark.slow
+def test_two_muon_ranks_with_a_killed_rank_train_like_one_process_and_resume_on_one(data, tmp_path):
+    """2 DDP ranks, one of them SIGKILLed after a snapshot and both restarted by torchrun, against one process
+    accumulating the same micro-batches: every rank applies the same Muon update, and the resume is exact; then a
+    2-rank snapshot resumed on one process."""
+    args = [*JOB, "--data_dir", str(data), "--dtype", "fp32", "--max_steps", "12", "--ckpt_every", "4"]
+    one = run_train(args, tmp_path / "one")
+    with launched(args, tmp_path / "two", nproc=2, launcher_args=["--max-restarts", "1"]) as proc:
+        wait_until(lambda: list_snapshots(tmp_path / "two"), proc, tmp_path / "two", "the snapshot of step 3")
+        os.kill(worker_pids(proc)[1], signal.SIGKILL)
+        assert proc.wait(timeout=120) == 0, (tmp_path / "two" / "output.txt").read_text()[-4000:]
+    records = records_so_far(tmp_path / "two")
+    assert [r["step"] for r in records if r.get("event") == "resume"] in ([4], [8])
+    two, reference = losses(tmp_path / "two"), {r["step"]: r["loss"] for r in one.train}
+    assert sorted(two) == list(range(12)) and reference[11] < reference[0] - 0.1
+    worst = max(abs(two[s] - reference[s]) / reference[s] for s in range(12))
+    print(f"2 ranks (killed and resumed) vs 1 process, Muon: max relative loss difference {worst:.1e}")
+    assert worst <= 1e-5
+    # The 2-rank snapshot of step 7 continues on one process: the same Muon state, the next tokens.
+    moved = run_train([*args, "--resume", str(snapshot_path(tmp_path / "two", 7))], tmp_path / "moved")
+    assert {r["step"]: r["loss"] for r in moved.train} == pytest.approx({s: reference[s] for s in range(8, 12)},
+                                                                       rel=1e-5)

@@ -1,0 +1,68 @@
+"""validation.py: the validation loss and bits per byte, checked against a computation of their own."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import validation
+from dataloader import DistributedDataLoader
+from helpers_train import write_text_shards
+from model import GPT, PRESETS
+from validation import token_byte_lengths, validation_loss
+
+CPU = torch.device("cpu")
+
+
+def test_token_byte_lengths_are_the_utf8_bytes_of_each_token(gpt2_encoding):
+    lengths = token_byte_lengths()
+    assert lengths.shape == (50257,)
+    assert lengths[gpt2_encoding.encode_ordinary(" the")[0]] == 4
+    assert lengths[gpt2_encoding.encode_ordinary("é")[0]] == 2  # one token, two UTF-8 bytes
+    assert lengths[gpt2_encoding.eot_token] == 0  # a document boundary, no text
+
+
+def test_val_bpb_equals_the_nats_per_byte_of_the_decoded_shakespeare_targets(tmp_path, shared_data, gpt2_encoding):
+    text = (shared_data / "tinyshakespeare" / "input.txt").read_text()
+    write_text_shards(tmp_path, text, gpt2_encoding)
+    torch.manual_seed(0)
+    model = GPT(PRESETS["tiny"])
+    B, T, steps = 4, 64, 3
+    val = validation_loss(model, DistributedDataLoader(tmp_path, "val", B, T), steps, CPU, torch.float32)
+
+    # Independently: the full logits, cross-entropy summed over the targets, the bytes tiktoken decodes them to.
+    loader, nats, num_bytes, num_tokens = DistributedDataLoader(tmp_path, "val", B, T), 0.0, 0, 0
+    with torch.no_grad():
+        for _ in range(steps):
+            x, y = loader.next_batch()
+            logits, _ = model(x)
+            nats += F.cross_entropy(logits.flatten(0, 1).double(), y.flatten(), reduction="sum").item()
+            num_bytes += len(gpt2_encoding.decode_bytes(y.flatten().tolist()))
+            num_tokens += y.numel()
+    assert val.loss == pytest.approx(nats / num_tokens, rel=1e-5)
+    assert val.bpb == pytest.approx(nats / math.log(2) / num_bytes, rel=1e-5)
+    assert 3.0 < num_bytes / num_tokens < 5.0  # English prose: about 4 bytes a GPT-2 token
+
+
+def test_validation_stopped_early_returns_none(tmp_path, shared_data, gpt2_encoding):
+    write_text_shards(tmp_path, (shared_data / "tinyshakespeare" / "input.txt").read_text()[:200_000], gpt2_encoding)
+    loader = DistributedDataLoader(tmp_path, "val", 1, 16)
+    assert validation_loss(GPT(PRESETS["tiny"]), loader, 40, CPU, torch.float32, should_stop=lambda: True) is None
+
+
+def test_without_the_tokenizer_val_bpb_is_none_and_the_loss_still_comes(tmp_path, monkeypatch, capsys, gpt2_encoding):
+    write_text_shards(tmp_path, "To be, or not to be, that is the question. " * 400, gpt2_encoding)
+
+    def offline():
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(validation, "gpt2_encoding", offline)
+    token_byte_lengths.cache_clear()
+    try:
+        val = validation_loss(GPT(PRESETS["tiny"]), DistributedDataLoader(tmp_path, "val", 1, 16), 2, CPU,
+                              torch.float32)
+    finally:
+        token_byte_lengths.cache_clear()  # the other tests' table, not this test's None
+    assert val.bpb is None and 10 < val.loss < 12
+    assert "val_bpb is left out" in capsys.readouterr().err
