@@ -18,6 +18,7 @@ REPORT_KEYS = {"device", "world_size", "model", "n_layer", "n_head", "n_embd", "
                "load_average", "cpu_count"}
 
 
+@pytest.mark.slow  # a few seconds: keeps `-m 'not slow'` under 90 s
 def test_bench_compare_prints_one_json_object_with_the_documented_keys():
     command = [sys.executable, str(ROOT / "bench.py"), "--model", "tiny", "--device", "cpu", "--micro_batch_size",
                "2", "--seq_len", "16", "--steps", "2", "--warmup", "0", "--compare", "--json"]

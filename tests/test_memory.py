@@ -63,6 +63,7 @@ def plain_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: t
     return F.cross_entropy(F.linear(x, weight)[:, :vocab_size].float(), targets)
 
 
+@pytest.mark.slow  # a few seconds: keeps `-m 'not slow'` under 90 s
 def test_chunked_loss_saves_at_least_one_fp32_copy_of_the_logits_per_sequence(monkeypatch):
     # GPT-2's vocabulary, the rest small, so the loss dominates; seq_len fills a loss chunk, so its fixed cost cancels.
     config = GPTConfig(block_size=1024, vocab_size=50257, n_layer=1, n_head=2, n_embd=64)

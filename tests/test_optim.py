@@ -146,6 +146,7 @@ def test_schedule_change_at_a_resume_is_no_jump_for_wsd_in_its_stable_phase_and_
     assert jump and "--lr_schedule wsd" in line
 
 
+@pytest.mark.slow  # a few seconds: keeps `-m 'not slow'` under 90 s
 def test_extending_a_finished_wsd_run_from_its_stable_phase_continues_at_max_lr(tmp_path, capsys):
     make_shards(tmp_path / "data", "train", [600], seed=0)
     args = ["--data_dir", str(tmp_path / "data"), "--micro_batch_size", "2", "--seq_len", "16",
