@@ -24,7 +24,7 @@ WANDB_KEYS = {
     "hellaswag_acc": "eval/hellaswag_acc",
 }
 # wandb.init retries an unreachable server for init_timeout (90 s by default in wandb 0.31), then raises; a minute
-# tells as well. WANDB_INIT_TIMEOUT overrides it (keep it under the process group's 10-minute timeout: the other
+# tells as well. WANDB_INIT_TIMEOUT overrides it (keep it under --dist_timeout, 10 minutes by default: the other
 # ranks wait for rank 0 in their first collective meanwhile).
 INIT_TIMEOUT_S = 60.0
 # By default wandb.finish() blocks until every byte is uploaded, so a network lost late in a run would keep the job
