@@ -90,7 +90,8 @@ def plot_runs(paths: list[str | Path], out: str | Path) -> None:
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
+        if ax.get_legend_handles_labels()[0]:  # a panel with nothing logged (no val_bpb offline, say) stays empty
+            ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
