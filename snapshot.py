@@ -145,6 +145,13 @@ class Snapshots:
         state = load_snapshot(path)
         self._restore(path, state, data_position=False)
         self.guard.skips_in_a_row = 0  # (a snapshot from before the guard holds no count)
+        if self.dist_env.is_master:
+            # The newer ones are the abandoned timeline's, all unhealthy: after a crash, --resume auto would pick
+            # one of them over this timeline's snapshots, and re-read the data the rollback skipped.
+            newest_first = list_snapshots(self.ckpt_dir)
+            for abandoned in newest_first[:newest_first.index(Path(path))]:
+                remove(abandoned)
+                self.log(f"removed {abandoned}: written while updates were being skipped, after {path}")
         self.last_saved = state["step"]
         return state["step"] + 1, path
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import snapshot
 import train_gpt2
 from config import parse_args
 from conftest import make_shards
@@ -23,7 +24,7 @@ from distributed import Distributed
 from errors import UserError
 from helpers_train import TINY_ARGS, read_metrics, run_train
 from model import GPT
-from snapshot import list_snapshots, load_snapshot, prune_snapshots, save_snapshot, snapshot_path
+from snapshot import is_healthy, list_snapshots, load_snapshot, prune_snapshots, save_snapshot, snapshot_path
 from training import DivergenceGuard
 
 CPU = torch.device("cpu")
@@ -217,6 +218,30 @@ def test_rollback_reloads_the_newest_healthy_snapshot_and_skips_the_bad_data(dat
     reference = losses(run_in_process(data, tmp_path / "reference", *args, "--resume", str(moved)))
     assert after == reference
 
+
+
+def test_a_rollback_removes_the_unhealthy_snapshots_of_the_abandoned_timeline(data, tmp_path, monkeypatch):
+    # Bad data at steps 8-10: snapshot_9 is written while updates are skipped (unhealthy), then the rollback goes to
+    # snapshot_4. Left on disk, snapshot_9 would be what --resume auto picks after a crash before the new step 9,
+    # with the old timeline's data position (before the skipped batches).
+    plant(monkeypatch, data, [8, 9, 10], math.nan)
+    run_dir = tmp_path / "run"
+    on_disk_after_rollback = []
+    rollback = snapshot.Snapshots.rollback
+
+    def spied_rollback(self):
+        assert [p.name for p in list_snapshots(run_dir)] == ["snapshot_0000009.pt", "snapshot_0000004.pt"]
+        assert not is_healthy(load_snapshot(snapshot_path(run_dir, 9)))
+        restored = rollback(self)
+        on_disk_after_rollback.extend(p.name for p in list_snapshots(run_dir))
+        return restored
+
+    monkeypatch.setattr(snapshot.Snapshots, "rollback", spied_rollback)
+    records = run_in_process(data, run_dir, "--max_steps", "12", "--ckpt_every", "5", "--keep_last", "3",
+                             "--max_skips", "3", "--on_divergence", "rollback")
+    assert on_disk_after_rollback == ["snapshot_0000004.pt"]
+    assert [r["to_step"] for r in records if r.get("event") == "rollback"] == [5]
+    assert all(is_healthy(load_snapshot(p)) for p in list_snapshots(run_dir))  # the new step 9's, and step 11's
 
 def test_spike_guard_skips_a_planted_spike_and_no_normal_step(data, tmp_path, monkeypatch):
     monkeypatch.setattr(DivergenceGuard, "SPIKE_WARMUP", 5)  # (20 in real runs: fewer steps keep the test short)
