@@ -143,8 +143,10 @@ class Snapshots:
         if path is None:
             return None
         state = load_snapshot(path)
-        self._restore(path, state, data_position=False)
+        rollbacks = self.guard.rollbacks
+        self._restore(path, state, data_position=False)  # the guard's state too, from before this rollback
         self.guard.skips_in_a_row = 0  # (a snapshot from before the guard holds no count)
+        self.guard.rollbacks = rollbacks + 1
         if self.dist_env.is_master:
             # The newer ones are the abandoned timeline's, all unhealthy: after a crash, --resume auto would pick
             # one of them over this timeline's snapshots, and re-read the data the rollback skipped.

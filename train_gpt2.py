@@ -114,7 +114,7 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: "StopRequest | None" = No
     speed = Speedometer(trained.raw.flops_per_token(plan.seq_len) * cfg.total_batch_size, cfg.total_batch_size,
                         peak.flops * dist_env.world_size)
     log_setup(cfg, plan, trained.raw, dist_env, dtype, peak)
-    divergence = DivergenceResponse(cfg, snapshots, train_loader, logger, log)
+    divergence = DivergenceResponse(cfg, snapshots, guard, train_loader, logger, log)
 
     last_step = cfg.max_steps - 1
     step = start_step
@@ -222,32 +222,33 @@ class DivergenceResponse:
     the same step, saying where the run stands and what to try.
     """
 
-    def __init__(self, cfg: TrainConfig, snapshots: Snapshots, train_loader: DistributedDataLoader,
-                 logger: RunLogger, log):
-        self.cfg, self.snapshots, self.train_loader, self.logger, self.log = cfg, snapshots, train_loader, logger, log
-        self.rollbacks = 0
+    def __init__(self, cfg: TrainConfig, snapshots: Snapshots, guard: DivergenceGuard,
+                 train_loader: DistributedDataLoader, logger: RunLogger, log):
+        self.cfg, self.snapshots, self.guard, self.train_loader = cfg, snapshots, guard, train_loader
+        self.logger, self.log = logger, log
 
     def respond(self, step: int, reason: str) -> int:
         """Roll back and return the step to go on at, or raise UserError."""
         cfg, position = self.cfg, self.train_loader.state_dict()
         where = (f"epoch {position['epoch']}, shard {position['shard_position']}, chunk "
                  f"{position['chunk_position']}")
-        if cfg.on_divergence == "rollback" and self.rollbacks < cfg.max_rollbacks:
+        if cfg.on_divergence == "rollback" and self.guard.rollbacks < cfg.max_rollbacks:
             restored = self.snapshots.rollback()
             if restored is not None:
-                self.rollbacks += 1
                 next_step, path = restored
+                rollbacks = self.guard.rollbacks
                 self.log(f"step {step:5d} | {cfg.max_skips} updates skipped in a row (last: {reason}): rollback "
-                         f"{self.rollbacks} of {cfg.max_rollbacks} to {path}; training goes on at step {next_step} "
+                         f"{rollbacks} of {cfg.max_rollbacks} to {path}; training goes on at step {next_step} "
                          f"with the data after the skipped steps ({where})")
                 self.logger.log({"event": "rollback", "step": step, "to_step": next_step, "snapshot": path,
-                                 "rollbacks": self.rollbacks, "reason": reason, "data_position": position})
+                                 "rollbacks": rollbacks, "reason": reason, "data_position": position})
                 return next_step
+        rollbacks = self.guard.rollbacks
         healthy = self.snapshots.newest_healthy()
-        self.logger.log({"event": "diverged", "step": step, "reason": reason, "rollbacks": self.rollbacks,
+        self.logger.log({"event": "diverged", "step": step, "reason": reason, "rollbacks": rollbacks,
                          "data_position": position, "healthy_snapshot": healthy})
         self.logger.finish()
-        after = f"after {self.rollbacks} rollback(s) (--max_rollbacks {cfg.max_rollbacks}), " if self.rollbacks else ""
+        after = f"after {rollbacks} rollback(s) (--max_rollbacks {cfg.max_rollbacks}), " if rollbacks else ""
         restart = (f"The newest healthy snapshot is {healthy}: restart from it with --resume {healthy} and "
                    if healthy else "There is no healthy snapshot to restart from: start again with ")
         raise UserError(

@@ -58,6 +58,7 @@ class DivergenceGuard:
         self.losses: deque[float] = deque(maxlen=self.SPIKE_WINDOW)
         self.grad_norms: deque[float] = deque(maxlen=self.SPIKE_WINDOW)
         self.skips_in_a_row = 0
+        self.rollbacks = 0  # of the whole run, kept in snapshots so that a restart does not reset --max_rollbacks
 
     def review(self, loss: float, grad_norm: float, fp16: bool) -> str | None:
         """The reason to skip this step's update (None: apply it); records the step either way."""
@@ -80,12 +81,13 @@ class DivergenceGuard:
 
     def state_dict(self) -> dict:
         return {"losses": list(self.losses), "grad_norms": list(self.grad_norms),
-                "skips_in_a_row": self.skips_in_a_row}
+                "skips_in_a_row": self.skips_in_a_row, "rollbacks": self.rollbacks}
 
     def load_state_dict(self, state: dict) -> None:
         self.losses = deque(state["losses"], maxlen=self.SPIKE_WINDOW)
         self.grad_norms = deque(state["grad_norms"], maxlen=self.SPIKE_WINDOW)
         self.skips_in_a_row = state["skips_in_a_row"]
+        self.rollbacks = state.get("rollbacks", 0)  # (snapshots from before the count was kept)
 
 
 def train_step(model: torch.nn.Module, optimizer: Optimizers, scaler: torch.amp.GradScaler,

@@ -243,6 +243,20 @@ def test_a_rollback_removes_the_unhealthy_snapshots_of_the_abandoned_timeline(da
     assert [r["to_step"] for r in records if r.get("event") == "rollback"] == [5]
     assert all(is_healthy(load_snapshot(p)) for p in list_snapshots(run_dir))  # the new step 9's, and step 11's
 
+
+def test_the_rollback_count_survives_a_restart(data, tmp_path, monkeypatch):
+    args = ["--ckpt_every", "5", "--keep_last", "5", "--max_skips", "3", "--on_divergence", "rollback",
+            "--max_rollbacks", "1"]
+    plant(monkeypatch, data, [6, 7, 8], math.nan)
+    first = run_in_process(data, tmp_path, *args, "--max_steps", "10")  # rolls back to step 4, ends at step 9
+    assert [r["rollbacks"] for r in first if r.get("event") == "rollback"] == [1]
+    # Restarted and longer: steps now read the data 4 positions on, so data 16-18 go bad at steps 12-14. The one
+    # rollback allowed was spent before the restart, so this divergence stops the run.
+    monkeypatch.undo()
+    plant(monkeypatch, data, [16, 17, 18], math.nan)
+    with pytest.raises(UserError, match=r"after 1 rollback\(s\) \(--max_rollbacks 1\), 3 updates in a row .* step 14"):
+        run_in_process(data, tmp_path, *args, "--max_steps", "20")
+
 def test_spike_guard_skips_a_planted_spike_and_no_normal_step(data, tmp_path, monkeypatch):
     monkeypatch.setattr(DivergenceGuard, "SPIKE_WARMUP", 5)  # (20 in real runs: fewer steps keep the test short)
     plant(monkeypatch, data, [12], 10.0)
