@@ -32,6 +32,7 @@ def tiny_ckpt(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.slow  # a few seconds: keeps `-m 'not slow'` under 90 s
 def test_ending_scores_match_hugging_face(tmp_path, shared_data, gpt2_encoding):
     from transformers import GPT2Config, GPT2LMHeadModel
 

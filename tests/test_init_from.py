@@ -48,6 +48,7 @@ def hf_val_loss(hf: GPT2LMHeadModel, data) -> float:
     return (sum(losses) / 2).item()
 
 
+@pytest.mark.slow  # a few seconds: keeps `-m 'not slow'` under 90 s
 def test_step_0_of_a_run_from_hugging_face_weights_has_the_hugging_face_models_loss(pretrained, tmp_path):
     root, hf = pretrained
     run = run_train(["--data_dir", str(root / "data"), *ARGS, "--init_from", str(root / "hf"), "--max_steps", "1"],
