@@ -115,6 +115,15 @@ def average_across_ranks(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
+def from_rank_0(value):
+    """Rank 0's value (any picklable object) on every rank (a collective: every rank must call it)."""
+    if dist.is_initialized():
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        value = box[0]
+    return value
+
+
 def any_rank(flag: bool, device: torch.device) -> bool:
     """True on every rank if `flag` is True on any rank (a collective: every rank must call it)."""
     value = torch.tensor(float(flag), device=device)

@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from dataloader import DistributedDataLoader
-from distributed import Distributed, any_rank
+from distributed import Distributed, any_rank, from_rank_0
 from errors import UserError
 from files import atomic_write, fsync_directory
 from parallel import TrainingModel
@@ -142,7 +142,7 @@ class Snapshots:
         path = self.newest_healthy()
         if path is None:
             return None
-        state = load_snapshot(path)
+        state = load_snapshot(path, verify=False)  # rank 0 has verified it
         rollbacks = self.guard.rollbacks
         self._restore(path, state, data_position=False)  # the guard's state too, from before this rollback
         self.guard.skips_in_a_row = 0  # (a snapshot from before the guard holds no count)
@@ -160,12 +160,7 @@ class Snapshots:
     def newest_healthy(self) -> str | None:
         """The newest healthy snapshot in ckpt_dir (rank 0 looks, every rank gets its answer)."""
         found = newest_healthy_snapshot(self.ckpt_dir) if self.dist_env.is_master else None
-        path = str(found) if found else None
-        if dist.is_initialized():
-            box = [path]
-            dist.broadcast_object_list(box, src=0)
-            path = box[0]
-        return path
+        return from_rank_0(str(found) if found else None)
 
     def _finite(self) -> bool:
         """Whether every weight and optimizer state tensor is finite, on every rank (a collective: with fsdp each
@@ -271,11 +266,7 @@ class Snapshots:
                 raise UserError(f"--resume: {e} Pass another snapshot, 'auto' or 'never'.") from e
         # Rank 0 picks the newest snapshot that loads, warning once about broken ones; the others read the same file.
         found = find_latest_snapshot(self.ckpt_dir) if self.dist_env.is_master else None
-        path = str(found[0]) if found else None
-        if dist.is_initialized():
-            box = [path]
-            dist.broadcast_object_list(box, src=0)
-            path = box[0]
+        path = from_rank_0(str(found[0]) if found else None)
         if path is None:
             return None
         return path, found[1] if found else load_snapshot(path, verify=False)  # rank 0 has verified it
@@ -410,10 +401,13 @@ def is_healthy(state: dict) -> bool:
 
 
 def newest_healthy_snapshot(ckpt_dir: str | Path) -> Path | None:
-    """The newest snapshot that loads and is healthy (see the module doc)."""
+    """The newest snapshot that loads and is healthy (see the module doc). Only the one whose flag says healthy is
+    checksummed (a read of the whole file), not the unhealthy ones newer than it."""
     for path in list_snapshots(ckpt_dir):
         try:
-            if is_healthy(load_snapshot(path)):
+            state = load_snapshot(path, verify=False)
+            if is_healthy(state):
+                verify_checksums(path, state)
                 return path
         except ValueError:
             continue
@@ -423,10 +417,11 @@ def newest_healthy_snapshot(ckpt_dir: str | Path) -> Path | None:
 def prune_snapshots(ckpt_dir: str | Path, keep_last: int) -> None:
     """Delete all but the keep_last newest snapshots, except the newest healthy one, and the temp files of writes
     that a crash cut short."""
-    keep = newest_healthy_snapshot(ckpt_dir)
-    for old in list_snapshots(ckpt_dir)[keep_last:]:
-        if old != keep:
-            remove(old)
+    old = list_snapshots(ckpt_dir)[keep_last:]
+    keep = newest_healthy_snapshot(ckpt_dir) if old else None  # (nothing to prune: no need to read any snapshot)
+    for path in old:
+        if path != keep:
+            remove(path)
     # One snapshot is saved at a time, so once a save has finished every temp file or directory is a dead run's.
     for tmp in Path(ckpt_dir).glob("snapshot_*tmp"):
         remove(tmp)
