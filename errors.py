@@ -35,7 +35,9 @@ def run_entry_point(main: Callable[[], None]) -> None:
         check_torch_version(torch.__version__)
         main()
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        # One write, newline included: print() writes the two apart, and where stderr is unbuffered
+        # (PYTHONUNBUFFERED, as under many launchers) two ranks' messages could run into one line.
+        sys.stderr.write(f"error: {e}\n")
         sys.exit(2)
 
 
