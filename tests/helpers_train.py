@@ -51,13 +51,15 @@ def write_text_shards(directory: Path, text: str, encoding, val_fraction: float 
     return sizes[0], sizes[1]
 
 
-def train_command(args: Sequence[str], nproc: int | None = None, launcher_args: Sequence[str] = ()) -> list[str]:
+def train_command(args: Sequence[str], nproc: int | None = None, launcher_args: Sequence[str] = (),
+                  script: Path = TRAIN_SCRIPT) -> list[str]:
     """The command line: plain `python train_gpt2.py` when nproc is None, else torchrun with nproc CPU processes
-    (torchrun's --standalone picks a free port itself). launcher_args go to torchrun, e.g. ["--max-restarts", "1"]."""
+    (torchrun's --standalone picks a free port itself). launcher_args go to torchrun, e.g. ["--max-restarts", "1"];
+    script replaces train_gpt2.py (e.g. tests/train_with_planted_nan.py)."""
     if nproc is None:
-        return [sys.executable, str(TRAIN_SCRIPT), *TINY_ARGS, *args]
+        return [sys.executable, str(script), *TINY_ARGS, *args]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            *launcher_args, str(TRAIN_SCRIPT), *TINY_ARGS, *args]
+            *launcher_args, str(script), *TINY_ARGS, *args]
 
 
 def train_env(env: dict[str, str] | None = None) -> dict[str, str]:
@@ -93,25 +95,26 @@ class TrainRun:
 
 
 def start_train(args: Sequence[str], log_dir: Path, nproc: int | None = None, env: dict[str, str] | None = None,
-                launcher_args: Sequence[str] = ()) -> subprocess.Popen:
+                launcher_args: Sequence[str] = (), script: Path = TRAIN_SCRIPT) -> subprocess.Popen:
     """Start train_gpt2.py with TINY_ARGS + args + --log_dir log_dir, in log_dir, without waiting (to signal or kill
     it mid-run): one plain process when nproc is None, else torchrun with nproc ranks (see train_command). env adds
     to train_env(). It runs in a session of its own, so os.killpg(proc.pid, ...) reaches torchrun's workers too."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    command = train_command([*args, "--log_dir", str(log_dir)], nproc, launcher_args)
+    command = train_command([*args, "--log_dir", str(log_dir)], nproc, launcher_args, script)
     return subprocess.Popen(command, cwd=log_dir, env=train_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
 
 
 def run_train(args: Sequence[str], log_dir: Path, nproc: int | None = None, env: dict[str, str] | None = None,
-              timeout: float = 300, check: bool = True, launcher_args: Sequence[str] = ()) -> TrainRun:
+              timeout: float = 300, check: bool = True, launcher_args: Sequence[str] = (),
+              script: Path = TRAIN_SCRIPT) -> TrainRun:
     """start_train, then wait for the run and read its metrics.jsonl.
 
     check: fail the test, showing the output, if the run exits non-zero (pass False to test failures). On timeout
     the whole process group (torchrun and its workers) is killed and the test fails with the output so far.
     """
-    proc = start_train(args, log_dir, nproc, env, launcher_args)
+    proc = start_train(args, log_dir, nproc, env, launcher_args, script)
     return wait_train(proc, log_dir, timeout, check)
 
 
