@@ -38,14 +38,15 @@ def measure_activation_bytes_per_sequence(config: GPTConfig, seq_len: int, dtype
     Why a difference and not peak / batch_size: part of the peak does not grow with the batch (autocast's low-precision
     copies of the weights, one chunk of the loss's logits, the stored lm_head gradient), and dividing would spread it
     over the sequences, so the figure would depend on the batch size it was measured at. The difference is the slope;
-    the fixed part is left to largest_micro_batch's headroom. It is exact when one sequence fills a loss chunk
-    (seq_len >= GPT.loss_chunk_tokens); with shorter sequences the chunk grows with the batch and is counted per
-    sequence, which errs on the safe side.
+    the fixed part is left to largest_micro_batch's headroom. The loss is measured in chunks of one sequence, so that
+    its chunk is the same at 1 and at batch_size sequences and drops out of the slope (a run's own chunk, a few
+    thousand tokens on a GPU, is part of the fixed cost).
     """
     if batch_size < 2:
         raise ValueError(f"batch_size must be at least 2 to measure a difference, got {batch_size}")
     torch.manual_seed(0)
     model = GPT(config).to(device)
+    model.loss_chunk_tokens = seq_len
     # Unmeasured: the process's first matmuls and attention allocate cuBLAS's and cuDNN's workspaces, which would
     # otherwise land in the B=1 peak only and make the per-sequence slope 32-64 MiB low.
     _peak_activation_bytes(model, 1, seq_len, dtype)

@@ -14,25 +14,24 @@ import torch.nn.functional as F
 
 
 class KVCache:
-    """One attention layer's keys and values of the tokens seen so far, so that generating a token runs only that
-    token through the model instead of the whole context again. The buffers hold max_len positions, filled from the
-    left; they are made at the first call, when the batch size, dtype and device are known."""
+    """One attention layer's keys and values for max_len positions, allocated at the first write and then written in
+    place at the positions given: the shapes of a generation step never change, so that a GPU can replay the whole
+    step as one CUDA graph (DecodeStep)."""
 
     def __init__(self, max_len: int):
         self.max_len = max_len
-        self.length = 0  # positions filled
         self.k: torch.Tensor | None = None  # (B, nh, max_len, hs)
         self.v: torch.Tensor | None = None
 
-    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append k, v (B, nh, T, hs); returns every key and value so far, each (B, nh, length, hs)."""
+    def write(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, nh, T, hs) at positions (T,); returns the whole buffers, each (B, nh, max_len, hs)."""
         if self.k is None:
             B, nh, _, hs = k.shape
-            self.k, self.v = (k.new_empty(B, nh, self.max_len, hs) for _ in range(2))
-        start, self.length = self.length, self.length + k.size(2)
-        self.k[:, :, start:self.length] = k
-        self.v[:, :, start:self.length] = v
-        return self.k[:, :, :self.length], self.v[:, :, :self.length]
+            # Zeros, not empty: a position not written yet is masked out of attention, but 0 × NaN would still be NaN.
+            self.k, self.v = (k.new_zeros(B, nh, self.max_len, hs) for _ in range(2))
+        self.k.index_copy_(2, positions, k)
+        self.v.index_copy_(2, positions, v)
+        return self.k, self.v
 
 
 class CausalSelfAttention(nn.Module):
@@ -44,15 +43,16 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.c_proj.RESIDUAL_SCALED_INIT = True
 
-    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None, positions: torch.Tensor | None = None,
+                visible: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        if kv_cache is not None:
-            k, v = kv_cache.extend(k, v)  # (B, nh, past + T, hs)
-        # Causal for a whole sequence (training, or a prefill into an empty cache); a single new token may attend to
-        # every key there is, so it needs no mask. (GPT.forward allows nothing in between.)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1)  # flash attention where the device has it
+        if kv_cache is None:  # a whole sequence (training, evaluation)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # flash attention where the device has it
+        else:  # new tokens against every cached position; visible (T, max_len) says which each one may see
+            k, v = kv_cache.write(positions, k, v)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble all head outputs side by side
         return self.c_proj(y)
 
@@ -79,20 +79,25 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), kv_cache)
+    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None, positions: torch.Tensor | None = None,
+                visible: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), kv_cache, positions, visible)
         x = x + self.mlp(self.ln_2(x))
         return x
 
 
-def _cross_entropy_chunk(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor,
+def _cross_entropy_chunk(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, vocab_size: int,
                          grads: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    """Summed cross-entropy of one chunk of n tokens; with grads = (grad_x (n, C), grad_w (V, C) in fp32), also
-    writes the chunk's gradient of x into grad_x and adds its gradient of w to grad_w, both unscaled.
+    """Summed cross-entropy of one chunk of n tokens against the first vocab_size of w's rows; with grads = (grad_x
+    (n, C), grad_w (padded_vocab, C) in fp32), also writes the chunk's gradient of x into grad_x and adds its
+    gradient of w to grad_w, both unscaled.
 
     A function of its own so that the chunk's logits are freed when it returns: a loop variable would keep them alive
     until the next chunk's logits had been allocated, two chunks at once."""
-    logits = (x @ w.t()).float()  # (n, V)
+    # The matmul runs at the padded width, a multiple of 128, where GPUs have their fastest kernels (at 50,257 an
+    # H100 falls back to an older, slower one); the padding columns get no probability, so neither loss nor gradient.
+    logits = (x @ w.t()).float()  # (n, padded_vocab)
+    logits[:, vocab_size:] = float("-inf")
     lse = torch.logsumexp(logits, dim=1)  # (n,)
     loss_sum = (lse - logits.gather(1, targets[:, None]).squeeze(1)).sum()
     if grads is not None:
@@ -103,7 +108,7 @@ def _cross_entropy_chunk(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor
         probs[torch.arange(len(targets), device=probs.device), targets] -= 1.0
         grad_logits = probs.to(x.dtype)  # the backward matmuls run in the autocast dtype, as nn.Linear's would
         grad_x.copy_(grad_logits @ w)
-        grad_w += (grad_logits.t() @ x).float()  # summed over chunks in fp32
+        grad_w += grad_logits.t() @ x  # summed over chunks in fp32 (the add reads the product as it is: no copy)
     return loss_sum
 
 
@@ -129,16 +134,15 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
         n_tokens = x.size(0)
         with torch.autocast(device_type, enabled=False):  # every cast below is explicit
-            x_low = x.to(dtype)
-            w = weight[:vocab_size].to(dtype)  # (V, C): padding rows are never a target, so they get no logit
+            x_low, w = x.to(dtype), weight.to(dtype)  # the weight cast once, for every chunk
             loss_sum = torch.zeros((), dtype=torch.float32, device=x.device)
             if compute_grads:
                 grad_x = torch.empty_like(x_low)  # (N, C)
-                grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # padding rows stay 0
+                grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
             for start in range(0, n_tokens, chunk_tokens):
                 rows = slice(start, start + chunk_tokens)
-                chunk_grads = (grad_x[rows], grad_w[:vocab_size]) if compute_grads else None
-                loss_sum += _cross_entropy_chunk(x_low[rows], w, targets[rows], chunk_grads)
+                chunk_grads = (grad_x[rows], grad_w) if compute_grads else None
+                loss_sum += _cross_entropy_chunk(x_low[rows], w, targets[rows], vocab_size, chunk_grads)
         if compute_grads:
             ctx.save_for_backward(grad_x, grad_w)
         ctx.n_tokens, ctx.x_dtype, ctx.w_dtype = n_tokens, x.dtype, weight.dtype
@@ -158,6 +162,14 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
     # under no_grad, where they would triple the cost) is decided here.
     compute_grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     return ChunkedLinearCrossEntropy.apply(x, weight, targets, vocab_size, chunk_tokens, compute_grads)
+
+
+def loss_chunk_tokens(device: torch.device) -> int:
+    """Tokens per chunk of the loss on this device. A GPU wants a few large chunks: 4,096 tokens make each logits
+    matmul big enough to run at full speed and 16 chunks of a 64 × 1,024 micro-batch, while a chunk's logits (0.8 GiB
+    in bf16 at GPT-2's vocabulary, twice that in eager fp32) stay small beside the activations. A CPU wants them
+    small enough to stay in its caches: 1,024 (295 MiB of logits, measured fastest there)."""
+    return 4096 if device.type == "cuda" else 1024
 
 
 @dataclass(frozen=True)  # frozen: the presets below are shared, so nobody may change them in place
@@ -191,10 +203,7 @@ HF_CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weigh
 
 
 class GPT(nn.Module):
-    # Tokens per chunk of the loss: its peak extra memory is chunk × vocab × 6 bytes (fp32 probabilities and their
-    # bf16 copy), 295 MiB at GPT-2's vocabulary, less than one sequence's activations of 124M, while each chunk's
-    # matmuls (1024 × 768 × 50,257 multiply-adds for 124M) are still large enough to run at full speed.
-    loss_chunk_tokens: int = 1024
+    loss_chunk_tokens: int | None = None  # tokens per chunk of the loss; None: loss_chunk_tokens(the device)
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -240,29 +249,32 @@ class GPT(nn.Module):
         cfg = self.config
         return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_embd * seq_len
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                kv_caches: list[KVCache] | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, kv_caches: list[KVCache] | None = None,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(logits, None) without targets, for sampling and evaluation; (None, mean loss) with targets, for
         training, where the (B, T, vocab) logits are never built (see ChunkedLinearCrossEntropy).
 
-        kv_caches (one per layer, see generate): idx continues the tokens the caches hold, so its positions start
-        after them. Into empty caches idx may be a whole prompt; after that, one token at a time."""
+        kv_caches (one per layer, see generate): idx holds the tokens at `positions` (T,), which continue those the
+        caches hold; their keys and values are written into the caches, and each token attends to every cached
+        position up to its own. The positions are a tensor, not a number, so that a CUDA graph can replay the step."""
         B, T = idx.size()
-        past = kv_caches[0].length if kv_caches else 0
-        if past and T > 1:
-            raise ValueError(f"{T} tokens after {past} cached ones: after the first call, feed one token at a time")
-        if past + T > self.config.block_size:
-            raise ValueError(f"sequence of length {past + T} is longer than the model's block_size "
-                             f"{self.config.block_size}")
-        pos = torch.arange(past, past + T, dtype=torch.long, device=idx.device)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
+        if positions is None:
+            if T > self.config.block_size:
+                raise ValueError(f"sequence of length {T} is longer than the model's block_size "
+                                 f"{self.config.block_size}")
+            positions = torch.arange(T, device=idx.device)
+        visible = None
+        if kv_caches is not None:  # (T, block_size): cached position j is visible to the token at position p if j <= p
+            visible = torch.arange(self.config.block_size, device=idx.device) <= positions[:, None]
+        x = self.transformer.wte(idx) + self.transformer.wpe(positions)  # (B, T, C)
         for i, block in enumerate(self.transformer.h):
-            x = block(x, kv_caches[i] if kv_caches else None)
+            x = block(x, kv_caches[i] if kv_caches else None, positions, visible)
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x)[..., : self.config.vocab_size], None  # (B, T, vocab): padding columns dropped
+        chunk_tokens = self.loss_chunk_tokens or loss_chunk_tokens(idx.device)
         loss = linear_cross_entropy(x.view(B * T, -1), self.lm_head.weight, targets.reshape(B * T),
-                                    self.config.vocab_size, self.loss_chunk_tokens)
+                                    self.config.vocab_size, chunk_tokens)
         return None, loss
 
     @torch.no_grad()
@@ -270,19 +282,24 @@ class GPT(nn.Module):
                  top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
         """Extend idx (B, T) by max_new_tokens sampled tokens (see sample_next_token; temperature 0 is greedy).
 
-        The prompt is read once into a key/value cache, then each new token alone: n tokens cost n one-token
-        forwards instead of n whole-context ones. Past block_size the context window slides, and since positions
-        are absolute embeddings, every cached key would have to move to another position: the cache is refilled
-        from the last block_size tokens at each step there, so from then on a token costs a whole-window forward,
-        as it would without a cache (the tokens are the same either way). The cache lives only in this call."""
+        The prompt is read once into key/value caches, then each new token alone (DecodeStep: on a GPU one CUDA
+        graph per token): n tokens cost n one-token forwards instead of n whole-context ones. Past block_size the
+        context window slides, and since positions are absolute embeddings, every cached key would have to move to
+        another position: the caches are refilled from the last block_size tokens at each step there, so from then
+        on a token costs a whole-window forward, as it would without a cache (the tokens are the same either way).
+        The caches live only in this call."""
         block_size = self.config.block_size
-        kv_caches = None
+        kv_caches = [KVCache(block_size) for _ in range(self.config.n_layer)]
+        decode, filled = None, 0  # filled: the positions the caches hold
         for _ in range(max_new_tokens):
-            if kv_caches is None or kv_caches[0].length == block_size:  # prefill: the (last block_size) tokens
-                kv_caches = [KVCache(block_size) for _ in range(self.config.n_layer)]
-                logits, _ = self(idx[:, -block_size:], kv_caches=kv_caches)
+            if filled in (0, block_size):  # (re)fill the caches from the (last block_size) tokens
+                context = idx[:, -block_size:]
+                filled = context.size(1)
+                logits, _ = self(context, kv_caches=kv_caches, positions=torch.arange(filled, device=idx.device))
             else:  # only the token sampled last
-                logits, _ = self(idx[:, -1:], kv_caches=kv_caches)
+                decode = decode or DecodeStep(self, kv_caches, idx[:, -1:], filled)
+                logits = decode(idx[:, -1:], filled)
+                filled += 1
             next_token = sample_next_token(logits[:, -1, :].float(), temperature, top_k, top_p, generator)
             idx = torch.cat((idx, next_token), dim=1)
         return idx
@@ -379,6 +396,41 @@ class GPT(nn.Module):
         return model
 
 
+class DecodeStep:
+    """One new token per row through the model with its caches: the step that generation repeats.
+
+    On CUDA it is captured once as a CUDA graph and replayed for every token: at batch 1 the ~300 kernels of a 124M
+    model's step take less time to run than to launch one by one from Python. The graph reads the token and its
+    position from tensors of its own and writes the logits into one; the caches are written in place, so a replay
+    does exactly what the eager step would. Elsewhere the step is a plain call."""
+
+    def __init__(self, model: "GPT", kv_caches: list[KVCache], token: torch.Tensor, position: int):
+        self.token = token.clone()  # (B, 1)
+        self.position = torch.tensor([position], device=token.device)
+        self.step = lambda: model(self.token, kv_caches=kv_caches, positions=self.position)[0]
+        self.graph = None
+        if token.device.type == "cuda":
+            # Capture needs a warm-up run on a side stream first (torch.cuda.graphs); being the first real step, it
+            # writes into the caches exactly what that step will.
+            side = torch.cuda.Stream(token.device)
+            side.wait_stream(torch.cuda.current_stream(token.device))
+            with torch.cuda.stream(side):
+                self.step()
+            torch.cuda.current_stream(token.device).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = self.step()
+
+    def __call__(self, token: torch.Tensor, position: int) -> torch.Tensor:
+        """The logits (B, 1, vocab) of token (B, 1) at position, written into the caches."""
+        self.token.copy_(token)
+        self.position.fill_(position)
+        if self.graph is None:
+            return self.step()
+        self.graph.replay()
+        return self.logits
+
+
 def sample_next_token(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
                       generator: torch.Generator | None) -> torch.Tensor:
     """The next token (B, 1) from the last position's logits (B, vocab): the likeliest one at temperature 0; else
@@ -390,12 +442,12 @@ def sample_next_token(logits: torch.Tensor, temperature: float, top_k: int | Non
     logits = logits / temperature
     if top_k is not None:
         kth_largest = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-        logits[logits < kth_largest] = -float("inf")
+        logits.masked_fill_(logits < kth_largest, -float("inf"))  # (a boolean index would sync with the GPU)
     if top_p is not None and top_p < 1:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         sorted_probs = F.softmax(sorted_logits, dim=-1)
         # A token is out if the likelier ones already reach top_p; so the likeliest token is always in.
         outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
-        logits[outside.scatter(1, order, outside)] = -float("inf")
+        logits.masked_fill_(outside.scatter(1, order, outside), -float("inf"))
     probs = F.softmax(logits, dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator)

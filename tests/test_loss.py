@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, loss_chunk_tokens
 
 # vocab 97 is padded to 128 rows, so the padding rows' gradient is checked too.
 TINY = GPTConfig(block_size=16, vocab_size=97, n_layer=2, n_head=2, n_embd=16)
@@ -92,10 +92,13 @@ def test_loss_under_no_grad_equals_the_training_loss():
     assert validation.item() == training.item()
 
 
-def test_a_target_outside_the_vocabulary_is_an_error():
+def test_a_target_outside_the_vocabulary_never_gives_a_finite_loss():
+    # (Shards are checked for such ids before training starts: dataloader.py.)
     model = tiny_model()
     idx, targets = batch()
-    targets[0, 0] = TINY.vocab_size  # a padding row: a valid row of wte, but never a real token
+    targets[0, 0] = TINY.vocab_size  # a padding column: it has no probability, so the loss is infinite
+    assert model(idx, targets)[1].item() == float("inf")
+    targets[0, 0] = TINY.padded_vocab_size  # past the logits altogether
     with pytest.raises((IndexError, RuntimeError), match="out of bounds"):
         model(idx, targets)
 
@@ -127,6 +130,48 @@ def test_full_logits_are_never_materialised():
 
     assert old_path.numel >= full_logits
     assert training.numel < full_logits
+
+
+class OpRecorder(TorchDispatchMode):
+    """Records (op name, output shape) of every operation run while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[tuple[str, tuple]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            self.ops.append((func.__name__, tuple(out.shape)))
+        return out
+
+
+def test_the_weight_is_cast_once_and_the_logits_matmul_runs_at_the_padded_width():
+    model = tiny_model()
+    idx, targets = batch()
+    weight_shape = (TINY.padded_vocab_size, TINY.n_embd)
+    with OpRecorder() as recorder, torch.autocast("cpu", torch.bfloat16):
+        _, loss = model(idx, targets)
+        loss.backward()
+    weight_copies = [op for op in recorder.ops if op == ("_to_copy.default", weight_shape)]
+    assert len(weight_copies) == 1  # once per forward, not once per chunk (5 chunks here)
+    logits_matmuls = [shape for name, shape in recorder.ops if name == "mm.default" and shape[0] <= CHUNK
+                      and len(shape) == 2 and shape[1] > TINY.n_embd]
+    assert len(logits_matmuls) == -(-B * T // CHUNK)
+    assert all(width % 64 == 0 for _, width in logits_matmuls), logits_matmuls  # 128, not the vocabulary's 97
+
+
+def test_the_loss_runs_as_many_chunks_as_the_device_rule_says():
+    config = GPTConfig(block_size=1024, vocab_size=97, n_layer=1, n_head=1, n_embd=8)
+    model = GPT(config)
+    assert model.loss_chunk_tokens is None  # the device decides
+    idx = torch.randint(0, 97, (3, 1024))
+    with OpRecorder() as recorder:
+        model(idx, idx)
+    logits_matmuls = [shape for name, shape in recorder.ops if name == "mm.default" and shape[1] == 128]
+    assert [rows for rows, _ in logits_matmuls] == [loss_chunk_tokens(torch.device("cpu"))] * 3
+    # On a GPU, a GPT-2 micro-batch of 64 × 1,024 tokens in a few large chunks, not 64 small ones.
+    assert 64 * 1024 // loss_chunk_tokens(torch.device("cuda")) == 16
 
 
 def test_loss_and_gradients_match_hugging_face_gpt2():

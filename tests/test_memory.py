@@ -67,7 +67,7 @@ def plain_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: t
 def test_chunked_loss_saves_at_least_one_fp32_copy_of_the_logits_per_sequence(monkeypatch):
     # GPT-2's vocabulary, the rest small, so the loss dominates; seq_len fills a loss chunk, so its fixed cost cancels.
     config = GPTConfig(block_size=1024, vocab_size=50257, n_layer=1, n_head=2, n_embd=64)
-    T = GPT.loss_chunk_tokens
+    T = 1024
     chunked = measure_activation_bytes_per_sequence(config, T, torch.float32)
     monkeypatch.setattr(model, "linear_cross_entropy", plain_linear_cross_entropy)
     plain = measure_activation_bytes_per_sequence(config, T, torch.float32)

@@ -214,22 +214,31 @@ def test_cached_logits_match_a_full_forward(tiny_model):
     with torch.no_grad():
         full, _ = tiny_model(tokens)
         caches = [KVCache(TINY.block_size) for _ in range(TINY.n_layer)]
-        prefill, _ = tiny_model(tokens[:, :6], kv_caches=caches)
-        steps = [tiny_model(tokens[:, t:t + 1], kv_caches=caches)[0] for t in range(6, TINY.block_size)]
-    cached = torch.cat([prefill, *steps], dim=1)
+        prefill, _ = tiny_model(tokens[:, :6], kv_caches=caches)  # into empty caches: positions 0..5
+        several, _ = tiny_model(tokens[:, 6:9], kv_caches=caches, positions=torch.arange(6, 9))
+        steps = [tiny_model(tokens[:, t:t + 1], kv_caches=caches, positions=torch.tensor([t]))[0]
+                 for t in range(9, TINY.block_size)]
+    cached = torch.cat([prefill, several, *steps], dim=1)
     assert cached.shape == full.shape
     torch.testing.assert_close(cached, full, rtol=0, atol=1e-5)
-    assert caches[0].length == TINY.block_size
 
 
-def test_forward_with_a_cache_takes_one_token_at_a_time_and_at_most_block_size(tiny_model):
-    caches = [KVCache(TINY.block_size) for _ in range(TINY.n_layer)]
-    with torch.no_grad():
-        tiny_model(random_tokens(TINY, B=1, T=TINY.block_size), kv_caches=caches)
-        with pytest.raises(ValueError, match="after the first call, feed one token at a time"):
-            tiny_model(random_tokens(TINY, B=1, T=2), kv_caches=caches)
-        with pytest.raises(ValueError, match=r"length 17 .*block_size 16"):
-            tiny_model(random_tokens(TINY, B=1, T=1), kv_caches=caches)
+def test_the_caches_are_allocated_once_and_every_decode_step_has_the_same_shapes(tiny_model, monkeypatch):
+    # What lets a GPU replay the step as a CUDA graph: fixed buffers, written in place, and fixed shapes.
+    writes = []
+    real_write = KVCache.write
+
+    def spied_write(self, positions, k, v):
+        buffers = real_write(self, positions, k, v)
+        writes.append((self, buffers[0].data_ptr(), buffers[0].shape, tuple(positions.shape)))
+        return buffers
+
+    monkeypatch.setattr(KVCache, "write", spied_write)
+    tiny_model.generate(random_tokens(TINY, B=2, T=5), 11)  # up to block_size 16: a prefill, then 10 single steps
+    first_layer = [w for w in writes if w[0] is writes[0][0]]
+    assert [w[3] for w in first_layer] == [(5,)] + [(1,)] * 10
+    assert {(w[1], w[2]) for w in first_layer} == {(first_layer[0][1], (2, TINY.n_head, TINY.block_size,
+                                                                         TINY.n_embd // TINY.n_head))}
 
 
 def test_generate_keeps_no_cache_after_it_returns(tiny_model):
