@@ -2,6 +2,8 @@
 
     python bench.py                                   # CPU: small preset, B=8, T=256; CUDA: GPT-2 124M, B=64, T=1024
     python bench.py --compare                         # also the plain baseline, and the speed-up over it
+    python bench.py --vs_full_logits --compile        # ours against build-nanogpt's loss, same dtype and compile
+    python bench.py --generation                      # generation tokens/s with and without the key/value cache
     python bench.py --model gpt2 --micro_batch_size 16 --seq_len 512 --dtype bf16 --compile --json
     python bench.py --optimizer muon                  # Muon for the block matrices: compare optimizer_ms with adamw
     torchrun --standalone --nproc_per_node=2 bench.py # 2 ranks (NCCL on GPUs, gloo on CPUs)
@@ -17,18 +19,32 @@ memory kept for reuse on CPUs: keep_freed_memory, and the chunked loss that neve
 back, baseline first, because the allocator setting cannot be undone within a process; on a shared machine,
 take the median speed-up of a few runs.
 
+--vs_full_logits compares the loss alone: build-nanogpt's (the whole (B, T, padded vocab) logits, then cross-entropy
+in fp32) against ours (model.ChunkedLinearCrossEntropy), everything else the same: dtype, compile, fused AdamW. The
+two alternate for --rounds rounds in one process, so that both see the same machine; the ratios are medians over the
+rounds. It also times the loss's own forward and backward on one micro-batch of final hidden states, both ways, and
+gives its share of the step.
+
+--generation times GPT.generate (the key/value cache; on CUDA its decode step is a CUDA graph) against a whole-context
+forward per token, on the --model's random weights (the speed is the same for trained ones): --new_tokens tokens
+after a 16-token prompt, one sample, top-k 50, and says whether both gave the same tokens.
+
 --json prints one object: device, world_size, model, n_layer, n_head, n_embd, parameters, micro_batch_size,
 seq_len, grad_accum_steps, tokens_per_step, flops_per_token, runs (a list; for each: name, dtype, compile,
-ms_per_step, optimizer_ms, tokens_per_sec, tflops, peak_tflops, mfu, peak_source, peak_memory_mib, data_wait, loss; a
-configuration that ran out of device memory has name, dtype, compile and skipped, the reason), speedup (the last
-run's tokens/s over the first's with --compare, else null), memory (state_bytes: weights, gradients and AdamW
-moments; activation_bytes_per_sequence, measured with MemTracker on the CPU or the allocator's peak on CUDA;
+ms_per_step, optimizer_ms, tokens_per_sec, tflops, peak_tflops, mfu, peak_source, peak_memory_mib, data_wait, loss,
+losses: every step's, warm-up included, so that a diverging configuration shows; a configuration that ran out of
+device memory has name, dtype, compile and skipped, the reason), speedup (the last run's tokens/s over the first's
+with --compare, else null), memory (state_bytes: weights, gradients and AdamW moments;
+activation_bytes_per_sequence, measured with MemTracker on the CPU or the allocator's peak on CUDA;
 largest_micro_batch: per --memory_gb, the largest that fits with 10 % headroom), load_average (the machine's
-1-minute load before and after) and cpu_count. peak_memory_mib is CUDA's max_memory_allocated, or on a CPU the
-process's peak resident memory (which never goes down, so a later run's includes the earlier's). data_wait is the
-share of step time spent in the data loader; optimizer_ms the time of the optimizer step(s) within a step (--optimizer
-muon: Muon's, with its Newton–Schulz iterations, and AdamW's for the rest). With several ranks, times and memory are
-rank 0's.
+1-minute load before and after) and cpu_count; with --vs_full_logits, full_logits (rounds: [baseline, ours] runs per
+round; speed_ratio and memory_ratio: ours over the baseline, medians over the rounds, memory null on a CPU; loss_ms:
+the loss's forward + backward on one micro-batch, both ways; loss_share: its share of our step); with --generation,
+generation (new_tokens, tokens_per_sec with_cache and without_cache, speedup, same_tokens). peak_memory_mib is
+CUDA's max_memory_allocated, or on a CPU the process's peak resident memory (which never goes down, so a later
+run's includes the earlier's). data_wait is the share of step time spent in the data loader; optimizer_ms the time
+of the optimizer step(s) within a step (--optimizer muon: Muon's, with its Newton–Schulz iterations, and AdamW's
+for the rest). With several ranks, times and memory are rank 0's.
 """
 
 import argparse
@@ -53,9 +69,9 @@ from distributed import Distributed, setup_distributed, synchronize
 from errors import run_entry_point
 from memory import GiB, MiB, keep_freed_memory, largest_micro_batch, measure_activation_bytes_per_sequence, state_bytes
 from mfu import peak_flops
-from model import GPT, PRESETS
+from model import GPT, PRESETS, GPTConfig, linear_cross_entropy, loss_chunk_tokens, sample_next_token
 from parallel import build_model
-from precision import dtype_name, pick_dtype
+from precision import autocast, dtype_name, pick_dtype
 from training import train_step
 
 # The flags that mean what they mean in train_gpt2.py; bench.py's own defaults depend on the device.
@@ -71,12 +87,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them (compilation happens here)")
     parser.add_argument("--data_dir", default=None, help="real train shards (default: random tokens in a temp dir)")
     parser.add_argument("--compare", action="store_true", help="also time the plain fp32 eager baseline")
+    parser.add_argument("--vs_full_logits", action="store_true",
+                        help="time ours against build-nanogpt's full-logits loss, same dtype and compile, alternating")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of --vs_full_logits")
+    parser.add_argument("--generation", action="store_true",
+                        help="also time generation with and without the key/value cache")
+    parser.add_argument("--new_tokens", type=int, default=256, help="tokens generated by --generation")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--memory_gb", type=float, nargs="+", default=[24, 40, 80],
                         help="device memories (GiB) to fit the largest micro-batch into, from the measured budget")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0 or args.grad_accum_steps < 1:
-        parser.error("--steps and --grad_accum_steps must be at least 1, --warmup at least 0.")
+    if args.steps < 1 or args.warmup < 0 or args.grad_accum_steps < 1 or args.rounds < 1:
+        parser.error("--steps, --grad_accum_steps and --rounds must be at least 1, --warmup at least 0.")
     return args
 
 
@@ -120,14 +142,15 @@ def peak_memory_mib(device: torch.device) -> float:
 
 
 def time_config(work: Workload, data_dir: str, dtype: torch.dtype, compile: bool, plain: bool, steps: int,
-                warmup: int) -> dict:
-    """Median timings of `steps` training steps of a fresh model in one configuration (plain: the baseline)."""
+                warmup: int, full_logits: bool = False) -> dict:
+    """Median timings of `steps` training steps of a fresh model in one configuration (plain: the baseline; full_logits:
+    ours but for build-nanogpt's loss)."""
     device, dist_env, cfg, plan = work.dist_env.device, work.dist_env, work.cfg, work.plan
     torch.set_float32_matmul_precision("highest" if plain else "high")  # TF32 on GPUs, as train_gpt2.py sets
     if not plain and device.type == "cpu":
         keep_freed_memory()
     torch.manual_seed(cfg.seed)
-    model = (FullLogitsGPT if plain else GPT)(plan.model_config)
+    model = (FullLogitsGPT if plain or full_logits else GPT)(plan.model_config)
     trained = build_model(model, dist_env, dtype, cfg, compile, plain)
     loader = DistributedDataLoader(data_dir, "train", cfg.micro_batch_size, plan.seq_len, dist_env.rank,
                                    dist_env.world_size, plan.grad_accum_steps)
@@ -136,13 +159,16 @@ def time_config(work: Workload, data_dir: str, dtype: torch.dtype, compile: bool
         torch.cuda.reset_peak_memory_stats(device)
 
     optimizer_seconds = time_optimizer_steps(trained.optimizer, device)
-    step_seconds, data_seconds, optimizer_ms = [], [], []
+    step_seconds, data_seconds, optimizer_ms, losses = [], [], [], []
     for step in range(warmup + steps):
         optimizer_seconds.clear()
         synchronize(device)
         t0 = time.perf_counter()
-        result = train_step(trained.model, trained.optimizer, trained.scaler, loader, plan.grad_accum_steps,
-                            cfg.max_lr, cfg.grad_clip, device, dtype)
+        # The LR warms up over the steps, as a run's would: at full LR from step 0 the larger models diverge.
+        lr = cfg.max_lr * (step + 1) / (warmup + steps)
+        result = train_step(trained.model, trained.optimizer, trained.scaler, loader, plan.grad_accum_steps, lr,
+                            cfg.grad_clip, device, dtype)
+        losses.append(result.loss)
         synchronize(device)
         if step >= warmup:
             step_seconds.append(time.perf_counter() - t0)
@@ -151,13 +177,13 @@ def time_config(work: Workload, data_dir: str, dtype: torch.dtype, compile: bool
 
     seconds = statistics.median(step_seconds)
     flops_per_sec = trained.raw.flops_per_token(plan.seq_len) * work.tokens_per_step / seconds
-    return {"name": run_name(dtype, compile, plain), "dtype": dtype_name(dtype), "compile": compile,
+    return {"name": run_name(dtype, compile, plain, full_logits), "dtype": dtype_name(dtype), "compile": compile,
             "ms_per_step": 1000 * seconds, "optimizer_ms": statistics.median(optimizer_ms),
             "tokens_per_sec": work.tokens_per_step / seconds,
             "tflops": flops_per_sec / 1e12, "peak_tflops": peak.flops * dist_env.world_size / 1e12,
             "mfu": flops_per_sec / (peak.flops * dist_env.world_size), "peak_source": peak.source,
             "peak_memory_mib": peak_memory_mib(device), "data_wait": sum(data_seconds) / sum(step_seconds),
-            "loss": result.loss}
+            "loss": result.loss, "losses": losses}
 
 
 def time_optimizer_steps(optimizers, device: torch.device) -> list[float]:
@@ -179,36 +205,122 @@ def time_optimizer_steps(optimizers, device: torch.device) -> list[float]:
 
 
 class FullLogitsGPT(GPT):
-    """The baseline's loss, as build-nanogpt computes it: the whole (B, T, vocab) logits, then cross-entropy on an
-    fp32 copy of them, where GPT's own loss works through the vocabulary a chunk of tokens at a time."""
+    """The baseline's loss, as build-nanogpt computes it: the whole (B, T, padded vocab) logits, then cross-entropy on
+    an fp32 copy of them (what autocast gives F.cross_entropy), where GPT's own loss works through the vocabulary a
+    chunk of tokens at a time."""
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        logits, _ = super().forward(idx)
         if targets is None:
-            return logits, None
+            return super().forward(idx)
+        t = self.transformer
+        x = t.wte(idx) + t.wpe(torch.arange(idx.size(1), device=idx.device))
+        for block in t.h:
+            x = block(x)
+        logits = self.lm_head(t.ln_f(x))  # at the padded width, padding columns included, as build-nanogpt's
         return None, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def run_name(dtype: torch.dtype, compile: bool, plain: bool) -> str:
-    return "fp32 eager, plain (baseline)" if plain else f"{dtype_name(dtype)} {'compiled' if compile else 'eager'}"
+def run_name(dtype: torch.dtype, compile: bool, plain: bool, full_logits: bool = False) -> str:
+    if plain:
+        return "fp32 eager, plain (baseline)"
+    return f"{dtype_name(dtype)} {'compiled' if compile else 'eager'}" + (", full logits" if full_logits else "")
 
 
 def time_config_or_skip(work: Workload, data_dir: str, dtype: torch.dtype, compile: bool, plain: bool, steps: int,
-                        warmup: int) -> dict:
+                        warmup: int, full_logits: bool = False) -> dict:
     """time_config, or, if the configuration runs out of device memory, a run that says so (the fp32 baseline at
     the defaults needs ~87 GiB: more than an 80 GB GPU), so that the other configurations still get measured."""
     try:
-        return time_config(work, data_dir, dtype, compile, plain, steps, warmup)
+        return time_config(work, data_dir, dtype, compile, plain, steps, warmup, full_logits)
     except torch.OutOfMemoryError:
+        name = run_name(dtype, compile, plain, full_logits)
         message = (f"out of memory at B={work.cfg.micro_batch_size}, T={work.plan.seq_len}: lower "
                    "--micro_batch_size to measure it")
-        print(f"{run_name(dtype, compile, plain)}: {message}; going on with the rest", file=sys.stderr)
-        return {"name": run_name(dtype, compile, plain), "dtype": dtype_name(dtype), "compile": compile,
-                "skipped": message}
+        print(f"{name}: {message}; going on with the rest", file=sys.stderr)
+        return {"name": name, "dtype": dtype_name(dtype), "compile": compile, "skipped": message}
     finally:  # give the memory back before the next configuration
         gc.collect()
         if work.dist_env.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def compare_with_full_logits(work: Workload, data_dir: str, dtype: torch.dtype, compile: bool, steps: int,
+                             warmup: int, rounds: int) -> dict:
+    """Ours against build-nanogpt's full-logits loss, everything else equal, alternating for `rounds` rounds."""
+    per_round = [[time_config_or_skip(work, data_dir, dtype, compile, False, steps, warmup, full_logits)
+                  for full_logits in (True, False)] for _ in range(rounds)]
+    measured = [(theirs, ours) for theirs, ours in per_round if "skipped" not in theirs and "skipped" not in ours]
+    cpu = work.dist_env.device.type != "cuda"  # the process's peak resident memory never goes down: no ratio
+    loss_ms = {name: time_loss(work, dtype, compile, full) for name, full in (("full_logits", True), ("ours", False))}
+    ours_step_ms = statistics.median(ours["ms_per_step"] for _, ours in measured) if measured else None
+    return {"rounds": per_round,
+            "speed_ratio": statistics.median(o["tokens_per_sec"] / t["tokens_per_sec"] for t, o in measured)
+            if measured else None,
+            "memory_ratio": None if cpu or not measured else statistics.median(
+                o["peak_memory_mib"] / t["peak_memory_mib"] for t, o in measured),
+            "loss_ms": loss_ms,
+            "loss_share": loss_ms["ours"] * work.plan.grad_accum_steps / ours_step_ms if ours_step_ms else None}
+
+
+def time_loss(work: Workload, dtype: torch.dtype, compile: bool, full_logits: bool, repeats: int = 5) -> float:
+    """Milliseconds of the loss's forward + backward on one micro-batch of final hidden states (median of repeats,
+    after 2 untimed calls): ours, or build-nanogpt's full logits and cross-entropy."""
+    device, config = work.dist_env.device, work.plan.model_config
+    tokens = work.cfg.micro_batch_size * work.plan.seq_len
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, config.n_embd, generator=g).to(device).requires_grad_()
+    weight = (0.02 * torch.randn(config.padded_vocab_size, config.n_embd, generator=g)).to(device).requires_grad_()
+    targets = torch.randint(0, config.vocab_size, (tokens,), generator=g).to(device)
+    chunk_tokens = loss_chunk_tokens(device)
+
+    def loss_fn(x, weight, targets):
+        if full_logits:
+            return F.cross_entropy(F.linear(x, weight).float(), targets)
+        return linear_cross_entropy(x, weight, targets, config.vocab_size, chunk_tokens)
+
+    loss_fn = torch.compile(loss_fn) if compile else loss_fn
+    milliseconds = []
+    for _ in range(repeats + 2):
+        synchronize(device)
+        t0 = time.perf_counter()
+        with autocast(device, dtype):
+            loss = loss_fn(x, weight, targets)
+        loss.backward()
+        synchronize(device)
+        milliseconds.append(1000 * (time.perf_counter() - t0))
+        x.grad = weight.grad = None
+    return statistics.median(milliseconds[2:])
+
+
+def time_generation(config: GPTConfig, device: torch.device, new_tokens: int, prompt_tokens: int = 16) -> dict:
+    """Tokens/s of GPT.generate and of a whole-context forward per token (one sample, top-k 50, the same seed), and
+    whether they gave the same tokens."""
+    torch.manual_seed(0)
+    model = GPT(config).to(device).eval()
+    idx = torch.randint(0, config.vocab_size, (1, prompt_tokens), device=device)
+    runs = {"with_cache": lambda g: model.generate(idx, new_tokens, 1.0, 50, generator=g),
+            "without_cache": lambda g: generate_without_cache(model, idx, new_tokens, 50, g)}
+    outputs, tokens_per_sec = {}, {}
+    for name, run in runs.items():
+        run(torch.Generator(device=device).manual_seed(42))  # untimed: CUDA's kernels load at their first call
+        synchronize(device)
+        t0 = time.perf_counter()
+        outputs[name] = run(torch.Generator(device=device).manual_seed(42))
+        synchronize(device)
+        tokens_per_sec[name] = new_tokens / (time.perf_counter() - t0)
+    return {"new_tokens": new_tokens, "tokens_per_sec": tokens_per_sec,
+            "speedup": tokens_per_sec["with_cache"] / tokens_per_sec["without_cache"],
+            "same_tokens": torch.equal(outputs["with_cache"], outputs["without_cache"])}
+
+
+@torch.no_grad()
+def generate_without_cache(model: GPT, idx: torch.Tensor, max_new_tokens: int, top_k: int,
+                           generator: torch.Generator) -> torch.Tensor:
+    """Generation without the key/value cache: every token from a forward over the whole context."""
+    for _ in range(max_new_tokens):
+        logits, _ = model(idx[:, -model.config.block_size:])
+        idx = torch.cat((idx, sample_next_token(logits[:, -1].float(), 1.0, top_k, None, generator)), dim=1)
+    return idx
 
 
 def benchmark(args: argparse.Namespace, dist_env: Distributed) -> dict:
@@ -225,6 +337,9 @@ def benchmark(args: argparse.Namespace, dist_env: Distributed) -> dict:
         if args.compare:  # first: keep_freed_memory() in the other configuration cannot be undone
             runs.append(time_config_or_skip(work, data_dir, torch.float32, False, True, args.steps, args.warmup))
         runs.append(time_config_or_skip(work, data_dir, dtype, args.compile, False, args.steps, args.warmup))
+        full_logits = compare_with_full_logits(work, data_dir, dtype, args.compile, args.steps, args.warmup,
+                                               args.rounds) if args.vs_full_logits else None
+    generation = time_generation(config, dist_env.device, args.new_tokens) if args.generation else None
     with torch.device("meta"):  # for the counts only
         model = GPT(config)
     measured = [run for run in runs if "skipped" not in run]
@@ -237,7 +352,8 @@ def benchmark(args: argparse.Namespace, dist_env: Distributed) -> dict:
             "tokens_per_step": work.tokens_per_step, "flops_per_token": model.flops_per_token(seq_len),
             "runs": runs, "speedup": measured[-1]["tokens_per_sec"] / measured[0]["tokens_per_sec"]
             if args.compare and len(measured) == 2 else None,
-            "memory": memory, "load_average": [load_before, os.getloadavg()[0]], "cpu_count": os.cpu_count()}
+            "memory": memory, "load_average": [load_before, os.getloadavg()[0]], "cpu_count": os.cpu_count()} | (
+            {"full_logits": full_logits} if full_logits else {}) | ({"generation": generation} if generation else {})
 
 
 def memory_budget(work: Workload, dtype: torch.dtype, memory_gb: list[float]) -> dict:
@@ -277,6 +393,13 @@ def format_report(report: dict, args: argparse.Namespace) -> str:
                      f"{run['peak_memory_mib']:7,.0f} MiB {100 * run['data_wait']:8.2f}%")
     if r["speedup"] is not None:
         lines.append(f"speed-up over the baseline: {r['speedup']:.2f}x")
+    if "full_logits" in r:
+        lines += format_full_logits(r["full_logits"])
+    if "generation" in r:
+        g = r["generation"]
+        lines.append(f"generation, {g['new_tokens']} tokens: {g['tokens_per_sec']['with_cache']:,.1f} tokens/s with "
+                     f"the cache, {g['tokens_per_sec']['without_cache']:,.1f} without ({g['speedup']:.1f}x), same "
+                     f"tokens: {g['same_tokens']}")
     m = r["memory"]
     fits = " | ".join(f"{gb} GiB: {b}" for gb, b in m["largest_micro_batch"].items())
     lines.append(f"memory: model state {m['state_bytes'] / GiB:.2f} GiB (weights, gradients, AdamW moments) + "
@@ -290,6 +413,22 @@ def format_report(report: dict, args: argparse.Namespace) -> str:
                  + (" -- other work was running, so the figures (and the speed-up) may be off: re-run when the "
                     "machine is idle, or take the median of a few runs" if before > 0.5 * r["cpu_count"] else ""))
     return "\n".join(lines)
+
+
+def format_full_logits(f: dict) -> list[str]:
+    lines = []
+    for i, (theirs, ours) in enumerate(f["rounds"]):
+        lines.append(f"round {i + 1}: " + " | ".join(
+            f"{run['name']}: " + (run["skipped"] if "skipped" in run else
+                                  f"{run['tokens_per_sec']:,.0f} tokens/s, {run['peak_memory_mib']:,.0f} MiB")
+            for run in (theirs, ours)))
+    if f["speed_ratio"] is not None:
+        memory = f", {f['memory_ratio']:.2f}x its peak memory" if f["memory_ratio"] is not None else ""
+        lines.append(f"ours against the full-logits loss: {f['speed_ratio']:.3f}x its tokens/s{memory}")
+    share = f", {f['loss_share']:.1%} of our step" if f["loss_share"] is not None else ""
+    lines.append(f"the loss alone, forward + backward of one micro-batch: {f['loss_ms']['ours']:.1f} ms ours, "
+                 f"{f['loss_ms']['full_logits']:.1f} ms full logits{share}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:

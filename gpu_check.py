@@ -15,7 +15,10 @@ from TIKTOKEN_CACHE_DIR. The stages, in the order they run:
   train  GPT-2 124M for 300 steps on the 124M recipe's schedule, shortened, with validation, HellaSwag and samples on
          the way: train_gpt2.py itself, read back from its metrics.jsonl
   bench  GPT-2 124M, T=1024, bf16, eager and compiled, at the micro-batch --micro_batch_size auto picks (bench.py's
-         own timing): ms/step, tokens/s, MFU against the datasheet peak, peak memory; then gpt2-medium and -large
+         own timing): ms/step, tokens/s, MFU against the datasheet peak, peak memory, the loss's trend; ours against
+         build-nanogpt's full-logits loss at B=64 and 524,288 tokens a step, compiled, alternating (bench.py
+         --vs_full_logits), and the loss's share of the step; generation tokens/s with and without the key/value
+         cache; then gpt2-medium and -large while the stage has half its budget left
 
 OUT/report.md and OUT/report.json (rewritten after every check, so a run cut short still leaves its rows) hold the
 machine (GPU, compute capability, memory, driver, torch, CUDA) and a row per check: its figure, its bound, and PASS,
@@ -34,7 +37,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
@@ -72,6 +74,12 @@ class Scale:
     bench_warmup: int
     bench_larger: tuple[str, ...]  # benched too (compiled) while the stage has half its budget left
     mfu_floor: float  # the compiled bench and the train run reach this at least (0: not judged, as on a CPU)
+    # ours against the full-logits loss: micro-batch, micro-steps, timed steps after warm-up steps, rounds
+    vs_full_logits: tuple[int, int, int, int, int]
+    # issue 30's goal for that comparison: at least this speed ratio, at most this memory ratio, at least this MFU;
+    # None: not judged (a CPU)
+    vs_full_logits_goal: tuple[float, float, float] | None
+    generation_floor: float  # tokens/s of cached generation (124M, batch 1) at least
     # train
     train_steps: int
     train_batch: int  # tokens per optimizer step
@@ -85,10 +93,12 @@ class Scale:
 
 GPU = Scale(device="cuda", dtype="bf16", model="gpt2", seq_len=1024, compile=True, stage_seconds=480,
             bench_sequences=512, bench_steps=10, bench_warmup=3, bench_larger=("gpt2-medium", "gpt2-large"),
-            mfu_floor=0.30, train_steps=300, train_batch=131_072, max_lr=TrainConfig.max_lr, eval_every=100,
+            mfu_floor=0.30, vs_full_logits=(64, 8, 5, 2, 2), vs_full_logits_goal=(1.15, 0.75, 0.45),
+            generation_floor=5 * 168, train_steps=300, train_batch=131_072, max_lr=TrainConfig.max_lr, eval_every=100,
             val_tokens=1_048_576, hellaswag_limit=500, hellaswag_range=(0.15, 0.60), loss_drop=3.0)
 CPU_SMOKE = Scale(device="cpu", dtype="fp32", model="tiny", seq_len=32, compile=False, stage_seconds=600,
                   bench_sequences=8, bench_steps=2, bench_warmup=1, bench_larger=(), mfu_floor=0.0,
+                  vs_full_logits=(2, 2, 2, 1, 1), vs_full_logits_goal=None, generation_floor=0.0,
                   train_steps=30, train_batch=256, max_lr=3e-3, eval_every=10, val_tokens=1024, hellaswag_limit=20,
                   hellaswag_range=(0.0, 1.0), loss_drop=1.0)
 
@@ -391,24 +401,43 @@ def bench_stage(report: Report, scale: Scale, args: argparse.Namespace) -> None:
     dist_env = Distributed(0, 0, 1, torch.device(scale.device, 0) if scale.device == "cuda" else torch.device("cpu"))
     runs, micro_batches = {}, {}
     report.details["bench"] = runs
-    models = [(scale.model, False), (scale.model, True)] + [(m, True) for m in scale.bench_larger]
-    for model, compile in models:
-        name = f"{model} {scale.dtype} {'compiled' if compile else 'eager'}"
+    data_dir = args.data_dir
+    if data_dir is None:  # learnable tokens, so that each run's loss can be seen to fall
+        data_dir = str(report.out / "bench_data")
+        write_synthetic_shards(Path(data_dir), 4 * 524_288 + 1, 1025)
+    for compile in (False, True):
+        name = f"{scale.model} {scale.dtype} {'compiled' if compile else 'eager'}"
         if compile and not scale.compile:
             report.check("bench", name, lambda: ("not run: torch.compile takes minutes on a CPU", "", None))
             continue
-        if model != scale.model and time.perf_counter() - started > scale.stage_seconds / 2:
-            report.check("bench", name, lambda: ("not run: past half the stage's time budget", "", None))
-            continue
-        if model not in micro_batches:
-            report.check("bench", f"{model}: --micro_batch_size auto", bench_micro_batch, model, scale, dist_env,
-                         micro_batches)
-        if model not in micro_batches:  # not even one sequence fits: the row above says so
-            continue
-        runs[name] = time_training_step(model, micro_batches[model], compile, scale, dist_env, args.data_dir)
+        if scale.model not in micro_batches:
+            report.check("bench", f"{scale.model}: --micro_batch_size auto", bench_micro_batch, scale.model, scale,
+                         dist_env, micro_batches)
+        if scale.model not in micro_batches:  # not even one sequence fits: the row above says so
+            break
+        runs[name] = time_training_step(scale.model, micro_batches[scale.model], compile, scale, dist_env, data_dir)
         report.check("bench", name, bench_speed, runs[name], scale, compile)
     eager, compiled = (runs.get(f"{scale.model} {scale.dtype} {kind}") for kind in ("eager", "compiled"))
     report.check("bench", f"{scale.model}: compiled against eager", bench_compiled_vs_eager, eager, compiled)
+    comparison = compare_with_full_logits(scale, dist_env, data_dir)
+    report.details["bench_vs_full_logits"] = comparison
+    report.check("bench", f"{scale.model}: ours against the full-logits loss", bench_vs_full_logits, comparison,
+                 scale)
+    report.check("bench", f"{scale.model}: the loss's share of the step", bench_loss_share, comparison, scale)
+    config = bench.PRESETS[scale.model]
+    generation = bench.time_generation(config, dist_env.device, min(256, config.block_size - 16))
+    report.details["generation"] = generation
+    report.check("bench", f"{scale.model}: generation with the key/value cache", bench_generation, generation, scale)
+    for model in scale.bench_larger:
+        name = f"{model} {scale.dtype} compiled"
+        if time.perf_counter() - started > scale.stage_seconds / 2:
+            report.check("bench", name, lambda: ("not run: past half the stage's time budget", "", None))
+            continue
+        report.check("bench", f"{model}: --micro_batch_size auto", bench_micro_batch, model, scale, dist_env,
+                     micro_batches)
+        if model in micro_batches:
+            runs[name] = time_training_step(model, micro_batches[model], True, scale, dist_env, data_dir)
+            report.check("bench", name, bench_speed, runs[name], scale, True)
 
 
 def bench_micro_batch(model: str, scale: Scale, dist_env: Distributed, chosen: dict[str, int]) -> Result:
@@ -419,30 +448,83 @@ def bench_micro_batch(model: str, scale: Scale, dist_env: Distributed, chosen: d
     return f"micro-batch {chosen[model]} of T={scale.seq_len}", "≥ 1 sequence fits", chosen[model] >= 1
 
 
+def bench_workload(model: str, micro_batch: int, scale: Scale, dist_env: Distributed, data_dir: str | None,
+                   steps: int, warmup: int, grad_accum_steps: int = 1, compile: bool = False) -> bench.Workload:
+    return bench.make_workload(bench.parse_args(
+        ["--model", model, "--seq_len", str(scale.seq_len), "--micro_batch_size", str(micro_batch), "--dtype",
+         scale.dtype, "--device", scale.device, "--steps", str(steps), "--warmup", str(warmup), "--grad_accum_steps",
+         str(grad_accum_steps)] + (["--compile"] if compile else []) + (["--data_dir", data_dir] if data_dir else [])),
+        dist_env)
+
+
 def time_training_step(model: str, micro_batch: int, compile: bool, scale: Scale, dist_env: Distributed,
-                       data_dir: str | None) -> dict:
-    args = bench.parse_args(["--model", model, "--seq_len", str(scale.seq_len), "--micro_batch_size",
-                             str(micro_batch), "--dtype", scale.dtype, "--device", scale.device, "--steps",
-                             str(scale.bench_steps), "--warmup", str(scale.bench_warmup)]
-                            + (["--data_dir", data_dir] if data_dir else []))
-    work = bench.make_workload(args, dist_env)
-    dtype = pick_dtype(scale.dtype, dist_env.device)
-    with tempfile.TemporaryDirectory(prefix="gpu_check_bench_") as tmp:
-        if data_dir is None:
-            bench.write_random_shard(tmp, work, work.plan.model_config.vocab_size)
-        result = bench.time_config_or_skip(work, data_dir or tmp, dtype, compile, False, scale.bench_steps,
-                                           scale.bench_warmup)
+                       data_dir: str) -> dict:
+    work = bench_workload(model, micro_batch, scale, dist_env, data_dir, scale.bench_steps, scale.bench_warmup)
+    result = bench.time_config_or_skip(work, data_dir, pick_dtype(scale.dtype, dist_env.device), compile, False,
+                                       scale.bench_steps, scale.bench_warmup)
     return result | {"micro_batch_size": micro_batch, "seq_len": scale.seq_len}
+
+
+def compare_with_full_logits(scale: Scale, dist_env: Distributed, data_dir: str) -> dict:
+    """bench.py --vs_full_logits at the issue's shape: 124M, B=64, T=1024, 8 micro-steps (524,288 tokens a step)."""
+    micro_batch, grad_accum_steps, steps, warmup, rounds = scale.vs_full_logits
+    work = bench_workload(scale.model, micro_batch, scale, dist_env, data_dir, steps, warmup, grad_accum_steps,
+                          scale.compile)
+    comparison = bench.compare_with_full_logits(work, data_dir, pick_dtype(scale.dtype, dist_env.device),
+                                                scale.compile, steps, warmup, rounds)
+    return comparison | {"micro_batch_size": micro_batch, "grad_accum_steps": grad_accum_steps}
 
 
 def bench_speed(run: dict, scale: Scale, compile: bool) -> Result:
     if "skipped" in run:
         return run["skipped"], "fits and runs", False
     floor = scale.mfu_floor if compile else scale.mfu_floor / 2
+    losses = run["losses"]
     return (f"B={run['micro_batch_size']}: {run['ms_per_step']:,.1f} ms/step, {run['tokens_per_sec']:,.0f} tokens/s, "
             f"MFU {run['mfu']:.1%} ({run['peak_source']}), peak memory {run['peak_memory_mib'] / 1024:,.1f} GiB, "
-            f"loss {run['loss']:.3f}", f"MFU ≥ {floor:.0%}, finite loss",
-            run["mfu"] >= floor and math.isfinite(run["loss"]))
+            f"loss {losses[0]:.3f} → {losses[-1]:.3f}", f"MFU ≥ {floor:.0%}, the loss falls",
+            run["mfu"] >= floor and loss_falls(losses))
+
+
+def loss_falls(losses: list[float]) -> bool:
+    """Finite, and the last step's below the first's: a diverged step (loss 51 where ln 50257 = 10.8) is no pass."""
+    return all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]
+
+
+def bench_vs_full_logits(comparison: dict, scale: Scale) -> Result:
+    pairs = [(theirs, ours) for theirs, ours in comparison["rounds"] if "skipped" not in theirs | ours]
+    if not pairs:
+        return "; ".join(run["skipped"] for run in comparison["rounds"][0] if "skipped" in run), "runs", False
+    mfu = statistics.median(ours["mfu"] for _, ours in pairs)
+    memory = comparison["memory_ratio"]
+    figure = (f"{comparison['speed_ratio']:.3f}× the tokens/s (" + ", ".join(
+        f"{ours['tokens_per_sec']:,.0f} vs {theirs['tokens_per_sec']:,.0f}" for theirs, ours in pairs) + ")"
+              + (f", {memory:.2f}× the peak memory ({pairs[0][1]['peak_memory_mib'] / 1024:,.1f} vs "
+                 f"{pairs[0][0]['peak_memory_mib'] / 1024:,.1f} GiB)" if memory is not None else "")
+              + f", MFU {mfu:.1%}, B={comparison['micro_batch_size']} × {comparison['grad_accum_steps']} micro-steps")
+    trends = all(loss_falls(run["losses"]) for pair in pairs for run in pair)
+    if scale.vs_full_logits_goal is None:
+        return figure, "runs, the loss falls (not judged on a CPU)", trends
+    speed, memory_bound, mfu_floor = scale.vs_full_logits_goal
+    return (figure, f"≥ {speed}× the tokens/s, ≤ {memory_bound}× the peak memory, MFU ≥ {mfu_floor:.0%}, the loss "
+            "falls", comparison["speed_ratio"] >= speed and memory <= memory_bound and mfu >= mfu_floor and trends)
+
+
+def bench_loss_share(comparison: dict, scale: Scale) -> Result:
+    ms, share = comparison["loss_ms"], comparison["loss_share"]
+    figure = (f"forward + backward of one micro-batch: {ms['ours']:.1f} ms ours, {ms['full_logits']:.1f} ms full "
+              "logits" + (f"; {share:.1%} of our step" if share is not None else ""))
+    if scale.vs_full_logits_goal is None:  # a tiny model's loss on a CPU says nothing about a GPU's
+        return figure, "runs (not judged on a CPU)", True
+    return figure, "ours ≤ the full-logits loss's time", ms["ours"] <= ms["full_logits"]
+
+
+def bench_generation(generation: dict, scale: Scale) -> Result:
+    speed = generation["tokens_per_sec"]
+    return (f"{speed['with_cache']:,.0f} tokens/s with the cache, {speed['without_cache']:,.0f} without "
+            f"({generation['speedup']:.1f}×); same tokens: {generation['same_tokens']}",
+            f"≥ {scale.generation_floor:,.0f} tokens/s and ≥ without the cache",
+            speed["with_cache"] >= max(scale.generation_floor, speed["without_cache"]))
 
 
 def bench_compiled_vs_eager(eager: dict | None, compiled: dict | None) -> Result:

@@ -12,7 +12,7 @@ from helpers_train import run_train, train_env
 from model import GPT, PRESETS
 
 RUN_KEYS = {"name", "dtype", "compile", "ms_per_step", "optimizer_ms", "tokens_per_sec", "tflops", "peak_tflops",
-            "mfu", "peak_source", "peak_memory_mib", "data_wait", "loss"}
+            "mfu", "peak_source", "peak_memory_mib", "data_wait", "loss", "losses"}
 REPORT_KEYS = {"device", "world_size", "model", "n_layer", "n_head", "n_embd", "parameters", "micro_batch_size",
                "seq_len", "grad_accum_steps", "tokens_per_step", "flops_per_token", "runs", "speedup", "memory",
                "load_average", "cpu_count"}
@@ -40,6 +40,44 @@ def test_bench_compare_prints_one_json_object_with_the_documented_keys():
         assert 0 < run["optimizer_ms"] < run["ms_per_step"]
         assert 10.0 < run["loss"] < 11.5  # about ln(50257) = 10.8 for an untrained model
     assert report["speedup"] == pytest.approx(configured["tokens_per_sec"] / baseline["tokens_per_sec"])
+
+
+@pytest.mark.slow  # a few seconds
+def test_bench_times_ours_against_the_full_logits_loss_and_generation_with_and_without_the_cache():
+    command = [sys.executable, str(ROOT / "bench.py"), "--model", "tiny", "--device", "cpu", "--micro_batch_size",
+               "2", "--seq_len", "16", "--steps", "2", "--warmup", "0", "--vs_full_logits", "--rounds", "2",
+               "--generation", "--new_tokens", "8", "--dtype", "fp32", "--json"]
+    proc = subprocess.run(command, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    full_logits, generation = report["full_logits"], report["generation"]
+    rounds = full_logits["rounds"]
+    assert [[run["name"] for run in pair] for pair in rounds] == [["fp32 eager, full logits", "fp32 eager"]] * 2
+    ratios = [ours["tokens_per_sec"] / theirs["tokens_per_sec"] for theirs, ours in rounds]
+    assert full_logits["speed_ratio"] == pytest.approx(sum(ratios) / 2)  # the median of two
+    assert full_logits["memory_ratio"] is None  # a CPU's peak resident memory never goes down
+    assert full_logits["loss_ms"]["ours"] > 0 and full_logits["loss_ms"]["full_logits"] > 0
+    assert 0 < full_logits["loss_share"] < 1
+    assert all(len(run["losses"]) == 2 for pair in rounds for run in pair)
+    assert set(generation["tokens_per_sec"]) == {"with_cache", "without_cache"} and generation["same_tokens"]
+    assert generation["speedup"] == pytest.approx(generation["tokens_per_sec"]["with_cache"]
+                                                  / generation["tokens_per_sec"]["without_cache"])
+
+
+def test_the_full_logits_baseline_is_cross_entropy_over_every_padded_column():
+    from bench import FullLogitsGPT
+
+    torch.manual_seed(0)
+    config = PRESETS["tiny"]
+    baseline = FullLogitsGPT(config)
+    idx = torch.randint(0, config.vocab_size, (2, 8))
+    _, loss = baseline(idx, idx)
+    hidden = {}
+    baseline.transformer.ln_f.register_forward_hook(lambda module, args, out: hidden.setdefault("x", out))
+    baseline(idx)
+    logits = hidden["x"] @ baseline.lm_head.weight.t()  # 50,304 columns, as build-nanogpt's padded vocabulary
+    assert logits.shape[-1] == config.padded_vocab_size
+    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx.flatten()))
 
 
 @pytest.mark.slow
@@ -72,10 +110,10 @@ def test_a_configuration_that_runs_out_of_memory_is_reported_and_the_rest_still_
 
     real_time_config = bench.time_config
 
-    def baseline_out_of_memory(work, data_dir, dtype, compile, plain, steps, warmup):
+    def baseline_out_of_memory(work, data_dir, dtype, compile, plain, steps, warmup, full_logits=False):
         if plain:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.28 GiB")
-        return real_time_config(work, data_dir, dtype, compile, plain, steps, warmup)
+        return real_time_config(work, data_dir, dtype, compile, plain, steps, warmup, full_logits)
 
     monkeypatch.setattr(bench, "time_config", baseline_out_of_memory)
     args = bench.parse_args(["--model", "tiny", "--device", "cpu", "--micro_batch_size", "2", "--seq_len", "16",

@@ -105,7 +105,9 @@ def test_cpu_smoke_runs_every_stage_and_reports_a_verdict_per_check(tmp_path, gp
     for key in [("tests", "test_a_torchrun_run_trains_like_the_plain_run"),
                 ("tests", "test_chunked_loss_and_every_gradient_match_full_logits_cross_entropy[fp16]"),
                 ("train", "the loss falls"), ("train", "samples"), ("train", "speed"),
-                ("bench", "tiny fp32 eager"), ("bench", "wall time")]:
+                ("bench", "tiny fp32 eager"), ("bench", "tiny: ours against the full-logits loss"),
+                ("bench", "tiny: the loss's share of the step"), ("bench", "tiny: generation with the key/value cache"),
+                ("bench", "wall time")]:
         assert rows[key]["verdict"] == "PASS", rows.get(key)
     # What is skipped on a CPU is skipped for a stated reason: compilation (minutes here), and HellaSwag without data.
     skipped = {name for (stage, name), r in rows.items() if r["verdict"] == "SKIP"}
