@@ -40,7 +40,8 @@ largest_micro_batch: per --memory_gb, the largest that fits with 10 % headroom),
 1-minute load before and after) and cpu_count; with --vs_full_logits, full_logits (rounds: [baseline, ours] runs per
 round; speed_ratio and memory_ratio: ours over the baseline, medians over the rounds, memory null on a CPU; loss_ms:
 the loss's forward + backward on one micro-batch, both ways; loss_share: its share of our step); with --generation,
-generation (new_tokens, tokens_per_sec with_cache and without_cache, speedup, same_tokens). peak_memory_mib is
+generation (new_tokens, tokens_per_sec with_cache and without_cache, decode_tokens_per_sec, speedup,
+same_tokens). peak_memory_mib is
 CUDA's max_memory_allocated, or on a CPU the process's peak resident memory (which never goes down, so a later
 run's includes the earlier's). data_wait is the share of step time spent in the data loader; optimizer_ms the time
 of the optimizer step(s) within a step (--optimizer muon: Muon's, with its Newton–Schulz iterations, and AdamW's
@@ -262,16 +263,18 @@ def compare_with_full_logits(work: Workload, data_dir: str, dtype: torch.dtype, 
             "loss_share": loss_ms["ours"] * work.plan.grad_accum_steps / ours_step_ms if ours_step_ms else None}
 
 
-def time_loss(work: Workload, dtype: torch.dtype, compile: bool, full_logits: bool, repeats: int = 5) -> float:
+def time_loss(work: Workload, dtype: torch.dtype, compile: bool, full_logits: bool, repeats: int = 5,
+              chunk_tokens: int | None = None) -> float:
     """Milliseconds of the loss's forward + backward on one micro-batch of final hidden states (median of repeats,
-    after 2 untimed calls): ours, or build-nanogpt's full logits and cross-entropy."""
+    after 2 untimed calls): ours (in chunks of chunk_tokens; None: the device's), or build-nanogpt's full logits and
+    cross-entropy."""
     device, config = work.dist_env.device, work.plan.model_config
     tokens = work.cfg.micro_batch_size * work.plan.seq_len
     g = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, config.n_embd, generator=g).to(device).requires_grad_()
     weight = (0.02 * torch.randn(config.padded_vocab_size, config.n_embd, generator=g)).to(device).requires_grad_()
     targets = torch.randint(0, config.vocab_size, (tokens,), generator=g).to(device)
-    chunk_tokens = loss_chunk_tokens(device)
+    chunk_tokens = chunk_tokens or loss_chunk_tokens(device)
 
     def loss_fn(x, weight, targets):
         if full_logits:
@@ -294,21 +297,30 @@ def time_loss(work: Workload, dtype: torch.dtype, compile: bool, full_logits: bo
 
 def time_generation(config: GPTConfig, device: torch.device, new_tokens: int, prompt_tokens: int = 16) -> dict:
     """Tokens/s of GPT.generate and of a whole-context forward per token (one sample, top-k 50, the same seed), and
-    whether they gave the same tokens."""
+    whether they gave the same tokens. With the cache, also the tokens/s of the steps after the second token: what is
+    left once the prompt is read and (on CUDA) the decode step captured, costs that a longer generation amortises."""
     torch.manual_seed(0)
     model = GPT(config).to(device).eval()
     idx = torch.randint(0, config.vocab_size, (1, prompt_tokens), device=device)
-    runs = {"with_cache": lambda g: model.generate(idx, new_tokens, 1.0, 50, generator=g),
-            "without_cache": lambda g: generate_without_cache(model, idx, new_tokens, 50, g)}
-    outputs, tokens_per_sec = {}, {}
-    for name, run in runs.items():
-        run(torch.Generator(device=device).manual_seed(42))  # untimed: CUDA's kernels load at their first call
+
+    def timed(run, n: int) -> tuple[torch.Tensor, float]:
         synchronize(device)
         t0 = time.perf_counter()
-        outputs[name] = run(torch.Generator(device=device).manual_seed(42))
+        out = run(n, torch.Generator(device=device).manual_seed(42))
         synchronize(device)
-        tokens_per_sec[name] = new_tokens / (time.perf_counter() - t0)
-    return {"new_tokens": new_tokens, "tokens_per_sec": tokens_per_sec,
+        return out, time.perf_counter() - t0
+
+    runs = {"with_cache": lambda n, g: model.generate(idx, n, 1.0, 50, generator=g),
+            "without_cache": lambda n, g: generate_without_cache(model, idx, n, 50, g)}
+    outputs, tokens_per_sec = {}, {}
+    for name, run in runs.items():
+        timed(run, 2)  # untimed: CUDA's kernels load at their first call
+        outputs[name], seconds = timed(run, new_tokens)
+        tokens_per_sec[name] = new_tokens / seconds
+        if name == "with_cache":
+            _, first_two = timed(run, 2)
+            decode_tokens_per_sec = (new_tokens - 2) / (seconds - first_two)
+    return {"new_tokens": new_tokens, "tokens_per_sec": tokens_per_sec, "decode_tokens_per_sec": decode_tokens_per_sec,
             "speedup": tokens_per_sec["with_cache"] / tokens_per_sec["without_cache"],
             "same_tokens": torch.equal(outputs["with_cache"], outputs["without_cache"])}
 
@@ -398,8 +410,9 @@ def format_report(report: dict, args: argparse.Namespace) -> str:
     if "generation" in r:
         g = r["generation"]
         lines.append(f"generation, {g['new_tokens']} tokens: {g['tokens_per_sec']['with_cache']:,.1f} tokens/s with "
-                     f"the cache, {g['tokens_per_sec']['without_cache']:,.1f} without ({g['speedup']:.1f}x), same "
-                     f"tokens: {g['same_tokens']}")
+                     f"the cache ({g['decode_tokens_per_sec']:,.1f} past the second token), "
+                     f"{g['tokens_per_sec']['without_cache']:,.1f} without ({g['speedup']:.1f}x), same tokens: "
+                     f"{g['same_tokens']}")
     m = r["memory"]
     fits = " | ".join(f"{gb} GiB: {b}" for gb, b in m["largest_micro_batch"].items())
     lines.append(f"memory: model state {m['state_bytes'] / GiB:.2f} GiB (weights, gradients, AdamW moments) + "

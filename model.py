@@ -96,17 +96,18 @@ def _cross_entropy_chunk(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor
     until the next chunk's logits had been allocated, two chunks at once."""
     # The matmul runs at the padded width, a multiple of 128, where GPUs have their fastest kernels (at 50,257 an
     # H100 falls back to an older, slower one); the padding columns get no probability, so neither loss nor gradient.
-    logits = (x @ w.t()).float()  # (n, padded_vocab)
-    logits[:, vocab_size:] = float("-inf")
+    # Written without in-place ops, so that torch.compile fuses the rest into two passes over the logits in the
+    # matmul's dtype (the log-sum-exp, then the gradient), with no fp32 copy of them in memory.
+    columns = torch.arange(w.size(0), device=x.device)
+    logits = (x @ w.t()).float().masked_fill(columns >= vocab_size, float("-inf"))  # (n, padded_vocab)
     lse = torch.logsumexp(logits, dim=1)  # (n,)
     loss_sum = (lse - logits.gather(1, targets[:, None]).squeeze(1)).sum()
     if grads is not None:
         grad_x, grad_w = grads
-        # The mean's 1/N and grad_output are applied in fp32 in backward, not here: divided by N first, the small
-        # probabilities would underflow in fp16 before the GradScaler's scale could lift them.
-        probs = logits.sub_(lse[:, None]).exp_()  # in place: the logits are not needed any more
-        probs[torch.arange(len(targets), device=probs.device), targets] -= 1.0
-        grad_logits = probs.to(x.dtype)  # the backward matmuls run in the autocast dtype, as nn.Linear's would
+        # d loss / d logits = softmax − one_hot(target). The mean's 1/N and grad_output are applied in fp32 in
+        # backward, not here: divided by N first, the small probabilities would underflow in fp16 before the
+        # GradScaler's scale could lift them. The backward matmuls run in the autocast dtype, as nn.Linear's would.
+        grad_logits = (torch.exp(logits - lse[:, None]) - (columns == targets[:, None]).float()).to(x.dtype)
         grad_x.copy_(grad_logits @ w)
         grad_w += grad_logits.t() @ x  # summed over chunks in fp32 (the add reads the product as it is: no copy)
     return loss_sum
