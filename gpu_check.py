@@ -23,6 +23,7 @@ FAIL or SKIP (with the reason). Exit status 0 when nothing failed, 1 when someth
 """
 
 import argparse
+import ast
 import importlib.util
 import json
 import math
@@ -360,12 +361,21 @@ def train_hellaswag(run: TrainRun, scale: Scale) -> Result:
             bool(accuracy) and all(low <= acc <= high for _, acc in accuracy))
 
 
+SAMPLE_PROMPT = "Hello, I'm a language model,"  # train_gpt2.py's (Evaluations.run_due)
+
+
+def printed_samples(output: str) -> list[str]:
+    """The texts of a run's `sample {step}: {text!r}` lines. Read back from their repr, not searched as printed:
+    a text holding both ' and " is printed in single quotes with its ' escaped, as 'Hello, I\\'m a ...'."""
+    return [ast.literal_eval(match.group(1)) for match in re.finditer(r"^sample \d+: (.*)$", output, re.MULTILINE)]
+
+
 def train_samples(run: TrainRun, scale: Scale) -> Result:
     if not run.samples:
         return f"not run: {run.skip_reason}", "", None
-    samples = [line for line in run.output.splitlines() if re.match(r"sample \d+: ", line)]
-    return (f"{len(samples)} decoded" + (f", e.g. {first_line(samples[-1], 120)}" if samples else ""),
-            "≥ 4, each starting with the prompt", len(samples) >= 4 and all("Hello, I'm a language model," in s
+    samples = printed_samples(run.output)
+    return (f"{len(samples)} decoded" + (f", e.g. {first_line(repr(samples[-1]), 120)}" if samples else ""),
+            "≥ 4, each starting with the prompt", len(samples) >= 4 and all(s.startswith(SAMPLE_PROMPT)
                                                                             for s in samples))
 
 
