@@ -455,13 +455,23 @@ def bench_speed(run: dict, scale: Scale, compile: bool) -> Result:
             run["mfu"] >= floor and math.isfinite(run["loss"]))
 
 
+# Compiled against eager, with room for noise only. Speed: each figure is the median of bench_steps steps, and two
+# measurements of the same step on one GPU still differ by a few percent (clocks, heat, what ran before), so a
+# compiled step is judged slower only below 0.95× eager's tokens/s. Memory: two runs of the same step differ by
+# cuBLAS's workspaces, the allocator's rounding and, in the compiled run's first step, Inductor's autotuning copies;
+# 1.05× covers those, while a compiled step that keeps more activations than eager's (issue 30) exceeds it.
+COMPILED_MIN_SPEEDUP = 0.95
+COMPILED_MAX_MEMORY = 1.05
+
+
 def bench_compiled_vs_eager(eager: dict | None, compiled: dict | None) -> Result:
     if not eager or not compiled or "skipped" in eager or "skipped" in compiled:
         return "not run: needs both an eager and a compiled measurement", "", None
     speedup = compiled["tokens_per_sec"] / eager["tokens_per_sec"]
     memory = compiled["peak_memory_mib"] / eager["peak_memory_mib"]
-    return (f"{speedup:.2f}× the tokens/s, {memory:.2f}× the peak memory", "≥ 1× as fast, ≤ 1× the memory",
-            speedup >= 1.0 and memory <= 1.0)
+    return (f"{speedup:.2f}× the tokens/s, {memory:.2f}× the peak memory",
+            f"≥ {COMPILED_MIN_SPEEDUP:g}× as fast, ≤ {COMPILED_MAX_MEMORY:g}× the memory (eager's, within noise)",
+            speedup >= COMPILED_MIN_SPEEDUP and memory <= COMPILED_MAX_MEMORY)
 
 
 STAGE_RUNNERS = {"tests": tests_stage, "train": train_stage, "bench": bench_stage}

@@ -114,6 +114,17 @@ def test_samples_holding_both_quotes_pass_and_one_without_the_prompt_fails(monke
     assert gpu_check.train_samples(run, gpu_check.GPU)[2] is False
 
 
+def test_compiled_against_eager_passes_within_noise_and_fails_beyond_it():
+    def verdict(speedup: float, memory: float) -> bool | None:
+        eager = {"tokens_per_sec": 1_000_000.0, "peak_memory_mib": 40_000.0}
+        compiled = {"tokens_per_sec": speedup * 1_000_000.0, "peak_memory_mib": memory * 40_000.0}
+        return gpu_check.bench_compiled_vs_eager(eager, compiled)[2]
+
+    assert verdict(1.3, 0.8) and verdict(0.97, 1.03)  # faster and leaner, or equal within noise
+    assert verdict(0.9, 1.0) is False and verdict(1.3, 1.1) is False
+    assert gpu_check.bench_compiled_vs_eager({"skipped": "out of memory"}, {})[2] is None
+
+
 @pytest.mark.slow
 def test_cpu_smoke_runs_every_stage_and_reports_a_verdict_per_check(tmp_path, gpt2_encoding):
     # gpt2_encoding: the samples need the tokenizer's offline cache. About 1 min on 2 idle cores, most of it the

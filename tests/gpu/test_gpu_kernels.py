@@ -136,6 +136,9 @@ def train_in_process(device: torch.device, data_dir, compile: bool, steps: int, 
     return losses, peak_mib
 
 
+PEAK_MEMORY_TOLERANCE = 1.05  # compiled ≤ this × eager's peak (see the test)
+
+
 def test_compiled_training_matches_eager_over_20_steps_with_no_more_peak_memory(gpu_device, gpu_compile, tmp_path):
     if not gpu_compile:
         pytest.skip("torch.compile takes minutes on a CPU; GPU_TESTS_COMPILE=1 runs it here too")
@@ -146,13 +149,18 @@ def test_compiled_training_matches_eager_over_20_steps_with_no_more_peak_memory(
     eager, eager_peak = train_in_process(gpu_device, tmp_path, False, 20, config, B, T)
     compiled, compiled_peak = train_in_process(gpu_device, tmp_path, True, 20, config, B, T)
 
+    ratio = f" ({compiled_peak / eager_peak:.3f}×, bound ≤ {PEAK_MEMORY_TOLERANCE}×)" if eager_peak else ""
     print(f"losses eager {eager[0]:.4f} -> {eager[-1]:.4f}, compiled {compiled[0]:.4f} -> {compiled[-1]:.4f}; "
           f"max |difference| {max(abs(a - b) for a, b in zip(eager, compiled)):.4f}; peak memory eager "
-          f"{eager_peak:,.0f} MiB, compiled {compiled_peak:,.0f} MiB")
+          f"{eager_peak:,.0f} MiB, compiled {compiled_peak:,.0f} MiB{ratio}")
     assert eager[-1] < eager[0] - 1.0  # it learns
     # Inductor's fused kernels round differently from eager's in bf16, so not bit for bit; a wrong graph is far off.
     assert all(abs(a - b) < 0.05 for a, b in zip(eager, compiled))
-    assert compiled_peak <= eager_peak
+    # Peaks of two runs of the same steps are not equal to the byte: the compiled run's first step may also hold
+    # Inductor's autotuning copies of its kernels' inputs, and cuBLAS's workspaces and the allocator's block rounding
+    # differ between the runs. 5 % of the peak is room for those, not for a compiled step that keeps more of its
+    # activations than eager's (issue 30) exceeds it. (0 on the CPU: not measured.)
+    assert compiled_peak <= PEAK_MEMORY_TOLERANCE * eager_peak
 
 
 def test_a_ddp_step_over_nccl_equals_the_plain_step(gpu_device, tmp_path):
