@@ -26,6 +26,7 @@ FAIL or SKIP (with the reason). Exit status 0 when nothing failed, 1 when someth
 """
 
 import argparse
+import ast
 import importlib.util
 import json
 import math
@@ -370,12 +371,21 @@ def train_hellaswag(run: TrainRun, scale: Scale) -> Result:
             bool(accuracy) and all(low <= acc <= high for _, acc in accuracy))
 
 
+SAMPLE_PROMPT = "Hello, I'm a language model,"  # train_gpt2.py's (Evaluations.run_due)
+
+
+def printed_samples(output: str) -> list[str]:
+    """The texts of a run's `sample {step}: {text!r}` lines. Read back from their repr, not searched as printed:
+    a text holding both ' and " is printed in single quotes with its ' escaped, as 'Hello, I\\'m a ...'."""
+    return [ast.literal_eval(match.group(1)) for match in re.finditer(r"^sample \d+: (.*)$", output, re.MULTILINE)]
+
+
 def train_samples(run: TrainRun, scale: Scale) -> Result:
     if not run.samples:
         return f"not run: {run.skip_reason}", "", None
-    samples = [line for line in run.output.splitlines() if re.match(r"sample \d+: ", line)]
-    return (f"{len(samples)} decoded" + (f", e.g. {first_line(samples[-1], 120)}" if samples else ""),
-            "≥ 4, each starting with the prompt", len(samples) >= 4 and all("Hello, I'm a language model," in s
+    samples = printed_samples(run.output)
+    return (f"{len(samples)} decoded" + (f", e.g. {first_line(repr(samples[-1]), 120)}" if samples else ""),
+            "≥ 4, each starting with the prompt", len(samples) >= 4 and all(s.startswith(SAMPLE_PROMPT)
                                                                             for s in samples))
 
 
@@ -528,13 +538,23 @@ def bench_generation(generation: dict, scale: Scale) -> Result:
             speed["with_cache"] >= max(scale.generation_floor, speed["without_cache"]))
 
 
+# Compiled against eager, with room for noise only. Speed: each figure is the median of bench_steps steps, and two
+# measurements of the same step on one GPU still differ by a few percent (clocks, heat, what ran before), so a
+# compiled step is judged slower only below 0.95× eager's tokens/s. Memory: two runs of the same step differ by
+# cuBLAS's workspaces, the allocator's rounding and, in the compiled run's first step, Inductor's autotuning copies;
+# 1.05× covers those, while a compiled step that keeps more activations than eager's (issue 30) exceeds it.
+COMPILED_MIN_SPEEDUP = 0.95
+COMPILED_MAX_MEMORY = 1.05
+
+
 def bench_compiled_vs_eager(eager: dict | None, compiled: dict | None) -> Result:
     if not eager or not compiled or "skipped" in eager or "skipped" in compiled:
         return "not run: needs both an eager and a compiled measurement", "", None
     speedup = compiled["tokens_per_sec"] / eager["tokens_per_sec"]
     memory = compiled["peak_memory_mib"] / eager["peak_memory_mib"]
-    return (f"{speedup:.2f}× the tokens/s, {memory:.2f}× the peak memory", "≥ 1× as fast, ≤ 1× the memory",
-            speedup >= 1.0 and memory <= 1.0)
+    return (f"{speedup:.2f}× the tokens/s, {memory:.2f}× the peak memory",
+            f"≥ {COMPILED_MIN_SPEEDUP:g}× as fast, ≤ {COMPILED_MAX_MEMORY:g}× the memory (eager's, within noise)",
+            speedup >= COMPILED_MIN_SPEEDUP and memory <= COMPILED_MAX_MEMORY)
 
 
 STAGE_RUNNERS = {"tests": tests_stage, "train": train_stage, "bench": bench_stage}

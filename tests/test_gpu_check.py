@@ -13,7 +13,9 @@ import pytest
 import torch
 
 import gpu_check
+from config import TrainConfig
 from conftest import ROOT, SHARED_DATA
+from distributed import Distributed
 from gpu_check import Report, Scale, junit_row
 from helpers_train import train_env
 
@@ -80,6 +82,47 @@ def test_the_gpu_scale_is_the_124m_recipe_shortened():
     gpu: Scale = gpu_check.GPU
     assert (gpu.model, gpu.seq_len, gpu.dtype, gpu.compile, gpu.train_steps) == ("gpt2", 1024, "bf16", True, 300)
     assert gpu.max_lr == 6e-4 and gpu.bench_sequences * gpu.seq_len == 524_288  # the recipe's LR and batch
+
+
+def printed_by_a_run(texts: list[str], monkeypatch, capsys) -> str:
+    """What train_gpt2.py prints when it samples these texts at step 100 (its own Evaluations.run_due)."""
+    import train_gpt2
+    monkeypatch.setattr(train_gpt2, "generate_text", lambda *args, **kwargs: texts)
+    cfg = TrainConfig(sample_every=100, val_every=0)
+    trained = types.SimpleNamespace(full_model=lambda: None)
+    logger = types.SimpleNamespace(log_samples=lambda step, texts: None)
+    evaluations = train_gpt2.Evaluations(cfg, None, trained, None, None, logger, types.SimpleNamespace(requested=False),
+                                         Distributed(0, 0, 1, torch.device("cpu")), torch.float32)
+    capsys.readouterr()
+    assert evaluations.run_due(100, 200)
+    return "step   100 | loss 6.1\n" + capsys.readouterr().out
+
+
+def test_samples_holding_both_quotes_pass_and_one_without_the_prompt_fails(monkeypatch, capsys):
+    # repr() prints a text holding both ' and " in single quotes with its ' escaped: 'Hello, I\'m a language model,
+    # ... "'. The check searched the printed line for the prompt, so on the H100 it failed such samples (issue 30).
+    prompt = gpu_check.SAMPLE_PROMPT
+    texts = [prompt + ' and I said "hi".', prompt + " plain", prompt + "\n\tnew line", prompt + ' "quoted" it\'s']
+    run = gpu_check.TrainRun(0, [], printed_by_a_run(texts, monkeypatch, capsys), hellaswag=False, samples=True,
+                             skip_reason="")
+    assert "I\\'m a language model" in run.output  # the escaped form this is about
+    assert gpu_check.printed_samples(run.output) == texts
+    figure, bound, passed = gpu_check.train_samples(run, gpu_check.GPU)
+    assert passed and figure.startswith("4 decoded") and bound == "≥ 4, each starting with the prompt"
+    # The prompt elsewhere than at the start is not a sample of it.
+    run.output += printed_by_a_run(["Goodbye. " + prompt], monkeypatch, capsys)
+    assert gpu_check.train_samples(run, gpu_check.GPU)[2] is False
+
+
+def test_compiled_against_eager_passes_within_noise_and_fails_beyond_it():
+    def verdict(speedup: float, memory: float) -> bool | None:
+        eager = {"tokens_per_sec": 1_000_000.0, "peak_memory_mib": 40_000.0}
+        compiled = {"tokens_per_sec": speedup * 1_000_000.0, "peak_memory_mib": memory * 40_000.0}
+        return gpu_check.bench_compiled_vs_eager(eager, compiled)[2]
+
+    assert verdict(1.3, 0.8) and verdict(0.97, 1.03)  # faster and leaner, or equal within noise
+    assert verdict(0.9, 1.0) is False and verdict(1.3, 1.1) is False
+    assert gpu_check.bench_compiled_vs_eager({"skipped": "out of memory"}, {})[2] is None
 
 
 @pytest.mark.slow

@@ -1,13 +1,16 @@
 """The GPU kernels against plain references, in one process: the chunked loss against F.cross_entropy on the full
 logits (fp32, bf16, fp16 with a GradScaler), flash attention in bf16, compiled training against eager (losses and
-peak memory), and a DDP step over NCCL against the plain step.
+peak memory), a DDP step over NCCL against the plain step, validation's bits per byte against the decoded targets'
+bytes, and greedy generation with the KV cache against argmax of full forwards (fp32 and bf16).
 
 Run by gpu_check.py's tests stage on a CUDA GPU, at GPT-2's vocabulary and width; skipped without CUDA, except under
 GPU_TESTS_DEVICE=cpu (gpu_check.py --cpu-smoke), where the same bodies run on the CPU at a tiny size.
 """
 
 import gc
+import math
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,12 +20,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from config import TrainConfig
 from conftest import make_shards, perturb_
-from dataloader import DistributedDataLoader
+from dataloader import DistributedDataLoader, write_shard
 from distributed import Distributed
 from model import GPT, PRESETS, GPTConfig
 from parallel import build_model
 from precision import DTYPES, autocast
 from training import train_step
+from validation import validation_loss
 
 pytestmark = pytest.mark.gpu
 
@@ -136,6 +140,9 @@ def train_in_process(device: torch.device, data_dir, compile: bool, steps: int, 
     return losses, peak_mib
 
 
+PEAK_MEMORY_TOLERANCE = 1.05  # compiled ≤ this × eager's peak (see the test)
+
+
 def test_compiled_training_matches_eager_over_20_steps_with_no_more_peak_memory(gpu_device, gpu_compile, tmp_path):
     if not gpu_compile:
         pytest.skip("torch.compile takes minutes on a CPU; GPU_TESTS_COMPILE=1 runs it here too")
@@ -146,13 +153,18 @@ def test_compiled_training_matches_eager_over_20_steps_with_no_more_peak_memory(
     eager, eager_peak = train_in_process(gpu_device, tmp_path, False, 20, config, B, T)
     compiled, compiled_peak = train_in_process(gpu_device, tmp_path, True, 20, config, B, T)
 
+    ratio = f" ({compiled_peak / eager_peak:.3f}×, bound ≤ {PEAK_MEMORY_TOLERANCE}×)" if eager_peak else ""
     print(f"losses eager {eager[0]:.4f} -> {eager[-1]:.4f}, compiled {compiled[0]:.4f} -> {compiled[-1]:.4f}; "
           f"max |difference| {max(abs(a - b) for a, b in zip(eager, compiled)):.4f}; peak memory eager "
-          f"{eager_peak:,.0f} MiB, compiled {compiled_peak:,.0f} MiB")
+          f"{eager_peak:,.0f} MiB, compiled {compiled_peak:,.0f} MiB{ratio}")
     assert eager[-1] < eager[0] - 1.0  # it learns
     # Inductor's fused kernels round differently from eager's in bf16, so not bit for bit; a wrong graph is far off.
     assert all(abs(a - b) < 0.05 for a, b in zip(eager, compiled))
-    assert compiled_peak <= eager_peak
+    # Peaks of two runs of the same steps are not equal to the byte: the compiled run's first step may also hold
+    # Inductor's autotuning copies of its kernels' inputs, and cuBLAS's workspaces and the allocator's block rounding
+    # differ between the runs. 5 % of the peak is room for those, not for a compiled step that keeps more of its
+    # activations than eager's (issue 30) exceeds it. (0 on the CPU: not measured.)
+    assert compiled_peak <= PEAK_MEMORY_TOLERANCE * eager_peak
 
 
 def test_a_ddp_step_over_nccl_equals_the_plain_step(gpu_device, tmp_path):
@@ -177,3 +189,89 @@ def test_a_ddp_step_over_nccl_equals_the_plain_step(gpu_device, tmp_path):
           f"the plain steps {worst:.2e}")
     assert ddp[-1] < ddp[0] - 0.1  # the steps really update the weights
     assert worst < (1e-3 if cuda else 1e-6)
+
+
+def gpt2_encoding_or_skip():
+    try:
+        import tiktoken
+        return tiktoken.get_encoding("gpt2")
+    except Exception as e:  # no cache and no network: tiktoken's errors vary
+        pytest.skip(f"the GPT-2 tokenizer is not available offline ({type(e).__name__}); set TIKTOKEN_CACHE_DIR")
+
+
+def test_val_bpb_on_the_device_is_the_val_loss_in_bits_per_byte_of_the_decoded_targets(gpu_device, tmp_path):
+    enc = gpt2_encoding_or_skip()
+    cuda = gpu_device.type == "cuda"
+    config, B, T, steps = (PRESETS["small"], 8, 256, 4) if cuda else (PRESETS["tiny"], 2, 32, 3)
+    dtype_name = "bf16" if cuda else "fp32"
+    # Random GPT-2 tokens (1 to 16 bytes each) with an <|endoftext|> every 50: it marks a document boundary, so its
+    # loss counts and its bytes do not.
+    tokens = np.random.default_rng(0).integers(0, enc.eot_token, size=steps * B * T + 1)
+    tokens[::50] = enc.eot_token
+    write_shard(tmp_path / "test_val_000000.bin", tokens)
+    torch.manual_seed(0)
+    model = perturb_(GPT(config), 0.05).to(gpu_device)  # perturbed on the CPU: its generator is a CPU one
+    val = validation_loss(model, DistributedDataLoader(tmp_path, "val", B, T), steps, gpu_device, DTYPES[dtype_name])
+
+    # Independently: the full logits under the same autocast, their cross-entropy summed over the targets, and the
+    # UTF-8 bytes tiktoken decodes the targets to.
+    loader, nats, num_bytes, num_tokens = DistributedDataLoader(tmp_path, "val", B, T), 0.0, 0, 0
+    with torch.no_grad():
+        for _ in range(steps):
+            x, y = loader.next_batch()
+            with autocast(gpu_device, DTYPES[dtype_name]):
+                logits, _ = model(x.to(gpu_device))
+            nats += F.cross_entropy(logits.flatten(0, 1).float(), y.flatten().to(gpu_device), reduction="sum").item()
+            num_bytes += len(enc.decode_bytes([t for t in y.flatten().tolist() if t != enc.eot_token]))
+            num_tokens += y.numel()
+    independent = nats / math.log(2) / num_bytes
+    print(f"{dtype_name}: val loss {val.loss:.5f} vs {nats / num_tokens:.5f}; val bpb {val.bpb:.5f} vs "
+          f"{independent:.5f} ({num_bytes / num_tokens:.2f} bytes a token)")
+    loss_tol = TOLERANCE[dtype_name][0]  # the chunked loss against the full logits' (see above)
+    assert val.loss == pytest.approx(nats / num_tokens, rel=loss_tol)
+    # bpb = loss / ln 2 × tokens / bytes: exact but for the float32 division of the byte count
+    assert val.bpb == pytest.approx(val.loss / math.log(2) * num_tokens / num_bytes, rel=1e-6)
+    assert val.bpb == pytest.approx(independent, rel=loss_tol)
+
+
+def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of bfloat16 numbers (8 significant bits) at |x|."""
+    return torch.exp2(torch.floor(torch.log2(x.abs())) - 7)
+
+
+@pytest.mark.parametrize("dtype_name", ["fp32", "bf16"])
+def test_greedy_generation_with_the_kv_cache_is_the_argmax_of_full_forwards_token_for_token(gpu_device, dtype_name):
+    # Past block_size the context window slides and the cache is refilled at every step: both paths are covered.
+    # GPU: GPT-2's vocabulary and a 64-token window; CPU: a tiny model.
+    if gpu_device.type == "cuda":
+        config, prompt_len, new_tokens = GPTConfig(block_size=64, n_layer=4, n_head=4, n_embd=256), 8, 80
+    else:
+        config, prompt_len, new_tokens = GPTConfig(block_size=16, vocab_size=97, n_layer=2, n_head=2, n_embd=32), 4, 24
+    torch.manual_seed(0)
+    model = perturb_(GPT(config), 0.1).to(gpu_device).eval()  # sharp attention, so wrong keys or positions show
+    prompt = torch.randint(0, config.vocab_size, (4, prompt_len), generator=torch.Generator().manual_seed(0))
+    dtype, block = DTYPES[dtype_name], config.block_size
+    with torch.no_grad(), autocast(gpu_device, dtype):
+        cached = model.generate(prompt.to(gpu_device), new_tokens, temperature=0)  # greedy, through the cache
+        # The reference, at each step: plain forward of the whole context the cache path had (its last block_size
+        # tokens), and its last position's logits.
+        full = torch.stack([model(cached[:, max(0, t - block):t])[0][:, -1].float()
+                            for t in range(prompt_len, prompt_len + new_tokens)], dim=1)  # (B, new_tokens, vocab)
+    assert torch.equal(cached[:, :prompt_len], prompt.to(gpu_device))
+    chose = cached[:, prompt_len:]
+    best = full.max(dim=-1).values
+    behind = best - full.gather(-1, chose.unsqueeze(-1)).squeeze(-1)  # 0 where the cache took the argmax
+    differ = (full.argmax(dim=-1) != chose) & (behind > 0)  # (an exact tie counts as taken)
+    print(f"{dtype_name}: {differ.sum().item()} of {chose.numel()} tokens not the full forward's argmax, the "
+          f"furthest {behind.max().item():.4f} behind it (bf16 spacing at the top logit: "
+          f"{bf16_ulp(best).max().item():.4f})")
+    if dtype_name == "fp32":
+        # Every token the argmax of the full forward over the cache's own context: by induction, greedy generation
+        # with full forwards gives the same tokens.
+        assert not differ.any()
+    else:
+        # bf16 rounds the two paths' logits apart by about one spacing of bf16 numbers (the cache path's attention
+        # reads keys computed by other kernels at other shapes), which can flip a near-tie. A choice off the argmax
+        # must be within 4 spacings of it, and rare: a wrong cache gives wrong tokens at most steps, far behind.
+        assert (behind <= 4 * bf16_ulp(best)).all()
+        assert differ.sum().item() <= 0.05 * chose.numel()

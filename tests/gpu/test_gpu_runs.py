@@ -1,24 +1,34 @@
 """Whole training runs on a GPU (train_gpt2.py as a subprocess, metrics.jsonl read back), each against an
 independent reference: a torchrun run and a --parallel fsdp run against the plain run, a resumed run against the
-uninterrupted one, --deterministic against itself; fp16 keeps a finite loss scale, --micro_batch_size auto picks a
-size that trains, and HellaSwag and sampling run inside a compiled run.
+uninterrupted one, --deterministic against itself, a --optimizer muon run's update against Muon in float64, a run
+rolled back after planted NaNs against a resume past the bad data, and evaluate.py against the val loss the run
+logged; fp16 keeps a finite loss scale, --micro_batch_size auto picks a size that trains, and HellaSwag and sampling
+run inside a compiled run.
 
 Run by gpu_check.py's tests stage on a CUDA GPU (the `small` preset, T=256); skipped without CUDA, except under
 GPU_TESTS_DEVICE=cpu (gpu_check.py --cpu-smoke), where the same runs take the tiny preset on the CPU.
 """
 
+import json
 import math
 import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import make_shards
-from helpers_train import TrainRun, run_train
-from snapshot import find_latest_snapshot, snapshot_path
+from config import TrainConfig
+from conftest import ROOT, make_shards
+from dataloader import DistributedDataLoader
+from gpu_check import SAMPLE_PROMPT, printed_samples
+from helpers_train import TrainRun, run_train, train_env
+from model import GPT, GPTConfig
+from optim import bf16_matmul_is_slow
+from snapshot import find_latest_snapshot, load_snapshot, save_snapshot, snapshot_path
 
 pytestmark = pytest.mark.gpu
 
@@ -161,7 +171,8 @@ def evaluated_run(job, gpu_compile, tmp_path_factory) -> TrainRun:
 def test_sampling_inside_a_compiled_run_decodes_text(evaluated_run):
     samples = [line for line in evaluated_run.output.splitlines() if line.startswith("sample 2:")]
     print("\n".join(samples))
-    assert len(samples) == 4 and all("Hello, I'm a language model," in s for s in samples)
+    texts = printed_samples("\n".join(samples))  # printed as repr: 'Hello, I\'m ...' where the text holds a "
+    assert len(texts) == 4 and all(text.startswith(SAMPLE_PROMPT) for text in texts)
     assert sorted(by_step(evaluated_run.records, "val_loss")) == [0, 2]
 
 
@@ -171,3 +182,144 @@ def test_hellaswag_inside_a_compiled_run_scores_a_slice(evaluated_run):
     accuracy = by_step(evaluated_run.records, "hellaswag_acc")
     print(f"HellaSwag acc_norm on 40 examples: {accuracy}")
     assert sorted(accuracy) == [0, 2] and all(0.0 <= a <= 1.0 for a in accuracy.values())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Muon, the divergence guards and evaluate.py on the device
+
+NEWTON_SCHULZ = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, 5 iterations: torch.optim.Muon's defaults
+
+
+def newton_schulz_float64(m: torch.Tensor) -> torch.Tensor:
+    """Muon's orthogonalisation of m, written out in float64: X = m / |m|_F, then 5 times X <- aX + (bA + cA²)X with
+    A = XXᵀ, on the wide orientation (rows ≤ columns)."""
+    a, b, c = NEWTON_SCHULZ
+    tall = m.size(0) > m.size(1)
+    x = m.double().T if tall else m.double()
+    x = x / x.norm()
+    for _ in range(5):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
+def test_a_muon_run_learns_and_its_last_update_is_muons_computed_in_float64(job, gpu_compile, tmp_path):
+    """--optimizer muon in bf16, compiled (on the CPU: fp32, eager unless GPU_TESTS_COMPILE=1). The block matrices'
+    last update, read from the snapshots of steps 6 and 7, against Muon in float64 from the run's own momentum
+    buffers: the Nesterov step, Newton-Schulz, the LR schedule's floor, the per-shape scaling."""
+    muon_lr = 0.02
+    dtype = "bf16" if job.device.type == "cuda" else "fp32"
+    run = run_train([*job.args, "--optimizer", "muon", "--muon_lr", str(muon_lr), "--dtype", dtype,
+                     "--ckpt_every", str(LAST_STEP), "--keep_last", "2", *(["--compile"] if gpu_compile else [])],
+                    tmp_path, timeout=600)
+    losses = by_step(run.records, "loss")
+    assert sorted(losses) == list(range(LAST_STEP + 1)) and not any(r.get("skipped") for r in run.train)
+    before, after = (load_snapshot(snapshot_path(tmp_path, step)) for step in (LAST_STEP - 1, LAST_STEP))
+
+    cfg = TrainConfig()  # the Muon flags the run left at their defaults
+    lr = muon_lr * cfg.min_lr_ratio  # the schedule's last step: its floor, Muon's LR scaled by muon_lr / max_lr
+    assert [g["lr"] for g in after["optimizer"]["muon"]["param_groups"]] == [pytest.approx(lr, rel=1e-12)]
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**after["model_config"]))
+    names = [name for name, p in model.named_parameters() if ".h." in f".{name}" and p.dim() == 2]  # Muon's, in order
+    worst = 0.0
+    for i, name in enumerate(names):
+        w6, w7 = (state["model"][name].double() for state in (before, after))
+        buf6, buf7 = (state["optimizer"]["muon"]["state"][i]["momentum_buffer"].double() for state in (before, after))
+        grad = (buf7 - cfg.muon_momentum * buf6) / (1 - cfg.muon_momentum)  # buf <- μ·buf + (1 − μ)·grad
+        nesterov = (1 - cfg.muon_momentum) * grad + cfg.muon_momentum * buf7
+        rows, cols = w7.shape  # (out, in): "original" scales the step by √max(1, out/in)
+        expected = -lr * cfg.muon_weight_decay * w6 - lr * math.sqrt(max(1, rows / cols)) * newton_schulz_float64(
+            nesterov)
+        worst = max(worst, ((w7 - w6 - expected).norm() / expected.norm()).item())
+    # Where bf16 matmuls are fast (GPUs, recent CPUs) torch's Newton-Schulz runs in bf16, and its iteration multiplies
+    # rounding in a gradient's weak directions up to 3.4^5 times: 0.02-0.11 of the update measured on this model's
+    # gradients, against 0.3-0.45 for a step without Nesterov and ≥ 0.4 for a wrong per-shape scale. fp32: 1e-5.
+    tolerance = 1e-3 if bf16_matmul_is_slow(job.device) else 0.2
+    print(f"Muon, {dtype}{' compiled' if gpu_compile else ''}: loss {losses[0]:.3f} -> {losses[LAST_STEP]:.3f}; the "
+          f"last update of {len(names)} matrices vs float64 Muon: worst relative difference {worst:.3f} (bound "
+          f"{tolerance:g})")
+    assert losses[LAST_STEP] < losses[0] - 0.5
+    assert worst <= tolerance
+
+
+PLANTED_NAN_SCRIPT = ROOT / "tests" / "train_with_planted_nan.py"
+
+
+def batch_shape(device: torch.device) -> tuple[int, int, int]:
+    """(micro-batch size, sequence length, tokens per step) of size_args."""
+    args = size_args(device)
+    B, T, total = (int(args[args.index(flag) + 1]) for flag in ("--micro_batch_size", "--seq_len",
+                                                                 "--total_batch_size"))
+    return B, T, total
+
+
+def micro_batch_keys(data: Path, device: torch.device, steps: list[int]) -> list[list[int]]:
+    """The first 8 tokens of every micro-batch of `steps` as a run with size_args reads them uninterrupted (its
+    shuffled order, seed 1337): tests/train_with_planted_nan.py gives those batches a NaN loss."""
+    B, T, total = batch_shape(device)
+    loader = DistributedDataLoader(data, "train", B, T, grad_accum_steps=total // (B * T), shuffle=True, seed=1337)
+    keys = []
+    for step in range(max(steps) + 1):
+        for _ in range(total // (B * T)):
+            x, _ = loader.next_batch()
+            if step in steps:
+                keys.append(x[0, :8].tolist())
+    return keys
+
+
+def test_a_planted_nan_is_skipped_and_a_divergence_rolls_back_and_goes_on(gpu_device, tmp_path):
+    # The data of step 2 gives a NaN loss: that update is skipped. The data of steps 6-8 as well: 3 skips in a row
+    # (--max_skips 3), so the run reloads its snapshot of step 4 and goes on at step 5 with the data of step 9.
+    data = tmp_path / "data"
+    make_shards(data, "train", [200_000], vocab=100)  # no epoch boundary: a planted batch is read once
+    dtype = "bf16" if gpu_device.type == "cuda" else "fp32"
+    args = [*size_args(gpu_device), "--data_dir", str(data), "--max_steps", "14", "--warmup_steps", "2",
+            "--max_lr", "3e-3", "--dtype", dtype, "--deterministic", "--val_every", "0", "--ckpt_every", "5",
+            "--keep_last", "3", "--max_skips", "3", "--on_divergence", "rollback"]
+    keys = micro_batch_keys(data, gpu_device, [2, 6, 7, 8])
+    run = run_train(args, tmp_path / "run", env={"PLANTED_NAN_BATCHES": json.dumps(keys)}, script=PLANTED_NAN_SCRIPT)
+    skipped = {r["step"]: r["skip_reason"] for r in run.train if r.get("skipped")}
+    assert skipped == {step: "non-finite loss" for step in (2, 6, 7, 8)}
+    rollbacks = [r for r in run.records if r.get("event") == "rollback"]
+    assert [(r["step"], r["to_step"], r["snapshot"]) for r in rollbacks] == [
+        (8, 5, str(snapshot_path(tmp_path / "run", 4)))]
+    after = by_step(run.records[run.records.index(rollbacks[0]) + 1:], "loss")
+    assert list(after) == list(range(5, 14)) and all(math.isfinite(loss) for loss in after.values())
+
+    # Independently: the step-4 snapshot resumed in a fresh process with its data loader moved 4 steps on, past the
+    # bad data, and nothing planted. Both runs are --deterministic, so the same to the bit.
+    state = load_snapshot(snapshot_path(tmp_path / "run", 4))
+    state["loader"]["chunk_position"] += 4 * state["loader"]["chunks_per_step"]
+    (tmp_path / "reference").mkdir()
+    save_snapshot(state, snapshot_path(tmp_path / "reference", 4))
+    reference = by_step(run_train(args, tmp_path / "reference").records, "loss")
+    first = by_step(run.records, "loss")[0]
+    print(f"{dtype} on {gpu_device.type}: skipped {sorted(skipped)}, rolled back at step 8 to 5; loss {first:.3f} -> "
+          f"{after[13]:.3f}; max |difference| to a resume past the bad data "
+          f"{max(abs(after[s] - reference[s]) for s in after):.1e} (bound 0: bitwise)")
+    assert after == reference
+    assert after[13] < first - 0.5  # it still learns
+
+
+def test_evaluate_py_gets_the_val_loss_the_run_logged_for_its_snapshot(job, tmp_path):
+    # snapshot_3 holds the weights after step 3; the run validated them before step 4's update.
+    snapshot = snapshot_path(job.root / "plain", 3)
+    proc = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), "--ckpt", str(snapshot), "--device",
+                           job.device.type, "--json"], cwd=tmp_path, env=train_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    val_loss, val_bpb = by_step(job.plain.records, "val_loss"), by_step(job.plain.records, "val_bpb")
+    difference = abs(result["val_loss"] - val_loss[4]) / val_loss[4]
+    print(f"evaluate.py on snapshot_3: val loss {result['val_loss']:.6f}, the run logged {val_loss[4]:.6f} at step 4 "
+          f"(relative difference {difference:.1e}); val bpb {result['val_bpb']}")
+    B, T, _ = batch_shape(job.device)
+    assert result["step"] == 3 and result["val_tokens"] == 2 * B * T  # the run's --val_steps 2, from the snapshot
+    # The same code on the same batches with the same weights: bitwise on the CPU. On a GPU another process may pick
+    # another cuBLAS kernel (a different order of additions, ~1e-6); a wrong step or batch is off by 1e-2 or more.
+    tolerance = 1e-5 if job.device.type == "cuda" else 0.0
+    assert difference <= tolerance
+    assert abs(val_loss[4] - val_loss[0]) > 1e-2 * val_loss[0]  # the steps are told apart
+    if 4 in val_bpb:  # None where the GPT-2 tokenizer is not available
+        assert abs(result["val_bpb"] - val_bpb[4]) <= tolerance * val_bpb[4]
