@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import suppress
 from pathlib import Path
 
 import pytest
@@ -72,11 +73,15 @@ def start_job(tmp_path: Path, restart_count: int = 0, fake_torchrun: bool = Fals
 
 
 def finish(job: subprocess.Popen, timeout: float = 120) -> str:
+    """The job's output once it has ended; then, as SLURM does at the end of a job, SIGKILL what is left of it."""
     try:
         return job.communicate(timeout=timeout)[0]
     except subprocess.TimeoutExpired:
         os.killpg(job.pid, signal.SIGKILL)
         raise AssertionError(f"the job ran past {timeout} s:\n{job.communicate()[0][-4000:]}") from None
+    finally:
+        with suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
 
 
 def wait_for(condition, job: subprocess.Popen, what: str, timeout: float = 90) -> None:
@@ -104,10 +109,12 @@ def test_srun_sigkills_its_tasks_on_sigterm_and_scancel_signal_reaches_them_as_i
     scancel = lambda srun: subprocess.run(["scancel", "--signal=TERM", "4242"], env=env, check=True)
     for stop, status, snapshots in ((sigterm_to_srun, 128 + signal.SIGKILL, []),
                                     (scancel, 0, ["snapshot_0", "snapshot_1"])):
-        srun = subprocess.Popen(["srun", "--ntasks-per-node=1", "torchrun"], env=env)
+        srun = subprocess.Popen(["srun", "--ntasks-per-node=1", "torchrun"], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
         wait_for(lambda: len(list(logs.glob("ready_*"))) == 2, srun, "two ready tasks")
         stop(srun)
-        assert srun.wait(timeout=30) == status
+        finish(srun, timeout=30)
+        assert srun.returncode == status
         assert sorted(p.name for p in logs.glob("snapshot_*")) == snapshots
         for path in logs.iterdir():
             path.unlink()
