@@ -31,6 +31,7 @@ from model import GPT
 from optim import get_lr, schedule_change
 from parallel import TrainingModel, build_model
 from precision import dtype_name, pick_dtype, set_deterministic
+from run_lock import lock_run_directories
 from run_logger import RunLogger
 from sample import generate_text
 from snapshot import Snapshots
@@ -50,7 +51,9 @@ def main(argv: list[str] | None = None) -> None:
     stop = StopRequest()
     signal.signal(signal.SIGTERM, stop.request)
     try:
-        with hangs_reported(cfg.dist_timeout, dist_env.rank):
+        # One run per output directory: a second one exits 2 here, before it reads or writes anything there.
+        with (hangs_reported(cfg.dist_timeout, dist_env.rank),
+              lock_run_directories({"--log_dir": cfg.log_dir, "--ckpt_dir": cfg.ckpt_dir}, dist_env)):
             run(cfg, dist_env, stop)
             if dist.is_initialized():
                 # Leave together: a rank that tears gloo down while rank 0 still writes the last snapshot can abort.

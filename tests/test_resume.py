@@ -362,7 +362,7 @@ def test_a_full_snapshot_disk_keeps_the_older_snapshots_and_only_a_lost_last_one
         warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("WARNING")]
         assert len(warnings) == 1 and "the snapshot of step 7 could not be written" in warnings[0]
         assert by_step(read_metrics(tmp_path), "loss").keys() == set(range(LAST_STEP + 1))  # every step trained
-        assert [p.name for p in ckpt_dir.iterdir()] == ["snapshot_0000003.pt"]  # no temp file left either
+        assert sorted(p.name for p in ckpt_dir.iterdir()) == ["run.lock", "snapshot_0000003.pt"]  # no temp file
         shutil.copy(snapshot_path(ckpt_dir, 3), tmp_path)
     # Rerun where there is room: it resumes after step 3 and finishes as if nothing had happened.
     main_in_process(args)
@@ -397,7 +397,8 @@ def test_a_full_log_disk_warns_once_and_training_goes_on(job, tmp_path, capsys):
         with open(log_dir / "ballast", "wb", buffering=0) as ballast, contextlib.suppress(OSError):
             while ballast.write(b"x" * 4096):  # fill it...
                 pass
-        os.truncate(log_dir / "ballast", (log_dir / "ballast").stat().st_size - 4096)  # ...but a page: ~20 lines
+        # ...but two pages: one for run.lock (the run's lock on the directory), one for ~20 lines of metrics.jsonl
+        os.truncate(log_dir / "ballast", (log_dir / "ballast").stat().st_size - 2 * 4096)
         main_in_process([*job.args, "--log_dir", str(log_dir), "--ckpt_dir", str(tmp_path), "--max_steps", "40",
                          "--val_every", "0"])
         records = read_metrics(log_dir)  # whole lines only: json.loads would fail on a cut-off one

@@ -1,0 +1,141 @@
+"""One run per output directory (run_lock.py): a second run on a directory that a run still uses exits 2 at once,
+naming the holder, and touches nothing there; the lock dies with its holder, however it ends."""
+
+import errno
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+import run_lock
+from conftest import make_shards
+from errors import UserError
+from helpers_train import main_in_process, read_metrics, records_so_far, run_train, start_train
+from run_lock import LOCK_FILE, lock_directory
+from snapshot import list_snapshots
+
+JOB = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "64", "--warmup_steps", "1",
+       "--val_every", "0", "--dtype", "fp32"]
+HOLDER = r"pid {pid} on host {host}, since \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    data = tmp_path_factory.mktemp("data")
+    make_shards(data, "train", [600], seed=0)
+    make_shards(data, "val", [200], seed=1)
+    return data
+
+
+def refusal(flag: str, directory: Path, pid: int) -> str:
+    """The start of the error a run prints for a directory that the process `pid` (on this host) holds."""
+    return (f"{flag} {re.escape(str(directory.resolve()))} is in use by another run \\("
+            + HOLDER.format(pid=pid, host=re.escape(socket.gethostname())))
+
+
+def files(directory: Path) -> dict[str, tuple[int, int]]:
+    """Each file in directory, with its size and modification time: what a write anywhere in it would change."""
+    return {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in directory.iterdir()}
+
+
+@pytest.mark.parametrize("held", ["--log_dir", "--ckpt_dir"])
+def test_a_run_refuses_a_directory_that_another_holds_and_writes_nothing(data, tmp_path, held):
+    logs, snapshots = tmp_path / "logs", tmp_path / "snapshots"
+    directory = {"--log_dir": logs, "--ckpt_dir": snapshots}[held]
+    args = [*JOB, "--data_dir", str(data), "--max_steps", "2", "--log_dir", str(logs), "--ckpt_dir", str(snapshots)]
+    other_run = lock_directory(directory, held)  # this process holds it, as another run would
+    with pytest.raises(UserError, match=refusal(held, directory, os.getpid())):
+        main_in_process(args)
+    assert not read_metrics(logs) and not list_snapshots(snapshots)
+    assert {p.name for p in tmp_path.glob("*/*")} <= {LOCK_FILE}
+
+    other_run.close()  # the holder ends: the same command now runs, and leaves the directories free again
+    main_in_process(args)
+    assert [r["step"] for r in read_metrics(logs) if "loss" in r] == [0, 1]
+    for flag, directory in (("--log_dir", logs), ("--ckpt_dir", snapshots)):
+        lock_directory(directory, flag).close()
+
+
+def test_where_the_filesystem_has_no_locks_the_run_warns_and_trains(data, tmp_path, monkeypatch, capsys):
+    def no_locks(*args):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(run_lock.fcntl, "flock", no_locks)
+    main_in_process([*JOB, "--data_dir", str(data), "--max_steps", "2", "--log_dir", str(tmp_path)])
+    warning = f"WARNING: could not lock {tmp_path.resolve() / LOCK_FILE} (OSError: [Errno {errno.ENOLCK}] No locks"
+    assert warning in capsys.readouterr().err
+    assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [0, 1]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# real runs
+
+LONG_JOB = [*JOB, "--max_steps", "100000", "--ckpt_every", "2", "--keep_last", "2"]  # runs until it is stopped
+
+
+@contextmanager
+def paused_first_run(data: Path, logs: Path) -> Iterator[subprocess.Popen]:
+    """A run that has trained and written a snapshot, then stopped with SIGSTOP: it still holds its lock, and while
+    a second run tries the directory, only the second run can change anything in it. SIGKILLed at the end."""
+    first = start_train([*LONG_JOB, "--data_dir", str(data)], logs)
+    try:
+        deadline = time.monotonic() + 120
+        while not (list_snapshots(logs) and any("loss" in r for r in records_so_far(logs))):
+            assert first.poll() is None and time.monotonic() < deadline, "the first run ended or never stepped"
+            time.sleep(0.1)
+        os.kill(first.pid, signal.SIGSTOP)
+        yield first
+    finally:
+        first.kill()  # a stopped process dies of SIGKILL too
+        first.communicate()
+
+
+@pytest.mark.slow  # three runs at once
+def test_a_second_run_exits_2_at_once_naming_the_first_and_the_first_ones_death_frees_the_directory(data, tmp_path):
+    logs = tmp_path / "logs"
+    with paused_first_run(data, logs) as first:
+        before = files(logs)
+        started = time.monotonic()
+        second = run_train([*LONG_JOB, "--data_dir", str(data)], logs, timeout=90, check=False)
+        seconds = time.monotonic() - started
+        assert second.proc.returncode == 2, second.output[-4000:]
+        assert re.search("^error: " + refusal("--log_dir", logs, first.pid), second.proc.stderr, re.M)
+        assert "model:" not in second.proc.stdout  # it stopped before building anything
+        assert files(logs) == before  # metrics.jsonl, the snapshots and the lock file, as the first run left them
+        print(f"the second run exited 2 after {seconds:.1f} s (mostly Python and torch starting)")
+
+        first.kill()  # SIGKILL: no chance to clean up, and nothing to clean up
+        first.wait()
+        newest = list_snapshots(logs)[0]
+        rerun = start_train([*LONG_JOB, "--data_dir", str(data)], logs)
+        try:
+            deadline = time.monotonic() + 120
+            while not any(r.get("event") == "resume" for r in records_so_far(logs)):
+                assert rerun.poll() is None and time.monotonic() < deadline, rerun.communicate()[1][-4000:]
+                time.sleep(0.1)
+            rerun.send_signal(signal.SIGTERM)  # it resumed: stop it with a snapshot
+            stdout, stderr = rerun.communicate(timeout=120)
+        finally:
+            rerun.kill()
+    assert rerun.returncode == 0, stderr[-4000:]
+    resumed_at = int(re.search(r"snapshot_(\d+)", newest.name).group(1)) + 1
+    assert f"resuming from {newest} at step {resumed_at}" in stdout
+
+
+@pytest.mark.slow  # torchrun
+def test_a_second_two_rank_run_exits_2_on_both_ranks(data, tmp_path):
+    logs = tmp_path / "logs"
+    with paused_first_run(data, logs) as first:
+        before = files(logs)
+        second = run_train([*LONG_JOB, "--data_dir", str(data)], logs, nproc=2, timeout=120, check=False)
+        assert files(logs) == before
+    # Rank 0 holds the lock for the job; rank 1 learns of the refusal from it, and both exit 2, neither waiting.
+    assert len(re.findall("^error: " + refusal("--log_dir", logs, first.pid), second.output, re.M)) == 2
+    assert second.proc.returncode != 0 and "exitcode  : 2" in second.output, second.output[-4000:]
