@@ -8,11 +8,14 @@ for the rest), and the learning-rate schedule every one of them follows (warmup 
                         orthogonal update).
 """
 
+import functools
+import importlib
 import math
+import sys
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
-import torch.optim._muon
 
 from config import TrainConfig
 from precision import pick_dtype
@@ -94,7 +97,23 @@ def adamw(params: list[torch.nn.Parameter], cfg: TrainConfig, device_type: str, 
 # ----------------------------------------------------------------------------------------------------------------
 # Muon's Newton–Schulz iteration where bf16 matmuls are slow
 
-_torch_newton_schulz = torch.optim._muon._zeropower_via_newtonschulz
+# torch.optim.Muon looks its Newton–Schulz function up under this name in its private module at every step.
+TORCH_MUON_MODULE, TORCH_NEWTON_SCHULZ = "torch.optim._muon", "_zeropower_via_newtonschulz"
+
+
+@functools.cache
+def torch_newton_schulz() -> Callable | None:
+    """torch.optim.Muon's own Newton–Schulz function, looked up on first use (only by Muon runs: AdamW never touches
+    torch's private module), before `newton_schulz` takes its place. None, with one warning, where a torch release
+    has moved it: Muon then runs as torch ships it."""
+    try:
+        return getattr(importlib.import_module(TORCH_MUON_MODULE), TORCH_NEWTON_SCHULZ)
+    except (ImportError, AttributeError):
+        print(f"WARNING: this PyTorch ({torch.__version__}) has no {TORCH_MUON_MODULE}.{TORCH_NEWTON_SCHULZ}, where "
+              "optim.py puts its fp32 Newton–Schulz iteration for devices on which bf16 is slow. Muon runs torch's "
+              "own instead: the same update, in bf16, which is several times slower on CPUs without AVX512-BF16 or "
+              "AMX and on MPS.", file=sys.stderr)
+        return None
 
 
 def bf16_matmul_is_slow(device: torch.device) -> bool:
@@ -108,7 +127,7 @@ def newton_schulz(grad: torch.Tensor, ns_coefficients: tuple[float, float, float
     """torch.optim.Muon's orthogonalisation, the same quintic iteration with the same coefficients, in fp32 where
     bf16 is slow (torch's casts to bf16 unconditionally and has no option to do otherwise); torch's own elsewhere."""
     if not bf16_matmul_is_slow(grad.device):
-        return _torch_newton_schulz(grad, ns_coefficients, ns_steps, eps)
+        return torch_newton_schulz()(grad, ns_coefficients, ns_steps, eps)
     a, b, c = ns_coefficients
     wide = grad.size(0) <= grad.size(1)
     x = grad.float() if wide else grad.float().T  # iterate on the (small, small) Gram matrix
@@ -120,9 +139,10 @@ def newton_schulz(grad: torch.Tensor, ns_coefficients: tuple[float, float, float
 
 
 def use_fp32_newton_schulz_where_bf16_is_slow() -> None:
-    """Muon looks its Newton–Schulz function up in its module at every step: point it at `newton_schulz`. A test
-    (tests/test_optim.py) checks that this is still where torch keeps it and that both agree."""
-    torch.optim._muon._zeropower_via_newtonschulz = newton_schulz
+    """Point Muon's lookup of its Newton–Schulz function at `newton_schulz`, where torch still keeps it (else leave
+    Muon as it is). A test (tests/test_optim.py) checks that Muon calls it there and that both agree."""
+    if torch_newton_schulz() is not None:
+        setattr(importlib.import_module(TORCH_MUON_MODULE), TORCH_NEWTON_SCHULZ, newton_schulz)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,13 +1,18 @@
 """optim.py: which optimizer updates which parameter, Muon's Newton–Schulz where bf16 is slow, the LR schedules and
 extending a run; and Muon through the whole run: DDP, fp16, snapshots, resume (exact, after a killed rank)."""
 
+import copy
+import importlib
 import math
 import os
 import shutil
 import signal
+import sys
+import types
 
 import pytest
 import torch
+import torch.optim._muon as torch_muon
 
 import optim
 from config import TrainConfig
@@ -89,7 +94,8 @@ def test_fsdp_with_muon_is_refused_with_a_clear_error():
 def test_fp32_newton_schulz_agrees_with_torchs_and_muon_calls_it(monkeypatch, shape):
     grad = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
     args = ((3.4445, -4.7750, 2.0315), 5, 1e-7)
-    theirs = optim._torch_newton_schulz(grad, *args).float()  # bf16
+    torchs = optim.torch_newton_schulz()
+    theirs = torchs(grad, *args).float()  # bf16
     monkeypatch.setattr(optim, "bf16_matmul_is_slow", lambda device: True)
     ours = newton_schulz(grad, *args)
     assert ours.dtype == torch.float32 and ours.shape == grad.shape
@@ -97,13 +103,68 @@ def test_fp32_newton_schulz_agrees_with_torchs_and_muon_calls_it(monkeypatch, sh
     # Muon still looks the function up where optim.py puts it (else the fp32 path would silently be dead).
     calls = []
     monkeypatch.setattr(optim, "newton_schulz", lambda *a: calls.append(a) or newton_schulz(*a))
-    monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", optim._torch_newton_schulz)
+    monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", torchs)
     optim.use_fp32_newton_schulz_where_bf16_is_slow()
     p = torch.nn.Parameter(torch.zeros(shape))
     p.grad = grad
     torch.optim.Muon([p]).step()
-    monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", optim._torch_newton_schulz)
+    monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", torchs)
     assert len(calls) == 1 and p.abs().sum() > 0
+
+
+def optim_without_torchs_private_muon(monkeypatch, gone: str) -> types.ModuleType:
+    """optim.py imported afresh into a torch whose private torch.optim._muon has gone (`import` raises ImportError),
+    or has no _zeropower_via_newtonschulz any more; torch.optim.Muon itself works on, as in a torch that moved them.
+    The Muon it runs uses torch's own Newton–Schulz, whatever an earlier test installed."""
+    monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", optim.torch_newton_schulz())
+    if gone == "module":
+        monkeypatch.setitem(sys.modules, "torch.optim._muon", None)
+        monkeypatch.delattr(torch.optim, "_muon")
+    else:
+        empty = types.ModuleType("torch.optim._muon")
+        monkeypatch.setitem(sys.modules, "torch.optim._muon", empty)
+        monkeypatch.setattr(torch.optim, "_muon", empty)
+    monkeypatch.delitem(sys.modules, "optim")  # restored at the end of the test: other modules keep the real one
+    return importlib.import_module("optim")
+
+
+def set_random_grads(model: torch.nn.Module, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=generator)
+
+
+@pytest.mark.parametrize("gone", ["module", "function"])
+def test_adamw_runs_without_torchs_private_muon_and_says_nothing(monkeypatch, capsys, gone):
+    fresh = optim_without_torchs_private_muon(monkeypatch, gone)
+    model = GPT(TINY)
+    before = copy.deepcopy(model)
+    optimizers = fresh.build_optimizers(model, TrainConfig(), "cpu")
+    set_random_grads(model, seed=0)
+    for optimizer in optimizers:
+        optimizer.step()
+    assert all(not torch.equal(p, q) for p, q in zip(model.parameters(), before.parameters()))
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("gone", ["module", "function"])
+def test_muon_without_torchs_private_muon_warns_once_and_steps_as_torchs_own_muon(monkeypatch, capsys, gone):
+    fresh = optim_without_torchs_private_muon(monkeypatch, gone)
+    monkeypatch.setattr(fresh, "bf16_matmul_is_slow", lambda device: True)  # where the fp32 path would be wanted
+    cfg = TrainConfig(optimizer="muon", muon_lr=0.02, muon_momentum=0.9, muon_weight_decay=0.01)
+    model = GPT(TINY)
+    reference = copy.deepcopy(model)
+    ours = fresh.build_optimizers(model, cfg, "cpu").by_name["muon"]
+    fresh.build_optimizers(GPT(TINY), cfg, "cpu")  # a second run in this process: no second warning
+    err = capsys.readouterr().err
+    assert err.count("WARNING") == 1 and "torch.optim._muon._zeropower_via_newtonschulz" in err, err
+    theirs = torch.optim.Muon(fresh.split_for_muon(reference)[0], lr=0.02, weight_decay=0.01, momentum=0.9)
+    for seed in range(2):
+        set_random_grads(model, seed)
+        set_random_grads(reference, seed)
+        ours.step()
+        theirs.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
 
 
 # ----------------------------------------------------------------------------------------------------------------
