@@ -77,12 +77,34 @@ def find_shards(data_dir: str | Path, split: str) -> list[Path]:
     if not shards:
         raise UserError(f"no {split} shards (files named <name>_{split}_<NNNNNN>.bin) in {data_dir}; "
                                 "prepare data first, e.g. `python data/prepare.py --source shakespeare`.")
+    for path in shards:
+        if not path.is_file():
+            raise UserError(f"{path} is a directory (or another non-file) named like a {split} shard. Shards are "
+                            f"files; move it out of {data_dir} or rename it.")
     return shards
+
+
+def check_token_ids(path: Path, tokens: np.ndarray, vocab_size: int) -> None:
+    """UserError naming the shard and the position if an id is outside the model's vocabulary, where it would fail
+    mid-step (an IndexError, or a device-side assert on CUDA). One pass over the shard: see the README for its cost."""
+    largest = int(tokens.max())
+    if largest >= vocab_size:
+        position = int(np.argmax(tokens >= vocab_size))
+        raise UserError(f"{path}: token id {tokens[position]} at position {position:,} is not in the model's "
+                        f"vocabulary of {vocab_size:,} ids (the largest id in the shard is {largest:,}); the shard was "
+                        "made with another tokenizer, or is corrupt. Re-create it with data/prepare.py or "
+                        "data/fineweb.py (GPT-2's tokenizer), or move it out of the data directory.")
+
+
+def memmap_tokens(path: Path, num_tokens: int) -> np.memmap:
+    """A shard's tokens, read from the file as they are used."""
+    return np.memmap(path, dtype=TOKEN_DTYPE, mode="r", offset=HEADER_BYTES, shape=(num_tokens,))
 
 
 class DistributedDataLoader:
     def __init__(self, data_dir: str | Path, split: str, B: int, T: int, rank: int = 0, world_size: int = 1,
-                 grad_accum_steps: int = 1, shuffle: bool = False, seed: int = 0):
+                 grad_accum_steps: int = 1, shuffle: bool = False, seed: int = 0, vocab_size: int | None = None):
+        """vocab_size: the model's; every token id is checked to be below it (None: not checked)."""
         self.B, self.T, self.rank, self.world_size = B, T, rank, world_size
         self.chunks_per_step = world_size * grad_accum_steps
         self.shuffle, self.seed = shuffle, seed
@@ -95,6 +117,10 @@ class DistributedDataLoader:
                 raise UserError(f"{path}: shard has {n} tokens, fewer than one optimizer step needs ({step_tokens} = "
                                  f"{self.chunks_per_step} chunks of B·T = {B}·{T}, +1). Use a smaller "
                                  "--total_batch_size / --micro_batch_size / --seq_len, or larger shards.")
+        # One look at every shard's tokens: an id the model has no embedding for fails the run now, not mid-step.
+        if vocab_size is not None:
+            for path, n in zip(self.shards, self.shard_tokens):
+                check_token_ids(path, memmap_tokens(path, n), vocab_size)
         self.reset()
 
     def reset(self, epoch: int = 0) -> None:
@@ -111,8 +137,7 @@ class DistributedDataLoader:
         else:
             shard_index = self.shard_position
         num_tokens = self.shard_tokens[shard_index]
-        self.tokens = np.memmap(self.shards[shard_index], dtype=TOKEN_DTYPE, mode="r", offset=HEADER_BYTES,
-                                shape=(num_tokens,))
+        self.tokens = memmap_tokens(self.shards[shard_index], num_tokens)
         num_chunks = (num_tokens - 1) // (self.B * self.T)
         self.usable_chunks = num_chunks - num_chunks % self.chunks_per_step
         if self.shuffle:  # a fresh chunk order per (seed, epoch, shard), cheap to recompute on resume

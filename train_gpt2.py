@@ -70,11 +70,13 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: "StopRequest | None" = No
     plan = resolve_plan(cfg, dist_env.world_size)
     torch.manual_seed(cfg.seed)
 
-    # --- data
+    # --- data (token ids checked against the model's vocabulary now, not mid-step)
+    vocab_size = plan.model_config.vocab_size
     train_loader = DistributedDataLoader(cfg.data_dir, "train", cfg.micro_batch_size, plan.seq_len, dist_env.rank,
-                                         dist_env.world_size, plan.grad_accum_steps, shuffle=cfg.shuffle, seed=cfg.seed)
+                                         dist_env.world_size, plan.grad_accum_steps, shuffle=cfg.shuffle, seed=cfg.seed,
+                                         vocab_size=vocab_size)
     val_loader = DistributedDataLoader(cfg.data_dir, "val", cfg.micro_batch_size, plan.seq_len, dist_env.rank,
-                                       dist_env.world_size) if plan.val_steps else None
+                                       dist_env.world_size, vocab_size=vocab_size) if plan.val_steps else None
     hellaswag_examples = None
     if cfg.hellaswag_every:  # now, so that a node without network says so at start-up, not at the first evaluation
         from data import hellaswag
