@@ -22,6 +22,9 @@ from precision import pick_dtype
 
 # A relative change of the learning rate at a resume beyond this is a jump worth a warning.
 LR_JUMP_TOLERANCE = 0.03
+# The flag behind each optimizer setting that one sets (the rest, such as AdamW's betas, are set in this file).
+SETTING_FLAGS = {("adamw", "weight_decay"): "--weight_decay", ("muon", "weight_decay"): "--muon_weight_decay",
+                 ("muon", "momentum"): "--muon_momentum", ("muon", "adjust_lr_fn"): "--muon_adjust_lr"}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -34,6 +37,15 @@ class Optimizers:
 
     def __init__(self, optimizers: dict[str, torch.optim.Optimizer], lr_ratios: dict[str, float]):
         self.by_name, self.lr_ratios = optimizers, lr_ratios
+        # A loaded state brings the settings of the run that saved it (weight decay, betas, momentum, ...) in its
+        # param_groups; this run's flags win, and what they replaced is kept for the resume to say: {flag: (saved,
+        # this run's)}. The learning rate is set_lr's, and the schedule's change is told apart (schedule_change).
+        self.run_settings = {name: [{k: v for k, v in group.items() if k not in ("params", "lr")}
+                                    for group in optimizer.param_groups] for name, optimizer in optimizers.items()}
+        self.replaced_settings: dict[str, tuple] = {}
+        for name, optimizer in optimizers.items():
+            # A hook rather than code in load_state_dict: with fsdp, set_state_dict loads each torch optimizer itself.
+            optimizer.register_load_state_dict_post_hook(functools.partial(self._keep_run_settings, name))
 
     def __iter__(self):
         return iter(self.by_name.values())
@@ -51,6 +63,13 @@ class Optimizers:
 
     def state_dict(self) -> dict:
         return {name: optimizer.state_dict() for name, optimizer in self.by_name.items()}
+
+    def _keep_run_settings(self, name: str, optimizer: torch.optim.Optimizer) -> None:
+        for group, settings in zip(optimizer.param_groups, self.run_settings[name]):
+            for key, value in settings.items():
+                if group.get(key) != value:
+                    self.replaced_settings[SETTING_FLAGS.get((name, key), f"{name} {key}")] = (group.get(key), value)
+            group.update(settings)
 
     def load_state_dict(self, state: dict) -> None:
         if "param_groups" in state:  # a snapshot from before there was a choice: AdamW's own state

@@ -99,7 +99,12 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: "StopRequest | None" = No
     logger = RunLogger(cfg.log_dir, enabled=master)
     if resumed_from:
         log(f"resuming from {resumed_from} at step {start_step}")
-        logger.log({"event": "resume", "step": start_step, "snapshot": str(resumed_from)})
+        replaced = trained.optimizer.replaced_settings
+        logger.log({"event": "resume", "step": start_step, "snapshot": str(resumed_from)}
+                   | ({"optimizer_settings": replaced} if replaced else {}))
+        if replaced:
+            log("the snapshot's optimizer settings differ from this run's; this run's flags apply: "
+                + ", ".join(f"{flag} {saved} → {flagged}" for flag, (saved, flagged) in replaced.items()))
         change = schedule_change(start_step, snapshots.resumed_config, cfg)
         if change and master:
             line, jump = change

@@ -2,6 +2,7 @@
 for bad shard files."""
 
 import re
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -162,6 +163,23 @@ def test_loading_a_state_from_another_batch_shape_or_total_batch_raises(tmp_path
     other_seed = DistributedDataLoader(tmp_path, "train", B, T, grad_accum_steps=2, seed=1)
     with pytest.raises(UserError, match=r"seed=0.*seed=1"):
         other_seed.load_state_dict(state)
+
+
+def test_a_state_from_other_shards_or_another_seq_len_is_refused_naming_both(tmp_path):
+    make_shards(tmp_path / "data", "train", [chunks(8), chunks(8)])
+    state = DistributedDataLoader(tmp_path / "data", "train", B, T, grad_accum_steps=2).state_dict()
+    # The same shards elsewhere (the data moved to another disk) resume.
+    shutil.copytree(tmp_path / "data", tmp_path / "copy")
+    DistributedDataLoader(tmp_path / "copy", "train", B, T, grad_accum_steps=2).load_state_dict(state)
+    # As many shards, but other ones: another data set.
+    make_shards(tmp_path / "other", "train", [chunks(8), chunks(9)])
+    with pytest.raises(UserError) as raised:
+        DistributedDataLoader(tmp_path / "other", "train", B, T, grad_accum_steps=2).load_state_dict(state)
+    assert f"--data_dir {tmp_path / 'data'}" in str(raised.value)
+    assert f"--data_dir {tmp_path / 'other'}" in str(raised.value)
+    # The same B·T tokens a chunk, cut into 4 sequences of 2 tokens instead of 2 of 4.
+    with pytest.raises(UserError, match="--seq_len 4, and this run into sequences of --seq_len 2"):
+        DistributedDataLoader(tmp_path / "data", "train", 2 * B, T // 2, grad_accum_steps=2).load_state_dict(state)
 
 
 def epochs(data_dir: Path, n: int, where: Chunks, **kw) -> list[list[tuple]]:
