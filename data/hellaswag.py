@@ -74,10 +74,11 @@ def load_examples(path: str | None = None, limit: int | None = None) -> list[dic
         for number, line in enumerate(f, start=1):
             if limit is not None and len(examples) == limit:
                 break
-            if not line.strip():
+            line = line.strip()
+            if not line:
                 continue
             try:
-                example = json.loads(line.strip())
+                example = json.loads(line)
             except json.JSONDecodeError as e:
                 problem = f"not JSON ({e.msg} at column {e.colno})"
             except UnicodeDecodeError:
