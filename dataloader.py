@@ -12,6 +12,7 @@ the total batch, never on how they are split across ranks, and the loader's posi
 rank: a 2-rank snapshot resumes on 1 rank at exactly the next tokens.
 """
 
+import hashlib
 import re
 from pathlib import Path
 
@@ -77,16 +78,38 @@ def find_shards(data_dir: str | Path, split: str) -> list[Path]:
     if not shards:
         raise UserError(f"no {split} shards (files named <name>_{split}_<NNNNNN>.bin) in {data_dir}; "
                                 "prepare data first, e.g. `python data/prepare.py --source shakespeare`.")
+    for path in shards:
+        if not path.is_file():
+            raise UserError(f"{path} is a directory (or another non-file) named like a {split} shard. Shards are "
+                            f"files; move it out of {data_dir} or rename it.")
     return shards
+
+
+def check_token_ids(path: Path, tokens: np.ndarray, vocab_size: int) -> None:
+    """UserError naming the shard and the position if an id is outside the model's vocabulary, where it would fail
+    mid-step (an IndexError, or a device-side assert on CUDA). One pass over the shard: see the README for its cost."""
+    largest = int(tokens.max())
+    if largest >= vocab_size:
+        position = int(np.argmax(tokens >= vocab_size))
+        raise UserError(f"{path}: token id {tokens[position]} at position {position:,} is not in the model's "
+                        f"vocabulary of {vocab_size:,} ids (the largest id in the shard is {largest:,}); the shard was "
+                        "made with another tokenizer, or is corrupt. Re-create it with data/prepare.py or "
+                        "data/fineweb.py (GPT-2's tokenizer), or move it out of the data directory.")
+
+
+def memmap_tokens(path: Path, num_tokens: int) -> np.memmap:
+    """A shard's tokens, read from the file as they are used."""
+    return np.memmap(path, dtype=TOKEN_DTYPE, mode="r", offset=HEADER_BYTES, shape=(num_tokens,))
 
 
 class DistributedDataLoader:
     def __init__(self, data_dir: str | Path, split: str, B: int, T: int, rank: int = 0, world_size: int = 1,
-                 grad_accum_steps: int = 1, shuffle: bool = False, seed: int = 0):
+                 grad_accum_steps: int = 1, shuffle: bool = False, seed: int = 0, vocab_size: int | None = None):
+        """vocab_size: the model's; every token id is checked to be below it (None: not checked)."""
         self.B, self.T, self.rank, self.world_size = B, T, rank, world_size
         self.chunks_per_step = world_size * grad_accum_steps
         self.shuffle, self.seed = shuffle, seed
-        self.shards = find_shards(data_dir, split)
+        self.data_dir, self.shards = str(data_dir), find_shards(data_dir, split)
         # Check every header now, so a bad shard fails the run in its first second rather than hours in.
         self.shard_tokens = [read_shard_header(p) for p in self.shards]
         step_tokens = self.chunks_per_step * B * T + 1
@@ -95,6 +118,15 @@ class DistributedDataLoader:
                 raise UserError(f"{path}: shard has {n} tokens, fewer than one optimizer step needs ({step_tokens} = "
                                  f"{self.chunks_per_step} chunks of B·T = {B}·{T}, +1). Use a smaller "
                                  "--total_batch_size / --micro_batch_size / --seq_len, or larger shards.")
+        # One look at every shard's tokens: an id the model has no embedding for fails the run now too, and the
+        # shards' sizes, first and last tokens, in order, tell which data this is, whatever directory holds it.
+        fingerprint = hashlib.sha256()
+        for path, n in zip(self.shards, self.shard_tokens):
+            tokens = memmap_tokens(path, n)
+            if vocab_size is not None:
+                check_token_ids(path, tokens, vocab_size)
+            fingerprint.update(np.array(n, dtype="<i8").tobytes() + tokens[:256].tobytes() + tokens[-256:].tobytes())
+        self.data_fingerprint = fingerprint.hexdigest()[:16]
         self.reset()
 
     def reset(self, epoch: int = 0) -> None:
@@ -111,8 +143,7 @@ class DistributedDataLoader:
         else:
             shard_index = self.shard_position
         num_tokens = self.shard_tokens[shard_index]
-        self.tokens = np.memmap(self.shards[shard_index], dtype=TOKEN_DTYPE, mode="r", offset=HEADER_BYTES,
-                                shape=(num_tokens,))
+        self.tokens = memmap_tokens(self.shards[shard_index], num_tokens)
         num_chunks = (num_tokens - 1) // (self.B * self.T)
         self.usable_chunks = num_chunks - num_chunks % self.chunks_per_step
         if self.shuffle:  # a fresh chunk order per (seed, epoch, shard), cheap to recompute on resume
@@ -137,14 +168,23 @@ class DistributedDataLoader:
             self._open_shard()
         return x, y
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, int | str]:
         # B·T and chunks_per_step give the position its meaning; rank and world size do not (see module doc).
         return {"epoch": self.epoch, "shard_position": self.shard_position, "chunk_position": self.chunk_position,
                 "chunk_tokens": self.B * self.T, "chunks_per_step": self.chunks_per_step,
-                "num_shards": len(self.shards), "shuffle": int(self.shuffle), "seed": self.seed}
+                "num_shards": len(self.shards), "shuffle": int(self.shuffle), "seed": self.seed, "seq_len": self.T,
+                "data_dir": self.data_dir, "data_fingerprint": self.data_fingerprint}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, int | str]) -> None:
         mine = self.state_dict()
+        # (a snapshot from before the fingerprint and seq_len were kept passes those two checks)
+        if state.get("data_fingerprint", self.data_fingerprint) != self.data_fingerprint:
+            raise UserError(
+                f"cannot resume the data loader: the snapshot's run read other shards (--data_dir {state['data_dir']}, "
+                f"{state['num_shards']} shards) than this run's --data_dir {self.data_dir} holds ({len(self.shards)} "
+                "shards, with other sizes or tokens), so its position would fall somewhere in other data. Pass "
+                "the --data_dir of the snapshot's run (a copy of its shards elsewhere resumes as well), or start a "
+                "new run on this data from the snapshot's weights with --init_from SNAPSHOT.")
         for key in ("chunk_tokens", "chunks_per_step", "num_shards", "shuffle", "seed"):
             if state[key] != mine[key]:
                 raise UserError(
@@ -152,6 +192,14 @@ class DistributedDataLoader:
                     f"{key}={mine[key]}. Resuming would re-read or skip data. Keep --micro_batch_size·--seq_len, "
                     "--total_batch_size, the data directory, --shuffle and --seed as they were (the number of "
                     "ranks may change), or start a fresh run with --resume never.")
+        if state.get("seq_len", self.T) != self.T:
+            raise UserError(
+                f"cannot resume the data loader: the snapshot's run cut its chunks of {self.B * self.T} tokens into "
+                f"sequences of --seq_len {state['seq_len']}, and this run into sequences of --seq_len {self.T}: the "
+                "same tokens, but from here on the model would train and be validated at another context length, and "
+                f"the loss curves would jump. Pass --seq_len {state['seq_len']} --micro_batch_size "
+                f"{self.B * self.T // state['seq_len']}, or start a new run from the snapshot's weights with "
+                "--init_from SNAPSHOT.")
         if state["chunk_position"] % self.chunks_per_step:
             raise UserError(f"cannot resume the data loader: its state (chunk_position {state['chunk_position']}) "
                              "was taken in the middle of an optimizer step; snapshots are only valid between steps.")

@@ -104,7 +104,7 @@ def evaluate(model: GPT, args: argparse.Namespace, dist_env: Distributed) -> dic
                             f"--seq_len {model.config.block_size} or less.")
         val_steps = validation_steps(cfg, seq_len, dist_env.world_size)
         loader = DistributedDataLoader(cfg.data_dir, "val", cfg.micro_batch_size, seq_len, dist_env.rank,
-                                       dist_env.world_size)
+                                       dist_env.world_size, vocab_size=model.config.vocab_size)
         val = validation_loss(model, loader, val_steps, device, dtype)
         results |= {"val_loss": val.loss, "val_bpb": val.bpb}
         results["val_tokens"] = val_steps * cfg.micro_batch_size * seq_len * dist_env.world_size

@@ -8,17 +8,23 @@ for the rest), and the learning-rate schedule every one of them follows (warmup 
                         orthogonal update).
 """
 
+import functools
+import importlib
 import math
+import sys
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
-import torch.optim._muon
 
 from config import TrainConfig
 from precision import pick_dtype
 
 # A relative change of the learning rate at a resume beyond this is a jump worth a warning.
 LR_JUMP_TOLERANCE = 0.03
+# The flag behind each optimizer setting that one sets (the rest, such as AdamW's betas, are set in this file).
+SETTING_FLAGS = {("adamw", "weight_decay"): "--weight_decay", ("muon", "weight_decay"): "--muon_weight_decay",
+                 ("muon", "momentum"): "--muon_momentum", ("muon", "adjust_lr_fn"): "--muon_adjust_lr"}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -31,6 +37,15 @@ class Optimizers:
 
     def __init__(self, optimizers: dict[str, torch.optim.Optimizer], lr_ratios: dict[str, float]):
         self.by_name, self.lr_ratios = optimizers, lr_ratios
+        # A loaded state brings the settings of the run that saved it (weight decay, betas, momentum, ...) in its
+        # param_groups; this run's flags win, and what they replaced is kept for the resume to say: {flag: (saved,
+        # this run's)}. The learning rate is set_lr's, and the schedule's change is told apart (schedule_change).
+        self.run_settings = {name: [{k: v for k, v in group.items() if k not in ("params", "lr")}
+                                    for group in optimizer.param_groups] for name, optimizer in optimizers.items()}
+        self.replaced_settings: dict[str, tuple] = {}
+        for name, optimizer in optimizers.items():
+            # A hook rather than code in load_state_dict: with fsdp, set_state_dict loads each torch optimizer itself.
+            optimizer.register_load_state_dict_post_hook(functools.partial(self._keep_run_settings, name))
 
     def __iter__(self):
         return iter(self.by_name.values())
@@ -48,6 +63,13 @@ class Optimizers:
 
     def state_dict(self) -> dict:
         return {name: optimizer.state_dict() for name, optimizer in self.by_name.items()}
+
+    def _keep_run_settings(self, name: str, optimizer: torch.optim.Optimizer) -> None:
+        for group, settings in zip(optimizer.param_groups, self.run_settings[name]):
+            for key, value in settings.items():
+                if group.get(key) != value:
+                    self.replaced_settings[SETTING_FLAGS.get((name, key), f"{name} {key}")] = (group.get(key), value)
+            group.update(settings)
 
     def load_state_dict(self, state: dict) -> None:
         if "param_groups" in state:  # a snapshot from before there was a choice: AdamW's own state
@@ -94,7 +116,23 @@ def adamw(params: list[torch.nn.Parameter], cfg: TrainConfig, device_type: str, 
 # ----------------------------------------------------------------------------------------------------------------
 # Muon's Newton–Schulz iteration where bf16 matmuls are slow
 
-_torch_newton_schulz = torch.optim._muon._zeropower_via_newtonschulz
+# torch.optim.Muon looks its Newton–Schulz function up under this name in its private module at every step.
+TORCH_MUON_MODULE, TORCH_NEWTON_SCHULZ = "torch.optim._muon", "_zeropower_via_newtonschulz"
+
+
+@functools.cache
+def torch_newton_schulz() -> Callable | None:
+    """torch.optim.Muon's own Newton–Schulz function, looked up on first use (only by Muon runs: AdamW never touches
+    torch's private module), before `newton_schulz` takes its place. None, with one warning, where a torch release
+    has moved it: Muon then runs as torch ships it."""
+    try:
+        return getattr(importlib.import_module(TORCH_MUON_MODULE), TORCH_NEWTON_SCHULZ)
+    except (ImportError, AttributeError):
+        print(f"WARNING: this PyTorch ({torch.__version__}) has no {TORCH_MUON_MODULE}.{TORCH_NEWTON_SCHULZ}, where "
+              "optim.py puts its fp32 Newton–Schulz iteration for devices on which bf16 is slow. Muon runs torch's "
+              "own instead: the same update, in bf16, which is several times slower on CPUs without AVX512-BF16 or "
+              "AMX and on MPS.", file=sys.stderr)
+        return None
 
 
 def bf16_matmul_is_slow(device: torch.device) -> bool:
@@ -108,7 +146,7 @@ def newton_schulz(grad: torch.Tensor, ns_coefficients: tuple[float, float, float
     """torch.optim.Muon's orthogonalisation, the same quintic iteration with the same coefficients, in fp32 where
     bf16 is slow (torch's casts to bf16 unconditionally and has no option to do otherwise); torch's own elsewhere."""
     if not bf16_matmul_is_slow(grad.device):
-        return _torch_newton_schulz(grad, ns_coefficients, ns_steps, eps)
+        return torch_newton_schulz()(grad, ns_coefficients, ns_steps, eps)
     a, b, c = ns_coefficients
     wide = grad.size(0) <= grad.size(1)
     x = grad.float() if wide else grad.float().T  # iterate on the (small, small) Gram matrix
@@ -120,9 +158,10 @@ def newton_schulz(grad: torch.Tensor, ns_coefficients: tuple[float, float, float
 
 
 def use_fp32_newton_schulz_where_bf16_is_slow() -> None:
-    """Muon looks its Newton–Schulz function up in its module at every step: point it at `newton_schulz`. A test
-    (tests/test_optim.py) checks that this is still where torch keeps it and that both agree."""
-    torch.optim._muon._zeropower_via_newtonschulz = newton_schulz
+    """Point Muon's lookup of its Newton–Schulz function at `newton_schulz`, where torch still keeps it (else leave
+    Muon as it is). A test (tests/test_optim.py) checks that Muon calls it there and that both agree."""
+    if torch_newton_schulz() is not None:
+        setattr(importlib.import_module(TORCH_MUON_MODULE), TORCH_NEWTON_SCHULZ, newton_schulz)
 
 
 # ----------------------------------------------------------------------------------------------------------------

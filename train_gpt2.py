@@ -73,11 +73,13 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: "StopRequest | None" = No
     plan = resolve_plan(cfg, dist_env.world_size)
     torch.manual_seed(cfg.seed)
 
-    # --- data
+    # --- data (token ids checked against the model's vocabulary now, not mid-step)
+    vocab_size = plan.model_config.vocab_size
     train_loader = DistributedDataLoader(cfg.data_dir, "train", cfg.micro_batch_size, plan.seq_len, dist_env.rank,
-                                         dist_env.world_size, plan.grad_accum_steps, shuffle=cfg.shuffle, seed=cfg.seed)
+                                         dist_env.world_size, plan.grad_accum_steps, shuffle=cfg.shuffle, seed=cfg.seed,
+                                         vocab_size=vocab_size)
     val_loader = DistributedDataLoader(cfg.data_dir, "val", cfg.micro_batch_size, plan.seq_len, dist_env.rank,
-                                       dist_env.world_size) if plan.val_steps else None
+                                       dist_env.world_size, vocab_size=vocab_size) if plan.val_steps else None
     hellaswag_examples = None
     if cfg.hellaswag_every:  # now, so that a node without network says so at start-up, not at the first evaluation
         from data import hellaswag
@@ -100,7 +102,12 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: "StopRequest | None" = No
     logger = RunLogger(cfg.log_dir, enabled=master)
     if resumed_from:
         log(f"resuming from {resumed_from} at step {start_step}")
-        logger.log({"event": "resume", "step": start_step, "snapshot": str(resumed_from)})
+        replaced = trained.optimizer.replaced_settings
+        logger.log({"event": "resume", "step": start_step, "snapshot": str(resumed_from)}
+                   | ({"optimizer_settings": replaced} if replaced else {}))
+        if replaced:
+            log("the snapshot's optimizer settings differ from this run's; this run's flags apply: "
+                + ", ".join(f"{flag} {saved} → {flagged}" for flag, (saved, flagged) in replaced.items()))
         change = schedule_change(start_step, snapshots.resumed_config, cfg)
         if change and master:
             line, jump = change

@@ -70,13 +70,45 @@ def load_examples(path: str | None = None, limit: int | None = None) -> list[dic
                         f"(hellaswag_val.jsonl, from {URL}), leave the flag out to download it to {CACHE_DIR}, or "
                         "turn HellaSwag off with --hellaswag_every 0.")
     examples = []
-    with open(file, encoding="utf-8") as f:
-        for line in f:
+    with open(file, "rb") as f:
+        for number, line in enumerate(f, start=1):
             if limit is not None and len(examples) == limit:
                 break
-            if line.strip():
-                examples.append(json.loads(line))
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                example = json.loads(line)
+            except json.JSONDecodeError as e:
+                problem = f"not JSON ({e.msg} at column {e.colno})"
+            except UnicodeDecodeError:
+                problem = "not UTF-8 text"
+            else:
+                problem = what_is_wrong(example)
+            if problem:
+                raise UserError(f"{file}, line {number}: {problem}. A HellaSwag example is a JSON object with a ctx, "
+                                "4 endings and a label 0-3, one a line. Point --hellaswag_path at the validation set "
+                                f"(hellaswag_val.jsonl, from {URL}), or turn HellaSwag off with --hellaswag_every 0.")
+            examples.append(example)
     return examples
+
+
+def what_is_wrong(example) -> str | None:
+    """Why a parsed line is no HellaSwag example that render_example and the scoring can use; None if it is one."""
+    if not isinstance(example, dict):
+        return "not a JSON object"
+    if not isinstance(example.get("ctx"), str):
+        return "no ctx (the context, a string)"
+    endings = example.get("endings")
+    if not isinstance(endings, list) or not all(isinstance(ending, str) for ending in endings):
+        return "no endings (a list of 4 strings)"
+    if len(endings) != 4:
+        return f"{len(endings)} endings, not 4"
+    if "label" not in example:
+        return "no label (HellaSwag's test split has none: use its validation set)"
+    if example["label"] not in range(4):
+        return f"label {example['label']!r}, not one of 0-3"
+    return None
 
 
 def render_example(example: dict, enc: tiktoken.Encoding, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

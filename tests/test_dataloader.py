@@ -2,6 +2,7 @@
 for bad shard files."""
 
 import re
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -164,6 +165,23 @@ def test_loading_a_state_from_another_batch_shape_or_total_batch_raises(tmp_path
         other_seed.load_state_dict(state)
 
 
+def test_a_state_from_other_shards_or_another_seq_len_is_refused_naming_both(tmp_path):
+    make_shards(tmp_path / "data", "train", [chunks(8), chunks(8)])
+    state = DistributedDataLoader(tmp_path / "data", "train", B, T, grad_accum_steps=2).state_dict()
+    # The same shards elsewhere (the data moved to another disk) resume.
+    shutil.copytree(tmp_path / "data", tmp_path / "copy")
+    DistributedDataLoader(tmp_path / "copy", "train", B, T, grad_accum_steps=2).load_state_dict(state)
+    # As many shards, but other ones: another data set.
+    make_shards(tmp_path / "other", "train", [chunks(8), chunks(9)])
+    with pytest.raises(UserError) as raised:
+        DistributedDataLoader(tmp_path / "other", "train", B, T, grad_accum_steps=2).load_state_dict(state)
+    assert f"--data_dir {tmp_path / 'data'}" in str(raised.value)
+    assert f"--data_dir {tmp_path / 'other'}" in str(raised.value)
+    # The same B·T tokens a chunk, cut into 4 sequences of 2 tokens instead of 2 of 4.
+    with pytest.raises(UserError, match="--seq_len 4, and this run into sequences of --seq_len 2"):
+        DistributedDataLoader(tmp_path / "data", "train", 2 * B, T // 2, grad_accum_steps=2).load_state_dict(state)
+
+
 def epochs(data_dir: Path, n: int, where: Chunks, **kw) -> list[list[tuple]]:
     """The chunks a 1-rank loader reads in each of its first n epochs (2 chunks a step)."""
     (loader,) = loaders(data_dir, world_size=1, grad_accum_steps=2, **kw)
@@ -203,6 +221,7 @@ BAD_FILE_CASES = {
     "longer_than_header_claims": "header says 32 tokens",
     "shorter_than_header": "shorter than the 1024-byte shard header",
     "too_small_for_a_step": "fewer than one optimizer step needs",
+    "directory_named_like_a_shard": "is a directory",
 }
 
 
@@ -233,9 +252,25 @@ def test_bad_shard_files_fail_with_an_error_naming_the_file(tmp_path, case):
         bad.write_bytes(bad.read_bytes()[:100])
     elif case == "too_small_for_a_step":
         write_shard(bad, np.arange(2 * B * T))  # a step of 2 chunks needs 2·8 + 1 = 17 tokens
+    elif case == "directory_named_like_a_shard":
+        bad.unlink()
+        bad.mkdir()
     with pytest.raises(UserError) as raised:
         DistributedDataLoader(data_dir, "train", B, T, grad_accum_steps=2)
     assert str(bad) in str(raised.value) and BAD_FILE_CASES[case] in str(raised.value)
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_a_token_id_outside_the_models_vocabulary_fails_at_once_naming_the_shard_and_where(tmp_path, split):
+    make_shards(tmp_path, split, [chunks(4)], vocab=100)  # a good first shard, so the error must name the bad one
+    tokens = np.arange(chunks(4)) % 100
+    tokens[21] = 100
+    bad = tmp_path / f"test_{split}_000001.bin"
+    write_shard(bad, tokens)
+    with pytest.raises(UserError) as raised:
+        DistributedDataLoader(tmp_path, split, B, T, vocab_size=100)
+    assert f"{bad}: token id 100 at position 21 is not in the model's vocabulary of 100" in str(raised.value)
+    DistributedDataLoader(tmp_path, split, B, T, vocab_size=101)  # id 100 fits a vocabulary of 101
 
 
 def test_shard_with_exactly_one_step_of_tokens_is_accepted(tmp_path):

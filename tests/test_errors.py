@@ -18,9 +18,10 @@ import torch
 
 from conftest import ROOT, make_shards
 from data import hellaswag
+from dataloader import write_shard
 from helpers_train import TrainRun, run_train, train_env
 
-pytestmark = pytest.mark.slow  # 16 launches of a fresh Python: about a minute
+pytestmark = pytest.mark.slow  # 19 launches of a fresh Python: about a minute
 
 RUN = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "32", "--max_steps", "1", "--val_every",
        "0", "--ckpt_every", "1", "--dtype", "fp32"]
@@ -52,6 +53,10 @@ EXPECTED = {
     "init_from gpt2 with --n_layer 3": ["--init_from gpt2", "--n_layer 3 (the weights have 12)",
                                         "Leave out the shape flags"],
     "hellaswag offline": ["HellaSwag", "--hellaswag_path", "--hellaswag_every 0"],
+    "token id outside the vocabulary": ["test_val_000000.bin", "token id 50257 at position 123",
+                                        "vocabulary of 50,257", "data/prepare.py"],
+    "directory named like a shard": ["test_train_000001.bin", "is a directory", "move it out"],
+    "hellaswag line not JSON": ["bad.jsonl, line 2: not JSON", "--hellaswag_path", "--hellaswag_every 0"],
 }
 
 
@@ -66,10 +71,14 @@ def data(tmp_path_factory) -> Path:
 
 def damaged_copy(data: Path, to: Path, damage) -> Path:
     """A copy of the data directory with its train shard damaged."""
+    damage(copy_of(data, to) / "test_train_000000.bin")
+    return to
+
+
+def copy_of(data: Path, to: Path) -> Path:
     to.mkdir(parents=True)
     for shard in data.iterdir():
         (to / shard.name).write_bytes(shard.read_bytes())
-    damage(to / "test_train_000000.bin")
     return to
 
 
@@ -112,6 +121,10 @@ def runs(data, tmp_path_factory) -> dict[str, TrainRun | BaseException]:
     (root / "garbage.pt").write_bytes(b"not a torch file\n" * 100)
     (root / "recipe.toml").write_text("max_step = 5\n")
     torch.save({"x": torch.zeros(1)}, root / "foreign.pt")
+    (root / "bad.jsonl").write_text('{"ctx": "a", "endings": ["b", "c", "d", "e"], "label": 0}\n{"ctx": \n')
+    other_vocabulary = copy_of(data, root / "other_vocabulary")
+    write_shard(other_vocabulary / "test_val_000000.bin", np.where(np.arange(200) == 123, 50257, 0))
+    (copy_of(data, root / "shard_directory") / "test_train_000001.bin").mkdir()
     good = ["--data_dir", str(data), *RUN]
     cases = {
         "missing data dir": (["--data_dir", str(root / "nowhere"), *RUN], None),
@@ -129,6 +142,10 @@ def runs(data, tmp_path_factory) -> dict[str, TrainRun | BaseException]:
         # The shape check reads the name alone; NO_NETWORK makes sure a download could not succeed anyway.
         "init_from gpt2 with --n_layer 3": ([*good, "--init_from", "gpt2", "--n_layer", "3"], NO_NETWORK),
         "hellaswag offline": ([*good, "--hellaswag_every", "1"], NO_NETWORK),
+        "token id outside the vocabulary": (["--data_dir", str(other_vocabulary), *RUN, "--val_every", "1"], None),
+        "directory named like a shard": (["--data_dir", str(root / "shard_directory"), *RUN], None),
+        "hellaswag line not JSON": ([*good, "--hellaswag_every", "1", "--hellaswag_path", str(root / "bad.jsonl")],
+                                    None),
     }
     if HELLASWAG_CACHED:
         del cases["hellaswag offline"]

@@ -5,13 +5,14 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from conftest import ROOT, SHARED_DATA, make_shards, perturb_
-from dataloader import DistributedDataLoader
+from dataloader import DistributedDataLoader, write_shard
 from errors import run_entry_point
 from evaluate import main
 from helpers_train import main_in_process, read_metrics, train_env
@@ -28,6 +29,8 @@ def trained(tmp_path_factory, gpt2_encoding):
     root = tmp_path_factory.mktemp("evaluate")
     make_shards(root / "data", "train", [400], seed=0)
     make_shards(root / "data", "val", [300], seed=1)
+    (root / "other_vocabulary").mkdir()
+    write_shard(root / "other_vocabulary" / "test_val_000000.bin", np.full(300, 50257))  # GPT-2's ids end at 50256
     main_in_process([*JOB, "--data_dir", str(root / "data"), "--log_dir", str(root / "logs")])
     return root
 
@@ -95,6 +98,8 @@ def test_hugging_face_weights_get_hugging_faces_own_loss(tmp_path, capsys):
     (["--ckpt", "{logs}/snapshot_0000001.pt", "--micro_batch_size", "64"], "fewer than one optimizer step needs"),
     (["--ckpt", "{logs}/snapshot_0000001.pt", "--hellaswag", "--hellaswag_path", "{logs}/none.jsonl"],
      "HellaSwag file"),
+    (["--ckpt", "{logs}/snapshot_0000001.pt", "--data_dir", "{logs}/../other_vocabulary"],
+     "test_val_000000.bin: token id 50257 at position 0 is not in the model's vocabulary"),
 ])
 def test_bad_paths_and_mismatched_shards_are_clear_errors(trained, argv, message, capsys):
     argv = [a.format(logs=trained / "logs") for a in argv]

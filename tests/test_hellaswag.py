@@ -214,6 +214,29 @@ def test_missing_hellaswag_path_names_the_file(tmp_path, capsys):
     assert str(missing) in err and "--hellaswag_path" in err
 
 
+GOOD_EXAMPLE = {"ind": 7, "ctx": "A man is sitting on a roof. he", "endings": ["a", "b", "c", "d"], "label": 3}
+
+
+@pytest.mark.parametrize("line, problem", [
+    (b'{"ctx": "A man", "endings": ', "not JSON (Expecting value at column 28)"),
+    (b"\xff\xfe not text", "not UTF-8 text"),
+    (json.dumps([1, 2]).encode(), "not a JSON object"),
+    (json.dumps({k: v for k, v in GOOD_EXAMPLE.items() if k != "ctx"}).encode(), "no ctx"),
+    (json.dumps({k: v for k, v in GOOD_EXAMPLE.items() if k != "label"}).encode(), "no label"),
+    (json.dumps(GOOD_EXAMPLE | {"label": 4}).encode(), "label 4, not one of 0-3"),
+    (json.dumps(GOOD_EXAMPLE | {"endings": ["a", "b", "c"]}).encode(), "3 endings, not 4"),
+    (json.dumps(GOOD_EXAMPLE | {"endings": "abcd"}).encode(), "no endings"),
+])
+def test_a_line_that_is_no_hellaswag_example_is_an_error_naming_the_file_and_line(tmp_path, line, problem):
+    path = tmp_path / "hellaswag.jsonl"
+    path.write_bytes(json.dumps(GOOD_EXAMPLE).encode() + b"\n\n" + line + b"\n")
+    with pytest.raises(UserError) as raised:
+        hellaswag.load_examples(str(path))
+    assert str(raised.value).startswith(f"{path}, line 3: {problem}")
+    assert "--hellaswag_path" in str(raised.value) and "--hellaswag_every 0" in str(raised.value)
+    assert hellaswag.load_examples(str(path), limit=1) == [GOOD_EXAMPLE]  # the lines before it are fine
+
+
 def test_download_is_cached_and_checked(tmp_path, monkeypatch, shared_data):
     source = shared_data / VAL_FILE
     cache = tmp_path / "cache"

@@ -1,15 +1,21 @@
 """optim.py: which optimizer updates which parameter, Muon's Newton–Schulz where bf16 is slow, the LR schedules and
 extending a run; and Muon through the whole run: DDP, fp16, snapshots, resume (exact, after a killed rank)."""
 
+import copy
+import importlib
 import math
 import os
 import shutil
 import signal
+import sys
+import types
 
 import pytest
 import torch
+import torch.optim._muon as torch_muon
 
 import optim
+import train_gpt2
 from config import TrainConfig
 from conftest import make_shards
 from distributed import Distributed
@@ -89,7 +95,8 @@ def test_fsdp_with_muon_is_refused_with_a_clear_error():
 def test_fp32_newton_schulz_agrees_with_torchs_and_muon_calls_it(monkeypatch, shape):
     grad = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
     args = ((3.4445, -4.7750, 2.0315), 5, 1e-7)
-    theirs = optim._torch_newton_schulz(grad, *args).float()  # bf16
+    torchs = optim.torch_newton_schulz()
+    theirs = torchs(grad, *args).float()  # bf16
     monkeypatch.setattr(optim, "bf16_matmul_is_slow", lambda device: True)
     ours = newton_schulz(grad, *args)
     assert ours.dtype == torch.float32 and ours.shape == grad.shape
@@ -97,13 +104,158 @@ def test_fp32_newton_schulz_agrees_with_torchs_and_muon_calls_it(monkeypatch, sh
     # Muon still looks the function up where optim.py puts it (else the fp32 path would silently be dead).
     calls = []
     monkeypatch.setattr(optim, "newton_schulz", lambda *a: calls.append(a) or newton_schulz(*a))
-    monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", optim._torch_newton_schulz)
+    monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", torchs)
     optim.use_fp32_newton_schulz_where_bf16_is_slow()
     p = torch.nn.Parameter(torch.zeros(shape))
     p.grad = grad
     torch.optim.Muon([p]).step()
-    monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", optim._torch_newton_schulz)
+    monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", torchs)
     assert len(calls) == 1 and p.abs().sum() > 0
+
+
+def optim_without_torchs_private_muon(monkeypatch, gone: str) -> types.ModuleType:
+    """optim.py imported afresh into a torch whose private torch.optim._muon has gone (`import` raises ImportError),
+    or has no _zeropower_via_newtonschulz any more; torch.optim.Muon itself works on, as in a torch that moved them.
+    The Muon it runs uses torch's own Newton–Schulz, whatever an earlier test installed."""
+    monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", optim.torch_newton_schulz())
+    if gone == "module":
+        monkeypatch.setitem(sys.modules, "torch.optim._muon", None)
+        monkeypatch.delattr(torch.optim, "_muon")
+    else:
+        empty = types.ModuleType("torch.optim._muon")
+        monkeypatch.setitem(sys.modules, "torch.optim._muon", empty)
+        monkeypatch.setattr(torch.optim, "_muon", empty)
+    monkeypatch.delitem(sys.modules, "optim")  # restored at the end of the test: other modules keep the real one
+    return importlib.import_module("optim")
+
+
+def set_random_grads(model: torch.nn.Module, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=generator)
+
+
+@pytest.mark.parametrize("gone", ["module", "function"])
+def test_adamw_runs_without_torchs_private_muon_and_says_nothing(monkeypatch, capsys, gone):
+    fresh = optim_without_torchs_private_muon(monkeypatch, gone)
+    model = GPT(TINY)
+    before = copy.deepcopy(model)
+    optimizers = fresh.build_optimizers(model, TrainConfig(), "cpu")
+    set_random_grads(model, seed=0)
+    for optimizer in optimizers:
+        optimizer.step()
+    assert all(not torch.equal(p, q) for p, q in zip(model.parameters(), before.parameters()))
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("gone", ["module", "function"])
+def test_muon_without_torchs_private_muon_warns_once_and_steps_as_torchs_own_muon(monkeypatch, capsys, gone):
+    fresh = optim_without_torchs_private_muon(monkeypatch, gone)
+    monkeypatch.setattr(fresh, "bf16_matmul_is_slow", lambda device: True)  # where the fp32 path would be wanted
+    cfg = TrainConfig(optimizer="muon", muon_lr=0.02, muon_momentum=0.9, muon_weight_decay=0.01)
+    model = GPT(TINY)
+    reference = copy.deepcopy(model)
+    ours = fresh.build_optimizers(model, cfg, "cpu").by_name["muon"]
+    fresh.build_optimizers(GPT(TINY), cfg, "cpu")  # a second run in this process: no second warning
+    err = capsys.readouterr().err
+    assert err.count("WARNING") == 1 and "torch.optim._muon._zeropower_via_newtonschulz" in err, err
+    theirs = torch.optim.Muon(fresh.split_for_muon(reference)[0], lr=0.02, weight_decay=0.01, momentum=0.9)
+    for seed in range(2):
+        set_random_grads(model, seed)
+        set_random_grads(reference, seed)
+        ours.step()
+        theirs.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# resuming with other optimizer flags
+
+OLD_FLAGS = {"weight_decay": 0.1, "muon_momentum": 0.95, "muon_weight_decay": 0.0, "muon_adjust_lr": "original"}
+NEW_FLAGS = {"weight_decay": 0.5, "muon_momentum": 0.8, "muon_weight_decay": 0.05, "muon_adjust_lr": "match_rms_adamw"}
+
+
+def torchs_own(model: GPT, cfg: TrainConfig) -> dict[str, torch.optim.Optimizer]:
+    """The optimizers of `cfg`, built straight from torch with its flags (GPT-2's decay on matrices only)."""
+    matrices, rest = optim.split_for_muon(model) if cfg.optimizer == "muon" else ([], list(model.parameters()))
+    adamw = torch.optim.AdamW([{"params": [p for p in rest if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+                               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
+                              lr=cfg.max_lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    if cfg.optimizer == "adamw":
+        return {"adamw": adamw}
+    return {"muon": torch.optim.Muon(matrices, lr=cfg.muon_lr, weight_decay=cfg.muon_weight_decay,
+                                     momentum=cfg.muon_momentum, adjust_lr_fn=cfg.muon_adjust_lr), "adamw": adamw}
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_a_loaded_state_keeps_this_runs_optimizer_flags_and_says_which_it_replaced(optimizer):
+    old = TrainConfig(optimizer=optimizer, max_lr=1e-2, muon_lr=0.02, **OLD_FLAGS)
+    new = TrainConfig(optimizer=optimizer, max_lr=1e-2, muon_lr=0.02, **NEW_FLAGS)
+    model = GPT(TINY)
+    saved = build_optimizers(model, old, "cpu")
+    set_random_grads(model, seed=0)
+    for o in saved:
+        o.step()
+    state = copy.deepcopy(saved.state_dict())
+    for group in state["adamw"]["param_groups"]:
+        group["betas"] = (0.8, 0.9)  # as a snapshot from a version of optim.py with other betas would hold
+
+    resumed_model, reference_model = copy.deepcopy(model), copy.deepcopy(model)
+    resumed = build_optimizers(resumed_model, new, "cpu")
+    resumed.load_state_dict(copy.deepcopy(state))  # (loading keeps the tensors, which the step then changes)
+
+    decay, free = resumed.by_name["adamw"].param_groups
+    assert (decay["weight_decay"], free["weight_decay"]) == (0.5, 0.0)
+    assert decay["betas"] == free["betas"] == (0.9, 0.95)
+    if optimizer == "muon":
+        (muon,) = resumed.by_name["muon"].param_groups
+        assert (muon["momentum"], muon["weight_decay"], muon["adjust_lr_fn"]) == (0.8, 0.05, "match_rms_adamw")
+    # The next update is that of torch's optimizers built with the new flags, given the same state.
+    reference = torchs_own(reference_model, new)
+    for name, o in reference.items():
+        o.load_state_dict({"state": state[name]["state"], "param_groups": o.state_dict()["param_groups"]})
+    set_random_grads(resumed_model, seed=1)
+    set_random_grads(reference_model, seed=1)
+    for o in (*resumed, *reference.values()):
+        o.step()
+    assert all(torch.equal(p, q) for p, q in zip(resumed_model.parameters(), reference_model.parameters()))
+    # What the state held instead, to be said at the resume.
+    muon_changes = {"--muon_momentum": (0.95, 0.8), "--muon_weight_decay": (0.0, 0.05),
+                    "--muon_adjust_lr": ("original", "match_rms_adamw")}
+    assert resumed.replaced_settings == {"--weight_decay": (0.1, 0.5), "adamw betas": ((0.8, 0.9), (0.9, 0.95))} | (
+        muon_changes if optimizer == "muon" else {})
+
+
+@pytest.mark.parametrize("parallel, old, new, said", [
+    ("ddp", ["--weight_decay", "0.1"], ["--weight_decay", "0.5"], {"--weight_decay": [0.1, 0.5]}),
+    pytest.param("fsdp", ["--weight_decay", "0.1"], ["--weight_decay", "0.5"], {"--weight_decay": [0.1, 0.5]},
+                 marks=pytest.mark.slow),  # (2 s)
+    ("ddp", ["--optimizer", "muon"], ["--optimizer", "muon", "--muon_momentum", "0.8", "--muon_weight_decay", "0.05"],
+     {"--muon_momentum": [0.95, 0.8], "--muon_weight_decay": [0.0, 0.05]})])
+def test_a_run_resumed_with_other_optimizer_flags_trains_with_them_and_says_so(data, tmp_path, monkeypatch, capsys,
+                                                                               parallel, old, new, said):
+    args = ["--data_dir", str(data), "--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "32",
+            "--warmup_steps", "1", "--max_steps", "3", "--val_every", "0", "--dtype", "fp32", "--ckpt_every", "2",
+            "--parallel", parallel]
+    main_in_process([*args, *old, "--log_dir", str(tmp_path / "before")])
+    settings = []  # each step's, as train_step gets them
+
+    def train_step(model, optimizers, *rest, **kwargs):
+        settings.append({(name, key): value for name, o in optimizers.by_name.items()
+                         for key, value in o.param_groups[0].items() if key in ("weight_decay", "momentum")})
+        return real_train_step(model, optimizers, *rest, **kwargs)
+
+    real_train_step = train_gpt2.train_step
+    monkeypatch.setattr(train_gpt2, "train_step", train_step)
+    snapshot = snapshot_path(tmp_path / "before", 1, sharded=parallel == "fsdp")
+    main_in_process([*args, *new, "--log_dir", str(tmp_path / "after"), "--resume", str(snapshot)])
+    flags = dict(zip(new[::2], new[1::2]))
+    assert settings == [{("adamw", "weight_decay"): float(flags.get("--weight_decay", 0.1))} | (
+        {("muon", "weight_decay"): 0.05, ("muon", "momentum"): 0.8} if "muon" in new else {})]
+    resume = next(r for r in read_metrics(tmp_path / "after") if r.get("event") == "resume")
+    assert resume["optimizer_settings"] == said
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if "this run's flags apply" in line]
+    assert all(f"{flag} {before} → {after}" in line for flag, (before, after) in said.items()), line
 
 
 # ----------------------------------------------------------------------------------------------------------------

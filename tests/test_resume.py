@@ -234,11 +234,26 @@ def test_resume_from_a_missing_file_is_a_clear_error(job, tmp_path):
     (["--micro_batch_size", "1", "--total_batch_size", "32"], "chunk_tokens=32, this run has chunk_tokens=16"),
     (["--total_batch_size", "128"], "chunks_per_step=2, this run has chunks_per_step=4"),
     (["--n_layer", "3"], "n_layer.*Pass the --model"),
+    # The same B·T = 32 tokens a micro-batch and the same total batch, in sequences of 8.
+    (["--seq_len", "8", "--micro_batch_size", "4"], "--seq_len 16, and this run into sequences of --seq_len 8"),
 ])
 def test_resume_with_a_different_batch_or_model_is_a_clear_error(job, tmp_path, change, message):
     with pytest.raises(UserError, match=message):
         main_in_process([*job.args, "--log_dir", str(tmp_path), "--resume", str(snapshot_path(job.one_rank, 7)),
                          *change])
+
+
+def test_resume_on_other_data_is_a_clear_error_and_on_a_copy_of_the_data_continues_exactly(job, tmp_path):
+    other, moved = tmp_path / "other", tmp_path / "moved"
+    make_shards(other, "train", [300, 300], seed=5)  # as many shards, as large, other tokens
+    shutil.copy(job.data / "test_val_000000.bin", other)
+    shutil.copy(snapshot_path(job.one_rank, 7), tmp_path)
+    with pytest.raises(UserError) as raised:
+        main_in_process([*job.args, "--log_dir", str(tmp_path), "--data_dir", str(other)])
+    assert f"--data_dir {job.data}" in str(raised.value) and f"--data_dir {other}" in str(raised.value)
+    shutil.copytree(job.data, moved)
+    main_in_process([*job.args, "--log_dir", str(tmp_path), "--data_dir", str(moved)])
+    assert_continues_exactly(read_metrics(tmp_path), job.one_rank_run, from_step=8, tol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------------------------
