@@ -376,6 +376,12 @@ def test_pruning_and_cleaning_delete_only_what_this_code_wrote(tmp_path):
     assert files_under(tmp_path) == before | {"snapshot_0000012.pt": whole}
 
 
+def test_the_directory_snapshots_of_a_real_fsdp_run_are_pruned_as_this_codes(fsdp_run, tmp_path):
+    shutil.copytree(fsdp_run / "run", tmp_path, dirs_exist_ok=True)
+    prune_snapshots(tmp_path, keep_last=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "snapshot_0000002"]
+
+
 def test_a_run_with_keep_last_1_leaves_foreign_files_alone_and_says_which_it_ignored(fsdp_run, tmp_path, capsys):
     plant(tmp_path, ISSUE_24_ENTRIES)
     main_in_process(run_args(fsdp_run, tmp_path, "--keep_last", "1"))
