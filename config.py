@@ -13,7 +13,6 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import tomllib
-import torch
 
 from dataloader import find_shards, read_shard_header
 from errors import UserError
@@ -250,9 +249,15 @@ def init_weights_config(init_from: str) -> GPTConfig:
     if init_from in HF_MODELS:
         return PRESETS[init_from]  # OpenAI's GPT-2 sizes are our presets of the same names
     path = Path(init_from)
-    if path.is_dir() and (path / "meta.pt").is_file():  # an fsdp run's snapshot
-        path = path / "meta.pt"
-    elif path.is_dir():
+    if path.is_file() or (path / "meta.pt").is_file():  # a snapshot of ours (or an fsdp run's snapshot directory)
+        from snapshot import load_model_snapshot  # (not at the top: snapshot.py imports this module)
+        try:
+            return GPTConfig(**load_model_snapshot(path)["model_config"])
+        except (ValueError, TypeError, OSError) as e:
+            raise UserError(f"--init_from {init_from} is not a snapshot of this codebase ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''}). Pass a snapshot_*.pt written by "
+                            "train_gpt2.py, a Hugging Face model directory, or gpt2 / gpt2-medium / ...") from e
+    if path.is_dir():
         config_file = path / "config.json"
         if not config_file.is_file():
             raise UserError(f"--init_from {init_from}: the directory has no config.json, so it is not a Hugging Face "
@@ -264,14 +269,6 @@ def init_weights_config(init_from: str) -> GPTConfig:
                             "GPT-2 (model_type 'gpt2') weights fit this model.")
         return GPTConfig(block_size=hf["n_positions"], vocab_size=hf["vocab_size"], n_layer=hf["n_layer"],
                          n_head=hf["n_head"], n_embd=hf["n_embd"])
-    if path.is_file():
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            return GPTConfig(**state["model_config"])
-        except Exception as e:  # a foreign file fails with anything from KeyError to UnpicklingError
-            raise UserError(f"--init_from {init_from} is not a snapshot of this codebase ({type(e).__name__}: "
-                            f"{str(e).splitlines()[0] if str(e) else ''}). Pass a snapshot_*.pt written by "
-                            "train_gpt2.py, a Hugging Face model directory, or gpt2 / gpt2-medium / ...") from e
     raise UserError(f"--init_from {init_from}: no such file or directory, and not one of scratch, "
                     f"{', '.join(HF_MODELS)}. Pass a Hugging Face model directory or a snapshot_*.pt.")
 

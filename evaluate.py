@@ -17,7 +17,6 @@ import argparse
 import json
 import sys
 from dataclasses import fields
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -28,6 +27,7 @@ from distributed import Distributed, setup_distributed
 from errors import UserError, run_entry_point
 from model import GPT
 from precision import pick_dtype
+from snapshot import load_model_snapshot
 from validation import validation_loss
 
 # The training flags that decide the numbers; a snapshot's own values are their defaults.
@@ -82,8 +82,7 @@ def load_model(ckpt: str | None, hf_name: str | None) -> tuple[GPT, dict, int | 
         model = GPT.from_snapshot(ckpt)
     except (FileNotFoundError, ValueError) as e:  # the message names the file and what to pass instead
         raise UserError(f"--ckpt: {e} (For OpenAI's weights use --model gpt2.)") from e
-    path = Path(ckpt)
-    saved = torch.load(path / "meta.pt" if path.is_dir() else path, map_location="cpu", weights_only=True, mmap=True)
+    saved = load_model_snapshot(ckpt)
     return model, saved.get("config", {}), saved.get("step")
 
 

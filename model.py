@@ -367,36 +367,18 @@ class GPT(nn.Module):
         return hf_state
 
     @classmethod
-    def from_snapshot(cls, path: str | Path, map_location: str = "cpu") -> "GPT":
-        """A plain GPT from a training snapshot (a snapshot_*.pt file, or the directory of an fsdp run's), or from a
-        file with just a snapshot's "model" and "model_config"."""
+    def from_snapshot(cls, path: str | Path) -> "GPT":
+        """A plain GPT from a training snapshot (a snapshot_*.pt file, or the directory of an fsdp run's, whose
+        shards torch.distributed.checkpoint puts back together in one process), or from a file with just a
+        snapshot's "model" and "model_config". Read by snapshot.py, so that nothing in it runs code."""
+        from snapshot import load_model_snapshot, load_shards  # (not at the top: snapshot.py imports this module)
+
         path = Path(path)
-        if path.is_dir() and (path / "meta.pt").is_file():
-            return cls._from_sharded_snapshot(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"snapshot {path}: no such file. Pass a snapshot_*.pt written by train_gpt2.py.")
-        try:
-            ckpt = torch.load(path, map_location=map_location, weights_only=True)
-        except Exception as e:  # a foreign file fails with anything from KeyError to UnpicklingError
-            raise ValueError(f"{path} could not be read as a PyTorch file ({type(e).__name__}: {e}). "
-                             "Pass a snapshot_*.pt written by train_gpt2.py.") from e
-        if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
-            raise ValueError(f"{path} is not a snapshot of this codebase (it lacks 'model' and 'model_config'). "
-                             "Pass a snapshot_*.pt written by train_gpt2.py.")
-        model = cls(GPTConfig(**ckpt["model_config"]))
-        model.load_state_dict(ckpt["model"])
-        return model
-
-    @classmethod
-    def _from_sharded_snapshot(cls, path: Path) -> "GPT":
-        """An fsdp run's snapshot: torch.distributed.checkpoint puts the ranks' shards back together, in one
-        process and without a process group."""
-        import torch.distributed.checkpoint as dcp
-
-        meta = torch.load(path / "meta.pt", map_location="cpu", weights_only=True)
-        model = cls(GPTConfig(**meta["model_config"]))
-        state = {"model": model.state_dict()}
-        dcp.load(state, checkpoint_id=path, no_dist=True)
+        state = load_model_snapshot(path)
+        model = cls(GPTConfig(**state["model_config"]))
+        if path.is_dir():
+            state = {"model": model.state_dict()}
+            load_shards(state, path, no_dist=True)
         model.load_state_dict(state["model"])
         return model
 

@@ -14,24 +14,34 @@ removed and reported, and training goes on: only the last snapshot of a run must
 after the write (a bit flip, a bad copy) are found by checksums: the CRC-32 that torch.save's zip container keeps
 for every record, and a CRC-32 per shard file of a directory snapshot in its meta.pt.
 
-Loading uses torch.load(weights_only=True), so everything in a snapshot is tensors, numbers, strings, lists and
-dicts; and mmap=True, so that 8 ranks resuming on one node share the file's pages instead of each reading the whole
-model and optimizer state into its own memory.
+Nothing read from a snapshot runs code. Torch files (a snapshot_*.pt, a directory's meta.pt) load with
+torch.load(weights_only=True), so they hold only tensors, numbers, strings, lists and dicts; and mmap=True, so that
+8 ranks resuming on one node share the file's pages instead of each reading the whole model and optimizer state
+into its own memory. In a directory, torch.distributed.checkpoint would unpickle the .metadata file and the shards'
+non-tensor values (the optimizer's hyperparameters) with plain pickle: load_shards reads the first with an
+unpickler that knows only the classes such a file holds, and the second with weights_only=True.
 
 A snapshot is never written from NaN or inf weights or optimizer state, and one written while the run was skipping
 updates (training.DivergenceGuard) is marked unhealthy: it is no place to roll back to. Pruning keeps the newest
-healthy snapshot whatever --keep_last says, so a run that goes bad cannot prune away its last good state.
+healthy snapshot whatever --keep_last says (and any newer one whose health a read error hides), so a run that goes
+bad cannot prune away its last good state. A rollback is written at once, over the snapshot it restored.
+
+Pruning deletes only what this code provably wrote (written_here): its names, with the contents it writes under
+them. Anything else in --ckpt_dir is left alone, and --resume auto says which entries it ignored.
 """
 
 import os
+import pickle
+import pickletools
 import random
 import re
 import shutil
+import struct
 import sys
 import uuid
 import zipfile
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -41,6 +51,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.utils.serialization.config
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
@@ -51,9 +64,14 @@ from files import atomic_write, fsync_directory
 from parallel import TrainingModel
 from training import DivergenceGuard
 
-SNAPSHOT_NAME = re.compile(r"snapshot_(\d+)(\.pt)?")  # a file (ddp) or a directory (fsdp)
+STEP = r"(\d{7}|[1-9]\d{7,})"  # f"{step:07d}", exactly
+SNAPSHOT_NAME = re.compile(rf"snapshot_{STEP}(\.pt)?")  # a file (ddp) or a directory (fsdp)
+# ...and while they are written: files.atomic_write's temp file, save_sharded_snapshot's temp directory
+TEMP_NAME = re.compile(rf"snapshot_{STEP}(\.pt\.\d+)?\.tmp")
+SHARD_FILE_NAME = re.compile(r"__\d+_\d+\.distcp|\.metadata|meta\.pt(\.\d+\.tmp)?")  # in a directory snapshot
 REQUIRED_KEYS = ("model", "model_config", "optimizer", "scaler", "step", "loader", "rng", "config", "wandb_id")
 SHARDED_KEYS = ("model", "optimizer")  # in a directory snapshot: in the shards, not in meta.pt
+META_KEYS = tuple(k for k in REQUIRED_KEYS if k not in SHARDED_KEYS)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -83,7 +101,10 @@ class Snapshots:
         if found is None:
             return 0, None
         path, state = found
-        self._restore(path, state)
+        try:
+            self._restore(path, state)
+        except ValueError as e:  # the shards: a value that is not plain data
+            raise UserError(f"--resume: {e} Pass another snapshot, or --resume never to start over.") from e
         self.wandb_id, self.last_saved, self.resumed_config = state["wandb_id"], state["step"], state["config"]
         return state["step"] + 1, path
 
@@ -147,15 +168,37 @@ class Snapshots:
         self._restore(path, state, data_position=False)  # the guard's state too, from before this rollback
         self.guard.skips_in_a_row = 0  # (a snapshot from before the guard holds no count)
         self.guard.rollbacks = rollbacks + 1
+        self._record_rollback(Path(path), state["step"])
         if self.dist_env.is_master:
             # The newer ones are the abandoned timeline's, all unhealthy: after a crash, --resume auto would pick
             # one of them over this timeline's snapshots, and re-read the data the rollback skipped.
             newest_first = list_snapshots(self.ckpt_dir)
             for abandoned in newest_first[:newest_first.index(Path(path))]:
-                remove(abandoned)
-                self.log(f"removed {abandoned}: written while updates were being skipped, after {path}")
+                if written_here(abandoned):
+                    remove(abandoned)
+                    self.log(f"removed {abandoned}: written while updates were being skipped, after {path}")
         self.last_saved = state["step"]
         return state["step"] + 1, path
+
+    def _record_rollback(self, path: Path, step: int) -> None:
+        """Write the state just restored, with the data position after the divergence and the rollback counted,
+        over the snapshot it came from: a crash before the next snapshot then resumes after the rollback, not
+        before it (re-reading the bad batches, with --max_rollbacks reset). Atomic: the old snapshot stays until
+        the new one is complete. Of a directory snapshot only meta.pt changes, as its shards hold the very weights
+        and optimizer state just restored. Collective (the RNG states); rank 0 writes, and a failed write is a
+        warning, as for any snapshot."""
+        state = self._capture(step)
+        if not self.dist_env.is_master:
+            return
+        try:
+            if path.is_dir():
+                state["shard_crc32"] = load_snapshot(path, verify=False).get("shard_crc32", {})  # (older: none)
+                atomic_write(path / "meta.pt", lambda f: torch_save(state, f))
+            else:
+                save_snapshot(state, path)
+        except OSError as e:
+            print(f"WARNING: the rollback could not be written to {path} ({type(e).__name__}: {e}); a crash before "
+                  "the next snapshot would resume from before the rollback.", file=sys.stderr)
 
     def newest_healthy(self) -> str | None:
         """The newest healthy snapshot in ckpt_dir (rank 0 looks, every rank gets its answer)."""
@@ -224,7 +267,7 @@ class Snapshots:
         if t.sharded:  # each rank reads its own shards, resharded if the number of ranks changed
             model_state, optimizer_state = get_state_dict(t.raw, list(t.optimizer))
             loaded = {"model": model_state, "optimizer": optimizer_state}
-            dcp.load(loaded, checkpoint_id=path)
+            load_shards(loaded, Path(path))
             set_state_dict(t.raw, list(t.optimizer), model_state_dict=loaded["model"],
                            optim_state_dict=loaded["optimizer"])
         else:
@@ -264,9 +307,19 @@ class Snapshots:
                 return self.resume_from, load_snapshot(self.resume_from)
             except ValueError as e:
                 raise UserError(f"--resume: {e} Pass another snapshot, 'auto' or 'never'.") from e
-        # Rank 0 picks the newest snapshot that loads, warning once about broken ones; the others read the same file.
-        found = find_latest_snapshot(self.ckpt_dir) if self.dist_env.is_master else None
-        path = from_rank_0(str(found[0]) if found else None)
+        # Rank 0 picks the newest snapshot that loads, warning once about broken ones and foreign entries; the others
+        # read the same file, or raise the same error.
+        found, failure = None, None
+        if self.dist_env.is_master:
+            warn_of_ignored_entries(self.ckpt_dir)
+            try:
+                found = find_latest_snapshot(self.ckpt_dir)
+            except ValueError as e:
+                failure = (f"--resume auto: {e} Repair or move them away (a copy of a good snapshot elsewhere: "
+                           "--resume PATH), or start over with --resume never in a fresh --ckpt_dir.")
+        path, failure = from_rank_0((str(found[0]) if found else None, failure))
+        if failure is not None:
+            raise UserError(failure)
         if path is None:
             return None
         return path, found[1] if found else load_snapshot(path, verify=False)  # rank 0 has verified it
@@ -280,6 +333,7 @@ def snapshot_path(ckpt_dir: str | Path, step: int, sharded: bool = False) -> Pat
 
 
 def save_snapshot(state: dict, path: Path) -> None:
+    check_replaceable(path)
     atomic_write(path, lambda f: torch_save(state, f))
 
 
@@ -300,11 +354,17 @@ def save_sharded_snapshot(meta: dict | None, trained: TrainingModel, path: Path,
     the snapshot, and the shard files' CRC-32s) and renames the directory into place once all are written.
     Collective; a failed write on any rank raises on every rank, with the temp directory removed."""
     tmp = path.with_name(path.name + ".tmp")
-    if meta is not None:
-        shutil.rmtree(tmp, ignore_errors=True)  # a dead run's
-    dist.barrier()
-    model_state, optimizer_state = get_state_dict(trained.raw, list(trained.optimizer))
     failure = None
+    if meta is not None:
+        try:
+            check_replaceable(path)
+            check_replaceable(tmp)
+            shutil.rmtree(tmp, ignore_errors=True)  # a dead run's
+        except OSError as e:
+            failure = e
+    if any_rank(failure is not None, device):  # (and no rank writes into tmp before rank 0 has cleared it)
+        raise failure or OSError(f"{path} could not be written: see rank 0's warning")
+    model_state, optimizer_state = get_state_dict(trained.raw, list(trained.optimizer))
     try:
         # dcp.save returns once all ranks have written, or raises CheckpointException on all if one failed.
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp)
@@ -334,7 +394,8 @@ def file_crc32(path: Path) -> int:
 
 def verify_checksums(path: Path, state: dict | None = None) -> None:
     """Raise ValueError naming the file if bytes of a snapshot changed since it was written: the CRC-32 of every
-    record in a torch file's zip container, and for a directory snapshot every shard file's CRC-32 in meta.pt."""
+    record in a torch file's zip container, and for a directory snapshot every shard file's CRC-32 in meta.pt. A
+    read error is raised as the OSError it is: it says nothing about the bytes."""
     if path.is_dir():
         verify_checksums(path / "meta.pt")
         for name, crc in (state or {}).get("shard_crc32", {}).items():  # (older directory snapshots have none)
@@ -345,7 +406,7 @@ def verify_checksums(path: Path, state: dict | None = None) -> None:
     try:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()  # reads every record and compares its CRC-32
-    except (zipfile.BadZipFile, OSError, EOFError) as e:
+    except (zipfile.BadZipFile, EOFError) as e:
         raise ValueError(f"{path} could not be read as a snapshot ({type(e).__name__}: {e}); it is truncated, "
                          "corrupt or not a torch file.") from e
     if bad is not None:
@@ -354,22 +415,15 @@ def verify_checksums(path: Path, state: dict | None = None) -> None:
 
 
 def load_snapshot(path: str | Path, verify: bool = True) -> dict:
-    """Load and check a snapshot (of a directory snapshot: meta.pt, the shards are read when restoring); raises
-    ValueError naming the file if it is truncated, not ours, or (verify) its bytes changed since it was written."""
+    """Load and check a snapshot (of a directory snapshot: meta.pt, with its .metadata checked to hold nothing that
+    could run code; the shards are read when restoring). Raises ValueError naming the file if it is truncated, not
+    ours, unsafe, or (verify) its bytes changed since it was written; an OSError if it could not be read."""
     path = Path(path)
     sharded = path.is_dir()
-    if path.is_file() and not zipfile.is_zipfile(path):  # torch's own message here would be about mmap, misleading
-        raise ValueError(f"{path} could not be read as a snapshot: it is truncated, corrupt or not a torch file.")
-    try:
-        if sharded and not (path / ".metadata").is_file():
-            raise FileNotFoundError(f"{path / '.metadata'} is missing")
-        state = torch.load(path / "meta.pt" if sharded else path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # torch's message can run to a page; its first line says what failed
-        first_line = str(e).strip().split("\n")[0]
-        raise ValueError(f"{path} could not be read as a snapshot ({type(e).__name__}: {first_line}); "
-                         "it is truncated, corrupt or not a torch file.") from e
-    required = [k for k in REQUIRED_KEYS if not (sharded and k in SHARDED_KEYS)]
-    missing = [k for k in required if not isinstance(state, dict) or k not in state]
+    if sharded:
+        read_shard_metadata(path)
+    state = read_torch_file(path / "meta.pt" if sharded else path)
+    missing = [k for k in (META_KEYS if sharded else REQUIRED_KEYS) if not isinstance(state, dict) or k not in state]
     if missing:
         raise ValueError(f"{path} is not a training snapshot of this codebase (missing {missing}).")
     if verify:
@@ -378,7 +432,7 @@ def load_snapshot(path: str | Path, verify: bool = True) -> dict:
 
 
 def list_snapshots(ckpt_dir: str | Path) -> list[Path]:
-    """Snapshots in ckpt_dir, newest (highest step) first."""
+    """Snapshots in ckpt_dir (entries named as this code names them), newest (highest step) first."""
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
         return []
@@ -386,13 +440,28 @@ def list_snapshots(ckpt_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
+def warn_of_ignored_entries(ckpt_dir: str | Path) -> None:
+    """One warning naming the entries of ckpt_dir that look like snapshots but are not named as this code names
+    them (nor ever touched by it), e.g. snapshot_1.pt; temp files of writes cut short are among them."""
+    ckpt_dir = Path(ckpt_dir)
+    ignored = sorted(p.name for p in ckpt_dir.glob("snapshot_*") if not SNAPSHOT_NAME.fullmatch(p.name))
+    if ignored:
+        print(f"WARNING: --resume auto ignores in {ckpt_dir}: {', '.join(ignored)} (not named as this code names "
+              "snapshots: snapshot_<step, 7 digits>.pt, or snapshot_<step>/ with --parallel fsdp).", file=sys.stderr)
+
+
 def find_latest_snapshot(ckpt_dir: str | Path) -> tuple[Path, dict] | None:
-    """The newest snapshot that loads; broken ones are skipped with a warning naming them."""
+    """The newest snapshot that loads; broken ones are skipped with a warning naming them. None if there is none;
+    ValueError naming them all if there are some and none loads (a fresh start would prune them away)."""
+    failures = []
     for path in list_snapshots(ckpt_dir):
         try:
             return path, load_snapshot(path)
-        except ValueError as e:
+        except (ValueError, OSError) as e:
             print(f"WARNING: skipping snapshot: {e} Trying the next older one.", file=sys.stderr)
+            failures.append(f"{path} ({type(e).__name__}: {e})" if isinstance(e, OSError) else str(e))
+    if failures:
+        raise ValueError(f"none of the {len(failures)} snapshots in {ckpt_dir} loads: {' '.join(failures)}")
     return None
 
 
@@ -400,31 +469,93 @@ def is_healthy(state: dict) -> bool:
     return state.get("healthy", True)  # snapshots from before the guard were not checked: trust them as before
 
 
-def newest_healthy_snapshot(ckpt_dir: str | Path) -> Path | None:
-    """The newest snapshot that loads and is healthy (see the module doc). Only the one whose flag says healthy is
-    checksummed (a read of the whole file), not the unhealthy ones newer than it."""
+def health_newest_first(ckpt_dir: str | Path) -> Iterator[tuple[Path, bool | None]]:
+    """Each snapshot, newest first, and whether it is healthy: True; False if unhealthy or broken (it does not load,
+    or its checksums fail); None if a read error leaves that unknown. Only those whose flag says healthy are
+    checksummed (a read of the whole file)."""
     for path in list_snapshots(ckpt_dir):
         try:
             state = load_snapshot(path, verify=False)
-            if is_healthy(state):
+            healthy = is_healthy(state)
+            if healthy:
                 verify_checksums(path, state)
-                return path
         except ValueError:
-            continue
-    return None
+            healthy = False
+        except OSError:
+            healthy = None
+        yield path, healthy
+
+
+def newest_healthy_snapshot(ckpt_dir: str | Path) -> Path | None:
+    """The newest snapshot that loads and is healthy (see the module doc)."""
+    return next((path for path, healthy in health_newest_first(ckpt_dir) if healthy), None)
 
 
 def prune_snapshots(ckpt_dir: str | Path, keep_last: int) -> None:
-    """Delete all but the keep_last newest snapshots, except the newest healthy one, and the temp files of writes
-    that a crash cut short."""
-    old = list_snapshots(ckpt_dir)[keep_last:]
-    keep = newest_healthy_snapshot(ckpt_dir) if old else None  # (nothing to prune: no need to read any snapshot)
+    """Delete all but the keep_last newest of this code's snapshots, and the temp files and directories of writes
+    that a crash cut short; only what written_here proves this code wrote. Kept whatever keep_last says: the newest
+    healthy snapshot, and any newer one whose health a read error hides (it may be the newest healthy one)."""
+    old = [path for path in list_snapshots(ckpt_dir) if written_here(path)][keep_last:]
+    keep = set()
+    for path, healthy in health_newest_first(ckpt_dir) if old else ():  # (nothing to prune: read no snapshot)
+        if healthy is not False:
+            keep.add(path)
+        if healthy:
+            break
     for path in old:
-        if path != keep:
+        if path not in keep:
             remove(path)
     # One snapshot is saved at a time, so once a save has finished every temp file or directory is a dead run's.
-    for tmp in Path(ckpt_dir).glob("snapshot_*tmp"):
-        remove(tmp)
+    for tmp in Path(ckpt_dir).iterdir():
+        if TEMP_NAME.fullmatch(tmp.name) and written_here(tmp):
+            remove(tmp)
+
+
+def written_here(path: Path) -> bool:
+    """Whether this code provably wrote `path`, so that it may delete it: a snapshot, or the temp file or directory
+    of a snapshot write, by its name (SNAPSHOT_NAME, TEMP_NAME) and its contents. A file: a torch file whose
+    pickle holds a snapshot's keys (snapshot_holds_keys). A directory: nothing but what save_sharded_snapshot
+    writes into one (shard files, .metadata, meta.pt and its temp files), with meta.pt holding a snapshot's keys
+    where it must be there (in a snapshot, not yet in the temp directory of one)."""
+    if path.is_symlink() or not (SNAPSHOT_NAME.fullmatch(path.name) or TEMP_NAME.fullmatch(path.name)):
+        return False
+    if ".pt" in path.name:
+        return path.is_file() and snapshot_holds_keys(path, REQUIRED_KEYS)
+    if not path.is_dir():
+        return False
+    entries = list(path.iterdir())
+    if not all(SHARD_FILE_NAME.fullmatch(e.name) and e.is_file() and not e.is_symlink() for e in entries):
+        return False
+    meta = path / "meta.pt"
+    if SNAPSHOT_NAME.fullmatch(path.name) or meta.exists():  # (a temp directory has none until its shards are in)
+        return snapshot_holds_keys(meta, META_KEYS)
+    return True
+
+
+def snapshot_holds_keys(path: Path, keys: tuple[str, ...]) -> bool:
+    """Whether a torch file, complete or cut short by a crash, is a snapshot's: torch.save writes the object's
+    pickle first (the zip record <archive>/data.pkl, stored), and a snapshot's names every one of `keys`. Only the
+    pickle's opcodes are read (pickletools): nothing is unpickled."""
+    try:
+        with open(path, "rb") as f:
+            header = f.read(30)  # a zip record's local header
+            signature, compression = header[:4], header[8:10]
+            name_length, extra_length = struct.unpack_from("<HH", header, 26)
+            if signature != b"PK\x03\x04" or compression != b"\0\0" or not f.read(name_length).endswith(b"/data.pkl"):
+                return False
+            f.seek(extra_length, os.SEEK_CUR)
+            strings = {arg for _, arg, _ in pickletools.genops(f) if isinstance(arg, str)}
+    except (OSError, ValueError, struct.error):  # unreadable, or cut short: no proof
+        return False
+    return set(keys) <= strings
+
+
+def check_replaceable(path: Path) -> None:
+    """FileExistsError if something this code did not write is where it is about to write (a snapshot of the same
+    step is replaced, a dead run's temp file cleared): that is never overwritten or deleted."""
+    if (path.exists() or path.is_symlink()) and not written_here(path):
+        raise FileExistsError(f"{path} is in the way of a snapshot and was not written by this code, so it is left "
+                              "as it is: move it out of --ckpt_dir")
 
 
 def remove(path: Path) -> None:
@@ -432,6 +563,147 @@ def remove(path: Path) -> None:
         shutil.rmtree(path)
     else:
         path.unlink(missing_ok=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# reading snapshots: nothing in them runs code
+
+def read_torch_file(path: Path):
+    """The one way a torch file of a snapshot is read (a snapshot_*.pt, a directory's meta.pt, a file with just a
+    model): torch.load(weights_only=True), so it holds only tensors, numbers, strings and containers of them and
+    runs no code; on the CPU, memory-mapped. ValueError naming the file if it is missing or torch cannot load it
+    (torch raises even OSErrors for a truncated file); a read error of the file's first bytes is raised as the
+    OSError it is."""
+    try:
+        with open(path, "rb") as f:
+            is_zip = f.read(4) == b"PK\x03\x04"  # torch.save's container (torch's message otherwise: about mmap)
+    except FileNotFoundError as e:
+        raise ValueError(f"{path} could not be read as a snapshot: it is missing.") from e
+    if not is_zip:
+        raise ValueError(f"{path} could not be read as a snapshot: it is truncated, corrupt or not a torch file.")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # torch's message can run to a page; its first line says what failed
+        raise ValueError(f"{path} could not be read as a snapshot ({type(e).__name__}: {first_line(e)}); it is "
+                         "truncated, corrupt or not a torch file.") from e
+
+
+def first_line(e: BaseException) -> str:
+    return str(e).strip().split("\n")[0]
+
+
+# What the .metadata of a torch.distributed.checkpoint directory holds (walked with pickletools in the snapshots
+# of real fsdp runs; the dtypes are allowed by their type, below). Unpickling calls what a pickle names, so any other
+# name is refused: it could run code.
+METADATA_GLOBALS = {("torch.distributed.checkpoint.metadata", name) for name in (
+    "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
+    "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath")}  # (the checkpoint_id dcp.save was given)
+
+
+class RefusedGlobal(pickle.UnpicklingError):
+    """A name outside METADATA_GLOBALS in a .metadata pickle (the message: module.name)."""
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """An unpickler that builds only the classes of METADATA_GLOBALS and torch's dtypes."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                   torch.dtype)):
+            return super().find_class(module, name)
+        raise RefusedGlobal(f"{module}.{name}")
+
+
+def read_shard_metadata(directory: Path) -> Metadata:
+    """The .metadata of a directory snapshot (the index of its shards), read with MetadataUnpickler. ValueError
+    naming the file if it is missing or holds anything else; a read error is raised as the OSError it is."""
+    path = directory / ".metadata"
+    try:
+        with open(path, "rb") as f:
+            metadata = MetadataUnpickler(f).load()
+    except FileNotFoundError as e:
+        raise ValueError(f"{directory} could not be read as a snapshot ({path} is missing): a write cut short, or "
+                         "not a snapshot directory.") from e
+    except RefusedGlobal as e:
+        raise ValueError(f"{path} was refused: it names {e}, which a torch.distributed.checkpoint .metadata file "
+                         "never holds, and unpickling it could run code. The snapshot directories of train_gpt2.py "
+                         "--parallel fsdp hold no such thing: pass one of those.") from e
+    except OSError:
+        raise
+    except Exception as e:  # anything else a damaged pickle raises
+        raise ValueError(f"{directory} could not be read as a snapshot ({path}: {type(e).__name__}: "
+                         f"{first_line(e)}): it is damaged, or not a snapshot directory.") from e
+    if not isinstance(metadata, Metadata):
+        raise ValueError(f"{path} holds a {type(metadata).__name__}, not a torch.distributed.checkpoint Metadata: it "
+                         "is not a snapshot directory of train_gpt2.py --parallel fsdp.")
+    return metadata
+
+
+class SnapshotShardReader(FileSystemReader):
+    """torch.distributed.checkpoint's reader of a directory, but for its .metadata: read_shard_metadata, where
+    torch unpickles it with plain pickle."""
+
+    def read_metadata(self) -> Metadata:
+        # (Without torch's rank argument: after a refusal, dcp would look for per-rank files we never write.)
+        metadata = read_shard_metadata(Path(self.path))
+        metadata.storage_meta = metadata.storage_meta or StorageMeta()  # as FileSystemReader.read_metadata does
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class PlainDataLoadPlanner(DefaultLoadPlanner):
+    """torch.distributed.checkpoint's default planner, but for the shards' non-tensor values (the optimizer's
+    hyperparameters: floats, bools, tuples): unpickled with weights_only=True first, where torch's planner uses
+    weights_only=False. Bytes that load so are plain data, and then load the same way in torch's planner."""
+
+    def __init__(self, directory: Path):
+        super().__init__()
+        self.directory = directory
+
+    def load_bytes(self, read_item, value) -> None:
+        try:
+            torch.load(value, weights_only=True)
+        except Exception as e:  # torch's reason is on a line of its long message (before its advice to trust it)
+            reason = next((line.strip().split(". Please")[0] for line in str(e).splitlines()
+                           if "WeightsUnpickler error:" in line), first_line(e))
+            raise ValueError(f"{self.directory}: the value of {read_item.dest_index.fqn} in its shards was refused "
+                             f"({reason}): it is not plain data, and unpickling it could run code. The snapshot "
+                             "directories of train_gpt2.py --parallel fsdp hold no such thing: pass one of "
+                             "those.") from e
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+def load_shards(state: dict, directory: Path, no_dist: bool = False) -> None:
+    """Fill `state` (what get_state_dict or a model's state_dict gives) from the shards of a directory snapshot:
+    dcp.load, resharded to this run's ranks (no_dist: into one process without a process group), with nothing read
+    that could run code. ValueError naming the file or value if anything is refused."""
+    try:
+        dcp.load(state, storage_reader=SnapshotShardReader(directory), planner=PlainDataLoadPlanner(directory),
+                 no_dist=no_dist)
+    except CheckpointException as e:  # (a BaseException) wraps what each rank raised
+        errors = [error for error, _ in e.failures.values()]
+        ours = next((error for error in errors if isinstance(error, ValueError)), None)
+        raise ValueError(str(ours) if ours else f"{directory} could not be read as a snapshot "
+                         f"({type(errors[0]).__name__}: {first_line(errors[0])}).") from e
+
+
+def load_model_snapshot(path: str | Path) -> dict:
+    """What GPT.from_snapshot, --init_from and evaluate.py read: a snapshot's dict (of a directory snapshot, its
+    meta.pt: the weights are in the shards, for load_shards), or a file's with just a snapshot's "model" and
+    "model_config". FileNotFoundError or ValueError naming the file if it is none of those."""
+    path = Path(path)
+    if path.is_dir() and (path / "meta.pt").is_file():
+        return load_snapshot(path, verify=False)
+    if not path.is_file():
+        raise FileNotFoundError(f"snapshot {path}: no such file. Pass a snapshot_*.pt written by train_gpt2.py.")
+    state = read_torch_file(path)
+    if not isinstance(state, dict) or "model" not in state or "model_config" not in state:
+        raise ValueError(f"{path} is not a snapshot of this codebase (it lacks 'model' and 'model_config'). "
+                         "Pass a snapshot_*.pt written by train_gpt2.py.")
+    return state
 
 
 # ----------------------------------------------------------------------------------------------------------------

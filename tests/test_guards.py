@@ -7,10 +7,14 @@ data would. In-process runs (train_gpt2.run) keep these tests fast; the exit sta
 processes.
 """
 
+import builtins
+import errno
 import json
 import math
+import os
 import re
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -25,7 +29,15 @@ from distributed import Distributed
 from errors import UserError
 from helpers_train import TINY_ARGS, read_metrics, run_train
 from model import GPT
-from snapshot import is_healthy, list_snapshots, load_snapshot, prune_snapshots, save_snapshot, snapshot_path
+from snapshot import (
+    is_healthy,
+    list_snapshots,
+    load_snapshot,
+    newest_healthy_snapshot,
+    prune_snapshots,
+    save_snapshot,
+    snapshot_path,
+)
 from training import DivergenceGuard
 
 CPU = torch.device("cpu")
@@ -50,10 +62,15 @@ def run_in_process(data: Path, log_dir: Path, *args: str) -> list[dict]:
     return read_metrics(log_dir)
 
 
+def job_loader(data: Path) -> DistributedDataLoader:
+    """The training data as a run with JOB reads it."""
+    return DistributedDataLoader(data, "train", B, T, grad_accum_steps=ACCUM, shuffle=True, seed=1337)
+
+
 def micro_batches_of(data: Path, steps: list[int], every_micro_step: bool = False) -> dict[tuple, int]:
     """A key for the first micro-batch (or every one) of each of `steps` (its first tokens), as a run with JOB reads
     them. A step's micro-batches are the same whatever the number of ranks (see dataloader.py)."""
-    loader = DistributedDataLoader(data, "train", B, T, grad_accum_steps=ACCUM, shuffle=True, seed=1337)
+    loader = job_loader(data)
     keys = {}
     for step in range(max(steps) + 1):
         for micro_step in range(ACCUM):
@@ -140,6 +157,29 @@ def test_pruning_keeps_the_newest_healthy_snapshot_beyond_keep_last(tmp_path):
                                                           "snapshot_0000009.pt"]
 
 
+@pytest.mark.parametrize("healthy, kept", [
+    ({4: False, 9: True, 14: False, 19: False, 24: False}, [24, 19, 9]),  # the only healthy one is unreadable
+    ({4: True, 9: True, 14: False, 19: False, 24: False}, [24, 19, 9, 4]),  # one newer than the newest readable
+])
+def test_a_snapshot_whose_health_a_read_error_hides_is_kept_by_pruning(tmp_path, monkeypatch, healthy, kept):
+    # snapshot_9 cannot be read for now (EIO): it may be the newest healthy snapshot, so pruning keeps it, and the
+    # older healthy one too if there is one; the unhealthy ones beyond --keep_last go.
+    for step, flag in healthy.items():
+        save_snapshot(fake_snapshot(step, flag), snapshot_path(tmp_path, step))
+    unreadable, real_open = snapshot_path(tmp_path, 9), builtins.open
+
+    def open_but_not_9(file, *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)) and Path(file) == unreadable:
+            raise OSError(errno.EIO, "Input/output error", str(file))
+        return real_open(file, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(builtins, "open", open_but_not_9)
+        prune_snapshots(tmp_path, keep_last=2)
+    assert list_snapshots(tmp_path) == [snapshot_path(tmp_path, step) for step in kept]
+    assert newest_healthy_snapshot(tmp_path) == unreadable  # once it reads again
+
+
 def test_no_snapshot_is_written_from_nan_weights(data, tmp_path):
     from parallel import build_model
     from snapshot import Snapshots
@@ -199,6 +239,13 @@ def test_rollback_reloads_the_newest_healthy_snapshot_and_skips_the_bad_data(dat
     plant(monkeypatch, data, [6, 7, 8], math.nan)  # bad data at steps 6-8: 3 skips in a row, then a rollback
     args = ["--max_steps", "14", "--ckpt_every", "5", "--keep_last", "3", "--max_skips", "3",
             "--on_divergence", "rollback"]
+    rollback, before_rollback = snapshot.Snapshots.rollback, snapshot_path(tmp_path, 4)
+
+    def copy_then_rollback(self):  # (the rollback writes its own state over the snapshot it restores)
+        shutil.copy(snapshot_path(tmp_path / "run", 4), before_rollback)
+        return rollback(self)
+
+    monkeypatch.setattr(snapshot.Snapshots, "rollback", copy_then_rollback)
     records = run_in_process(data, tmp_path / "run", *args)
 
     assert skipped(records) == {6: "non-finite loss", 7: "non-finite loss", 8: "non-finite loss"}
@@ -213,9 +260,9 @@ def test_rollback_reloads_the_newest_healthy_snapshot_and_skips_the_bad_data(dat
     # Independently: resume from the step-4 snapshot with the data loader moved 4 steps on (past steps 5-8's
     # batches), with no fault planted. Training from there must be the same, to the bit.
     monkeypatch.undo()
-    state = load_snapshot(snapshot_path(tmp_path / "run", 4))
+    state = load_snapshot(before_rollback)
     state["loader"]["chunk_position"] += 4 * state["loader"]["chunks_per_step"]
-    moved = snapshot_path(tmp_path, 4)
+    moved = snapshot_path(tmp_path / "moved", 4)
     save_snapshot(state, moved)
     reference = losses(run_in_process(data, tmp_path / "reference", *args, "--resume", str(moved)))
     assert after == reference
@@ -244,6 +291,45 @@ def test_a_rollback_removes_the_unhealthy_snapshots_of_the_abandoned_timeline(da
     assert on_disk_after_rollback == ["snapshot_0000004.pt"]
     assert [r["to_step"] for r in records if r.get("event") == "rollback"] == [5]
     assert all(is_healthy(load_snapshot(p)) for p in list_snapshots(run_dir))  # the new step 9's, and step 11's
+
+
+class Crash(BaseException):
+    """A crash: nothing of the run after it runs."""
+
+
+def test_a_rollback_is_written_at_once_so_a_crash_after_it_resumes_after_it(data, tmp_path, monkeypatch):
+    # Bad data at steps 6-8: a rollback at step 8 to snapshot_4, then steps 5-11 read data 9-15. A crash right after
+    # the rollback, before snapshot_9, must resume with the data after the bad batches and the rollback counted.
+    plant(monkeypatch, data, [6, 7, 8], math.nan)
+    args = ["--max_steps", "12", "--ckpt_every", "5", "--keep_last", "3", "--max_skips", "3",
+            "--on_divergence", "rollback"]
+    whole = run_in_process(data, tmp_path / "whole", *args)
+    rollback = [r for r in whole if r.get("event") == "rollback"]
+    assert [r["to_step"] for r in rollback] == [5]
+
+    respond = train_gpt2.DivergenceResponse.respond
+
+    def respond_then_crash(self, step, reason):
+        respond(self, step, reason)
+        raise Crash
+
+    with monkeypatch.context() as patch:
+        patch.setattr(train_gpt2.DivergenceResponse, "respond", respond_then_crash)
+        with pytest.raises(Crash):
+            run_in_process(data, tmp_path / "crashed", *args)
+    assert list_snapshots(tmp_path / "crashed") == [snapshot_path(tmp_path / "crashed", 4)]
+    state = load_snapshot(snapshot_path(tmp_path / "crashed", 4))
+    read_9_steps = job_loader(data)
+    for _ in range(9 * ACCUM):
+        read_9_steps.next_batch()
+    assert state["loader"] == read_9_steps.state_dict()  # past the data of steps 0-8, bad ones included
+    assert state["guard"]["rollbacks"] == 1 and is_healthy(state) and state["step"] == 4
+
+    records = run_in_process(data, tmp_path / "crashed", *args)  # the same bad data, still there
+    rerun = records[max(i for i, r in enumerate(records) if r.get("event") == "resume"):]
+    assert rerun[0]["step"] == 5 and not skipped(rerun) and not any(r.get("event") == "rollback" for r in rerun)
+    assert losses(rerun) == losses(whole[whole.index(rollback[0]) + 1:])
+    assert load_snapshot(snapshot_path(tmp_path / "crashed", 11))["guard"]["rollbacks"] == 1
 
 
 def test_the_rollback_count_survives_a_restart(data, tmp_path, monkeypatch):
@@ -294,12 +380,16 @@ PLANTED_NAN_SCRIPT = Path(__file__).parent / "train_with_planted_nan.py"
 REAL_PROCESS_JOB = [*JOB, "--ckpt_every", "5", "--keep_last", "2", "--max_steps", "30"]
 
 
-def run_with_nan_planted(data: Path, log_dir: Path, data_steps: list[int], *args: str, nproc: int | None = None):
+def run_with_nan_planted(data: Path, log_dir: Path, data_steps: list[int], *args: str, nproc: int | None = None,
+                         sigkill_at: list[int] = ()):
     """train_gpt2.py in a real process (under torchrun with nproc ranks), every micro-batch of the data of
-    `data_steps` (as a run with JOB reads them uninterrupted) giving a NaN loss; see train_with_planted_nan.py."""
+    `data_steps` (as a run with JOB reads them uninterrupted) giving a NaN loss, and the process SIGKILLed as it
+    reads the data of `sigkill_at`; see train_with_planted_nan.py."""
     keys = [list(key) for key in micro_batches_of(data, data_steps, every_micro_step=True)]
+    kill_keys = [list(key) for key in micro_batches_of(data, sigkill_at)] if sigkill_at else []
     return run_train(["--data_dir", str(data), *REAL_PROCESS_JOB, *args], log_dir, nproc=nproc, check=False,
-                     env={"PLANTED_NAN_BATCHES": json.dumps(keys)}, script=PLANTED_NAN_SCRIPT)
+                     env={"PLANTED_NAN_BATCHES": json.dumps(keys), "SIGKILL_AT_BATCHES": json.dumps(kill_keys)},
+                     script=PLANTED_NAN_SCRIPT)
 
 
 def assert_every_snapshot_loads_and_is_finite(ckpt_dir: Path) -> list[Path]:
@@ -351,6 +441,29 @@ def test_two_ranks_roll_back_together_then_stop_when_rollbacks_run_out(data, tmp
     rollbacks = [(r["step"], r["to_step"], r["rollbacks"]) for r in run.records if r.get("event") == "rollback"]
     assert rollbacks == [(9, 5, 1), (14, 10, 2)]
     assert assert_every_snapshot_loads_and_is_finite(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_run_killed_two_steps_after_a_rollback_resumes_after_it_with_the_uninterrupted_losses(data, tmp_path):
+    # Data 6-8 bad: a rollback at step 8 to snapshot_4, then steps 5, 6, 7 read data 9, 10, 11. The process is
+    # SIGKILLed as step 7 reads data 11: two steps after the rollback, before the snapshot of step 9.
+    args = ["--max_skips", "3", "--on_divergence", "rollback", "--max_steps", "12"]
+    whole = run_with_nan_planted(data, tmp_path / "whole", [6, 7, 8], *args)
+    assert whole.proc.returncode == 0, whole.output
+    killed = run_with_nan_planted(data, tmp_path / "killed", [6, 7, 8], *args, sigkill_at=[11])
+    assert killed.proc.returncode == -signal.SIGKILL, killed.output
+    assert [(r["step"], r["to_step"]) for r in killed.records if r.get("event") == "rollback"] == [(8, 5)]
+    assert killed.train[-1]["step"] == 6  # killed in step 7
+
+    again = run_with_nan_planted(data, tmp_path / "killed", [6, 7, 8], *args)  # the same command, the same data
+    assert again.proc.returncode == 0, again.output
+    rerun = again.records[max(i for i, r in enumerate(again.records) if r.get("event") == "resume"):]
+    assert rerun[0] == {"event": "resume", "step": 5, "snapshot": str(snapshot_path(tmp_path / "killed", 4))}
+    assert not skipped(rerun) and not any(r.get("event") == "rollback" for r in rerun)
+    rollback = next(i for i, r in enumerate(whole.records) if r.get("event") == "rollback")
+    assert losses(rerun) == losses(whole.records[rollback + 1:])
+    final = [load_snapshot(snapshot_path(tmp_path / run, 11))["guard"]["rollbacks"] for run in ("whole", "killed")]
+    assert final == [1, 1]
 
 
 @pytest.mark.slow

@@ -1,24 +1,36 @@
-"""snapshot.py: snapshots survive crashes mid-write, broken files are skipped by name, RNG states round-trip.
+"""snapshot.py: snapshots survive crashes mid-write, broken files are skipped by name, RNG states round-trip,
+nothing read from a snapshot runs code, and pruning deletes only what this code wrote.
 
-These use small stand-in snapshots; tests/test_resume.py checks real ones written by train_gpt2.py.
+Most use small stand-in snapshots; the safety tests use a real fsdp run's (one process), and tests/test_resume.py
+checks real ones written by train_gpt2.py.
 """
 
 import io
 import os
+import pickle
 import random
+import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 from torch.utils._pytree import tree_leaves
 
-from conftest import ROOT, flip_a_byte_in_tensor_data
+from conftest import ROOT, flip_a_byte_in_tensor_data, make_shards
+from errors import UserError
+from helpers_train import main_in_process, read_metrics
+from model import GPT
 from snapshot import (
     REQUIRED_KEYS,
     capture_rng_state,
+    file_crc32,
     find_latest_snapshot,
     list_snapshots,
     load_snapshot,
@@ -151,10 +163,13 @@ def test_a_write_error_inside_torch_save_surfaces_as_the_oserror_behind_it(tmp_p
         torch_save(fake_snapshot(1), FailingFile())
 
 
-def test_no_valid_snapshot_means_a_fresh_start(tmp_path):
+def test_no_snapshot_means_a_fresh_start_and_only_broken_ones_an_error_naming_them(tmp_path):
     assert find_latest_snapshot(tmp_path / "missing") is None
-    garbage(snapshot_path(tmp_path, 1))
+    (tmp_path / "notes.txt").write_text("not a snapshot")
     assert find_latest_snapshot(tmp_path) is None
+    garbage(snapshot_path(tmp_path, 1))
+    with pytest.raises(ValueError, match="snapshot_0000001.pt"):
+        find_latest_snapshot(tmp_path)
 
 
 def test_snapshots_are_ordered_by_step_and_pruned_to_keep_last(tmp_path):
@@ -200,3 +215,193 @@ def test_a_snapshot_is_fsynced_before_its_rename_and_the_directory_after(tmp_pat
     assert [kind for kind, _ in events] == ["fsync", "rename", "fsync"]
     assert events[0][1].startswith("snapshot_0000005.pt.") and events[0][1].endswith(".tmp")  # the data, then...
     assert events[1][1] == "snapshot_0000005.pt" and events[2][1] == tmp_path.name  # ...the name, then the directory
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# nothing read from a snapshot runs code: a real fsdp snapshot, booby-trapped
+
+B, T = 2, 16
+JOB = ["--micro_batch_size", str(B), "--seq_len", str(T), "--total_batch_size", str(B * T * 2), "--max_steps", "3",
+       "--warmup_steps", "2", "--max_lr", "1e-3", "--val_every", "0", "--dtype", "fp32", "--ckpt_every", "1",
+       "--keep_last", "3"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory) -> Path:
+    """A real --parallel fsdp run of 3 steps on one process (a process group of one): its data in data/, and in run/
+    its directory snapshots of steps 0, 1 and 2 and its metrics.jsonl."""
+    root = tmp_path_factory.mktemp("fsdp_snapshots")
+    make_shards(root / "data", "train", [4000], vocab=100)
+    make_shards(root / "data", "val", [500], seed=1, vocab=100)
+    main_in_process([*JOB, "--data_dir", str(root / "data"), "--parallel", "fsdp", "--log_dir", str(root / "run")])
+    return root
+
+
+class RunsCode:
+    """Unpickled, it creates the file `marker`: the least that code planted in a snapshot could do."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.marker)!r}, 'w').close()",)
+
+
+def trap_metadata(snapshot: Path, marker: Path) -> str:
+    """The payload inside the pickle of the directory's .metadata. Returns what the refusal must name."""
+    metadata = pickle.loads((snapshot / ".metadata").read_bytes())  # (our own run's file)
+    metadata.planner_data["payload"] = RunsCode(marker)
+    (snapshot / ".metadata").write_bytes(pickle.dumps(metadata))
+    return str(snapshot / ".metadata")
+
+
+def trap_shard_value(snapshot: Path, marker: Path) -> str:
+    """The payload as a non-tensor value in a shard file (these hold the optimizer's hyperparameters, and
+    torch.distributed.checkpoint unpickles them with weights_only=False), declared as the value of a weight, so that
+    loading the model alone reads it too. The .metadata holds only the classes a real one does."""
+    payload = io.BytesIO()
+    torch.save(RunsCode(marker), payload)
+    shard = snapshot / "__0_0.distcp"
+    offset = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(payload.getvalue())
+    metadata = pickle.loads((snapshot / ".metadata").read_bytes())
+    key = "model.transformer.ln_f.bias"
+    metadata.state_dict_metadata[key] = BytesStorageMetadata()
+    metadata.storage_data[MetadataIndex(key)] = _StorageInfo(shard.name, offset, len(payload.getvalue()))
+    (snapshot / ".metadata").write_bytes(pickle.dumps(metadata))
+    return f"{snapshot}: the value of {key}"
+
+
+def booby_trapped(fsdp_run: Path, directory: Path, trap) -> tuple[Path, str]:
+    """A copy of the real snapshot of step 1 in `directory` with a payload planted by `trap`, and its meta.pt's shard
+    checksums made to match, as whoever planted it would. Returns it and what a refusal must name."""
+    copy = snapshot_path(directory, 1, sharded=True)
+    shutil.copytree(snapshot_path(fsdp_run / "run", 1, sharded=True), copy)
+    named = trap(copy, directory.parent / "code_ran")
+    meta = torch.load(copy / "meta.pt", weights_only=True)
+    meta["shard_crc32"] = {p.name: file_crc32(p) for p in copy.iterdir() if p.name != "meta.pt"}
+    torch.save(meta, copy / "meta.pt")
+    return copy, named
+
+
+def run_args(fsdp_run: Path, log_dir: Path, *args: str) -> list[str]:
+    return [*JOB, "--data_dir", str(fsdp_run / "data"), "--log_dir", str(log_dir), *args]
+
+
+# Every way in: GPT.from_snapshot (sample.py, export_hf.py, evaluate.py and hellaswag.py --ckpt all load through it),
+# two of those tools end to end, a resume from the path, --resume auto (the trapped snapshot is the only one), and
+# --init_from.
+ENTRY_POINTS = {
+    "GPT.from_snapshot": lambda run, snapshot: GPT.from_snapshot(snapshot),
+    "sample.py": lambda run, snapshot: __import__("sample").main(["--ckpt", str(snapshot), "--device", "cpu"]),
+    "evaluate.py": lambda run, snapshot: __import__("evaluate").main(["--ckpt", str(snapshot), "--device", "cpu"]),
+    "--resume PATH": lambda run, snapshot: main_in_process(run_args(run, snapshot.parent / "other", "--parallel",
+                                                                    "fsdp", "--resume", str(snapshot))),
+    "--resume auto": lambda run, snapshot: main_in_process(run_args(run, snapshot.parent, "--parallel", "fsdp")),
+    "--init_from": lambda run, snapshot: main_in_process(run_args(run, snapshot.parent / "other", "--init_from",
+                                                                  str(snapshot))),
+}
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+@pytest.mark.parametrize("trap", [trap_metadata, trap_shard_value])
+def test_a_snapshot_directory_that_would_run_code_is_refused_by_every_entry_point(fsdp_run, tmp_path, capsys, trap,
+                                                                                   entry):
+    snapshot, named = booby_trapped(fsdp_run, tmp_path / "logs", trap)
+    with pytest.raises((ValueError, UserError, SystemExit)) as refused:
+        ENTRY_POINTS[entry](fsdp_run, snapshot)
+    message = f"{refused.value} {capsys.readouterr().err}"  # (sample.py reports through argparse: exit 2, stderr)
+    assert not (tmp_path / "code_ran").exists()
+    assert named in message and "could run code" in message
+    if isinstance(refused.value, SystemExit):
+        assert refused.value.code == 2
+
+
+def test_a_real_fsdp_snapshot_loads_as_torch_reads_it_and_resumes_with_the_same_loss(fsdp_run, tmp_path):
+    snapshot = snapshot_path(fsdp_run / "run", 1, sharded=True)
+    model = GPT.from_snapshot(snapshot)
+    expected = {"model": GPT(model.config).state_dict()}
+    dcp.load(expected, checkpoint_id=snapshot, no_dist=True)  # torch's own reader (our own run's files)
+    assert model.state_dict().keys() == expected["model"].keys()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in expected["model"].items())
+
+    # The resume reads the optimizer's hyperparameters too: the values that are not tensors.
+    main_in_process(run_args(fsdp_run, tmp_path, "--parallel", "fsdp", "--resume", str(snapshot)))
+    resumed = {r["step"]: r["loss"] for r in read_metrics(tmp_path) if "loss" in r}
+    whole = {r["step"]: r["loss"] for r in read_metrics(fsdp_run / "run") if "loss" in r}
+    assert resumed == {2: whole[2]}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# pruning and cleaning delete only what this code wrote
+
+# The entries that --keep_last 1 deleted in issue 24, and someone else's files under exactly the names this code writes.
+ISSUE_24_ENTRIES = {"snapshot_2023/photo.jpg": b"\xff\xd8 a photo", "snapshot_1.pt": b"not ours",
+                    "snapshot_draft.tmp": b"a draft", "snapshot_thesis_tmp/ch1.tex": b"\\chapter{One}"}
+OUR_NAMES_FOREIGN_ENTRIES = {
+    "snapshot_0000005.pt": b"notes", "snapshot_0000005.pt.123.tmp": b"notes", "snapshot_0000007/photo.jpg": b"photo",
+    "snapshot_0000008.tmp/ch2.tex": b"\\chapter{Two}", "snapshot_0000009.tmp/__0_0.distcp": b"shards?",
+    "snapshot_0000009.tmp/notes.txt": b"...but notes beside them"}
+
+
+def plant(directory: Path, entries: dict[str, bytes]) -> dict[str, bytes]:
+    for name, content in entries.items():
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
+        (directory / name).write_bytes(content)
+    return entries
+
+
+def files_under(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*") if p.is_file()}
+
+
+def test_pruning_and_cleaning_delete_only_what_this_code_wrote(tmp_path):
+    plant(tmp_path, ISSUE_24_ENTRIES | OUR_NAMES_FOREIGN_ENTRIES)
+    foreign(tmp_path / "snapshot_0000006.pt")  # a torch file, but not a snapshot
+    before = files_under(tmp_path)
+    for step in (10, 11, 12):
+        save_snapshot(fake_snapshot(step), snapshot_path(tmp_path, step))
+    # What crashes of this code leave behind: a snapshot file cut short mid-write, and an fsdp snapshot's temp
+    # directory with some shards in it.
+    whole = snapshot_path(tmp_path, 12).read_bytes()
+    (tmp_path / "snapshot_0000013.pt.4242.tmp").write_bytes(whole[: len(whole) // 2])
+    (tmp_path / "snapshot_0000014.tmp").mkdir()
+    (tmp_path / "snapshot_0000014.tmp" / "__0_0.distcp").write_bytes(b"\0" * 100)
+
+    prune_snapshots(tmp_path, keep_last=1)
+    assert files_under(tmp_path) == before | {"snapshot_0000012.pt": whole}
+    with pytest.raises(FileExistsError, match="snapshot_0000005.pt"):  # nor is one overwritten by a snapshot
+        save_snapshot(fake_snapshot(5), snapshot_path(tmp_path, 5))
+    assert files_under(tmp_path) == before | {"snapshot_0000012.pt": whole}
+
+
+def test_the_directory_snapshots_of_a_real_fsdp_run_are_pruned_as_this_codes(fsdp_run, tmp_path):
+    shutil.copytree(fsdp_run / "run", tmp_path, dirs_exist_ok=True)
+    prune_snapshots(tmp_path, keep_last=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "snapshot_0000002"]
+
+
+def test_a_run_with_keep_last_1_leaves_foreign_files_alone_and_says_which_it_ignored(fsdp_run, tmp_path, capsys):
+    plant(tmp_path, ISSUE_24_ENTRIES)
+    main_in_process(run_args(fsdp_run, tmp_path, "--keep_last", "1"))
+    after = files_under(tmp_path)
+    assert after.keys() == ISSUE_24_ENTRIES.keys() | {"metrics.jsonl", "snapshot_0000002.pt"}
+    assert {name: after[name] for name in ISSUE_24_ENTRIES} == ISSUE_24_ENTRIES
+    warning = capsys.readouterr().err
+    assert f"--resume auto ignores in {tmp_path}: snapshot_1.pt, snapshot_2023, snapshot_draft.tmp, " \
+           "snapshot_thesis_tmp (not named as this code names snapshots" in warning
+
+
+def test_resume_auto_among_snapshots_that_all_fail_to_load_exits_naming_them_and_deletes_nothing(fsdp_run, tmp_path):
+    garbage(snapshot_path(tmp_path, 3))
+    save_snapshot(fake_snapshot(5), snapshot_path(tmp_path, 5))
+    truncate(snapshot_path(tmp_path, 5))
+    before = files_under(tmp_path)
+    with pytest.raises(UserError) as refused:
+        main_in_process(run_args(fsdp_run, tmp_path))
+    message = str(refused.value)
+    assert message.startswith(f"--resume auto: none of the 2 snapshots in {tmp_path} loads:")
+    assert str(snapshot_path(tmp_path, 5)) in message and str(snapshot_path(tmp_path, 3)) in message
+    assert "--resume never" in message
+    assert files_under(tmp_path) == before
