@@ -31,8 +31,9 @@ after a 16-token prompt, one sample, top-k 50, and says whether both gave the sa
 
 --json prints one object: device, world_size, model, n_layer, n_head, n_embd, parameters, micro_batch_size,
 seq_len, grad_accum_steps, tokens_per_step, flops_per_token, runs (a list; for each: name, dtype, compile,
-ms_per_step, optimizer_ms, tokens_per_sec, tflops, peak_tflops, mfu, peak_source, peak_memory_mib, data_wait, loss,
-losses: every step's, warm-up included, so that a diverging configuration shows; a configuration that ran out of
+ms_per_step, optimizer_ms, tokens_per_sec, tflops, peak_tflops, mfu, peak_source, peak_memory_mib (of the timed
+steps), warmup_peak_memory_mib (of the warm-up steps, where torch.compile compiles), data_wait, loss, losses: every
+step's, warm-up included, so that a diverging configuration shows; a configuration that ran out of
 device memory has name, dtype, compile and skipped, the reason), speedup (the last run's tokens/s over the first's
 with --compare, else null), memory (state_bytes: weights, gradients and AdamW moments;
 activation_bytes_per_sequence, measured with MemTracker on the CPU or the allocator's peak on CUDA;
@@ -77,7 +78,7 @@ from training import train_step
 
 # The flags that mean what they mean in train_gpt2.py; bench.py's own defaults depend on the device.
 SHARED_FLAGS = ["model", "n_layer", "n_head", "n_embd", "micro_batch_size", "seq_len", "dtype", "compile", "device",
-                "optimizer"]
+                "optimizer", "max_lr"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -162,10 +163,14 @@ def time_config(work: Workload, data_dir: str, dtype: torch.dtype, compile: bool
     optimizer_seconds = time_optimizer_steps(trained.optimizer, device)
     step_seconds, data_seconds, optimizer_ms, losses = [], [], [], []
     for step in range(warmup + steps):
+        if step == warmup:  # the warm-up's peak (compilation and Inductor's autotuning allocate too), then the steps'
+            warmup_peak_mib = peak_memory_mib(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
         optimizer_seconds.clear()
         synchronize(device)
         t0 = time.perf_counter()
-        # The LR warms up over the steps, as a run's would: at full LR from step 0 the larger models diverge.
+        # The LR warms up over the steps to --max_lr, as a run's would: at full LR from step 0 models diverge.
         lr = cfg.max_lr * (step + 1) / (warmup + steps)
         result = train_step(trained.model, trained.optimizer, trained.scaler, loader, plan.grad_accum_steps, lr,
                             cfg.grad_clip, device, dtype)
@@ -183,8 +188,8 @@ def time_config(work: Workload, data_dir: str, dtype: torch.dtype, compile: bool
             "tokens_per_sec": work.tokens_per_step / seconds,
             "tflops": flops_per_sec / 1e12, "peak_tflops": peak.flops * dist_env.world_size / 1e12,
             "mfu": flops_per_sec / (peak.flops * dist_env.world_size), "peak_source": peak.source,
-            "peak_memory_mib": peak_memory_mib(device), "data_wait": sum(data_seconds) / sum(step_seconds),
-            "loss": result.loss, "losses": losses}
+            "peak_memory_mib": peak_memory_mib(device), "warmup_peak_memory_mib": warmup_peak_mib,
+            "data_wait": sum(data_seconds) / sum(step_seconds), "loss": result.loss, "losses": losses}
 
 
 def time_optimizer_steps(optimizers, device: torch.device) -> list[float]:
