@@ -253,7 +253,9 @@ def init_weights_config(init_from: str) -> GPTConfig:
         from snapshot import load_model_snapshot  # (not at the top: snapshot.py imports this module)
         try:
             return GPTConfig(**load_model_snapshot(path)["model_config"])
-        except (ValueError, TypeError, OSError) as e:
+        except ValueError as e:  # the reader's message names the file and what is wrong with it
+            raise UserError(f"--init_from: {e} (Or a Hugging Face model directory, or gpt2 / gpt2-medium / ...)") from e
+        except (TypeError, OSError) as e:
             raise UserError(f"--init_from {init_from} is not a snapshot of this codebase ({type(e).__name__}: "
                             f"{str(e).splitlines()[0] if str(e) else ''}). Pass a snapshot_*.pt written by "
                             "train_gpt2.py, a Hugging Face model directory, or gpt2 / gpt2-medium / ...") from e
