@@ -262,6 +262,19 @@ class GPT(nn.Module):
         kv_caches (one per layer, see generate): idx holds the tokens at `positions` (T,), which continue those the
         caches hold; their keys and values are written into the caches, and each token attends to every cached
         position up to its own. The positions are a tensor, not a number, so that a CUDA graph can replay the step."""
+        x = self.hidden_states(idx, kv_caches, positions)
+        if targets is None:
+            return self.logits(x), None  # (B, T, vocab)
+        B, T = idx.size()
+        chunk_tokens = self.loss_chunk_tokens or loss_chunk_tokens(idx.device)
+        loss = linear_cross_entropy(x.view(B * T, -1), self.lm_head.weight, targets.reshape(B * T),
+                                    self.config.vocab_size, chunk_tokens)
+        return None, loss
+
+    def hidden_states(self, idx: torch.Tensor, kv_caches: list[KVCache] | None = None,
+                      positions: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T, n_embd): the final LayerNorm's output, which the LM head reads. An evaluation that scores a few
+        positions of each row (evals.py) projects only those, instead of building (B, T, vocab) logits."""
         B, T = idx.size()
         if positions is None:
             if T > self.config.block_size:
@@ -274,13 +287,11 @@ class GPT(nn.Module):
         x = self.transformer.wte(idx) + self.transformer.wpe(positions)  # (B, T, C)
         for i, block in enumerate(self.transformer.h):
             x = block(x, kv_caches[i] if kv_caches else None, positions, visible)
-        x = self.transformer.ln_f(x)
-        if targets is None:
-            return self.lm_head(x)[..., : self.config.vocab_size], None  # (B, T, vocab): padding columns dropped
-        chunk_tokens = self.loss_chunk_tokens or loss_chunk_tokens(idx.device)
-        loss = linear_cross_entropy(x.view(B * T, -1), self.lm_head.weight, targets.reshape(B * T),
-                                    self.config.vocab_size, chunk_tokens)
-        return None, loss
+        return self.transformer.ln_f(x)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., vocab) next-token scores from hidden states (..., n_embd); the padding columns dropped."""
+        return self.lm_head(x)[..., : self.config.vocab_size]
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
