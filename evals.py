@@ -188,6 +188,10 @@ SOURCES = {
 }
 
 
+def leave_out(name: str) -> str:
+    return f"leave {name} out of --eval_tasks (evaluate.py: --tasks; --eval_every 0 turns them all off)"
+
+
 def task_file(name: str, eval_dir: str | None, hellaswag_path: str | None = None) -> Path:
     if name == "hellaswag" and hellaswag_path:
         return Path(hellaswag_path)
@@ -211,10 +215,11 @@ def download(name: str, path: Path) -> None:
             data = b"".join(json.dumps(row).encode() + b"\n" for row in rows)
     except Exception as e:  # urllib and datasets raise many kinds: no network, no such dataset, HTTP errors
         where = source.url if isinstance(source, Url) else f"the Hugging Face dataset {source.path}"
-        raise UserError(f"could not download {name} from {where} ({type(e).__name__}: {str(e).splitlines()[0]}). "
+        reason = (str(e).splitlines() or [""])[0]
+        raise UserError(f"could not download {name} from {where} ({type(e).__name__}: {reason}). "
                         "On a node without network, run the same command on one that has (it downloads to "
-                        f"{DEFAULT_DIR}), copy {path.name} over and pass its directory with --eval_dir; or leave "
-                        f"{name} out of the tasks.") from e
+                        f"{DEFAULT_DIR}), copy {path.name} over and pass its directory with --eval_dir; or "
+                        f"{leave_out(name)}.") from e
     atomic_write(path, lambda f: f.write(data))
 
 
@@ -224,7 +229,7 @@ def load_docs(name: str, path: Path, limit: int | None = None) -> list[Doc]:
     if not path.is_file():
         raise UserError(f"{name}: the data file {path} does not exist. Point --eval_dir at a directory holding "
                         f"{name}.jsonl (the harness's {task.split} split, one JSON document a line), leave --eval_dir "
-                        f"out to download it to {DEFAULT_DIR}, or leave {name} out of the tasks.")
+                        f"out to download it to {DEFAULT_DIR}, or {leave_out(name)}.")
     docs = []
     with open(path, "rb") as f:
         for number, line in enumerate(f, start=1):
@@ -253,12 +258,11 @@ def load_docs(name: str, path: Path, limit: int | None = None) -> list[Doc]:
                 raise UserError(f"{path}, line {number}: {problem}. A {name} document is a JSON object with {fields}, "
                                 f"as in the harness's {task.split} split, one a line. Point --eval_dir (or, for "
                                 "hellaswag, --hellaswag_path) at the right file, or leave --eval_dir out to download "
-                                f"it, or leave {name} out of the tasks.")
+                                f"it, or {leave_out(name)}.")
             docs.append(doc)
     if not docs:
         raise UserError(f"{path} holds no {name} document. Point --eval_dir (or, for hellaswag, --hellaswag_path) at "
-                        f"the harness's {task.split} split, one JSON document a line, or leave {name} out of the "
-                        "tasks.")
+                        f"the harness's {task.split} split, one JSON document a line, or {leave_out(name)}.")
     return docs
 
 
@@ -331,7 +335,7 @@ def tokenize(encode: Callable[[str], tuple[int, ...]], eot: int, context: str, c
         whole = encode(continuation)
         context_tokens, continuation_tokens = ((eot,), whole) if whole[0] != eot else (whole[:1], whole[1:])
     row = (context_tokens + continuation_tokens)[-(block_size + 1):][:-1]
-    # A continuation longer than the context (small models only: HellaSwag's longest ending is 1xx tokens) keeps its
+    # A continuation longer than the context (small models only: PIQA's longest solution is 246 tokens) keeps its
     # last block_size tokens; the harness stops at an assertion there.
     return Request(list(row), list(continuation_tokens[-block_size:]))
 

@@ -257,6 +257,8 @@ def test_the_batching_does_not_change_the_numbers(shared_data):
 # ranks and stopping
 
 def _on_rank(rank: int, port: int, shared_data: Path, out_dir: Path) -> None:
+    """One of 2 gloo ranks (local ranks 0 and 1 of one node): the suite on 2 ranks, then the default directory's
+    files fetched from a source that works and from one that does not, counting the downloads."""
     torch.set_num_threads(1)  # two processes share the cores
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
@@ -265,22 +267,51 @@ def _on_rank(rank: int, port: int, shared_data: Path, out_dir: Path) -> None:
         torch.manual_seed(0)
         model = perturb_(GPT(PRESETS["tiny"]), 0.2)
         suite = evals.Suite(load_mixed_docs(shared_data, limit=5), 64, batch_tokens=512)
-        result = evals.evaluate(model, suite, "cpu", rank=rank, world_size=2)
-        (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+        results = {"metrics": evals.evaluate(model, suite, "cpu", rank=rank, world_size=2)}
+        downloads, download = [], evals.download
+        evals.download = lambda name, path: (downloads.append(name), download(name, path))
+        source = shared_data / "evals" / "copa.jsonl"
+        evals.DEFAULT_DIR = out_dir / "cache"
+        evals.SOURCES["copa"] = evals.Url(source.as_uri(), hashlib.sha256(source.read_bytes()).hexdigest())
+        results["docs"] = len(evals.load_tasks(["copa"], None, None, 3, rank)["copa"])
+        evals.DEFAULT_DIR = out_dir / "empty_cache"
+        evals.SOURCES["copa"] = evals.Url((out_dir / "offline.jsonl").as_uri(), "0" * 64)
+        try:
+            evals.load_tasks(["copa"], None, None, 3, rank)
+        except UserError as e:
+            results["offline_error"] = str(e)
+        results["downloads"] = len(downloads)
+        (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, shared_data) -> list[dict]:
+    out = tmp_path_factory.mktemp("two_ranks")
+    mp.spawn(_on_rank, args=(free_port(), shared_data, out), nprocs=2)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
 @pytest.mark.slow
-def test_two_ranks_give_the_one_process_numbers_bit_for_bit(tmp_path, shared_data):
-    mp.spawn(_on_rank, args=(free_port(), shared_data, tmp_path), nprocs=2)
+def test_two_ranks_give_the_one_process_numbers_bit_for_bit(two_ranks, shared_data):
     from conftest import perturb_
     from model import PRESETS
     torch.manual_seed(0)
     suite = evals.Suite(load_mixed_docs(shared_data, limit=5), 64, batch_tokens=512)
     assert len(suite.batches) % 2 == 1  # one rank scores one batch more than the other
     one = evals.evaluate(perturb_(GPT(PRESETS["tiny"]), 0.2), suite, "cpu")
-    assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)] == [one, one]
+    assert [r["metrics"] for r in two_ranks] == [one, one]
+
+
+@pytest.mark.slow
+def test_only_local_rank_0_downloads_and_a_failure_stops_every_rank_with_its_reason(two_ranks):
+    assert [r["downloads"] for r in two_ranks] == [2, 0]  # rank 0: the working source, then the offline one
+    assert [r["docs"] for r in two_ranks] == [3, 3]  # rank 1 read what rank 0 downloaded
+    rank0, rank1 = (r["offline_error"] for r in two_ranks)
+    assert rank1 == rank0  # rank 1 did not try, but reports rank 0's reason
+    assert rank0.startswith("rank 0 (local rank 0 of its node): could not download copa from file:")
+    assert "offline.jsonl" in rank0 and "--eval_dir" in rank0 and "\n" not in rank0
 
 
 def test_a_stop_request_ends_the_evaluation_within_a_few_batches_and_restores_train_mode(shared_data):
@@ -334,7 +365,8 @@ def test_a_line_that_is_no_document_of_the_task_names_the_file_line_and_fix(tmp_
     number = 1 if task == "winogrande" else 2
     assert message.startswith(f"{path}, line {number}: {problem}")
     assert f". A {task} document is a JSON object" in message
-    assert "--eval_dir" in message and f"leave {task} out of the tasks" in message and "\n" not in message
+    assert "--eval_dir" in message and f"leave {task} out of --eval_tasks (evaluate.py: --tasks" in message
+    assert "\n" not in message
 
 
 def test_a_missing_or_empty_file_names_it_and_the_fix(tmp_path):
