@@ -16,6 +16,7 @@ import tomllib
 
 from dataloader import find_shards, read_shard_header
 from errors import UserError
+from evals import parse_task_names
 from model import PRESETS, GPTConfig
 
 HF_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -78,9 +79,14 @@ class TrainConfig:
     val_every: int = arg(250, "validate every N steps (0 = never)")
     val_tokens: int = arg(10_485_760, "tokens per validation (same for any world size)")
     val_steps: int | None = arg(None, "validation micro-batches per rank; overrides --val_tokens")
-    hellaswag_every: int = arg(250, "HellaSwag every N steps (0 = never)")
-    hellaswag_path: str | None = arg(None, "local HellaSwag val jsonl (default: download on first use)")
-    hellaswag_limit: int | None = arg(None, "evaluate only the first N HellaSwag examples")
+    eval_tasks: str = arg("hellaswag", "zero-shot tasks scored as lm-evaluation-harness 0.4 does (evals.py): a "
+                                       "comma-separated list of hellaswag, lambada_openai, piqa, winogrande, arc_easy, "
+                                       "arc_challenge, openbookqa, sciq, copa, boolq, or all")
+    eval_every: int = arg(250, "the --eval_tasks every N steps (0 = never); old name --hellaswag_every")
+    eval_limit: int | None = arg(None, "only the first N documents of each task; old name --hellaswag_limit")
+    eval_dir: str | None = arg(None, "directory of the tasks' <task>.jsonl files (default: data/evals/, each "
+                                     "downloaded on first use)")
+    hellaswag_path: str | None = arg(None, "HellaSwag's file (hellaswag_val.jsonl) instead of --eval_dir's")
     sample_every: int = arg(250, "rank 0 prints sampled text every N steps (0 = never)")
     log_dir: str = arg("logs", "metrics.jsonl (and, by default, snapshots) go here")
     wandb_project: str | None = arg(None, "wandb project; logging to wandb is on when this is set")
@@ -109,6 +115,10 @@ FLAG_GROUPS = {"data_dir": "data", "model": "model", "seq_len": "batch", "max_st
                "dtype": "speed and precision", "val_every": "evaluation and logging", "ckpt_dir": "fault tolerance"}
 
 
+# Flags renamed since: the old names still work, on the command line and in recipes.
+ALIASES = {"hellaswag_every": "eval_every", "hellaswag_limit": "eval_limit"}
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """The module docstring as written, and every flag's default in --help."""
 
@@ -122,12 +132,13 @@ def add_flags(parser: argparse.ArgumentParser, names: list[str] | None = None, d
         if names is not None and f.name not in names:
             continue
         default = (defaults or {}).get(f.name, f.default)
+        names_of_flag = [f"--{f.name}"] + [f"--{old}" for old, new in ALIASES.items() if new == f.name]
         if f.type is bool:
-            group.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=default,
+            group.add_argument(*names_of_flag, action=argparse.BooleanOptionalAction, default=default,
                                help=f.metadata["help"])
         else:
             kind = {"int | None": int, "str | None": str, "int | str": int_or_auto}.get(str(f.type), f.type)
-            group.add_argument(f"--{f.name}", type=kind, default=default, choices=f.metadata["choices"],
+            group.add_argument(*names_of_flag, type=kind, default=default, choices=f.metadata["choices"],
                                help=f.metadata["help"])
 
 
@@ -155,7 +166,7 @@ def load_recipe(path: str) -> dict:
     """The flags in a recipe file, checked against TrainConfig's names, types and choices."""
     try:
         with open(path, "rb") as f:
-            recipe = tomllib.load(f)
+            recipe = {ALIASES.get(key, key): value for key, value in tomllib.load(f).items()}
     except FileNotFoundError as e:
         raise UserError(f"--config {path}: no such file. Pass a recipe such as "
                         "recipes/gpt2_124m_fineweb_edu.toml.") from e
@@ -204,6 +215,8 @@ def resolve_plan(cfg: TrainConfig, world_size: int) -> Plan:
                         "must be above 0 and at most 1 (0.2 is common).")
     grad_accum_steps = grad_accum_steps_for(cfg, seq_len, world_size)
     val_steps = validation_steps(cfg, seq_len, world_size) if cfg.val_every else 0
+    if cfg.eval_every:
+        parse_task_names(cfg.eval_tasks, "--eval_tasks")
     if cfg.skip_zscore < 0:
         raise UserError(f"--skip_zscore {cfg.skip_zscore}: a number of standard deviations above the mean, so "
                         "positive (5 or 6 skips only real spikes), or 0 to turn the spike guard off.")

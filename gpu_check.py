@@ -320,7 +320,7 @@ def train_stage(report: Report, scale: Scale, args: argparse.Namespace) -> None:
         if metrics.exists() else []
     run = TrainRun(returncode, records, output, hellaswag, samples, skip_reason)
     report.details["train"] = {"command": command[1:], "steps_logged": len(run.train)} | {
-        key: {r["step"]: r[key] for r in records if key in r} for key in ("val_loss", "hellaswag_acc")}
+        key: {r["step"]: r[key] for r in records if key in r} for key in ("val_loss", "hellaswag/acc_norm")}
     for name, check in TRAIN_CHECKS:
         report.check("train", name, check, run, scale)
 
@@ -364,7 +364,7 @@ def train_validation(run: TrainRun, scale: Scale) -> Result:
 def train_hellaswag(run: TrainRun, scale: Scale) -> Result:
     if not run.hellaswag:
         return f"not run: {run.skip_reason}", "", None
-    accuracy = [(r["step"], r["hellaswag_acc"]) for r in run.records if "hellaswag_acc" in r]
+    accuracy = [(r["step"], r["hellaswag/acc_norm"]) for r in run.records if "hellaswag/acc_norm" in r]
     low, high = scale.hellaswag_range
     return (", ".join(f"{acc:.3f} (step {step})" for step, acc in accuracy) or "none logged",
             f"logged, acc_norm on {scale.hellaswag_limit} examples in {low:g}..{high:g} (chance: 0.25)",

@@ -29,8 +29,8 @@ class TrainingModel:
         return self.parallel == "fsdp"
 
     def full_model(self) -> torch.nn.Module:
-        """A GPT with all of its weights, for HellaSwag and sampling, which run different work on each rank. With
-        fsdp a collective: every rank calls it and gets its own unsharded copy."""
+        """A GPT with all of its weights, for the zero-shot tasks and sampling, which run different work on each rank.
+        With fsdp a collective: every rank calls it and gets its own unsharded copy."""
         if not self.sharded:
             return self.raw
         # Gathered on the training device, one full tensor per parameter, which become the copy's own parameters

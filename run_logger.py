@@ -16,13 +16,18 @@ import shutil
 import sys
 from pathlib import Path
 
-# metrics.jsonl key -> wandb key, so the dashboard groups train/, val/ and eval/ panels.
+# metrics.jsonl key -> wandb key, so the dashboard groups train/, val/ and eval/ panels. The zero-shot tasks'
+# "<task>/<metric>" keys and eval_score go to eval/ too (wandb_key); hellaswag_acc is what runs logged before them.
 WANDB_KEYS = {
     "loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "dt_ms": "train/dt_ms",
     "tokens_per_sec": "train/tokens_per_sec", "mfu": "train/mfu", "skipped": "train/skipped_step",
     "rollbacks": "train/rollbacks", "val_loss": "val/loss", "val_bpb": "val/bpb",
-    "hellaswag_acc": "eval/hellaswag_acc",
+    "hellaswag_acc": "eval/hellaswag_acc", "eval_score": "eval/score",
 }
+
+
+def wandb_key(key: str) -> str | None:
+    return WANDB_KEYS.get(key) or (f"eval/{key}" if "/" in key else None)
 # wandb.init retries an unreachable server for init_timeout (90 s by default in wandb 0.31), then raises; a minute
 # tells as well. WANDB_INIT_TIMEOUT overrides it (keep it under --dist_timeout, 10 minutes by default: the other
 # ranks wait for rank 0 in their first collective meanwhile).
@@ -70,7 +75,7 @@ class RunLogger:
             return
         self._append_line((json.dumps(record) + "\n").encode())
         if self.wandb_run is not None and "step" in record:
-            data = {WANDB_KEYS[k]: v for k, v in record.items() if k in WANDB_KEYS}
+            data = {wandb_key(k): v for k, v in record.items() if wandb_key(k)}
             if data:
                 self._wandb_call(lambda: self.wandb_run.log({"step": record["step"], **data}))
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import evals
 from config import HF_MODELS, Plan, TrainConfig, parse_args, resolve_plan
 from dataloader import DistributedDataLoader
 from distributed import Distributed, any_rank, hangs_reported, setup_distributed, synchronize
@@ -80,11 +81,12 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: "StopRequest | None" = No
                                          vocab_size=vocab_size)
     val_loader = DistributedDataLoader(cfg.data_dir, "val", cfg.micro_batch_size, plan.seq_len, dist_env.rank,
                                        dist_env.world_size, vocab_size=vocab_size) if plan.val_steps else None
-    hellaswag_examples = None
-    if cfg.hellaswag_every:  # now, so that a node without network says so at start-up, not at the first evaluation
-        from data import hellaswag
-        hellaswag_examples = hellaswag.load_examples_distributed(cfg.hellaswag_path, cfg.hellaswag_limit,
-                                                                 dist_env.local_rank, device)
+    eval_suite = None
+    if cfg.eval_every:  # now, so that a missing file or no network says so at start-up, not at the first evaluation
+        docs = evals.load_tasks(evals.parse_task_names(cfg.eval_tasks, "--eval_tasks"), cfg.eval_dir,
+                                cfg.hellaswag_path, cfg.eval_limit, dist_env.local_rank, device)
+        # Batches of a training micro-batch's tokens: that fits, as evaluating keeps no activations for a backward.
+        eval_suite = evals.Suite(docs, plan.model_config.block_size, cfg.micro_batch_size * plan.seq_len)
 
     # --- model, optimizer, and the snapshot to resume from
     trained = build_model(initial_model(cfg, plan), dist_env, dtype, cfg, cfg.compile, parallel=cfg.parallel)
@@ -119,7 +121,7 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: "StopRequest | None" = No
                        snapshots.wandb_id, cfg.wandb_run_name, asdict(cfg) | {
                            "model_config": asdict(plan.model_config), "world_size": dist_env.world_size,
                            "grad_accum_steps": plan.grad_accum_steps})
-    evaluations = Evaluations(cfg, plan, trained, val_loader, hellaswag_examples, logger, stop, dist_env, dtype)
+    evaluations = Evaluations(cfg, plan, trained, val_loader, eval_suite, logger, stop, dist_env, dtype)
     peak = peak_flops(device, dtype)  # after the RNG restore: it leaves the global generators alone
     speed = Speedometer(trained.raw.flops_per_token(plan.seq_len) * cfg.total_batch_size, cfg.total_batch_size,
                         peak.flops * dist_env.world_size)
@@ -270,12 +272,12 @@ class DivergenceResponse:
 
 
 class Evaluations:
-    """Validation, HellaSwag and samples, each on its own beat."""
+    """Validation, the zero-shot tasks and samples, each on its own beat."""
 
-    def __init__(self, cfg: TrainConfig, plan: Plan, trained: TrainingModel, val_loader, hellaswag_examples,
+    def __init__(self, cfg: TrainConfig, plan: Plan, trained: TrainingModel, val_loader, eval_suite,
                  logger: RunLogger, stop: StopRequest, dist_env: Distributed, dtype: torch.dtype):
         self.cfg, self.plan, self.trained, self.val_loader = cfg, plan, trained, val_loader
-        self.hellaswag_examples, self.logger, self.stop = hellaswag_examples, logger, stop
+        self.eval_suite, self.logger, self.stop = eval_suite, logger, stop
         self.dist_env, self.dtype = dist_env, dtype
 
     def run_due(self, step: int, last_step: int) -> bool:
@@ -294,19 +296,18 @@ class Evaluations:
             bpb = {"val_bpb": val.bpb} if val.bpb is not None else {}  # None: no GPT-2 tokenizer (offline)
             log(f"step {step:5d} | val loss {val.loss:.4f}" + (f" | val bpb {val.bpb:.4f}" if bpb else ""))
             self.logger.log({"step": step, "val_loss": val.loss} | bpb)
-        hellaswag_due = self.hellaswag_examples and (step % cfg.hellaswag_every == 0 or step == last_step)
+        evals_due = self.eval_suite and (step % cfg.eval_every == 0 or step == last_step)
         sample_due = cfg.sample_every and step > 0 and (step % cfg.sample_every == 0 or step == last_step)
-        # The uncompiled module, whole: HellaSwag's sequence lengths vary and would make torch.compile recompile,
-        # and each rank scores other examples (and only rank 0 samples), so fsdp's gathers could not pair up.
-        full_model = self.trained.full_model() if hellaswag_due or sample_due else None
-        if hellaswag_due:
-            from data import hellaswag
-            acc = hellaswag.evaluate(full_model, self.hellaswag_examples, device, dtype, self.dist_env.rank,
-                                     self.dist_env.world_size, should_stop)
-            if acc is None:
+        # The uncompiled module, whole: the tasks' sequence lengths vary and would make torch.compile recompile,
+        # and each rank scores other batches (and only rank 0 samples), so fsdp's gathers could not pair up.
+        full_model = self.trained.full_model() if evals_due or sample_due else None
+        if evals_due:
+            results = evals.evaluate(full_model, self.eval_suite, device, dtype, self.dist_env.rank,
+                                     self.dist_env.world_size, should_stop=should_stop)
+            if results is None:
                 return False
-            log(f"step {step:5d} | hellaswag acc_norm {acc:.4f}")
-            self.logger.log({"step": step, "hellaswag_acc": acc})
+            log(f"step {step:5d} | " + " | ".join(f"{key} {value:.4f}" for key, value in results.items()))
+            self.logger.log({"step": step} | results)
         if self.dist_env.is_master and sample_due and not self.stop.requested:
             # Rank 0 alone, so no collective: a stop request seen later is agreed on after the step.
             texts = generate_text(full_model, "Hello, I'm a language model,", num_samples=4, max_new_tokens=32,

@@ -70,3 +70,20 @@ def test_the_plan_resolves_shape_lengths_and_steps(tmp_path):
     assert plan.grad_accum_steps == 2  # 256 tokens = 2 × 32 × 2 ranks × 2
     assert plan.val_steps == 5  # all that one pass over the val shard holds: 640 tokens / (2 × 32 × 2 ranks)
     assert Path(plan.ckpt_dir) == tmp_path / "logs"
+
+
+def test_the_old_hellaswag_flags_and_recipe_keys_set_the_eval_ones(tmp_path):
+    cfg = parse_args(["--hellaswag_every", "7", "--hellaswag_limit", "30"])
+    assert (cfg.eval_every, cfg.eval_limit, cfg.eval_tasks) == (7, 30, "hellaswag")
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text("hellaswag_every = 0\nhellaswag_limit = 5\neval_tasks = \"piqa,copa\"\n")
+    cfg = parse_args(["--config", str(recipe)])
+    assert (cfg.eval_every, cfg.eval_limit, cfg.eval_tasks) == (0, 5, "piqa,copa")
+
+
+def test_an_unknown_eval_task_stops_the_plan_unless_the_evaluations_are_off(tmp_path):
+    flags = ["--model", "tiny", "--micro_batch_size", "2", "--total_batch_size", "128", "--val_every", "0",
+             "--eval_tasks", "hellaswag,piqa,winogrand"]
+    with pytest.raises(UserError, match=r"--eval_tasks 'hellaswag,piqa,winogrand': unknown task winogrand\. Pass"):
+        resolve_plan(parse_args(flags), world_size=1)
+    assert resolve_plan(parse_args([*flags, "--eval_every", "0"]), world_size=1).seq_len == 64

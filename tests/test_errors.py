@@ -5,6 +5,7 @@ ours keeps its traceback.
 Every launch pays for a fresh Python importing torch (~5 s on 2 cores), so the `runs` fixture starts all of the
 single-process cases at once, a few at a time, and each test reads its own result."""
 
+import json
 import re
 import subprocess
 import sys
@@ -16,12 +17,12 @@ import numpy as np
 import pytest
 import torch
 
+import evals
 from conftest import ROOT, make_shards
-from data import hellaswag
 from dataloader import write_shard
 from helpers_train import TrainRun, run_train, train_env
 
-pytestmark = pytest.mark.slow  # 19 launches of a fresh Python: about a minute
+pytestmark = pytest.mark.slow  # 20 launches of a fresh Python: about a minute
 
 RUN = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "32", "--max_steps", "1", "--val_every",
        "0", "--ckpt_every", "1", "--dtype", "fp32"]
@@ -32,7 +33,8 @@ OUR_FRAME = re.compile(rf'File "{re.escape(str(ROOT))}/(?!\.venv/)')
 # address beyond this machine is ever contacted (urllib hands the whole request to the proxy, DNS included).
 NO_NETWORK = {name: "http://127.0.0.1:9" for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy")} | {
     "NO_PROXY": "", "no_proxy": "", "HF_HUB_OFFLINE": "1"}
-HELLASWAG_CACHED = (hellaswag.CACHE_DIR / hellaswag.FILE_NAME).exists()
+HELLASWAG_CACHE = evals.DEFAULT_DIR / "hellaswag.jsonl"  # where a run without --eval_dir downloads HellaSwag to
+HELLASWAG_CACHED = HELLASWAG_CACHE.exists()
 
 # case: the words its error paragraph must hold (the file or flag, what is wrong, the fix)
 EXPECTED = {
@@ -52,11 +54,13 @@ EXPECTED = {
                                "it lacks 'model' and 'model_config'", "snapshot_*.pt written by train_gpt2.py"],
     "init_from gpt2 with --n_layer 3": ["--init_from gpt2", "--n_layer 3 (the weights have 12)",
                                         "Leave out the shape flags"],
-    "hellaswag offline": ["HellaSwag", "--hellaswag_path", "--hellaswag_every 0"],
+    "hellaswag offline": ["could not download hellaswag from https://", "--eval_dir", "leave hellaswag out of "
+                          "--eval_tasks", "--eval_every 0"],
     "token id outside the vocabulary": ["test_val_000000.bin", "token id 50257 at position 123",
                                         "vocabulary of 50,257", "data/prepare.py"],
     "directory named like a shard": ["test_train_000001.bin", "is a directory", "move it out"],
-    "hellaswag line not JSON": ["bad.jsonl, line 2: not JSON", "--hellaswag_path", "--hellaswag_every 0"],
+    "hellaswag line not JSON": ["bad.jsonl, line 2: not JSON", "--hellaswag_path", "--eval_every 0"],
+    "unknown eval task": ["--eval_tasks 'hellaswag,pica'", "unknown task pica", "or all"],
 }
 
 
@@ -121,7 +125,8 @@ def runs(data, tmp_path_factory) -> dict[str, TrainRun | BaseException]:
     (root / "garbage.pt").write_bytes(b"not a torch file\n" * 100)
     (root / "recipe.toml").write_text("max_step = 5\n")
     torch.save({"x": torch.zeros(1)}, root / "foreign.pt")
-    (root / "bad.jsonl").write_text('{"ctx": "a", "endings": ["b", "c", "d", "e"], "label": 0}\n{"ctx": \n')
+    hellaswag = {"activity_label": "a", "ctx_a": "b", "ctx_b": "c", "endings": ["d", "e", "f", "g"], "label": 0}
+    (root / "bad.jsonl").write_text(json.dumps(hellaswag) + '\n{"ctx_a": \n')
     other_vocabulary = copy_of(data, root / "other_vocabulary")
     write_shard(other_vocabulary / "test_val_000000.bin", np.where(np.arange(200) == 123, 50257, 0))
     (copy_of(data, root / "shard_directory") / "test_train_000001.bin").mkdir()
@@ -145,7 +150,8 @@ def runs(data, tmp_path_factory) -> dict[str, TrainRun | BaseException]:
         "token id outside the vocabulary": (["--data_dir", str(other_vocabulary), *RUN, "--val_every", "1"], None),
         "directory named like a shard": (["--data_dir", str(root / "shard_directory"), *RUN], None),
         "hellaswag line not JSON": ([*good, "--hellaswag_every", "1", "--hellaswag_path", str(root / "bad.jsonl")],
-                                    None),
+                                    None),  # (--hellaswag_every: the old name of --eval_every)
+        "unknown eval task": ([*good, "--eval_every", "1", "--eval_tasks", "hellaswag,pica"], None),
     }
     if HELLASWAG_CACHED:
         del cases["hellaswag offline"]
@@ -187,8 +193,7 @@ def error_paragraph(run: TrainRun) -> str:
 @pytest.mark.parametrize("case", list(EXPECTED))
 def test_a_bad_input_exits_2_with_one_paragraph_naming_it_and_the_fix(runs, case):
     if case == "hellaswag offline" and HELLASWAG_CACHED:
-        pytest.skip(f"{hellaswag.CACHE_DIR / hellaswag.FILE_NAME} is cached, so a run never downloads it, and "
-                    "data/hellaswag.py has no flag or environment variable to move its cache")
+        pytest.skip(f"{HELLASWAG_CACHE} is cached, so a run without --eval_dir never downloads it")
     error = error_paragraph(result(runs, case))
     missing = [words for words in EXPECTED[case] if words not in error]
     assert not missing, f"{missing} not in: {error}"
@@ -196,10 +201,10 @@ def test_a_bad_input_exits_2_with_one_paragraph_naming_it_and_the_fix(runs, case
 
 def test_hellaswag_offline_fails_at_start_up_and_leaves_no_cache_file(runs):
     if HELLASWAG_CACHED:
-        pytest.skip(f"{hellaswag.CACHE_DIR / hellaswag.FILE_NAME} is cached, so a run never downloads it")
+        pytest.skip(f"{HELLASWAG_CACHE} is cached, so a run without --eval_dir never downloads it")
     run = result(runs, "hellaswag offline")
     assert run.proc.returncode == 2 and run.records == []  # before step 0: nothing logged
-    assert not (hellaswag.CACHE_DIR / hellaswag.FILE_NAME).exists()
+    assert not HELLASWAG_CACHE.exists() and not list(HELLASWAG_CACHE.parent.glob("*.tmp"))
 
 
 def test_a_bug_keeps_its_traceback(runs):

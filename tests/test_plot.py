@@ -78,3 +78,22 @@ def test_a_skipped_steps_null_loss_is_left_out(tmp_path):
     assert read_metrics(path)["loss"] == {0: 5.0, 2: 3.0}
     main([str(path), "--out", str(tmp_path / "plot.png")])
     assert (tmp_path / "plot.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_zero_shot_keys_and_the_completion_style_hellaswag_of_older_runs_are_both_read(tmp_path, capsys):
+    new = tmp_path / "new" / "metrics.jsonl"
+    new.parent.mkdir()
+    new.write_text("".join(json.dumps(line) + "\n" for line in [
+        training_line(0, 11.0), {"step": 0, "hellaswag/acc": 0.24, "hellaswag/acc_norm": 0.26, "piqa/acc": 0.5,
+                                 "eval_score": 0.01},
+        training_line(1, 10.0), {"step": 1, "hellaswag/acc": 0.25, "hellaswag/acc_norm": 0.31, "piqa/acc": 0.6,
+                                 "eval_score": 0.12}]))
+    old = tmp_path / "old" / "metrics.jsonl"
+    write_crashed_and_resumed_run(old)
+    series = read_metrics(new)
+    assert series["hellaswag/acc_norm"] == {0: 0.26, 1: 0.31} and series["eval_score"] == {0: 0.01, 1: 0.12}
+    assert not series["hellaswag_acc"] and not read_metrics(old)["hellaswag/acc_norm"]
+    main([str(new), str(old), "--out", str(tmp_path / "both.png")])
+    printed = capsys.readouterr().out
+    assert "new: 2 train steps, max HellaSwag acc_norm 0.3100, max eval_score 0.1200" in printed
+    assert "max HellaSwag (completion style) 0.2800" in printed  # the old run: hellaswag_acc at step 150

@@ -19,7 +19,7 @@ import train_gpt2
 from conftest import make_shards
 from distributed import Distributed
 from helpers_train import TINY_ARGS, TrainRun, read_metrics, run_train
-from run_logger import INIT_TIMEOUT_S, WANDB_KEYS, RunLogger
+from run_logger import INIT_TIMEOUT_S, RunLogger, wandb_key
 from snapshot import load_snapshot, snapshot_path
 
 OFFLINE_ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_ERROR_REPORTING": "false"}
@@ -74,10 +74,10 @@ def wandb_config(records: list[dict]) -> dict:
 
 def assert_wandb_mirrors(records: list[dict], metrics: list[dict]) -> None:
     """Each metrics.jsonl number is in the wandb history under its wandb key, at the same step, exactly."""
-    keys = [k for k in WANDB_KEYS if any(k in r for r in metrics)]
-    assert {"loss", "val_loss"} <= set(keys)
+    keys = {k for r in metrics for k in r if wandb_key(k)}
+    assert {"loss", "val_loss"} <= keys
     for key in keys:
-        assert wandb_history(records, WANDB_KEYS[key]) == jsonl_history(metrics, key), key
+        assert wandb_history(records, wandb_key(key)) == jsonl_history(metrics, key), key
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -95,21 +95,24 @@ def test_offline_wandb_run_holds_every_logged_number_at_its_step(tmp_path):
         logger.log({"step": step, "loss": 11.0 - step / 3, "lr": 6e-4 * (step + 1) / 5, "grad_norm": 2.0 + step / 9,
                     "dt_ms": 100.0 + step, "tokens_per_sec": 1e4 / (step + 1), "mfu": 0.3 + step / 100}
                    | ({"skipped": True} if step == 3 else {}))
-    logger.log({"step": 4, "hellaswag_acc": 0.25})
+    logger.log({"step": 4, "hellaswag_acc": 0.25})  # what runs logged before the zero-shot tasks
+    logger.log({"step": 4, "hellaswag/acc": 0.3, "hellaswag/acc_norm": 0.35, "eval_score": 0.1})
     logger.log_samples(4, ["Hello, I'm a language model, and", "Hello, I'm a language model, or"])
     logger.finish()
 
     (run_dir,) = wandb_run_dirs(tmp_path)
     records = wandb_records(run_dir)
     metrics = read_metrics(tmp_path / "logs")
-    assert len(metrics) == 10
+    assert len(metrics) == 11
     assert_wandb_mirrors(records, metrics)
     # (The reader flattens a table into samples/text.path, samples/text.nrows, ...; wandb's own keys start with _.)
     logged = {k.split(".")[0] for r in records if r["type"] == "history" for k in r["history"]["item"]
               if not k.startswith("_")}
     assert logged == {"step", "train/loss", "train/lr", "train/grad_norm", "train/dt_ms", "train/tokens_per_sec",
-                      "train/mfu", "train/skipped_step", "val/loss", "eval/hellaswag_acc", "samples/text"}
+                      "train/mfu", "train/skipped_step", "val/loss", "eval/hellaswag_acc", "eval/hellaswag/acc",
+                      "eval/hellaswag/acc_norm", "eval/score", "samples/text"}
     assert wandb_history(records, "eval/hellaswag_acc") == {4: 0.25}
+    assert wandb_history(records, "eval/hellaswag/acc_norm") == {4: 0.35}
     assert wandb_history(records, "train/skipped_step") == {3: True}
     assert wandb_history(records, "train/loss") == {s: 11.0 - s / 3 for s in range(5)}
 
