@@ -1,16 +1,18 @@
-"""Evaluate a model: the validation loss on any shard directory, and HellaSwag, for a snapshot of ours (a
-snapshot_*.pt file or an fsdp run's snapshot directory) or for OpenAI's GPT-2.
+"""Evaluate a model: the validation loss on any shard directory, and zero-shot tasks scored as lm-evaluation-harness
+0.4 scores them (evals.py: hellaswag, lambada_openai, piqa, winogrande, arc_easy, arc_challenge, openbookqa, sciq,
+copa, boolq), for a snapshot of ours (a snapshot_*.pt file or an fsdp run's snapshot directory) or for OpenAI's GPT-2
+(a hub name or a Hugging Face directory).
 
     python evaluate.py --ckpt logs/snapshot_0019072.pt                    # what the run logged, from its own flags
-    python evaluate.py --model gpt2 --data_dir data/fineweb_edu10B --hellaswag --json
-    torchrun --standalone --nproc_per_node=8 evaluate.py --ckpt logs/snapshot_0019072 --hellaswag
+    python evaluate.py --model gpt2 --tasks all --no-val --json           # the harness's zero-shot table
+    torchrun --standalone --nproc_per_node=8 evaluate.py --ckpt logs/snapshot_0019072 --tasks hellaswag,piqa
 
-For a snapshot, --data_dir, --micro_batch_size, --seq_len, --val_tokens, --val_steps, --dtype, --hellaswag_path
-and --limit default to the training run's own (saved in the snapshot), so the numbers are the ones that run
-logged: the validation loss of snapshot_<k> (the weights after step k) is the val_loss logged at step k + 1, since
-a run validates before each step's update. The validation is train_gpt2.py's own code (validation.py), with the
-batches split over the ranks as in training: with --val_tokens the same tokens, and the same loss, for any number
-of ranks.
+For a snapshot, --data_dir, --micro_batch_size, --seq_len, --val_tokens, --val_steps, --dtype, --eval_dir,
+--hellaswag_path and --limit default to the training run's own (saved in the snapshot), so the numbers are the ones
+that run logged: the validation loss of snapshot_<k> (the weights after step k) is the val_loss logged at step
+k + 1, since a run validates before each step's update. The validation is train_gpt2.py's own code (validation.py),
+with the batches split over the ranks as in training: with --val_tokens the same tokens, and the same loss, for any
+number of ranks. The tasks' batches are split over the ranks too, and give the one-process numbers bit for bit.
 """
 
 import argparse
@@ -21,6 +23,7 @@ from dataclasses import fields
 import torch
 import torch.distributed as dist
 
+import evals
 from config import HelpFormatter, TrainConfig, add_flags, validation_steps
 from dataloader import DistributedDataLoader
 from distributed import Distributed, setup_distributed
@@ -31,7 +34,8 @@ from snapshot import load_model_snapshot
 from validation import validation_loss
 
 # The training flags that decide the numbers; a snapshot's own values are their defaults.
-RUN_FLAGS = ["data_dir", "micro_batch_size", "seq_len", "val_tokens", "val_steps", "dtype", "hellaswag_path"]
+RUN_FLAGS = ["data_dir", "micro_batch_size", "seq_len", "val_tokens", "val_steps", "dtype", "eval_dir",
+             "hellaswag_path"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -43,15 +47,19 @@ def main(argv: list[str] | None = None) -> None:
                                         "gpt2-xl, or a local save_pretrained directory")
     add_flags(parser, RUN_FLAGS + ["device"])
     parser.add_argument("--val", action=argparse.BooleanOptionalAction, default=True,
-                        help="the validation loss (--no-val: HellaSwag only)")
-    parser.add_argument("--hellaswag", action="store_true", help="HellaSwag acc_norm and acc as well")
-    parser.add_argument("--limit", type=int, default=None, help="only the first N HellaSwag examples")
+                        help="the validation loss (--no-val: the tasks only)")
+    parser.add_argument("--tasks", help="zero-shot tasks, scored as lm-evaluation-harness 0.4 does: a comma-separated "
+                                        f"list of {', '.join(evals.TASKS)}, or all")
+    parser.add_argument("--hellaswag", action="store_true", help="the same as --tasks hellaswag (added to --tasks)")
+    parser.add_argument("--limit", type=int, default=None, help="only the first N documents of each task")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON line on stdout")
     source_args = parser.parse_known_args(argv)[0]
+    task_names(source_args)  # a bad name fails before the model loads
     model, run_config, step = load_model(source_args.ckpt, source_args.model)
-    # A snapshot's run decides the defaults (flags given on the command line still win).
+    # A snapshot's run decides the defaults (flags given on the command line still win); hellaswag_limit is the
+    # name eval_limit had in runs before evals.py.
     parser.set_defaults(**{k: v for k, v in run_config.items() if k in RUN_FLAGS},
-                        limit=run_config.get("hellaswag_limit"))
+                        limit=run_config.get("eval_limit", run_config.get("hellaswag_limit")))
     args = parser.parse_args(argv)
 
     dist_env = setup_distributed(args.device)
@@ -66,6 +74,11 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(results))
         else:
             print("\n".join(f"{key}: {value}" for key, value in results.items()))
+
+
+def task_names(args: argparse.Namespace) -> list[str]:
+    names = evals.parse_task_names(args.tasks, "--tasks") if args.tasks else []
+    return names + ["hellaswag"] * (args.hellaswag and "hellaswag" not in names)
 
 
 def load_model(ckpt: str | None, hf_name: str | None) -> tuple[GPT, dict, int | None]:
@@ -87,17 +100,20 @@ def load_model(ckpt: str | None, hf_name: str | None) -> tuple[GPT, dict, int | 
 
 
 def evaluate(model: GPT, args: argparse.Namespace, dist_env: Distributed) -> dict:
-    """The validation loss and HellaSwag accuracies, each rank doing its share; every rank returns the same."""
+    """The validation loss and the tasks' metrics, each rank doing its share; every rank returns the same."""
     device, results = dist_env.device, {}
     torch.set_float32_matmul_precision("high")  # as in training (TF32 on GPUs that have it)
     dtype = pick_dtype(args.dtype, device)
     model.to(device)
+    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if f.name in RUN_FLAGS})
+    if not isinstance(cfg.micro_batch_size, int):
+        raise UserError("--micro_batch_size auto is for training; pass a number of sequences (a snapshot passes the "
+                        "one its run used).")
+    if args.limit is not None and args.limit < 1:
+        raise UserError(f"--limit {args.limit}: the number of documents of each task to score, 1 or more (leave it "
+                        "out for all of them).")
+    seq_len = cfg.seq_len or model.config.block_size
     if args.val:
-        cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if f.name in RUN_FLAGS})
-        if not isinstance(cfg.micro_batch_size, int):
-            raise UserError("--micro_batch_size auto is for training; pass a number of sequences (a snapshot "
-                            "passes the one its run used).")
-        seq_len = cfg.seq_len or model.config.block_size
         if seq_len > model.config.block_size:
             raise UserError(f"--seq_len {seq_len} exceeds the model's block_size {model.config.block_size}; pass "
                             f"--seq_len {model.config.block_size} or less.")
@@ -107,13 +123,14 @@ def evaluate(model: GPT, args: argparse.Namespace, dist_env: Distributed) -> dic
         val = validation_loss(model, loader, val_steps, device, dtype)
         results |= {"val_loss": val.loss, "val_bpb": val.bpb}
         results["val_tokens"] = val_steps * cfg.micro_batch_size * seq_len * dist_env.world_size
-    if args.hellaswag:
-        from data import hellaswag
-        examples = hellaswag.load_examples_distributed(args.hellaswag_path, args.limit, dist_env.local_rank, device)
-        accuracies = hellaswag.accuracies(model, examples, device, dtype, dist_env.rank, dist_env.world_size,
-                                          progress=dist_env.is_master and not args.json)
-        results |= {"hellaswag_acc_norm": accuracies["acc_norm"], "hellaswag_acc": accuracies["acc"],
-                    "hellaswag_examples": len(examples)}
+    names = task_names(args)
+    if names:
+        docs = evals.load_tasks(names, cfg.eval_dir, cfg.hellaswag_path, args.limit, dist_env.local_rank, device)
+        # Batches of --micro_batch_size × --seq_len tokens: what a training micro-step holds, with its backward.
+        suite = evals.Suite(docs, model.config.block_size, cfg.micro_batch_size * seq_len)
+        results |= evals.evaluate(model, suite, device, dtype, dist_env.rank, dist_env.world_size,
+                                  progress=dist_env.is_master and not args.json)
+        results |= {f"{name}/docs": len(task_docs) for name, task_docs in docs.items()}
     return results
 
 

@@ -1,5 +1,6 @@
-"""evaluate.py: the numbers a training run logged for a snapshot, the same on 2 ranks as on 1, OpenAI-style weights
-from a Hugging Face directory against Hugging Face's own loss, and clear errors."""
+"""evaluate.py: the numbers a training run logged for a snapshot (val loss and zero-shot tasks), the same on 2 ranks
+as on 1, an old snapshot's flags, OpenAI-style weights from a Hugging Face directory against Hugging Face's own loss,
+and clear errors."""
 
 import json
 import subprocess
@@ -18,10 +19,12 @@ from evaluate import main
 from helpers_train import main_in_process, read_metrics, train_env
 
 HELLASWAG = SHARED_DATA / "hellaswag" / "hellaswag_val.jsonl"
-# Validation before every step, a snapshot after steps 1 and 3, HellaSwag on 8 examples: a few seconds.
+EVAL_FILES = ["--eval_dir", str(SHARED_DATA / "evals"), "--hellaswag_path", str(HELLASWAG)]
+# Validation and 2 tasks of 8 documents before every step, a snapshot after steps 1 and 3: a few seconds.
 JOB = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "64", "--max_steps", "4",
        "--warmup_steps", "1", "--val_every", "1", "--val_tokens", "128", "--dtype", "fp32", "--ckpt_every", "2",
-       "--keep_last", "5", "--hellaswag_every", "1", "--hellaswag_path", str(HELLASWAG), "--hellaswag_limit", "8"]
+       "--keep_last", "5", "--eval_every", "1", "--eval_tasks", "hellaswag,piqa", "--eval_limit", "8", *EVAL_FILES]
+TASK_KEYS = ["hellaswag/acc", "hellaswag/acc_norm", "piqa/acc", "piqa/acc_norm", "eval_score"]
 
 
 @pytest.fixture(scope="module")
@@ -47,20 +50,32 @@ def logged(log_dir, key: str) -> dict[int, float]:
     return {r["step"]: r[key] for r in read_metrics(log_dir) if key in r}
 
 
-def test_a_snapshot_gets_the_val_loss_and_hellaswag_its_run_logged_after_that_step(trained, capsys):
-    result = evaluate_json(["--ckpt", str(trained / "logs" / "snapshot_0000001.pt"), "--hellaswag"], capsys)
+def test_a_snapshot_gets_the_val_loss_and_task_scores_its_run_logged_after_that_step(trained, capsys):
+    result = evaluate_json(["--ckpt", str(trained / "logs" / "snapshot_0000001.pt"), "--tasks", "piqa",
+                            "--hellaswag"], capsys)
     # snapshot_1 holds the weights after step 1; the run validated them before step 2's update.
     assert result["step"] == 1
     assert result["val_loss"] == logged(trained / "logs", "val_loss")[2]
     assert result["val_bpb"] == logged(trained / "logs", "val_bpb")[2] and result["val_bpb"] > 0
     assert result["val_loss"] != logged(trained / "logs", "val_loss")[1]  # the steps are told apart
-    assert result["hellaswag_acc_norm"] == logged(trained / "logs", "hellaswag_acc")[2]
-    assert result["val_tokens"] == 128 and result["hellaswag_examples"] == 8  # the run's flags, from the snapshot
+    for key in TASK_KEYS:
+        assert result[key] == logged(trained / "logs", key)[2], key
+    assert result["val_tokens"] == 128 and result["hellaswag/docs"] == result["piqa/docs"] == 8  # the run's flags
+
+
+def test_an_old_snapshots_hellaswag_limit_is_the_default_limit(trained, capsys, monkeypatch):
+    import evaluate
+    old_run = {"config": {"hellaswag_every": 1, "hellaswag_limit": 3, "hellaswag_path": str(HELLASWAG)}, "step": 1}
+    monkeypatch.setattr(evaluate, "load_model_snapshot", lambda path: old_run)  # a run from before evals.py
+    result = evaluate_json(["--ckpt", str(trained / "logs" / "snapshot_0000001.pt"), "--hellaswag", "--no-val"],
+                           capsys)
+    assert result["hellaswag/docs"] == 3 and set(result) == {"model", "step", "hellaswag/acc", "hellaswag/acc_norm",
+                                                            "eval_score", "hellaswag/docs"}
 
 
 @pytest.mark.slow  # torchrun with 2 processes
 def test_two_ranks_under_torchrun_give_the_numbers_of_one_process(trained, capsys):
-    argv = ["--ckpt", str(trained / "logs" / "snapshot_0000001.pt"), "--hellaswag", "--limit", "7"]
+    argv = ["--ckpt", str(trained / "logs" / "snapshot_0000001.pt"), "--tasks", "hellaswag,piqa", "--limit", "7"]
     one = evaluate_json(argv, capsys)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            str(ROOT / "evaluate.py"), *argv, "--json", "--device", "cpu"], capture_output=True,
@@ -72,7 +87,7 @@ def test_two_ranks_under_torchrun_give_the_numbers_of_one_process(trained, capsy
     assert two["val_bpb"] == pytest.approx(one["val_bpb"], rel=1e-6)
     assert {k: v for k, v in two.items() if k not in ("val_loss", "val_bpb")} == \
         {k: v for k, v in one.items() if k not in ("val_loss", "val_bpb")}
-    assert two["hellaswag_examples"] == 7  # odd: one rank scores one more than the other
+    assert two["hellaswag/docs"] == 7 and two["piqa/acc_norm"] == one["piqa/acc_norm"]  # the tasks: bit for bit
 
 
 def test_hugging_face_weights_get_hugging_faces_own_loss(tmp_path, capsys):
@@ -81,13 +96,18 @@ def test_hugging_face_weights_get_hugging_faces_own_loss(tmp_path, capsys):
     hf.save_pretrained(tmp_path / "hf")
     make_shards(tmp_path / "data", "val", [200], seed=2)
     result = evaluate_json(["--model", str(tmp_path / "hf"), "--data_dir", str(tmp_path / "data"),
-                            "--micro_batch_size", "2", "--seq_len", "16", "--val_tokens", "96"], capsys)
+                            "--micro_batch_size", "2", "--seq_len", "16", "--val_tokens", "96", "--tasks", "copa",
+                            "--limit", "5", *EVAL_FILES], capsys)
     loader = DistributedDataLoader(tmp_path / "data", "val", 2, 16)
     with torch.no_grad():
         losses = [F.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()) for x, y in
                   (loader.next_batch() for _ in range(3))]
     assert result["val_tokens"] == 96 and result["step"] is None
     assert result["val_loss"] == pytest.approx(torch.stack(losses).mean().item(), rel=1e-5)
+    import evals
+    from model import GPT
+    suite = evals.Suite({"copa": evals.load_docs("copa", SHARED_DATA / "evals" / "copa.jsonl", 5)}, 32, 32)
+    assert result["copa/acc"] == evals.evaluate(GPT.from_pretrained(str(tmp_path / "hf")), suite, "cpu")["copa/acc"]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -97,12 +117,22 @@ def test_hugging_face_weights_get_hugging_faces_own_loss(tmp_path, capsys):
     (["--ckpt", "{logs}/snapshot_0000001.pt", "--data_dir", "{logs}/nowhere"], "nowhere does not exist"),
     (["--ckpt", "{logs}/snapshot_0000001.pt", "--micro_batch_size", "64"], "fewer than one optimizer step needs"),
     (["--ckpt", "{logs}/snapshot_0000001.pt", "--hellaswag", "--hellaswag_path", "{logs}/none.jsonl"],
-     "HellaSwag file"),
+     "hellaswag: the data file {logs}/none.jsonl does not exist"),
+    (["--ckpt", "{logs}/snapshot_0000001.pt", "--tasks", "piqa,nope"], "--tasks 'piqa,nope': unknown task nope"),
+    (["--ckpt", "{logs}/snapshot_0000001.pt", "--tasks", "piqa", "--eval_dir", "{logs}/.."],
+     "piqa: the data file {logs}/../piqa.jsonl does not exist"),
+    (["--ckpt", "{logs}/snapshot_0000001.pt", "--tasks", "copa", "--eval_dir", "{logs}/../bad_evals"],
+     "bad_evals/copa.jsonl, line 2: no field 'choice2'"),
+    (["--ckpt", "{logs}/snapshot_0000001.pt", "--tasks", "copa", "--limit", "0"], "--limit 0: the number of"),
     (["--ckpt", "{logs}/snapshot_0000001.pt", "--data_dir", "{logs}/../other_vocabulary"],
      "test_val_000000.bin: token id 50257 at position 0 is not in the model's vocabulary"),
 ])
 def test_bad_paths_and_mismatched_shards_are_clear_errors(trained, argv, message, capsys):
-    argv = [a.format(logs=trained / "logs") for a in argv]
+    argv, message = [a.format(logs=trained / "logs") for a in argv], message.format(logs=trained / "logs")
+    (trained / "bad_evals").mkdir(exist_ok=True)
+    copa = {"premise": "It rained.", "choice1": "We got wet.", "choice2": "We sang.", "question": "effect", "label": 0}
+    no_choice2 = {key: value for key, value in copa.items() if key != "choice2"}
+    (trained / "bad_evals" / "copa.jsonl").write_text(json.dumps(copa) + "\n" + json.dumps(no_choice2) + "\n")
     with pytest.raises(SystemExit) as exit_info:
         run_entry_point(lambda: main([*argv, "--device", "cpu"]))
     assert exit_info.value.code == 2
@@ -110,9 +140,10 @@ def test_bad_paths_and_mismatched_shards_are_clear_errors(trained, argv, message
     assert err.startswith("error: ") and message in err and "Traceback" not in err
 
 
-def test_an_fsdp_snapshot_directory_gets_the_val_loss_its_run_logged(trained, tmp_path, capsys):
-    fsdp_job = [*JOB, "--max_steps", "2", "--ckpt_every", "1", "--hellaswag_every", "0", "--parallel", "fsdp"]
+def test_an_fsdp_snapshot_directory_gets_the_val_loss_and_task_scores_its_run_logged(trained, tmp_path, capsys):
+    fsdp_job = [*JOB, "--max_steps", "2", "--ckpt_every", "1", "--eval_tasks", "piqa", "--parallel", "fsdp"]
     main_in_process([*fsdp_job, "--data_dir", str(trained / "data"), "--log_dir", str(tmp_path)])
-    result = evaluate_json(["--ckpt", str(tmp_path / "snapshot_0000000")], capsys)
+    result = evaluate_json(["--ckpt", str(tmp_path / "snapshot_0000000"), "--tasks", "piqa"], capsys)
     assert result["step"] == 0
     assert result["val_loss"] == pytest.approx(logged(tmp_path, "val_loss")[1], rel=1e-6)
+    assert result["piqa/acc_norm"] == logged(tmp_path, "piqa/acc_norm")[1] and result["piqa/docs"] == 8
