@@ -289,7 +289,7 @@ def run_args(fsdp_run: Path, log_dir: Path, *args: str) -> list[str]:
     return [*JOB, "--data_dir", str(fsdp_run / "data"), "--log_dir", str(log_dir), *args]
 
 
-# Every way in: GPT.from_snapshot (sample.py, export_hf.py, evaluate.py and hellaswag.py --ckpt all load through it),
+# Every way in: GPT.from_snapshot (sample.py, export_hf.py and evaluate.py --ckpt all load through it),
 # two of those tools end to end, a resume from the path, --resume auto (the trapped snapshot is the only one), and
 # --init_from.
 ENTRY_POINTS = {
