@@ -379,14 +379,14 @@ def test_pruning_and_cleaning_delete_only_what_this_code_wrote(tmp_path):
 def test_the_directory_snapshots_of_a_real_fsdp_run_are_pruned_as_this_codes(fsdp_run, tmp_path):
     shutil.copytree(fsdp_run / "run", tmp_path, dirs_exist_ok=True)
     prune_snapshots(tmp_path, keep_last=1)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "snapshot_0000002"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "run.lock", "snapshot_0000002"]
 
 
 def test_a_run_with_keep_last_1_leaves_foreign_files_alone_and_says_which_it_ignored(fsdp_run, tmp_path, capsys):
     plant(tmp_path, ISSUE_24_ENTRIES)
     main_in_process(run_args(fsdp_run, tmp_path, "--keep_last", "1"))
     after = files_under(tmp_path)
-    assert after.keys() == ISSUE_24_ENTRIES.keys() | {"metrics.jsonl", "snapshot_0000002.pt"}
+    assert after.keys() == ISSUE_24_ENTRIES.keys() | {"metrics.jsonl", "run.lock", "snapshot_0000002.pt"}
     assert {name: after[name] for name in ISSUE_24_ENTRIES} == ISSUE_24_ENTRIES
     warning = capsys.readouterr().err
     assert f"--resume auto ignores in {tmp_path}: snapshot_1.pt, snapshot_2023, snapshot_draft.tmp, " \
@@ -404,4 +404,4 @@ def test_resume_auto_among_snapshots_that_all_fail_to_load_exits_naming_them_and
     assert message.startswith(f"--resume auto: none of the 2 snapshots in {tmp_path} loads:")
     assert str(snapshot_path(tmp_path, 5)) in message and str(snapshot_path(tmp_path, 3)) in message
     assert "--resume never" in message
-    assert files_under(tmp_path) == before
+    assert files_under(tmp_path) == before | {"run.lock": (tmp_path / "run.lock").read_bytes()}  # (the run's lock)

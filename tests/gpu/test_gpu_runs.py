@@ -287,10 +287,10 @@ def test_a_planted_nan_is_skipped_and_a_divergence_rolls_back_and_goes_on(gpu_de
     after = by_step(run.records[run.records.index(rollbacks[0]) + 1:], "loss")
     assert list(after) == list(range(5, 14)) and all(math.isfinite(loss) for loss in after.values())
 
-    # Independently: the step-4 snapshot resumed in a fresh process with its data loader moved 4 steps on, past the
-    # bad data, and nothing planted. Both runs are --deterministic, so the same to the bit.
+    # Independently: the step-4 snapshot, which the rollback rewrote with its data loader at the data of step 9 (past
+    # the bad data), resumed in a fresh process with nothing planted. Both are --deterministic: the same to the bit.
     state = load_snapshot(snapshot_path(tmp_path / "run", 4))
-    state["loader"]["chunk_position"] += 4 * state["loader"]["chunks_per_step"]
+    assert state["loader"]["chunk_position"] == 9 * state["loader"]["chunks_per_step"]
     (tmp_path / "reference").mkdir()
     save_snapshot(state, snapshot_path(tmp_path / "reference", 4))
     reference = by_step(run_train(args, tmp_path / "reference").records, "loss")
