@@ -27,6 +27,7 @@ from conftest import ROOT, flip_a_byte_in_tensor_data, make_shards
 from errors import UserError
 from helpers_train import main_in_process, read_metrics
 from model import GPT
+from run_lock import LOCK_FILE
 from snapshot import (
     REQUIRED_KEYS,
     capture_rng_state,
@@ -379,14 +380,14 @@ def test_pruning_and_cleaning_delete_only_what_this_code_wrote(tmp_path):
 def test_the_directory_snapshots_of_a_real_fsdp_run_are_pruned_as_this_codes(fsdp_run, tmp_path):
     shutil.copytree(fsdp_run / "run", tmp_path, dirs_exist_ok=True)
     prune_snapshots(tmp_path, keep_last=1)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "snapshot_0000002"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", LOCK_FILE, "snapshot_0000002"]
 
 
 def test_a_run_with_keep_last_1_leaves_foreign_files_alone_and_says_which_it_ignored(fsdp_run, tmp_path, capsys):
     plant(tmp_path, ISSUE_24_ENTRIES)
     main_in_process(run_args(fsdp_run, tmp_path, "--keep_last", "1"))
     after = files_under(tmp_path)
-    assert after.keys() == ISSUE_24_ENTRIES.keys() | {"metrics.jsonl", "snapshot_0000002.pt"}
+    assert after.keys() == ISSUE_24_ENTRIES.keys() | {"metrics.jsonl", LOCK_FILE, "snapshot_0000002.pt"}
     assert {name: after[name] for name in ISSUE_24_ENTRIES} == ISSUE_24_ENTRIES
     warning = capsys.readouterr().err
     assert f"--resume auto ignores in {tmp_path}: snapshot_1.pt, snapshot_2023, snapshot_draft.tmp, " \
@@ -404,4 +405,5 @@ def test_resume_auto_among_snapshots_that_all_fail_to_load_exits_naming_them_and
     assert message.startswith(f"--resume auto: none of the 2 snapshots in {tmp_path} loads:")
     assert str(snapshot_path(tmp_path, 5)) in message and str(snapshot_path(tmp_path, 3)) in message
     assert "--resume never" in message
-    assert files_under(tmp_path) == before
+    after = files_under(tmp_path)
+    assert after.pop(LOCK_FILE).startswith(b"pid ") and after == before  # (but the run's own lock file)
