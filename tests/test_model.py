@@ -280,6 +280,14 @@ def test_top_p_samples_only_from_the_nucleus(tiny_model):
     assert len(set(nucleus_only.tolist())) > 5  # different rows, different tokens: not a constant
 
 
+def test_top_p_reached_exactly_keeps_the_tokens_that_reach_it_and_no_more():
+    logits = torch.tensor([[0.5, 0.25, 0.25]]).log()  # softmax gives back 0.5, 0.25, 0.25 exactly
+    generator = torch.Generator().manual_seed(0)
+    draws = [sample_next_token(logits.clone(), 1.0, None, 0.5, generator).item() for _ in range(100)]
+    assert draws == [0] * 100  # the first token alone reaches top_p: the nucleus is {0}
+    assert {sample_next_token(logits.clone(), 1.0, None, 0.75, generator).item() for _ in range(100)} == {0, 1}
+
+
 def test_hugging_face_weights_generate_the_tokens_hugging_face_generates(hf_model, tmp_path):
     hf_model.save_pretrained(tmp_path)
     ours = GPT.from_pretrained(str(tmp_path)).eval()

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 from torch.utils._pytree import tree_leaves
 
-from conftest import ROOT, flip_a_byte_in_tensor_data, make_shards
+from conftest import ROOT, eio_the_first_time, flip_a_byte_in_tensor_data, make_shards, tiny_snapshots
 from errors import UserError
 from helpers_train import main_in_process, read_metrics
 from model import GPT
@@ -162,6 +162,34 @@ def test_a_write_error_inside_torch_save_surfaces_as_the_oserror_behind_it(tmp_p
 
     with pytest.raises(OSError, match="Input/output error"):
         torch_save(fake_snapshot(1), FailingFile())
+
+
+@pytest.fixture
+def data(tmp_path) -> Path:
+    make_shards(tmp_path / "data", "train", [2000], vocab=100)
+    return tmp_path / "data"
+
+
+def test_a_failed_write_is_not_reported_as_written_and_a_stop_at_that_step_writes_it_again(data, tmp_path,
+                                                                                            monkeypatch, capsys):
+    writes, messages = eio_the_first_time(monkeypatch), []
+    snapshots = tiny_snapshots(data, tmp_path / "run", messages.append, every=5)
+    assert snapshots.save_if_due(4, last_step=9, stopping=False) is None  # due, and failed: training goes on
+    assert "WARNING: the snapshot of step 4 could not be written" in capsys.readouterr().err
+    assert messages == [] and list_snapshots(tmp_path / "run") == []
+    # A SIGTERM during the evaluation before step 5: the stop's snapshot is of step 4 again, and this time written.
+    path = snapshots.save_if_due(4, last_step=9, stopping=True)
+    assert path == snapshot_path(tmp_path / "run", 4) and list_snapshots(tmp_path / "run") == [path]
+    assert writes == [4, 4] and messages == [f"snapshot written: {path}"]
+
+
+@pytest.mark.parametrize("step, stopping", [(9, False), (2, True)])  # the run's last step; a stop on SIGTERM
+def test_a_lost_last_or_stop_snapshot_fails_the_run(data, tmp_path, monkeypatch, step, stopping):
+    eio_the_first_time(monkeypatch)
+    snapshots = tiny_snapshots(data, tmp_path / "run", every=5)
+    with pytest.raises(UserError, match=f"the snapshot of step {step} could not be written .* and it was the run's "
+                                        "last; there is no older snapshot"):
+        snapshots.save_if_due(step, last_step=9, stopping=stopping)
 
 
 def test_no_snapshot_means_a_fresh_start_and_only_broken_ones_an_error_naming_them(tmp_path):
