@@ -1,8 +1,9 @@
 """Snapshots: everything a run needs to continue after a crash, written atomically, found again, restored.
 
 The interface for the training run is `Snapshots`: `resume()` at the start and `save_if_due(step, stopping)` after
-every step, and `rollback()` after a divergence. What a snapshot holds is decided here, in `_capture` and
-`_restore`, and nowhere else.
+every step, and `rollback()` then `commit_rollback()` after a divergence. What a snapshot holds is decided here, in
+`_capture` and `_restore`, and nowhere else: the model, optimizer and GradScaler, the data position, the RNGs, and
+the run's other stateful objects (the divergence guard), each by its state_dict/load_state_dict.
 
 Two kinds: with --parallel ddp, one file snapshot_<step>.pt that rank 0 writes; with --parallel fsdp, a directory
 snapshot_<step>/ in which every rank writes its shards of the model and optimizer (torch.distributed.checkpoint,
@@ -22,7 +23,7 @@ non-tensor values (the optimizer's hyperparameters) with plain pickle: load_shar
 unpickler that knows only the classes such a file holds, and the second with weights_only=True.
 
 A snapshot is never written from NaN or inf weights or optimizer state, and one written while the run was skipping
-updates (training.DivergenceGuard) is marked unhealthy: it is no place to roll back to. Pruning keeps the newest
+updates (divergence.DivergenceGuard) is marked unhealthy: it is no place to roll back to. Pruning keeps the newest
 healthy snapshot whatever --keep_last says (and any newer one whose health a read error hides), so a run that goes
 bad cannot prune away its last good state. A rollback is written at once, over the snapshot it restored.
 
@@ -62,7 +63,6 @@ from distributed import Distributed, any_rank, from_rank_0
 from errors import UserError
 from files import atomic_write, fsync_directory
 from parallel import TrainingModel
-from training import DivergenceGuard
 
 STEP = r"(\d{7}|[1-9]\d{7,})"  # f"{step:07d}", exactly
 SNAPSHOT_NAME = re.compile(rf"snapshot_{STEP}(\.pt)?")  # a file (ddp) or a directory (fsdp)
@@ -78,18 +78,22 @@ META_KEYS = tuple(k for k in REQUIRED_KEYS if k not in SHARDED_KEYS)
 # the run's interface
 
 class Snapshots:
-    """The snapshots of one run in ckpt_dir: which one to resume from, and writing new ones on the beat."""
+    """The snapshots of one run in ckpt_dir: which one to resume from, and writing new ones on the beat.
+
+    stateful: the rest of the run's state, {name: object with state_dict() and load_state_dict()} (as torchtitan's
+    checkpointer takes Stateful objects), saved under its name; each must be the same on every rank (the divergence
+    guard is: every rank decides on the same numbers)."""
 
     def __init__(self, ckpt_dir: str, every: int, keep_last: int, resume_from: str, trained: TrainingModel,
                  train_loader: DistributedDataLoader, run_config: dict, dist_env: Distributed,
-                 log: Callable[[str], None], guard: DivergenceGuard | None = None):
+                 log: Callable[[str], None], stateful: dict | None = None):
         if every and keep_last < 1:
             raise UserError(f"--keep_last {keep_last} would delete every snapshot, so nothing could resume. Keep at "
                             "least 1, or turn snapshots off with --ckpt_every 0.")
         self.ckpt_dir, self.every, self.keep_last, self.resume_from = ckpt_dir, every, keep_last, resume_from
         self.trained, self.train_loader, self.run_config = trained, train_loader, run_config
         self.dist_env, self.log = dist_env, log
-        self.guard = guard or DivergenceGuard()
+        self.stateful = stateful or {}
         self.wandb_id = uuid.uuid4().hex[:12]
         self.last_saved = -1
         self.resumed_config: dict | None = None  # the flags of the run that wrote the snapshot resumed from
@@ -108,9 +112,10 @@ class Snapshots:
         self.wandb_id, self.last_saved, self.resumed_config = state["wandb_id"], state["step"], state["config"]
         return state["step"] + 1, path
 
-    def save_if_due(self, step: int, last_step: int, stopping: bool) -> Path | None:
-        """Snapshot the state after `step` every --ckpt_every steps, at the last step and when stopping.
-        Collective: every rank calls it; rank 0 writes. Returns the path written, if any."""
+    def save_if_due(self, step: int, last_step: int, stopping: bool, healthy: bool = True) -> Path | None:
+        """Snapshot the state after `step` every --ckpt_every steps, at the last step and when stopping; healthy:
+        whether the run's last update was applied (a snapshot written while updates are skipped is no place to roll
+        back to). Collective: every rank calls it; rank 0 writes. Returns the path written, if any."""
         due = (step + 1) % self.every == 0 or step == last_step or stopping if self.every else False
         if not due or step <= self.last_saved:  # nothing trained since the last one (a stop during evaluation)
             return None
@@ -118,7 +123,7 @@ class Snapshots:
             self.log(f"WARNING: no snapshot after step {step}: the weights or optimizer state hold NaN or inf. The "
                      f"snapshots in {self.ckpt_dir} are kept as they are.")
             return None
-        state = self._capture(step)
+        state = self._capture(step, healthy)
         path = snapshot_path(self.ckpt_dir, step, self.trained.sharded)
         failure = None
         try:
@@ -158,17 +163,20 @@ class Snapshots:
 
     def rollback(self) -> tuple[int, str] | None:
         """Restore the newest healthy snapshot, all but the data loader's position: training goes on from its step
-        with the data after the divergence, never the batches in between again. Returns the step to go on at and
-        the snapshot, or None if there is no healthy snapshot. Collective: every rank restores the same one."""
+        with the data after the divergence, never the batches in between again. Returns its step and path, or None
+        if there is no healthy snapshot. Collective: every rank restores the same one. The caller counts the
+        rollback, then commit_rollback writes it."""
         path = self.newest_healthy()
         if path is None:
             return None
         state = load_snapshot(path, verify=False)  # rank 0 has verified it
-        rollbacks = self.guard.rollbacks
-        self._restore(path, state, data_position=False)  # the guard's state too, from before this rollback
-        self.guard.skips_in_a_row = 0  # (a snapshot from before the guard holds no count)
-        self.guard.rollbacks = rollbacks + 1
-        self._record_rollback(Path(path), state["step"])
+        self._restore(path, state, data_position=False)
+        return state["step"], path
+
+    def commit_rollback(self, step: int, path: str) -> None:
+        """After rollback(): write the state as it is now over the snapshot restored (_record_rollback), and delete
+        the newer snapshots of the abandoned timeline. Collective."""
+        self._record_rollback(Path(path), step)
         if self.dist_env.is_master:
             # The newer ones are the abandoned timeline's, all unhealthy: after a crash, --resume auto would pick
             # one of them over this timeline's snapshots, and re-read the data the rollback skipped.
@@ -177,8 +185,7 @@ class Snapshots:
                 if written_here(abandoned):
                     remove(abandoned)
                     self.log(f"removed {abandoned}: written while updates were being skipped, after {path}")
-        self.last_saved = state["step"]
-        return state["step"] + 1, path
+        self.last_saved = step
 
     def _record_rollback(self, path: Path, step: int) -> None:
         """Write the state just restored, with the data position after the divergence and the rollback counted,
@@ -187,7 +194,7 @@ class Snapshots:
         the new one is complete. Of a directory snapshot only meta.pt changes, as its shards hold the very weights
         and optimizer state just restored. Collective (the RNG states); rank 0 writes, and a failed write is a
         warning, as for any snapshot."""
-        state = self._capture(step)
+        state = self._capture(step, healthy=True)
         if not self.dist_env.is_master:
             return
         try:
@@ -219,7 +226,7 @@ class Snapshots:
 
     # --- what a snapshot holds
 
-    def _capture(self, step: int) -> dict | None:
+    def _capture(self, step: int, healthy: bool) -> dict | None:
         """Everything needed to continue exactly after `step` (with fsdp: but the sharded model and optimizer).
         Collective: every rank calls it; rank 0 gets it."""
         device = self.dist_env.device
@@ -238,8 +245,8 @@ class Snapshots:
         t = self.trained
         state = {"model_config": asdict(t.raw.config), "scaler": t.scaler.state_dict(), "step": step,
                  "loader": loader_states[0], "rng": list(rng_states), "config": self.run_config,
-                 "wandb_id": self.wandb_id, "guard": self.guard.state_dict(),
-                 "healthy": self.guard.skips_in_a_row == 0}
+                 "wandb_id": self.wandb_id, "healthy": healthy}
+        state |= {name: each.state_dict() for name, each in self.stateful.items()}
         if not t.sharded:
             state |= {"model": t.raw.state_dict(), "optimizer": t.optimizer.state_dict()}
         return state
@@ -281,8 +288,9 @@ class Snapshots:
             t.scaler.load_state_dict(state["scaler"])
         if data_position:
             self.train_loader.load_state_dict(state["loader"])
-        if "guard" in state:  # (snapshots from before the guard have none: its statistics start afresh)
-            self.guard.load_state_dict(state["guard"])
+        for name, each in self.stateful.items():
+            if name in state:  # (snapshots from before the guard have none: its statistics start afresh)
+                each.load_state_dict(state[name])
         if len(state["rng"]) == dist_env.world_size:
             restore_rng_state(state["rng"][dist_env.rank], dist_env.device)
         else:  # a different number of ranks: the data position carries over exactly (see dataloader.py)

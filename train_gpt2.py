@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from config import HF_MODELS, Plan, TrainConfig, parse_args, resolve_plan
 from dataloader import DistributedDataLoader
-from distributed import Distributed, any_rank, hangs_reported, setup_distributed, synchronize
+from distributed import Distributed, hangs_reported, setup_distributed, synchronize
+from divergence import DivergenceGuard, DivergenceResponse, StopRequest
 from errors import UserError, run_entry_point
 from memory import auto_micro_batch, keep_freed_memory
 from mfu import Peak, peak_flops
@@ -35,7 +36,7 @@ from run_lock import lock_run_directories
 from run_logger import RunLogger
 from sample import generate_text
 from snapshot import Snapshots
-from training import DivergenceGuard, StepResult, train_step
+from training import StepResult, train_step
 from validation import validation_loss
 
 
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
             dist.destroy_process_group()
 
 
-def run(cfg: TrainConfig, dist_env: Distributed, stop: "StopRequest | None" = None) -> None:
+def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None) -> None:
     device, master = dist_env.device, dist_env.is_master
     stop = stop or StopRequest()
     log = print if master else (lambda *args, **kwargs: None)
@@ -90,7 +91,7 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: "StopRequest | None" = No
     trained = build_model(initial_model(cfg, plan), dist_env, dtype, cfg, cfg.compile, parallel=cfg.parallel)
     guard = DivergenceGuard(cfg.skip_zscore)
     snapshots = Snapshots(plan.ckpt_dir, cfg.ckpt_every, cfg.keep_last, cfg.resume, trained, train_loader,
-                          asdict(cfg), dist_env, log, guard)
+                          asdict(cfg), dist_env, log, {"guard": guard})
     start_step, resumed_from = snapshots.resume()
     if start_step >= cfg.max_steps:
         log(f"{resumed_from} is from step {start_step - 1}, the last of --max_steps {cfg.max_steps}: the run is "
@@ -145,7 +146,8 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: "StopRequest | None" = No
                 continue
         # --- snapshot (of the state after the last step trained)
         stopping = not evaluated or stop.agreed(device)
-        snapshots.save_if_due(step if evaluated else step - 1, last_step, stopping)
+        snapshots.save_if_due(step if evaluated else step - 1, last_step, stopping,
+                              healthy=guard.skips_in_a_row == 0)
         if stopping:
             where = f"after step {step}" if evaluated else f"during the evaluation before step {step}"
             log(f"stopping {where} on SIGTERM; " + ("rerun the same command to resume" if cfg.ckpt_every
@@ -204,69 +206,6 @@ def initial_model(cfg: TrainConfig, plan: Plan) -> GPT:
         model = GPT.from_snapshot(cfg.init_from)
     model.crop_block_size(plan.model_config.block_size)
     return model
-
-
-class StopRequest:
-    """SIGTERM (a preemption, or torchrun stopping workers) asks for a snapshot as soon as possible.
-
-    main() makes `request` the SIGTERM handler; it only sets a flag. Ranks agree on it (a collective) after every
-    step and every few batches of an evaluation, so they all stop at the same point and write the snapshot within a
-    step of the signal.
-    """
-
-    def __init__(self):
-        self.requested = False
-
-    def request(self, signum=None, frame=None) -> None:
-        self.requested = True
-
-    def agreed(self, device: torch.device) -> bool:
-        return any_rank(self.requested, device)
-
-
-class DivergenceResponse:
-    """--on_divergence: what the run does once --max_skips updates in a row were skipped (training.DivergenceGuard).
-
-    rollback: restore the newest healthy snapshot (Snapshots.rollback) and train on from its step with the data after
-    the divergence, at most --max_rollbacks times. stop, or no rollback left: a UserError, raised on every rank at
-    the same step, saying where the run stands and what to try.
-    """
-
-    def __init__(self, cfg: TrainConfig, snapshots: Snapshots, guard: DivergenceGuard,
-                 train_loader: DistributedDataLoader, logger: RunLogger, log):
-        self.cfg, self.snapshots, self.guard, self.train_loader = cfg, snapshots, guard, train_loader
-        self.logger, self.log = logger, log
-
-    def respond(self, step: int, reason: str) -> int:
-        """Roll back and return the step to go on at, or raise UserError."""
-        cfg, position = self.cfg, self.train_loader.state_dict()
-        where = (f"epoch {position['epoch']}, shard {position['shard_position']}, chunk "
-                 f"{position['chunk_position']}")
-        if cfg.on_divergence == "rollback" and self.guard.rollbacks < cfg.max_rollbacks:
-            restored = self.snapshots.rollback()
-            if restored is not None:
-                next_step, path = restored
-                rollbacks = self.guard.rollbacks
-                self.log(f"step {step:5d} | {cfg.max_skips} updates skipped in a row (last: {reason}): rollback "
-                         f"{rollbacks} of {cfg.max_rollbacks} to {path}; training goes on at step {next_step} "
-                         f"with the data after the skipped steps ({where})")
-                self.logger.log({"event": "rollback", "step": step, "to_step": next_step, "snapshot": path,
-                                 "rollbacks": rollbacks, "reason": reason, "data_position": position})
-                return next_step
-        rollbacks = self.guard.rollbacks
-        healthy = self.snapshots.newest_healthy()
-        self.logger.log({"event": "diverged", "step": step, "reason": reason, "rollbacks": rollbacks,
-                         "data_position": position, "healthy_snapshot": healthy})
-        self.logger.finish()
-        after = f"after {rollbacks} rollback(s) (--max_rollbacks {cfg.max_rollbacks}), " if rollbacks else ""
-        restart = (f"The newest healthy snapshot is {healthy}: restart from it with --resume {healthy} and "
-                   if healthy else "There is no healthy snapshot to restart from: start again with ")
-        raise UserError(
-            f"training diverged: {after}{cfg.max_skips} updates in a row were skipped up to step {step} (the last "
-            f"for {reason}; --max_skips {cfg.max_skips}), with the data loader at {where}. {restart}a lower "
-            f"--max_lr (now {cfg.max_lr:g}), or --skip_zscore 6 to skip loss spikes before they run away, or "
-            "--on_divergence rollback to reload the newest healthy snapshot automatically and skip the data that "
-            "diverged.")
 
 
 class Evaluations:

@@ -92,7 +92,8 @@ def tiny_snapshots(data: Path, ckpt_dir: Path, log=print, guard=None, every: int
     dist_env = Distributed(0, 0, 1, torch.device("cpu"))
     trained = build_model(GPT(resolve_plan(cfg, 1).model_config), dist_env, torch.float32, cfg, compile=False)
     loader = DistributedDataLoader(data, "train", 2, 16)
-    return Snapshots(str(ckpt_dir), every, keep_last, "never", trained, loader, asdict(cfg), dist_env, log, guard)
+    stateful = {"guard": guard} if guard is not None else {}
+    return Snapshots(str(ckpt_dir), every, keep_last, "never", trained, loader, asdict(cfg), dist_env, log, stateful)
 
 
 def eio_the_first_time(monkeypatch) -> list[int]:

@@ -20,12 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 
+import divergence
 import snapshot
 import train_gpt2
 from config import TrainConfig, parse_args
 from conftest import flip_a_byte_in_tensor_data, make_shards, tiny_snapshots
 from dataloader import DistributedDataLoader
 from distributed import Distributed
+from divergence import DivergenceGuard
 from errors import UserError
 from helpers_train import TINY_ARGS, read_metrics, run_train
 from model import GPT
@@ -39,7 +41,6 @@ from snapshot import (
     save_snapshot,
     snapshot_path,
 )
-from training import DivergenceGuard
 
 CPU = torch.device("cpu")
 B, T, ACCUM = 2, 16, 2  # 2 micro-steps of 2 × 16 tokens per step
@@ -248,7 +249,7 @@ def test_a_rollback_adds_one_to_the_runs_count_whatever_the_snapshot_holds(data,
     snapshots.save_if_due(0, 10, False)
     guard.rollbacks, guard.skips_in_a_row = 2, 3
     cfg = TrainConfig(on_divergence="rollback", max_skips=3, max_rollbacks=5)
-    response = train_gpt2.DivergenceResponse(cfg, snapshots, guard, snapshots.train_loader,
+    response = divergence.DivergenceResponse(cfg, snapshots, guard, snapshots.train_loader,
                                              RunLogger(tmp_path / "logs"), print)
     assert response.respond(7, "non-finite loss") == 1
     assert guard.rollbacks == 3 and guard.skips_in_a_row == 0
@@ -332,16 +333,15 @@ def test_a_rollback_removes_the_unhealthy_snapshots_of_the_abandoned_timeline(da
     plant(monkeypatch, data, [8, 9, 10], math.nan)
     run_dir = tmp_path / "run"
     on_disk_after_rollback = []
-    rollback = snapshot.Snapshots.rollback
+    commit_rollback = snapshot.Snapshots.commit_rollback
 
-    def spied_rollback(self):
+    def spied_rollback(self, step, path):
         assert [p.name for p in list_snapshots(run_dir)] == ["snapshot_0000009.pt", "snapshot_0000004.pt"]
         assert not is_healthy(load_snapshot(snapshot_path(run_dir, 9)))
-        restored = rollback(self)
+        commit_rollback(self, step, path)
         on_disk_after_rollback.extend(p.name for p in list_snapshots(run_dir))
-        return restored
 
-    monkeypatch.setattr(snapshot.Snapshots, "rollback", spied_rollback)
+    monkeypatch.setattr(snapshot.Snapshots, "commit_rollback", spied_rollback)
     records = run_in_process(data, run_dir, "--max_steps", "12", "--ckpt_every", "5", "--keep_last", "3",
                              "--max_skips", "3", "--on_divergence", "rollback")
     assert on_disk_after_rollback == ["snapshot_0000004.pt"]
@@ -366,14 +366,14 @@ def test_a_rollback_is_written_at_once_so_a_crash_after_it_resumes_after_it(data
     rollback = [r for r in whole if r.get("event") == "rollback"]
     assert [r["to_step"] for r in rollback] == [5]
 
-    respond = train_gpt2.DivergenceResponse.respond
+    respond = divergence.DivergenceResponse.respond
 
     def respond_then_crash(self, step, reason):
         respond(self, step, reason)
         raise Crash
 
     with monkeypatch.context() as patch:
-        patch.setattr(train_gpt2.DivergenceResponse, "respond", respond_then_crash)
+        patch.setattr(divergence.DivergenceResponse, "respond", respond_then_crash)
         with pytest.raises(Crash):
             run_in_process(data, tmp_path / "crashed", *args)
     assert list_snapshots(tmp_path / "crashed") == [snapshot_path(tmp_path / "crashed", 4)]
