@@ -16,6 +16,7 @@ import tomllib
 
 from dataloader import find_shards, read_shard_header
 from errors import UserError
+from hf import gpt_config
 from model import PRESETS, GPTConfig
 
 HF_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -248,11 +249,12 @@ def init_weights_config(init_from: str) -> GPTConfig:
     """The shape of the weights --init_from names, read without loading them."""
     if init_from in HF_MODELS:
         return PRESETS[init_from]  # OpenAI's GPT-2 sizes are our presets of the same names
+    from snapshot import is_snapshot_directory, read_model_config  # (not at the top: snapshot.py imports this module)
+
     path = Path(init_from)
-    if path.is_file() or (path / "meta.pt").is_file():  # a snapshot of ours (or an fsdp run's snapshot directory)
-        from snapshot import load_model_snapshot  # (not at the top: snapshot.py imports this module)
+    if path.is_file() or is_snapshot_directory(path):  # a snapshot of ours (a file, or an fsdp run's directory)
         try:
-            return GPTConfig(**load_model_snapshot(path)["model_config"])
+            return read_model_config(path)
         except ValueError as e:  # the reader's message names the file and what is wrong with it
             raise UserError(f"--init_from: {e} (Or a Hugging Face model directory, or gpt2 / gpt2-medium / ...)") from e
         except (TypeError, OSError) as e:
@@ -269,8 +271,7 @@ def init_weights_config(init_from: str) -> GPTConfig:
         if hf.get("model_type") != "gpt2":
             raise UserError(f"--init_from {init_from}: config.json says model_type {hf.get('model_type')!r}; only "
                             "GPT-2 (model_type 'gpt2') weights fit this model.")
-        return GPTConfig(block_size=hf["n_positions"], vocab_size=hf["vocab_size"], n_layer=hf["n_layer"],
-                         n_head=hf["n_head"], n_embd=hf["n_embd"])
+        return gpt_config(hf)
     raise UserError(f"--init_from {init_from}: no such file or directory, and not one of scratch, "
                     f"{', '.join(HF_MODELS)}. Pass a Hugging Face model directory or a snapshot_*.pt.")
 

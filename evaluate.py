@@ -21,13 +21,14 @@ from dataclasses import fields
 import torch
 import torch.distributed as dist
 
+import hf
 from config import HelpFormatter, TrainConfig, add_flags, validation_steps
 from dataloader import DistributedDataLoader
 from distributed import Distributed, setup_distributed
 from errors import UserError, run_entry_point
 from model import GPT
 from precision import pick_dtype
-from snapshot import load_model_snapshot
+from snapshot import load_model_snapshot, read_model
 from validation import validation_loss
 
 # The training flags that decide the numbers; a snapshot's own values are their defaults.
@@ -73,13 +74,13 @@ def load_model(ckpt: str | None, hf_name: str | None) -> tuple[GPT, dict, int | 
     ours; {} and None for OpenAI's weights or a file with just a model)."""
     if hf_name is not None:
         try:
-            return GPT.from_pretrained(hf_name), {}, None
+            return hf.from_pretrained(hf_name), {}, None
         except OSError as e:  # what transformers raises for no network, an unknown name or missing weight files
             raise UserError(f"--model {hf_name}: the Hugging Face weights could not be loaded "
                             f"({str(e).strip().splitlines()[0]}). Pass gpt2, gpt2-medium, gpt2-large or gpt2-xl "
                             "(downloaded on first use) or a directory written by save_pretrained.") from e
     try:
-        model = GPT.from_snapshot(ckpt)
+        model = read_model(ckpt)
     except (FileNotFoundError, ValueError) as e:  # the message names the file and what to pass instead
         raise UserError(f"--ckpt: {e} (For OpenAI's weights use --model gpt2.)") from e
     saved = load_model_snapshot(ckpt)

@@ -12,8 +12,10 @@ import argparse
 import tiktoken
 import torch
 
+import hf
 from distributed import default_device
 from model import GPT
+from snapshot import read_model
 
 
 def generate_text(model: GPT, prompt: str, num_samples: int = 4, max_new_tokens: int = 32,
@@ -55,11 +57,11 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.ckpt is not None:
         try:
-            model = GPT.from_snapshot(args.ckpt)
+            model = read_model(args.ckpt)
         except (FileNotFoundError, ValueError) as e:
             parser.error(f"--ckpt: {e} (For Hugging Face weights use --model instead.)")
     else:
-        model = GPT.from_pretrained(args.model)
+        model = hf.from_pretrained(args.model)
     model.to(args.device)
 
     texts = generate_text(model, args.prompt, args.num_samples, args.max_new_tokens, args.temperature,

@@ -62,6 +62,7 @@ from dataloader import DistributedDataLoader
 from distributed import Distributed, any_rank, from_rank_0
 from errors import UserError
 from files import atomic_write, fsync_directory
+from model import GPT, GPTConfig
 from parallel import TrainingModel
 
 STEP = r"(\d{7}|[1-9]\d{7,})"  # f"{step:07d}", exactly
@@ -698,12 +699,36 @@ def load_shards(state: dict, directory: Path, no_dist: bool = False) -> None:
                          f"({type(errors[0]).__name__}: {first_line(errors[0])}).") from e
 
 
+def read_model(path: str | Path) -> GPT:
+    """A plain GPT from a training snapshot (a snapshot_*.pt file, or the directory of an fsdp run's, whose shards
+    torch.distributed.checkpoint puts back together in one process), or from a file with just a snapshot's "model"
+    and "model_config": what sample.py, export_hf.py, evaluate.py and --init_from load."""
+    path = Path(path)
+    state = load_model_snapshot(path)
+    model = GPT(GPTConfig(**state["model_config"]))
+    if path.is_dir():
+        state = {"model": model.state_dict()}
+        load_shards(state, path, no_dist=True)
+    model.load_state_dict(state["model"])
+    return model
+
+
+def read_model_config(path: str | Path) -> GPTConfig:
+    """The shape of the model read_model would load, without its weights."""
+    return GPTConfig(**load_model_snapshot(path)["model_config"])
+
+
+def is_snapshot_directory(path: Path) -> bool:
+    """Whether `path` is a snapshot in the directory form (an fsdp run's, with its meta.pt)."""
+    return path.is_dir() and (path / "meta.pt").is_file()
+
+
 def load_model_snapshot(path: str | Path) -> dict:
-    """What GPT.from_snapshot, --init_from and evaluate.py read: a snapshot's dict (of a directory snapshot, its
+    """What read_model, read_model_config and evaluate.py read: a snapshot's dict (of a directory snapshot, its
     meta.pt: the weights are in the shards, for load_shards), or a file's with just a snapshot's "model" and
     "model_config". FileNotFoundError or ValueError naming the file if it is none of those."""
     path = Path(path)
-    if path.is_dir() and (path / "meta.pt").is_file():
+    if is_snapshot_directory(path):
         return load_snapshot(path, verify=False)
     if not path.is_file():
         raise FileNotFoundError(f"snapshot {path}: no such file. Pass a snapshot_*.pt written by train_gpt2.py.")

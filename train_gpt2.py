@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import hf
 from config import HF_MODELS, Plan, TrainConfig, parse_args, resolve_plan
 from dataloader import DistributedDataLoader
 from distributed import Distributed, hangs_reported, setup_distributed, synchronize
@@ -35,7 +36,7 @@ from precision import dtype_name, pick_dtype, set_deterministic
 from run_lock import lock_run_directories
 from run_logger import RunLogger
 from sample import generate_text
-from snapshot import Snapshots
+from snapshot import Snapshots, read_model
 from training import StepResult, train_step
 from validation import validation_loss
 
@@ -196,14 +197,14 @@ def initial_model(cfg: TrainConfig, plan: Plan) -> GPT:
         return GPT(plan.model_config)
     if cfg.init_from in HF_MODELS or (Path(cfg.init_from) / "config.json").is_file():
         try:
-            model = GPT.from_pretrained(cfg.init_from)
+            model = hf.from_pretrained(cfg.init_from)
         except OSError as e:  # what transformers raises for no network, an unknown name or missing weight files
             raise UserError(f"--init_from {cfg.init_from}: the Hugging Face weights could not be loaded "
                             f"({str(e).strip().splitlines()[0]}). On a node without network, save them elsewhere "
                             "with GPT2LMHeadModel.from_pretrained(name).save_pretrained(directory), copy the "
                             "directory over and pass --init_from directory.") from e
     else:
-        model = GPT.from_snapshot(cfg.init_from)
+        model = read_model(cfg.init_from)
     model.crop_block_size(plan.model_config.block_size)
     return model
 

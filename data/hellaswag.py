@@ -30,11 +30,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
+import hf
 from distributed import any_rank, default_device
 from errors import UserError
 from files import atomic_write
-from model import GPT
 from precision import autocast
+from snapshot import read_model
 
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 SHA256 = "0aa3b88843990f3f10a97b9575c94d7b71fb2205240ba04ae4884d9e9c992588"
@@ -227,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as e:
         parser.error(str(e))
     try:
-        model = GPT.from_pretrained(args.model) if args.model else GPT.from_snapshot(args.ckpt)
+        model = hf.from_pretrained(args.model) if args.model else read_model(args.ckpt)
     except (FileNotFoundError, ValueError) as e:  # a bad --ckpt: the message names the file and the fix
         parser.error(str(e))
     model.to(device)

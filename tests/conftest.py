@@ -65,7 +65,7 @@ def perturb_(model: torch.nn.Module, scale: float, seed: int = 0) -> torch.nn.Mo
 
 
 def save_tiny_model(path: Path, block_size: int = 64, perturb: float = 0.0) -> Path:
-    """A random `tiny` GPT saved as just a snapshot's {"model", "model_config"}, as GPT.from_snapshot
+    """A random `tiny` GPT saved as just a snapshot's {"model", "model_config"}, as snapshot.read_model
     reads it; perturb > 0 moves every weight away from its init."""
     from dataclasses import replace
 

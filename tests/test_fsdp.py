@@ -33,7 +33,7 @@ from helpers_train import (
 )
 from model import GPT, GPTConfig
 from parallel import build_model
-from snapshot import find_latest_snapshot, list_snapshots, load_snapshot, snapshot_path
+from snapshot import find_latest_snapshot, list_snapshots, load_snapshot, read_model, snapshot_path
 from training import train_step
 
 pytestmark = pytest.mark.slow  # torchrun and spawned process groups
@@ -82,7 +82,7 @@ def test_fsdp_snapshots_are_directories_of_shards_that_load_into_a_plain_gpt(run
     assert sorted(p.name for p in path.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
     # Validation at step 4 runs on the weights the snapshot of step 3 holds; the logged number is the mean of the
     # two ranks' 2 micro-batches each, i.e. of the first 4 micro-batches of the val stream.
-    model = GPT.from_snapshot(path).eval()
+    model = read_model(path).eval()
     val = DistributedDataLoader(root / "data", "val", B=2, T=16)
     with torch.no_grad():
         loss = sum(model(*val.next_batch())[1].item() for _ in range(4)) / 4

@@ -35,8 +35,7 @@ from helpers_train import (
     wait_until,
     worker_pids,
 )
-from model import GPT
-from snapshot import SNAPSHOT_NAME, list_snapshots, load_snapshot, save_snapshot, snapshot_path
+from snapshot import SNAPSHOT_NAME, list_snapshots, load_snapshot, read_model, save_snapshot, snapshot_path
 
 LAST_STEP = 11
 JOB = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "64", "--max_steps", str(LAST_STEP + 1),
@@ -197,7 +196,7 @@ def test_snapshots_hold_the_whole_training_state(job):
 
 def test_snapshot_loads_into_a_plain_gpt_that_reproduces_the_logged_val_loss(job):
     # Validation at step 8 runs before step 8's update, on the weights the snapshot of step 7 holds.
-    model = GPT.from_snapshot(snapshot_path(job.one_rank, 7)).eval()
+    model = read_model(snapshot_path(job.one_rank, 7)).eval()
     val = DistributedDataLoader(job.data, "val", B=2, T=16)
     with torch.no_grad():
         loss = sum(model(*val.next_batch())[1] for _ in range(2)) / 2  # --val_tokens 64 = 2 micro-batches of 32

@@ -36,6 +36,7 @@ from snapshot import (
     list_snapshots,
     load_snapshot,
     prune_snapshots,
+    read_model,
     restore_rng_state,
     save_snapshot,
     snapshot_path,
@@ -318,11 +319,11 @@ def run_args(fsdp_run: Path, log_dir: Path, *args: str) -> list[str]:
     return [*JOB, "--data_dir", str(fsdp_run / "data"), "--log_dir", str(log_dir), *args]
 
 
-# Every way in: GPT.from_snapshot (sample.py, export_hf.py, evaluate.py and hellaswag.py --ckpt all load through it),
+# Every way in: read_model (sample.py, export_hf.py, evaluate.py and hellaswag.py --ckpt all load through it),
 # two of those tools end to end, a resume from the path, --resume auto (the trapped snapshot is the only one), and
 # --init_from.
 ENTRY_POINTS = {
-    "GPT.from_snapshot": lambda run, snapshot: GPT.from_snapshot(snapshot),
+    "read_model": lambda run, snapshot: read_model(snapshot),
     "sample.py": lambda run, snapshot: __import__("sample").main(["--ckpt", str(snapshot), "--device", "cpu"]),
     "evaluate.py": lambda run, snapshot: __import__("evaluate").main(["--ckpt", str(snapshot), "--device", "cpu"]),
     "--resume PATH": lambda run, snapshot: main_in_process(run_args(run, snapshot.parent / "other", "--parallel",
@@ -349,7 +350,7 @@ def test_a_snapshot_directory_that_would_run_code_is_refused_by_every_entry_poin
 
 def test_a_real_fsdp_snapshot_loads_as_torch_reads_it_and_resumes_with_the_same_loss(fsdp_run, tmp_path):
     snapshot = snapshot_path(fsdp_run / "run", 1, sharded=True)
-    model = GPT.from_snapshot(snapshot)
+    model = read_model(snapshot)
     expected = {"model": GPT(model.config).state_dict()}
     dcp.load(expected, checkpoint_id=snapshot, no_dist=True)  # torch's own reader (our own run's files)
     assert model.state_dict().keys() == expected["model"].keys()
