@@ -702,9 +702,11 @@ def load_shards(state: dict, directory: Path, no_dist: bool = False) -> None:
 def read_model(path: str | Path) -> GPT:
     """A plain GPT from a training snapshot (a snapshot_*.pt file, or the directory of an fsdp run's, whose shards
     torch.distributed.checkpoint puts back together in one process), or from a file with just a snapshot's "model"
-    and "model_config": what sample.py, export_hf.py, evaluate.py and --init_from load."""
+    and "model_config": what sample.py, export_hf.py, evaluate.py and --init_from load. Its bytes are checked as a
+    resume checks them (verify_checksums): ValueError naming the file if they changed since they were written."""
     path = Path(path)
     state = load_model_snapshot(path)
+    verify_checksums(path, state)
     model = GPT(GPTConfig(**state["model_config"]))
     if path.is_dir():
         state = {"model": model.state_dict()}
@@ -714,7 +716,8 @@ def read_model(path: str | Path) -> GPT:
 
 
 def read_model_config(path: str | Path) -> GPTConfig:
-    """The shape of the model read_model would load, without its weights."""
+    """The shape of the model read_model would load, without its weights (nor their checksums: read_model checks
+    them when it loads them)."""
     return GPTConfig(**load_model_snapshot(path)["model_config"])
 
 

@@ -204,7 +204,10 @@ def initial_model(cfg: TrainConfig, plan: Plan) -> GPT:
                             "with GPT2LMHeadModel.from_pretrained(name).save_pretrained(directory), copy the "
                             "directory over and pass --init_from directory.") from e
     else:
-        model = read_model(cfg.init_from)
+        try:
+            model = read_model(cfg.init_from)
+        except ValueError as e:  # its bytes changed since they were written: the reader's message names the file
+            raise UserError(f"--init_from: {e}") from e
     model.crop_block_size(plan.model_config.block_size)
     return model
 

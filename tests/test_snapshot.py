@@ -9,6 +9,7 @@ import io
 import os
 import pickle
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -23,7 +24,14 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 from torch.utils._pytree import tree_leaves
 
-from conftest import ROOT, eio_the_first_time, flip_a_byte_in_tensor_data, make_shards, tiny_snapshots
+from conftest import (
+    ROOT,
+    eio_the_first_time,
+    flip_a_byte_in_tensor_data,
+    make_shards,
+    save_tiny_model,
+    tiny_snapshots,
+)
 from errors import UserError
 from helpers_train import main_in_process, read_metrics
 from model import GPT
@@ -361,6 +369,34 @@ def test_a_real_fsdp_snapshot_loads_as_torch_reads_it_and_resumes_with_the_same_
     resumed = {r["step"]: r["loss"] for r in read_metrics(tmp_path) if "loss" in r}
     whole = {r["step"]: r["loss"] for r in read_metrics(fsdp_run / "run") if "loss" in r}
     assert resumed == {2: whole[2]}
+
+
+def flipped_model_file(fsdp_run: Path, directory: Path) -> tuple[Path, str]:
+    """A file with just a model, a byte of its weights flipped; and what the refusal must say."""
+    path = save_tiny_model(directory / "model.pt")
+    return path, f"{path}: the bytes of its record {flip_a_byte_in_tensor_data(path)} changed since it was written"
+
+
+def flipped_snapshot_directory(fsdp_run: Path, directory: Path) -> tuple[Path, str]:
+    """A copy of the real fsdp snapshot of step 1, a byte of its largest shard file flipped; and what the refusal must
+    say."""
+    copy = snapshot_path(directory, 1, sharded=True)
+    shutil.copytree(snapshot_path(fsdp_run / "run", 1, sharded=True), copy)
+    shard = max(copy.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(data)
+    return copy, f"{shard} is missing or its bytes changed since it was written"
+
+
+@pytest.mark.parametrize("flipped", [flipped_model_file, flipped_snapshot_directory])
+def test_a_model_read_from_bytes_that_changed_since_they_were_written_is_refused(fsdp_run, tmp_path, flipped):
+    path, refusal = flipped(fsdp_run, tmp_path)
+    with pytest.raises(ValueError, match=re.escape(refusal)):
+        read_model(path)  # sample.py, export_hf.py, evaluate.py: as a resume checks a snapshot
+    with pytest.raises(UserError, match=re.escape(f"--init_from: {refusal}")):
+        main_in_process(run_args(fsdp_run, tmp_path / "run", "--init_from", str(path)))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before the first step
 
 
 # ----------------------------------------------------------------------------------------------------------------
