@@ -52,9 +52,8 @@ from config import TrainConfig
 from dataloader import write_shard
 from distributed import Distributed
 from errors import UserError, run_entry_point
-from memory import GiB
+from memory import GiB, choose_micro_batch
 from precision import pick_dtype
-from train_gpt2 import choose_micro_batch
 
 ROOT = Path(__file__).resolve().parent
 STAGES = ("tests", "train", "bench")

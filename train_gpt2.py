@@ -11,7 +11,6 @@ in a row for NaN or spikes, stop or roll back to the newest healthy snapshot (--
 """
 
 import math
-import os
 import signal
 import sys
 import time
@@ -27,7 +26,7 @@ from dataloader import DistributedDataLoader
 from distributed import Distributed, hangs_reported, setup_distributed, synchronize
 from divergence import DivergenceGuard, DivergenceResponse, StopRequest
 from errors import UserError, run_entry_point
-from memory import auto_micro_batch, keep_freed_memory
+from memory import choose_micro_batch, keep_freed_memory
 from mfu import Peak, peak_flops
 from model import GPT
 from optim import get_lr, schedule_change
@@ -160,36 +159,6 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None
 
 # ----------------------------------------------------------------------------------------------------------------
 # the steps of the run
-
-def choose_micro_batch(cfg: TrainConfig, dist_env: Distributed, dtype: torch.dtype, log) -> int:
-    """--micro_batch_size auto: the largest micro-batch that fits the device's memory (memory.auto_micro_batch) and
-    divides the rank's share of the batch; the smallest rank's choice, so that every rank takes the same.
-
-    A rank where not even one sequence fits (by the arithmetic, or the probe itself running out of memory) takes
-    part in the MIN all-reduce with 0, so that every rank learns of it and raises, none waiting for a peer."""
-    plan = resolve_plan(replace(cfg, micro_batch_size=1), dist_env.world_size)  # every other flag checked first
-    try:
-        choice, failure = auto_micro_batch(plan.model_config, plan.seq_len, cfg.total_batch_size, dist_env.world_size,
-                                           dist_env.device, dtype, int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-                                           cfg.parallel), None
-    except ValueError as e:
-        choice, failure = None, str(e)
-    except torch.OutOfMemoryError as e:
-        choice, failure = None, (f"one sequence does not fit: measuring the activations of one and two sequences "
-                                 f"ran out of memory ({str(e).strip().splitlines()[0]})")
-    if failure and dist_env.device.type == "cuda":
-        torch.cuda.empty_cache()  # the probe's memory back, as the error leaves
-    size = torch.tensor(choice.size if choice else 0, device=dist_env.device)
-    if dist.is_initialized():
-        dist.all_reduce(size, op=dist.ReduceOp.MIN)
-    if size.item() == 0:
-        reason = failure or "one sequence does not fit on another rank (its error says by how much)"
-        raise UserError(f"--micro_batch_size auto: {reason.rstrip('.')}. Lower --seq_len, pick a smaller model, or "
-                        "use more ranks (with --parallel fsdp, each holds a smaller share of the model).")
-    log(f"--micro_batch_size auto: {choice.reason}"
-        + (f"; {size.item()}, another rank's smaller choice, on every rank" if size.item() != choice.size else ""))
-    return size.item()
-
 
 def initial_model(cfg: TrainConfig, plan: Plan) -> GPT:
     """Random weights, or the --init_from ones (cropped to --block_size), before compile and DDP see the model."""

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import distributed
+import memory
 import mfu
 import parallel
 import precision
@@ -236,7 +237,6 @@ def test_a_deterministic_run_trains_validates_and_samples_in_strict_mode(tmp_pat
 
 
 def test_auto_micro_batch_counts_a_ranks_shard_under_fsdp_gpt2_xl_fits_8_24gb_gpus(monkeypatch):
-    import memory
     from memory import GiB, MiB, auto_micro_batch, fixed_bytes
     config, cuda, world_size = PRESETS["gpt2-xl"], torch.device("cuda", 0), 8
     # What a 24 GB card has free, and gpt2-xl's activations per sequence of 1,024 tokens in bf16 (from the 774M
@@ -264,12 +264,12 @@ def test_auto_micro_batch_counts_a_ranks_shard_under_fsdp_gpt2_xl_fits_8_24gb_gp
 def test_an_out_of_memory_error_in_the_auto_probe_is_the_clean_does_not_fit_error(monkeypatch):
     def probe(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-    monkeypatch.setattr(train_gpt2, "auto_micro_batch", probe)
+    monkeypatch.setattr(memory, "auto_micro_batch", probe)
     cfg = parse_args(["--model", "tiny", "--micro_batch_size", "auto", "--seq_len", "16", "--total_batch_size", "64",
                       "--val_every", "0"])
     with pytest.raises(UserError, match=r"--micro_batch_size auto: one sequence does not fit: .* ran out of memory "
                                         r"\(CUDA out of memory\. Tried to allocate 2\.00 GiB\)\. Lower --seq_len"):
-        train_gpt2.choose_micro_batch(cfg, Distributed(0, 0, 1, CPU), torch.float32, print)
+        memory.choose_micro_batch(cfg, Distributed(0, 0, 1, CPU), torch.float32, print)
 
 
 def oom_on_rank_1_worker(rank: int, store: str, out_dir: str) -> None:
@@ -287,11 +287,11 @@ def oom_on_rank_1_worker(rank: int, store: str, out_dir: str) -> None:
             if rank == 1:
                 raise torch.OutOfMemoryError("CUDA out of memory")
             return MicroBatch(4, "fits")
-        train_gpt2.auto_micro_batch = probe
+        memory.auto_micro_batch = probe
         cfg = parse_args(["--model", "tiny", "--micro_batch_size", "auto", "--seq_len", "16", "--total_batch_size",
                           "128", "--val_every", "0"])
         try:
-            size = train_gpt2.choose_micro_batch(cfg, Distributed(rank, rank, 2, CPU), torch.float32, print)
+            size = memory.choose_micro_batch(cfg, Distributed(rank, rank, 2, CPU), torch.float32, print)
             outcome = f"chose {size}"
         except UserError as e:
             outcome = f"UserError: {e}"
