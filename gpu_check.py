@@ -54,6 +54,7 @@ from distributed import Distributed
 from errors import UserError, run_entry_point
 from memory import GiB, choose_micro_batch
 from precision import pick_dtype
+from tokenizer import gpt2_encoding
 
 ROOT = Path(__file__).resolve().parent
 STAGES = ("tests", "train", "bench")
@@ -209,8 +210,7 @@ def within_budget(seconds: float, budget: int) -> Result:
 def tokenizer_problem() -> str | None:
     """Why the GPT-2 tokenizer cannot be loaded here (samples and HellaSwag need it), or None if it can."""
     try:
-        import tiktoken
-        tiktoken.get_encoding("gpt2")
+        gpt2_encoding()
         return None
     except Exception as e:  # no cache and no network: tiktoken's errors vary
         return (f"the GPT-2 tokenizer could not be loaded ({type(e).__name__}); point TIKTOKEN_CACHE_DIR at a copy "

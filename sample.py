@@ -9,31 +9,10 @@ torch.Generator differs between CPU, CUDA and MPS, and GPU kernels may differ be
 
 import argparse
 
-import tiktoken
-import torch
-
 import hf
 from distributed import default_device
-from model import GPT
 from snapshot import read_model
-
-
-def generate_text(model: GPT, prompt: str, num_samples: int = 4, max_new_tokens: int = 32,
-                  temperature: float = 1.0, top_k: int | None = 50, seed: int = 42,
-                  top_p: float | None = None) -> list[str]:
-    """num_samples continuations of prompt, each returned with the prompt in front.
-
-    Runs on the device the model's weights are on. The generator is private, so sampling neither reads nor
-    advances the global RNG: calling this in the middle of training leaves the training run unchanged.
-    An empty prompt samples from <|endoftext|>, i.e. the start of a new document.
-    """
-    enc = tiktoken.get_encoding("gpt2")
-    prompt_tokens = enc.encode(prompt, allowed_special={"<|endoftext|>"}) or [enc.eot_token]
-    device = next(model.parameters()).device
-    idx = torch.tensor(prompt_tokens, dtype=torch.long, device=device).repeat(num_samples, 1)  # (B, T)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
-    return [prompt + enc.decode(row[len(prompt_tokens):].tolist()) for row in out]
+from tokenizer import generate_text
 
 
 def main(argv: list[str] | None = None) -> None:

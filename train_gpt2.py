@@ -34,8 +34,8 @@ from parallel import TrainingModel, build_model
 from precision import dtype_name, pick_dtype, set_deterministic
 from run_lock import lock_run_directories
 from run_logger import RunLogger
-from sample import generate_text
 from snapshot import Snapshots, read_model
+from tokenizer import generate_text
 from training import StepResult, train_step
 from validation import validation_loss
 

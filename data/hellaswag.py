@@ -36,6 +36,7 @@ from errors import UserError
 from files import atomic_write
 from precision import autocast
 from snapshot import read_model
+from tokenizer import gpt2_encoding
 
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 SHA256 = "0aa3b88843990f3f10a97b9575c94d7b71fb2205240ba04ae4884d9e9c992588"
@@ -148,7 +149,7 @@ def accuracies(model: torch.nn.Module, examples: list[dict], device: str, dtype:
                rank: int = 0, world_size: int = 1, progress: bool = False,
                should_stop: Callable[[], bool] | None = None) -> dict[str, float] | None:
     """acc and acc_norm over all examples; see evaluate."""
-    enc = tiktoken.get_encoding("gpt2")
+    enc = gpt2_encoding()
     hits = torch.zeros(2, dtype=torch.long, device=device)  # [acc_norm, acc]
     was_training = model.training
     model.eval()

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from conftest import ROOT, save_tiny_model
-from sample import generate_text, main
+from sample import main
 from snapshot import read_model
+from tokenizer import generate_text
 
 PROMPT = "Hello, I'm a language model,"
 
