@@ -109,7 +109,7 @@ def evaluate(model: GPT, args: argparse.Namespace, dist_env: Distributed) -> dic
         results |= {"val_loss": val.loss, "val_bpb": val.bpb}
         results["val_tokens"] = val_steps * cfg.micro_batch_size * seq_len * dist_env.world_size
     if args.hellaswag:
-        from data import hellaswag
+        import hellaswag
         examples = hellaswag.load_examples_distributed(args.hellaswag_path, args.limit, dist_env.local_rank, device)
         accuracies = hellaswag.accuracies(model, examples, device, dtype, dist_env.rank, dist_env.world_size,
                                           progress=dist_env.is_master and not args.json)

@@ -83,7 +83,7 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None
                                        dist_env.world_size, vocab_size=vocab_size) if plan.val_steps else None
     hellaswag_examples = None
     if cfg.hellaswag_every:  # now, so that a node without network says so at start-up, not at the first evaluation
-        from data import hellaswag
+        import hellaswag
         hellaswag_examples = hellaswag.load_examples_distributed(cfg.hellaswag_path, cfg.hellaswag_limit,
                                                                  dist_env.local_rank, device)
 
@@ -212,7 +212,7 @@ class Evaluations:
         # and each rank scores other examples (and only rank 0 samples), so fsdp's gathers could not pair up.
         full_model = self.trained.full_model() if hellaswag_due or sample_due else None
         if hellaswag_due:
-            from data import hellaswag
+            import hellaswag
             acc = hellaswag.evaluate(full_model, self.hellaswag_examples, device, dtype, self.dist_env.rank,
                                      self.dist_env.world_size, should_stop)
             if acc is None:

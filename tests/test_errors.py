@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
+import hellaswag
 from conftest import ROOT, make_shards
-from data import hellaswag
 from dataloader import write_shard
 from helpers_train import TrainRun, run_train, train_env
 
@@ -188,7 +188,7 @@ def error_paragraph(run: TrainRun) -> str:
 def test_a_bad_input_exits_2_with_one_paragraph_naming_it_and_the_fix(runs, case):
     if case == "hellaswag offline" and HELLASWAG_CACHED:
         pytest.skip(f"{hellaswag.CACHE_DIR / hellaswag.FILE_NAME} is cached, so a run never downloads it, and "
-                    "data/hellaswag.py has no flag or environment variable to move its cache")
+                    "hellaswag.py has no flag or environment variable to move its cache")
     error = error_paragraph(result(runs, case))
     missing = [words for words in EXPECTED[case] if words not in error]
     assert not missing, f"{missing} not in: {error}"

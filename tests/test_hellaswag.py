@@ -1,5 +1,6 @@
-"""data/hellaswag.py: scoring against an independent Hugging Face computation, rank splitting, stopping early on
-request, data loading, and one download per node that fails cleanly without network."""
+"""hellaswag.py (and tools/hellaswag.py, its command line): scoring against an independent Hugging Face computation,
+rank splitting, stopping early on request, data loading, and one download per node that fails cleanly without
+network."""
 
 import hashlib
 import json
@@ -14,9 +15,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import hellaswag
 import hf
+import tools.hellaswag
 from conftest import free_port, save_tiny_model
-from data import hellaswag
 from errors import UserError
 from model import GPT
 from snapshot import read_model
@@ -211,7 +213,7 @@ def test_missing_hellaswag_path_names_the_file(tmp_path, capsys):
     with pytest.raises(UserError, match="nowhere.jsonl"):
         hellaswag.load_examples(str(missing))
     with pytest.raises(SystemExit):  # the CLI checks the data before loading any model
-        hellaswag.main(["--model", "gpt2", "--hellaswag_path", str(missing)])
+        tools.hellaswag.main(["--model", "gpt2", "--hellaswag_path", str(missing)])
     err = capsys.readouterr().err
     assert str(missing) in err and "--hellaswag_path" in err
 
@@ -262,7 +264,7 @@ def test_download_is_cached_and_checked(tmp_path, monkeypatch, shared_data):
 
 def test_cli_prints_the_accuracy_of_a_snapshot(shared_data, tiny_ckpt):
     data_file = shared_data / VAL_FILE
-    result = subprocess.run([sys.executable, "data/hellaswag.py", "--ckpt", str(tiny_ckpt), "--hellaswag_path",
+    result = subprocess.run([sys.executable, "-m", "tools.hellaswag", "--ckpt", str(tiny_ckpt), "--hellaswag_path",
                              str(data_file), "--limit", "8", "--device", "cpu"],
                             cwd=ROOT, capture_output=True, text=True, check=True)
     expected = hellaswag.evaluate(read_model(tiny_ckpt), hellaswag.load_examples(str(data_file), 8), "cpu")
