@@ -149,7 +149,7 @@ def gpu_device() -> torch.device:
         return torch.device("cpu")
     if torch.cuda.is_available():
         return torch.device("cuda")
-    pytest.skip("needs a CUDA GPU (`python gpu_check.py --out DIR` runs these; `--cpu-smoke` runs them on the CPU)")
+    pytest.skip("needs a CUDA GPU (`python -m tools.gpu_check --out DIR` runs these; `--cpu-smoke` on the CPU)")
 
 
 @pytest.fixture(scope="session")

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from conftest import save_tiny_model
-from export_hf import main
 from snapshot import read_model
+from tools.export_hf import main
 
 
 @pytest.fixture

@@ -210,8 +210,7 @@ def test_fsdp_refuses_fp16_with_a_clear_error():
 
 
 def test_the_tools_read_an_fsdp_snapshot(runs, tmp_path, capsys, gpt2_encoding):
-    import export_hf
-    import sample
+    from tools import export_hf, sample
 
     path = snapshot_path(runs["root"] / "fsdp", 7, sharded=True)
     sample.main(["--ckpt", str(path), "--num_samples", "1", "--max_new_tokens", "4", "--device", "cpu"])

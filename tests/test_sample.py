@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from conftest import ROOT, save_tiny_model
-from sample import main
 from snapshot import read_model
 from tokenizer import generate_text
+from tools.sample import main
 
 PROMPT = "Hello, I'm a language model,"
 
@@ -41,7 +41,7 @@ def test_sampling_leaves_the_global_rng_alone(tiny_ckpt, gpt2_encoding):
 
 def test_cli_prints_what_the_function_returns(tiny_ckpt, gpt2_encoding):
     args = ["--num_samples", "2", "--max_new_tokens", "8", "--temperature", "0.8", "--top_k", "20", "--seed", "5"]
-    result = subprocess.run([sys.executable, str(ROOT / "sample.py"), "--ckpt", str(tiny_ckpt), "--device", "cpu",
+    result = subprocess.run([sys.executable, "-m", "tools.sample", "--ckpt", str(tiny_ckpt), "--device", "cpu",
                              *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     expected = generate_text(read_model(tiny_ckpt), PROMPT, num_samples=2, max_new_tokens=8,

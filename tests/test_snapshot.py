@@ -24,6 +24,8 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 from torch.utils._pytree import tree_leaves
 
+import tools.evaluate
+import tools.sample
 from conftest import (
     ROOT,
     eio_the_first_time,
@@ -327,13 +329,13 @@ def run_args(fsdp_run: Path, log_dir: Path, *args: str) -> list[str]:
     return [*JOB, "--data_dir", str(fsdp_run / "data"), "--log_dir", str(log_dir), *args]
 
 
-# Every way in: read_model (sample.py, export_hf.py, evaluate.py and hellaswag.py --ckpt all load through it),
+# Every way in: read_model (tools/sample.py, export_hf.py, evaluate.py and hellaswag.py --ckpt load through it),
 # two of those tools end to end, a resume from the path, --resume auto (the trapped snapshot is the only one), and
 # --init_from.
 ENTRY_POINTS = {
     "read_model": lambda run, snapshot: read_model(snapshot),
-    "sample.py": lambda run, snapshot: __import__("sample").main(["--ckpt", str(snapshot), "--device", "cpu"]),
-    "evaluate.py": lambda run, snapshot: __import__("evaluate").main(["--ckpt", str(snapshot), "--device", "cpu"]),
+    "sample.py": lambda run, snapshot: tools.sample.main(["--ckpt", str(snapshot), "--device", "cpu"]),
+    "evaluate.py": lambda run, snapshot: tools.evaluate.main(["--ckpt", str(snapshot), "--device", "cpu"]),
     "--resume PATH": lambda run, snapshot: main_in_process(run_args(run, snapshot.parent / "other", "--parallel",
                                                                     "fsdp", "--resume", str(snapshot))),
     "--resume auto": lambda run, snapshot: main_in_process(run_args(run, snapshot.parent, "--parallel", "fsdp")),

@@ -1,6 +1,6 @@
 """Export a snapshot of this codebase as a Hugging Face GPT-2 model directory.
 
-    python export_hf.py logs/run/model_19072.pt exported/ --tokenizer_dir ../shared/data/gpt2_tokenizer
+    python -m tools.export_hf logs/run/model_19072.pt exported/ --tokenizer_dir ../shared/data/gpt2_tokenizer
 
 The directory then loads anywhere transformers does, with the same logits as our model:
 

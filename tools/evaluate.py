@@ -1,9 +1,9 @@
 """Evaluate a model: the validation loss on any shard directory, and HellaSwag, for a snapshot of ours (a
 snapshot_*.pt file or an fsdp run's snapshot directory) or for OpenAI's GPT-2.
 
-    python evaluate.py --ckpt logs/snapshot_0019072.pt                    # what the run logged, from its own flags
-    python evaluate.py --model gpt2 --data_dir data/fineweb_edu10B --hellaswag --json
-    torchrun --standalone --nproc_per_node=8 evaluate.py --ckpt logs/snapshot_0019072 --hellaswag
+    python -m tools.evaluate --ckpt logs/snapshot_0019072.pt               # what the run logged, from its own flags
+    python -m tools.evaluate --model gpt2 --data_dir data/fineweb_edu10B --hellaswag --json
+    torchrun --standalone --nproc_per_node=8 -m tools.evaluate --ckpt logs/snapshot_0019072 --hellaswag
 
 For a snapshot, --data_dir, --micro_batch_size, --seq_len, --val_tokens, --val_steps, --dtype, --hellaswag_path
 and --limit default to the training run's own (saved in the snapshot), so the numbers are the ones that run

@@ -1,7 +1,7 @@
 """Sample text from a snapshot of this codebase or from a Hugging Face GPT-2.
 
-    python sample.py --ckpt logs/snapshot_0019072.pt
-    python sample.py --model gpt2 --prompt "The meaning of life is" --num_samples 2 --max_new_tokens 64
+    python -m tools.sample --ckpt logs/snapshot_0019072.pt
+    python -m tools.sample --model gpt2 --prompt "The meaning of life is" --num_samples 2 --max_new_tokens 64
 
 The same --seed gives the same text on the same device and software versions (the random stream of a
 torch.Generator differs between CPU, CUDA and MPS, and GPU kernels may differ between versions).

@@ -1,12 +1,12 @@
 """Benchmark train_gpt2.py's training step: ms/step, tokens/s, MFU, peak memory and the time spent waiting for data.
 
-    python bench.py                                   # CPU: small preset, B=8, T=256; CUDA: GPT-2 124M, B=64, T=1024
-    python bench.py --compare                         # also the plain baseline, and the speed-up over it
-    python bench.py --vs_full_logits --compile        # ours against build-nanogpt's loss, same dtype and compile
-    python bench.py --generation                      # generation tokens/s with and without the key/value cache
-    python bench.py --model gpt2 --micro_batch_size 16 --seq_len 512 --dtype bf16 --compile --json
-    python bench.py --optimizer muon                  # Muon for the block matrices: compare optimizer_ms with adamw
-    torchrun --standalone --nproc_per_node=2 bench.py # 2 ranks (NCCL on GPUs, gloo on CPUs)
+    python -m tools.bench                               # CPU: small preset, B=8, T=256; CUDA: GPT-2 124M, B=64, T=1024
+    python -m tools.bench --compare                     # also the plain baseline, and the speed-up over it
+    python -m tools.bench --vs_full_logits --compile    # ours against build-nanogpt's loss, same dtype and compile
+    python -m tools.bench --generation                  # generation tokens/s with and without the key/value cache
+    python -m tools.bench --model gpt2 --micro_batch_size 16 --seq_len 512 --dtype bf16 --compile --json
+    python -m tools.bench --optimizer muon              # Muon for the block matrices: compare optimizer_ms with adamw
+    torchrun --standalone --nproc_per_node=2 -m tools.bench   # 2 ranks (NCCL on GPUs, gloo on CPUs)
 
 It runs the real step (training.train_step, its data loader, dtype choice and parallel.build_model) on random tokens
 written to a temporary shard directory, unless --data_dir points at real shards. Each configuration gets

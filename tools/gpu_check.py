@@ -1,10 +1,10 @@
 """The GPU acceptance run: one command checks every GPU path of this codebase, measures its speed, and gives each
 check a verdict.
 
-    python gpu_check.py --out gpu_report                     # all three stages, under 20 minutes on one H100
-    python gpu_check.py --out gpu_report --stage bench       # one stage: tests, bench or train
-    python gpu_check.py --out gpu_report --data_dir data/fineweb_edu10B --hellaswag_path hellaswag_val.jsonl
-    python gpu_check.py --out /tmp/smoke --cpu-smoke         # every stage on the CPU at a tiny size (the CPU suite)
+    python -m tools.gpu_check --out gpu_report                 # all three stages, under 20 minutes on one H100
+    python -m tools.gpu_check --out gpu_report --stage bench   # one stage: tests, bench or train
+    python -m tools.gpu_check --out gpu_report --data_dir data/fineweb_edu10B --hellaswag_path hellaswag_val.jsonl
+    python -m tools.gpu_check --out /tmp/smoke --cpu-smoke     # every stage on the CPU at a tiny size (the CPU suite)
 
 It needs what a cluster node or a container image already has: PyTorch with CUDA, numpy, tiktoken and tqdm (and
 pytest for the tests stage). No network, no wandb, no datasets, nothing to install: the data are random tokens
@@ -47,7 +47,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import bench
 from config import TrainConfig
 from dataloader import write_shard
 from distributed import Distributed
@@ -55,8 +54,9 @@ from errors import UserError, run_entry_point
 from memory import GiB, choose_micro_batch
 from precision import pick_dtype
 from tokenizer import gpt2_encoding
+from tools import bench
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent  # the repository root: tests/gpu, train_gpt2.py
 STAGES = ("tests", "train", "bench")
 
 
