@@ -93,9 +93,9 @@ class DivergenceResponse:
     """
 
     def __init__(self, cfg: TrainConfig, snapshots: Snapshots, guard: DivergenceGuard,
-                 train_loader: DistributedDataLoader, logger: RunLogger, log):
+                 train_loader: DistributedDataLoader, metrics: RunLogger, print0):
         self.cfg, self.snapshots, self.guard, self.train_loader = cfg, snapshots, guard, train_loader
-        self.logger, self.log = logger, log
+        self.metrics, self.print0 = metrics, print0
 
     def respond(self, step: int, reason: str) -> int:
         """Roll back and return the step to go on at, or raise UserError."""
@@ -111,17 +111,17 @@ class DivergenceResponse:
                 self.guard.skips_in_a_row, self.guard.rollbacks = 0, rollbacks + 1
                 self.snapshots.commit_rollback(snapshot_step, path)
                 next_step, rollbacks = snapshot_step + 1, self.guard.rollbacks
-                self.log(f"step {step:5d} | {cfg.max_skips} updates skipped in a row (last: {reason}): rollback "
+                self.print0(f"step {step:5d} | {cfg.max_skips} updates skipped in a row (last: {reason}): rollback "
                          f"{rollbacks} of {cfg.max_rollbacks} to {path}; training goes on at step {next_step} "
                          f"with the data after the skipped steps ({where})")
-                self.logger.log({"event": "rollback", "step": step, "to_step": next_step, "snapshot": path,
+                self.metrics.log({"event": "rollback", "step": step, "to_step": next_step, "snapshot": path,
                                  "rollbacks": rollbacks, "reason": reason, "data_position": position})
                 return next_step
         rollbacks = self.guard.rollbacks
         healthy = self.snapshots.newest_healthy()
-        self.logger.log({"event": "diverged", "step": step, "reason": reason, "rollbacks": rollbacks,
+        self.metrics.log({"event": "diverged", "step": step, "reason": reason, "rollbacks": rollbacks,
                          "data_position": position, "healthy_snapshot": healthy})
-        self.logger.finish()
+        self.metrics.finish()
         after = f"after {rollbacks} rollback(s) (--max_rollbacks {cfg.max_rollbacks}), " if rollbacks else ""
         restart = (f"The newest healthy snapshot is {healthy}: restart from it with --resume {healthy} and "
                    if healthy else "There is no healthy snapshot to restart from: start again with ")

@@ -186,7 +186,7 @@ def auto_micro_batch(config: GPTConfig, seq_len: int, total_batch_size: int, wor
     return largest_micro_batch(available_bytes(device, ranks_on_node), fixed, per_sequence, rank_tokens)
 
 
-def choose_micro_batch(cfg: TrainConfig, dist_env: Distributed, dtype: torch.dtype, log) -> int:
+def choose_micro_batch(cfg: TrainConfig, dist_env: Distributed, dtype: torch.dtype, print0) -> int:
     """--micro_batch_size auto: the largest micro-batch that fits the device's memory (memory.auto_micro_batch) and
     divides the rank's share of the batch; the smallest rank's choice, so that every rank takes the same.
 
@@ -211,7 +211,7 @@ def choose_micro_batch(cfg: TrainConfig, dist_env: Distributed, dtype: torch.dty
         reason = failure or "one sequence does not fit on another rank (its error says by how much)"
         raise UserError(f"--micro_batch_size auto: {reason.rstrip('.')}. Lower --seq_len, pick a smaller model, or "
                         "use more ranks (with --parallel fsdp, each holds a smaller share of the model).")
-    log(f"--micro_batch_size auto: {choice.reason}"
+    print0(f"--micro_batch_size auto: {choice.reason}"
         + (f"; {size.item()}, another rank's smaller choice, on every rank" if size.item() != choice.size else ""))
     return size.item()
 

@@ -87,13 +87,13 @@ class Snapshots:
 
     def __init__(self, ckpt_dir: str, every: int, keep_last: int, resume_from: str, trained: TrainingModel,
                  train_loader: DistributedDataLoader, run_config: dict, dist_env: Distributed,
-                 log: Callable[[str], None], stateful: dict | None = None):
+                 print0: Callable[[str], None], stateful: dict | None = None):
         if every and keep_last < 1:
             raise UserError(f"--keep_last {keep_last} would delete every snapshot, so nothing could resume. Keep at "
                             "least 1, or turn snapshots off with --ckpt_every 0.")
         self.ckpt_dir, self.every, self.keep_last, self.resume_from = ckpt_dir, every, keep_last, resume_from
         self.trained, self.train_loader, self.run_config = trained, train_loader, run_config
-        self.dist_env, self.log = dist_env, log
+        self.dist_env, self.print0 = dist_env, print0
         self.stateful = stateful or {}
         self.wandb_id = uuid.uuid4().hex[:12]
         self.last_saved = -1
@@ -121,7 +121,7 @@ class Snapshots:
         if not due or step <= self.last_saved:  # nothing trained since the last one (a stop during evaluation)
             return None
         if not self._finite():
-            self.log(f"WARNING: no snapshot after step {step}: the weights or optimizer state hold NaN or inf. The "
+            self.print0(f"WARNING: no snapshot after step {step}: the weights or optimizer state hold NaN or inf. The "
                      f"snapshots in {self.ckpt_dir} are kept as they are.")
             return None
         state = self._capture(step, healthy)
@@ -141,7 +141,7 @@ class Snapshots:
             return None
         if self.dist_env.is_master:
             prune_snapshots(self.ckpt_dir, self.keep_last)
-            self.log(f"snapshot written: {path}")
+            self.print0(f"snapshot written: {path}")
         self.last_saved = step
         return path
 
@@ -185,7 +185,7 @@ class Snapshots:
             for abandoned in newest_first[:newest_first.index(Path(path))]:
                 if written_here(abandoned):
                     remove(abandoned)
-                    self.log(f"removed {abandoned}: written while updates were being skipped, after {path}")
+                    self.print0(f"removed {abandoned}: written while updates were being skipped, after {path}")
         self.last_saved = step
 
     def _record_rollback(self, path: Path, step: int) -> None:
@@ -283,7 +283,7 @@ class Snapshots:
             t.optimizer.load_state_dict(state["optimizer"])
         if t.scaler.is_enabled() and not state["scaler"]:
             # A bf16 or fp32 run continued in fp16 (an A100 run moved to a V100): there is no loss scale to carry.
-            self.log(f"{path} was written without fp16, so it has no GradScaler state: the fp16 loss scale starts "
+            self.print0(f"{path} was written without fp16, so it has no GradScaler state: the fp16 loss scale starts "
                      "fresh.")
         else:  # (a disabled scaler ignores the state of an fp16 snapshot continued in bf16 or fp32)
             t.scaler.load_state_dict(state["scaler"])

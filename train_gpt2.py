@@ -67,10 +67,10 @@ def main(argv: list[str] | None = None) -> None:
 def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None) -> None:
     device, master = dist_env.device, dist_env.is_master
     stop = stop or StopRequest()
-    log = print if master else (lambda *args, **kwargs: None)
+    print0 = print if master else (lambda *args, **kwargs: None)  # stdout on rank 0; `metrics`: metrics.jsonl, wandb
     dtype = pick_dtype(cfg.dtype, device)
     if cfg.micro_batch_size == "auto":
-        cfg = replace(cfg, micro_batch_size=choose_micro_batch(cfg, dist_env, dtype, log))
+        cfg = replace(cfg, micro_batch_size=choose_micro_batch(cfg, dist_env, dtype, print0))
     plan = resolve_plan(cfg, dist_env.world_size)
     torch.manual_seed(cfg.seed)
 
@@ -91,41 +91,41 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None
     trained = build_model(initial_model(cfg, plan), dist_env, dtype, cfg, cfg.compile, parallel=cfg.parallel)
     guard = DivergenceGuard(cfg.skip_zscore)
     snapshots = Snapshots(plan.ckpt_dir, cfg.ckpt_every, cfg.keep_last, cfg.resume, trained, train_loader,
-                          asdict(cfg), dist_env, log, {"guard": guard})
+                          asdict(cfg), dist_env, print0, {"guard": guard})
     start_step, resumed_from = snapshots.resume()
     if start_step >= cfg.max_steps:
-        log(f"{resumed_from} is from step {start_step - 1}, the last of --max_steps {cfg.max_steps}: the run is "
+        print0(f"{resumed_from} is from step {start_step - 1}, the last of --max_steps {cfg.max_steps}: the run is "
             "already finished, nothing to do. To train on, raise --max_steps and resume from a snapshot taken before "
             "the LR decayed (--resume PATH): with --lr_schedule wsd, one from the stable phase continues with no LR "
             "jump; with cosine, or from this last snapshot, the LR jumps back up (a warning says by how much). Or "
             "--resume never to start over.")
         return
-    logger = RunLogger(cfg.log_dir, enabled=master)
+    metrics = RunLogger(cfg.log_dir, enabled=master)
     if resumed_from:
-        log(f"resuming from {resumed_from} at step {start_step}")
+        print0(f"resuming from {resumed_from} at step {start_step}")
         replaced = trained.optimizer.replaced_settings
-        logger.log({"event": "resume", "step": start_step, "snapshot": str(resumed_from)}
+        metrics.log({"event": "resume", "step": start_step, "snapshot": str(resumed_from)}
                    | ({"optimizer_settings": replaced} if replaced else {}))
         if replaced:
-            log("the snapshot's optimizer settings differ from this run's; this run's flags apply: "
+            print0("the snapshot's optimizer settings differ from this run's; this run's flags apply: "
                 + ", ".join(f"{flag} {saved} → {flagged}" for flag, (saved, flagged) in replaced.items()))
         change = schedule_change(start_step, snapshots.resumed_config, cfg)
         if change and master:
             line, jump = change
             print(f"WARNING: {line}" if jump else line, file=sys.stderr if jump else sys.stdout)
     elif cfg.init_from != "scratch":
-        log(f"initialised from {cfg.init_from}")
-        logger.log({"event": "init", "step": 0, "init_from": cfg.init_from})
-    logger.start_wandb(cfg.wandb_project, cfg.wandb_mode or ("online" if cfg.wandb_project else "disabled"),
+        print0(f"initialised from {cfg.init_from}")
+        metrics.log({"event": "init", "step": 0, "init_from": cfg.init_from})
+    metrics.start_wandb(cfg.wandb_project, cfg.wandb_mode or ("online" if cfg.wandb_project else "disabled"),
                        snapshots.wandb_id, cfg.wandb_run_name, asdict(cfg) | {
                            "model_config": asdict(plan.model_config), "world_size": dist_env.world_size,
                            "grad_accum_steps": plan.grad_accum_steps})
-    evaluations = Evaluations(cfg, plan, trained, val_loader, hellaswag_examples, logger, stop, dist_env, dtype)
+    evaluations = Evaluations(cfg, plan, trained, val_loader, hellaswag_examples, metrics, stop, dist_env, dtype)
     peak = peak_flops(device, dtype)  # after the RNG restore: it leaves the global generators alone
     speed = Speedometer(trained.raw.flops_per_token(plan.seq_len) * cfg.total_batch_size, cfg.total_batch_size,
                         peak.flops * dist_env.world_size)
     log_setup(cfg, plan, trained.raw, dist_env, dtype, peak)
-    divergence = DivergenceResponse(cfg, snapshots, guard, train_loader, logger, log)
+    divergence = DivergenceResponse(cfg, snapshots, guard, train_loader, metrics, print0)
 
     last_step = cfg.max_steps - 1
     step = start_step
@@ -140,7 +140,7 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None
             result = train_step(trained.model, trained.optimizer, trained.scaler, train_loader,
                                 plan.grad_accum_steps, lr, cfg.grad_clip, device, dtype, guard)
             synchronize(device)
-            log_step(step, result, lr, speed.measure(time.perf_counter() - t0), logger)
+            log_step(step, result, lr, speed.measure(time.perf_counter() - t0), metrics)
             if guard.skips_in_a_row >= cfg.max_skips:  # the same on every rank: they all stop or roll back
                 step = divergence.respond(step, result.skip_reason)
                 continue
@@ -150,11 +150,11 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None
                               healthy=guard.skips_in_a_row == 0)
         if stopping:
             where = f"after step {step}" if evaluated else f"during the evaluation before step {step}"
-            log(f"stopping {where} on SIGTERM; " + ("rerun the same command to resume" if cfg.ckpt_every
+            print0(f"stopping {where} on SIGTERM; " + ("rerun the same command to resume" if cfg.ckpt_every
                 else "no snapshot written, as --ckpt_every is 0"))
             break
         step += 1
-    logger.finish()
+    metrics.finish()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -185,9 +185,9 @@ class Evaluations:
     """Validation, HellaSwag and samples, each on its own beat."""
 
     def __init__(self, cfg: TrainConfig, plan: Plan, trained: TrainingModel, val_loader, hellaswag_examples,
-                 logger: RunLogger, stop: StopRequest, dist_env: Distributed, dtype: torch.dtype):
+                 metrics: RunLogger, stop: StopRequest, dist_env: Distributed, dtype: torch.dtype):
         self.cfg, self.plan, self.trained, self.val_loader = cfg, plan, trained, val_loader
-        self.hellaswag_examples, self.logger, self.stop = hellaswag_examples, logger, stop
+        self.hellaswag_examples, self.metrics, self.stop = hellaswag_examples, metrics, stop
         self.dist_env, self.dtype = dist_env, dtype
 
     def run_due(self, step: int, last_step: int) -> bool:
@@ -197,15 +197,15 @@ class Evaluations:
         def should_stop() -> bool:
             return self.stop.agreed(device)
 
-        log = print if self.dist_env.is_master else (lambda *args: None)
+        print0 = print if self.dist_env.is_master else (lambda *args: None)
         if self.val_loader and (step % cfg.val_every == 0 or step == last_step):
             val = validation_loss(self.trained.model, self.val_loader, self.plan.val_steps, device, dtype,
                                   should_stop)
             if val is None:
                 return False
             bpb = {"val_bpb": val.bpb} if val.bpb is not None else {}  # None: no GPT-2 tokenizer (offline)
-            log(f"step {step:5d} | val loss {val.loss:.4f}" + (f" | val bpb {val.bpb:.4f}" if bpb else ""))
-            self.logger.log({"step": step, "val_loss": val.loss} | bpb)
+            print0(f"step {step:5d} | val loss {val.loss:.4f}" + (f" | val bpb {val.bpb:.4f}" if bpb else ""))
+            self.metrics.log({"step": step, "val_loss": val.loss} | bpb)
         hellaswag_due = self.hellaswag_examples and (step % cfg.hellaswag_every == 0 or step == last_step)
         sample_due = cfg.sample_every and step > 0 and (step % cfg.sample_every == 0 or step == last_step)
         # The uncompiled module, whole: HellaSwag's sequence lengths vary and would make torch.compile recompile,
@@ -217,15 +217,15 @@ class Evaluations:
                                      self.dist_env.world_size, should_stop)
             if acc is None:
                 return False
-            log(f"step {step:5d} | hellaswag acc_norm {acc:.4f}")
-            self.logger.log({"step": step, "hellaswag_acc": acc})
+            print0(f"step {step:5d} | hellaswag acc_norm {acc:.4f}")
+            self.metrics.log({"step": step, "hellaswag_acc": acc})
         if self.dist_env.is_master and sample_due and not self.stop.requested:
             # Rank 0 alone, so no collective: a stop request seen later is agreed on after the step.
             texts = generate_text(full_model, "Hello, I'm a language model,", num_samples=4, max_new_tokens=32,
                                   temperature=1.0, top_k=50, seed=42)
             for text in texts:
                 print(f"sample {step}: {text!r}")
-            self.logger.log_samples(step, texts)
+            self.metrics.log_samples(step, texts)
         return True
 
 
@@ -254,14 +254,14 @@ def log_setup(cfg: TrainConfig, plan: Plan, model: GPT, dist_env: Distributed, d
           + (f"\nvalidation: {plan.val_steps} × {tokens_per_micro_step:,} tokens" if plan.val_steps else ""))
 
 
-def log_step(step: int, result: StepResult, lr: float, speed: dict, logger: RunLogger) -> None:
-    print_if = print if logger.enabled else (lambda *args: None)
-    print_if(f"step {step:5d} | loss {result.loss:.6f} | lr {lr:.2e} | norm {result.grad_norm:.4f} | "
+def log_step(step: int, result: StepResult, lr: float, speed: dict, metrics: RunLogger) -> None:
+    print0 = print if metrics.enabled else (lambda *args: None)
+    print0(f"step {step:5d} | loss {result.loss:.6f} | lr {lr:.2e} | norm {result.grad_norm:.4f} | "
              f"{speed['dt_ms']:.1f} ms | {speed['tokens_per_sec']:,.0f} tok/s | mfu {100 * speed['mfu']:.1f}%"
              + (f" | step skipped: {result.skip_reason}" if result.skipped else ""))
     # A NaN or inf loss or norm (a skipped step) is logged as null, as strict JSON readers reject NaN.
     loss, grad_norm = (v if math.isfinite(v) else None for v in (result.loss, result.grad_norm))
-    logger.log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm} | speed
+    metrics.log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm} | speed
                | ({"skipped": True, "skip_reason": result.skip_reason} if result.skipped else {}))
 
 
