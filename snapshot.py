@@ -85,14 +85,14 @@ class Snapshots:
     checkpointer takes Stateful objects), saved under its name; each must be the same on every rank (the divergence
     guard is: every rank decides on the same numbers)."""
 
-    def __init__(self, ckpt_dir: str, every: int, keep_last: int, resume_from: str, trained: TrainingModel,
+    def __init__(self, ckpt_dir: str, every: int, keep_last: int, resume_from: str, trainee: TrainingModel,
                  train_loader: DistributedDataLoader, run_config: dict, dist_env: Distributed,
                  print0: Callable[[str], None], stateful: dict | None = None):
         if every and keep_last < 1:
             raise UserError(f"--keep_last {keep_last} would delete every snapshot, so nothing could resume. Keep at "
                             "least 1, or turn snapshots off with --ckpt_every 0.")
         self.ckpt_dir, self.every, self.keep_last, self.resume_from = ckpt_dir, every, keep_last, resume_from
-        self.trained, self.train_loader, self.run_config = trained, train_loader, run_config
+        self.trainee, self.train_loader, self.run_config = trainee, train_loader, run_config
         self.dist_env, self.print0 = dist_env, print0
         self.stateful = stateful or {}
         self.wandb_id = uuid.uuid4().hex[:12]
@@ -125,11 +125,11 @@ class Snapshots:
                      f"snapshots in {self.ckpt_dir} are kept as they are.")
             return None
         state = self._capture(step, healthy)
-        path = snapshot_path(self.ckpt_dir, step, self.trained.sharded)
+        path = snapshot_path(self.ckpt_dir, step, self.trainee.sharded)
         failure = None
         try:
-            if self.trained.sharded:
-                save_sharded_snapshot(state, self.trained, path, self.dist_env.device)
+            if self.trainee.sharded:
+                save_sharded_snapshot(state, self.trainee, path, self.dist_env.device)
             elif state is not None:
                 save_snapshot(state, path)
         except (OSError, CheckpointException) as e:  # the temp file or directory is gone, older snapshots untouched
@@ -218,9 +218,9 @@ class Snapshots:
         rank checks its own shards). A tensor's sum is NaN or inf if any of its values is (or if they are around
         1e30 and more, which is no healthy state either): one read of each tensor, 20x faster than isfinite()
         on a CPU, and less than an AdamW step (README)."""
-        optimizer_state = (v for optimizer in self.trained.optimizer for s in optimizer.state.values()
+        optimizer_state = (v for optimizer in self.trainee.optimizer for s in optimizer.state.values()
                            for v in s.values() if torch.is_tensor(v))
-        tensors = [t.to_local() if isinstance(t, DTensor) else t for t in (*self.trained.raw.parameters(),
+        tensors = [t.to_local() if isinstance(t, DTensor) else t for t in (*self.trainee.raw.parameters(),
                                                                             *optimizer_state)]
         finite = bool(torch.stack([t.sum() for t in tensors]).isfinite().all()) if tensors else True
         return not any_rank(not finite, self.dist_env.device)
@@ -243,7 +243,7 @@ class Snapshots:
             raise RuntimeError(f"data loader positions differ across ranks at step {step}: {loader_states}")
         if not self.dist_env.is_master:
             return None
-        t = self.trained
+        t = self.trainee
         state = {"model_config": asdict(t.raw.config), "scaler": t.scaler.state_dict(), "step": step,
                  "loader": loader_states[0], "rng": list(rng_states), "config": self.run_config,
                  "wandb_id": self.wandb_id, "healthy": healthy}
@@ -254,7 +254,7 @@ class Snapshots:
 
     def _restore(self, path: str, state: dict, data_position: bool = True) -> None:
         """Restore everything `state` holds (the data loader's position only if data_position)."""
-        t, dist_env = self.trained, self.dist_env
+        t, dist_env = self.trainee, self.dist_env
         if state["model_config"] != asdict(t.raw.config):
             raise UserError(f"{path} holds a model {state['model_config']}, but this run builds "
                             f"{asdict(t.raw.config)}. Pass the --model/--n_layer/--n_head/--n_embd/--block_size of "
@@ -358,7 +358,7 @@ def torch_save(obj, f) -> None:
         raise
 
 
-def save_sharded_snapshot(meta: dict | None, trained: TrainingModel, path: Path, device: torch.device) -> None:
+def save_sharded_snapshot(meta: dict | None, trainee: TrainingModel, path: Path, device: torch.device) -> None:
     """Every rank writes its shards of the model and optimizer into a temp directory, rank 0 adds meta (the rest of
     the snapshot, and the shard files' CRC-32s) and renames the directory into place once all are written.
     Collective; a failed write on any rank raises on every rank, with the temp directory removed."""
@@ -373,7 +373,7 @@ def save_sharded_snapshot(meta: dict | None, trained: TrainingModel, path: Path,
             failure = e
     if any_rank(failure is not None, device):  # (and no rank writes into tmp before rank 0 has cleared it)
         raise failure or OSError(f"{path} could not be written: see rank 0's warning")
-    model_state, optimizer_state = get_state_dict(trained.raw, list(trained.optimizer))
+    model_state, optimizer_state = get_state_dict(trainee.raw, list(trainee.optimizer))
     try:
         # dcp.save returns once all ranks have written, or raises CheckpointException on all if one failed.
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp)

@@ -30,7 +30,7 @@ from memory import choose_micro_batch, keep_freed_memory
 from mfu import Peak, peak_flops
 from model import GPT
 from optim import get_lr, schedule_change
-from parallel import TrainingModel, build_model
+from parallel import TrainingModel, build_training_model
 from precision import dtype_name, pick_dtype, set_deterministic
 from run_lock import lock_run_directories
 from run_logger import RunLogger
@@ -88,9 +88,9 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None
                                                                  dist_env.local_rank, device)
 
     # --- model, optimizer, and the snapshot to resume from
-    trained = build_model(initial_model(cfg, plan), dist_env, dtype, cfg, cfg.compile, parallel=cfg.parallel)
+    trainee = build_training_model(initial_model(cfg, plan), dist_env, dtype, cfg, cfg.compile, parallel=cfg.parallel)
     guard = DivergenceGuard(cfg.skip_zscore)
-    snapshots = Snapshots(plan.ckpt_dir, cfg.ckpt_every, cfg.keep_last, cfg.resume, trained, train_loader,
+    snapshots = Snapshots(plan.ckpt_dir, cfg.ckpt_every, cfg.keep_last, cfg.resume, trainee, train_loader,
                           asdict(cfg), dist_env, print0, {"guard": guard})
     start_step, resumed_from = snapshots.resume()
     if start_step >= cfg.max_steps:
@@ -103,7 +103,7 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None
     metrics = RunLogger(cfg.log_dir, enabled=master)
     if resumed_from:
         print0(f"resuming from {resumed_from} at step {start_step}")
-        replaced = trained.optimizer.replaced_settings
+        replaced = trainee.optimizer.replaced_settings
         metrics.log({"event": "resume", "step": start_step, "snapshot": str(resumed_from)}
                    | ({"optimizer_settings": replaced} if replaced else {}))
         if replaced:
@@ -120,11 +120,11 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None
                        snapshots.wandb_id, cfg.wandb_run_name, asdict(cfg) | {
                            "model_config": asdict(plan.model_config), "world_size": dist_env.world_size,
                            "grad_accum_steps": plan.grad_accum_steps})
-    evaluations = Evaluations(cfg, plan, trained, val_loader, hellaswag_examples, metrics, stop, dist_env, dtype)
+    evaluations = Evaluations(cfg, plan, trainee, val_loader, hellaswag_examples, metrics, stop, dist_env, dtype)
     peak = peak_flops(device, dtype)  # after the RNG restore: it leaves the global generators alone
-    speed = Speedometer(trained.raw.flops_per_token(plan.seq_len) * cfg.total_batch_size, cfg.total_batch_size,
+    speed = Speedometer(trainee.raw.flops_per_token(plan.seq_len) * cfg.total_batch_size, cfg.total_batch_size,
                         peak.flops * dist_env.world_size)
-    log_setup(cfg, plan, trained.raw, dist_env, dtype, peak)
+    log_setup(cfg, plan, trainee.raw, dist_env, dtype, peak)
     divergence = DivergenceResponse(cfg, snapshots, guard, train_loader, metrics, print0)
 
     last_step = cfg.max_steps - 1
@@ -137,7 +137,7 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None
             synchronize(device)
             t0 = time.perf_counter()
             lr = get_lr(step, cfg)
-            result = train_step(trained.model, trained.optimizer, trained.scaler, train_loader,
+            result = train_step(trainee.model, trainee.optimizer, trainee.scaler, train_loader,
                                 plan.grad_accum_steps, lr, cfg.grad_clip, device, dtype, guard)
             synchronize(device)
             log_step(step, result, lr, speed.measure(time.perf_counter() - t0), metrics)
@@ -184,9 +184,9 @@ def initial_model(cfg: TrainConfig, plan: Plan) -> GPT:
 class Evaluations:
     """Validation, HellaSwag and samples, each on its own beat."""
 
-    def __init__(self, cfg: TrainConfig, plan: Plan, trained: TrainingModel, val_loader, hellaswag_examples,
+    def __init__(self, cfg: TrainConfig, plan: Plan, trainee: TrainingModel, val_loader, hellaswag_examples,
                  metrics: RunLogger, stop: StopRequest, dist_env: Distributed, dtype: torch.dtype):
-        self.cfg, self.plan, self.trained, self.val_loader = cfg, plan, trained, val_loader
+        self.cfg, self.plan, self.trainee, self.val_loader = cfg, plan, trainee, val_loader
         self.hellaswag_examples, self.metrics, self.stop = hellaswag_examples, metrics, stop
         self.dist_env, self.dtype = dist_env, dtype
 
@@ -199,7 +199,7 @@ class Evaluations:
 
         print0 = print if self.dist_env.is_master else (lambda *args: None)
         if self.val_loader and (step % cfg.val_every == 0 or step == last_step):
-            val = validation_loss(self.trained.model, self.val_loader, self.plan.val_steps, device, dtype,
+            val = validation_loss(self.trainee.model, self.val_loader, self.plan.val_steps, device, dtype,
                                   should_stop)
             if val is None:
                 return False
@@ -210,7 +210,7 @@ class Evaluations:
         sample_due = cfg.sample_every and step > 0 and (step % cfg.sample_every == 0 or step == last_step)
         # The uncompiled module, whole: HellaSwag's sequence lengths vary and would make torch.compile recompile,
         # and each rank scores other examples (and only rank 0 samples), so fsdp's gathers could not pair up.
-        full_model = self.trained.full_model() if hellaswag_due or sample_due else None
+        full_model = self.trainee.full_model() if hellaswag_due or sample_due else None
         if hellaswag_due:
             import hellaswag
             acc = hellaswag.evaluate(full_model, self.hellaswag_examples, device, dtype, self.dist_env.rank,

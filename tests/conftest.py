@@ -84,16 +84,16 @@ def tiny_snapshots(data: Path, ckpt_dir: Path, log=print, guard=None, every: int
     from dataloader import DistributedDataLoader
     from distributed import Distributed
     from model import GPT
-    from parallel import build_model
+    from parallel import build_training_model
     from snapshot import Snapshots
 
     cfg = TrainConfig(data_dir=str(data), model="tiny", micro_batch_size=2, seq_len=16, total_batch_size=32,
                       dtype="fp32", device="cpu", val_every=0)
     dist_env = Distributed(0, 0, 1, torch.device("cpu"))
-    trained = build_model(GPT(resolve_plan(cfg, 1).model_config), dist_env, torch.float32, cfg, compile=False)
+    trainee = build_training_model(GPT(resolve_plan(cfg, 1).model_config), dist_env, torch.float32, cfg, compile=False)
     loader = DistributedDataLoader(data, "train", 2, 16)
     stateful = {"guard": guard} if guard is not None else {}
-    return Snapshots(str(ckpt_dir), every, keep_last, "never", trained, loader, asdict(cfg), dist_env, log, stateful)
+    return Snapshots(str(ckpt_dir), every, keep_last, "never", trainee, loader, asdict(cfg), dist_env, log, stateful)
 
 
 def eio_the_first_time(monkeypatch) -> list[int]:

@@ -90,9 +90,9 @@ def printed_by_a_run(texts: list[str], monkeypatch, capsys) -> str:
     import train_gpt2
     monkeypatch.setattr(train_gpt2, "generate_text", lambda *args, **kwargs: texts)
     cfg = TrainConfig(sample_every=100, val_every=0)
-    trained = types.SimpleNamespace(full_model=lambda: None)
+    trainee = types.SimpleNamespace(full_model=lambda: None)
     logger = types.SimpleNamespace(log_samples=lambda step, texts: None)
-    evaluations = train_gpt2.Evaluations(cfg, None, trained, None, None, logger, types.SimpleNamespace(requested=False),
+    evaluations = train_gpt2.Evaluations(cfg, None, trainee, None, None, logger, types.SimpleNamespace(requested=False),
                                          Distributed(0, 0, 1, torch.device("cpu")), torch.float32)
     capsys.readouterr()
     assert evaluations.run_due(100, 200)

@@ -235,7 +235,7 @@ def test_no_snapshot_is_written_from_nan_weights(data, tmp_path):
     snapshots = tiny_snapshots(data, tmp_path, messages.append)
     assert snapshots.save_if_due(0, 10, False) == snapshot_path(tmp_path, 0)
     with torch.no_grad():
-        snapshots.trained.raw.transformer.h[1].mlp.c_fc.weight[3, 5] = math.nan
+        snapshots.trainee.raw.transformer.h[1].mlp.c_fc.weight[3, 5] = math.nan
     assert snapshots.save_if_due(1, 10, False) is None
     assert [p.name for p in tmp_path.iterdir()] == ["snapshot_0000000.pt"]
     assert "no snapshot after step 1: the weights or optimizer state hold NaN or inf" in messages[-1]

@@ -23,7 +23,7 @@ from errors import UserError
 from helpers_train import launched, main_in_process, read_metrics, records_so_far, run_train, wait_until, worker_pids
 from model import GPT, PRESETS
 from optim import build_optimizers, get_lr, newton_schulz, schedule_change
-from parallel import build_model
+from parallel import build_training_model
 from snapshot import list_snapshots, load_snapshot, snapshot_path
 
 TINY = PRESETS["tiny"]
@@ -84,8 +84,8 @@ def test_an_adamw_state_saved_before_optimizers_were_named_still_loads():
 
 def test_fsdp_with_muon_is_refused_with_a_clear_error():
     with pytest.raises(UserError, match="--optimizer muon with --parallel fsdp.*Use --parallel ddp"):
-        build_model(GPT(TINY), Distributed(0, 0, 1, torch.device("cpu")), torch.float32,
-                    TrainConfig(optimizer="muon"), compile=False, parallel="fsdp")
+        build_training_model(GPT(TINY), Distributed(0, 0, 1, torch.device("cpu")), torch.float32,
+                             TrainConfig(optimizer="muon"), compile=False, parallel="fsdp")
 
 
 # ----------------------------------------------------------------------------------------------------------------
