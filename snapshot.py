@@ -28,7 +28,7 @@ healthy snapshot whatever --keep_last says (and any newer one whose health a rea
 bad cannot prune away its last good state. A rollback is written at once, over the snapshot it restored.
 
 Pruning deletes only what this code provably wrote (written_here): its names, with the contents it writes under
-them. Anything else in --ckpt_dir is left alone, and --resume auto says which entries it ignored.
+them. Anything else in --snapshot_dir is left alone, and --resume auto says which entries it ignored.
 """
 
 import os
@@ -79,19 +79,19 @@ META_KEYS = tuple(k for k in REQUIRED_KEYS if k not in SHARDED_KEYS)
 # the run's interface
 
 class Snapshots:
-    """The snapshots of one run in ckpt_dir: which one to resume from, and writing new ones on the beat.
+    """The snapshots of one run in snapshot_dir: which one to resume from, and writing new ones on the beat.
 
     stateful: the rest of the run's state, {name: object with state_dict() and load_state_dict()} (as torchtitan's
     checkpointer takes Stateful objects), saved under its name; each must be the same on every rank (the divergence
     guard is: every rank decides on the same numbers)."""
 
-    def __init__(self, ckpt_dir: str, every: int, keep_last: int, resume_from: str, trainee: TrainingModel,
+    def __init__(self, snapshot_dir: str, every: int, keep_last: int, resume_from: str, trainee: TrainingModel,
                  train_loader: DistributedDataLoader, run_config: dict, dist_env: Distributed,
                  print0: Callable[[str], None], stateful: dict | None = None):
         if every and keep_last < 1:
             raise UserError(f"--keep_last {keep_last} would delete every snapshot, so nothing could resume. Keep at "
-                            "least 1, or turn snapshots off with --ckpt_every 0.")
-        self.ckpt_dir, self.every, self.keep_last, self.resume_from = ckpt_dir, every, keep_last, resume_from
+                            "least 1, or turn snapshots off with --snapshot_every 0.")
+        self.snapshot_dir, self.every, self.keep_last, self.resume_from = snapshot_dir, every, keep_last, resume_from
         self.trainee, self.train_loader, self.run_config = trainee, train_loader, run_config
         self.dist_env, self.print0 = dist_env, print0
         self.stateful = stateful or {}
@@ -114,7 +114,7 @@ class Snapshots:
         return state["step"] + 1, path
 
     def save_if_due(self, step: int, last_step: int, stopping: bool, healthy: bool = True) -> Path | None:
-        """Snapshot the state after `step` every --ckpt_every steps, at the last step and when stopping; healthy:
+        """Snapshot the state after `step` every --snapshot_every steps, at the last step and when stopping; healthy:
         whether the run's last update was applied (a snapshot written while updates are skipped is no place to roll
         back to). Collective: every rank calls it; rank 0 writes. Returns the path written, if any."""
         due = (step + 1) % self.every == 0 or step == last_step or stopping if self.every else False
@@ -122,10 +122,10 @@ class Snapshots:
             return None
         if not self._finite():
             self.print0(f"WARNING: no snapshot after step {step}: the weights or optimizer state hold NaN or inf. The "
-                     f"snapshots in {self.ckpt_dir} are kept as they are.")
+                     f"snapshots in {self.snapshot_dir} are kept as they are.")
             return None
         state = self._capture(step, healthy)
-        path = snapshot_path(self.ckpt_dir, step, self.trainee.sharded)
+        path = snapshot_path(self.snapshot_dir, step, self.trainee.sharded)
         failure = None
         try:
             if self.trainee.sharded:
@@ -140,7 +140,7 @@ class Snapshots:
             self._write_failed(step, path, failure, final=step == last_step or stopping)
             return None
         if self.dist_env.is_master:
-            prune_snapshots(self.ckpt_dir, self.keep_last)
+            prune_snapshots(self.snapshot_dir, self.keep_last)
             self.print0(f"snapshot written: {path}")
         self.last_saved = step
         return path
@@ -148,16 +148,16 @@ class Snapshots:
     def _write_failed(self, step: int, path: Path, failure: BaseException | None, final: bool) -> None:
         """One warning (rank 0) for a snapshot that could not be written, and training goes on; but a run must not
         end without its last snapshot, so then every rank raises."""
-        usage = shutil.disk_usage(self.ckpt_dir)
+        usage = shutil.disk_usage(self.snapshot_dir)
         reason = (f"{type(failure).__name__}: {str(failure).strip().splitlines()[0]}" if failure is not None
                   else "the write failed on another rank")
-        older = list_snapshots(self.ckpt_dir)
+        older = list_snapshots(self.snapshot_dir)
         newest = f"the older snapshots are intact, the newest is {older[0]}" if older else "there is no older snapshot"
         what = (f"the snapshot of step {step} could not be written to {path.parent} ({reason}; "
                 f"{usage.free / 2**20:,.0f} MiB free of {usage.total / 2**20:,.0f} MiB)")
         if final:
-            raise UserError(f"{what}, and it was the run's last; {newest}. Free space (or point --ckpt_dir at a disk "
-                            "with room) and rerun the same command to resume from there.")
+            raise UserError(f"{what}, and it was the run's last; {newest}. Free space (or point --snapshot_dir at a "
+                            "disk with room) and rerun the same command to resume from there.")
         if self.dist_env.is_master:
             print(f"WARNING: {what}; {newest}. Training goes on, and the next due snapshot tries again.",
                   file=sys.stderr)
@@ -181,7 +181,7 @@ class Snapshots:
         if self.dist_env.is_master:
             # The newer ones are the abandoned timeline's, all unhealthy: after a crash, --resume auto would pick
             # one of them over this timeline's snapshots, and re-read the data the rollback skipped.
-            newest_first = list_snapshots(self.ckpt_dir)
+            newest_first = list_snapshots(self.snapshot_dir)
             for abandoned in newest_first[:newest_first.index(Path(path))]:
                 if written_here(abandoned):
                     remove(abandoned)
@@ -209,8 +209,8 @@ class Snapshots:
                   "the next snapshot would resume from before the rollback.", file=sys.stderr)
 
     def newest_healthy(self) -> str | None:
-        """The newest healthy snapshot in ckpt_dir (rank 0 looks, every rank gets its answer)."""
-        found = newest_healthy_snapshot(self.ckpt_dir) if self.dist_env.is_master else None
+        """The newest healthy snapshot in snapshot_dir (rank 0 looks, every rank gets its answer)."""
+        found = newest_healthy_snapshot(self.snapshot_dir) if self.dist_env.is_master else None
         return from_rank_0(str(found) if found else None)
 
     def _finite(self) -> bool:
@@ -302,16 +302,16 @@ class Snapshots:
     def _choose(self) -> tuple[str, dict] | None:
         """Which snapshot to resume from, or None for a fresh start. Every rank reads the same one."""
         if self.resume_from == "never":
-            if self.dist_env.is_master and list_snapshots(self.ckpt_dir):
-                print(f"WARNING: --resume never, but {self.ckpt_dir} already holds snapshots; a later --resume auto "
-                      "would pick the highest step among them, perhaps the older run's. Use a fresh --ckpt_dir.",
-                      file=sys.stderr)
+            if self.dist_env.is_master and list_snapshots(self.snapshot_dir):
+                print(f"WARNING: --resume never, but {self.snapshot_dir} already holds snapshots; a later --resume "
+                      "auto would pick the highest step among them, perhaps the older run's. Use a fresh "
+                      "--snapshot_dir.", file=sys.stderr)
             return None
         if self.resume_from != "auto":
             # Every rank checks, so that none is left waiting in a collective for a rank 0 that has exited.
             if not Path(self.resume_from).exists():
                 raise UserError(f"--resume {self.resume_from}: no such file. Pass the path of a snapshot_* file, "
-                                "'auto' (the newest valid snapshot in --ckpt_dir) or 'never' (start fresh).")
+                                "'auto' (the newest valid snapshot in --snapshot_dir) or 'never' (start fresh).")
             try:
                 return self.resume_from, load_snapshot(self.resume_from)
             except ValueError as e:
@@ -320,12 +320,12 @@ class Snapshots:
         # read the same file, or raise the same error.
         found, failure = None, None
         if self.dist_env.is_master:
-            warn_of_ignored_entries(self.ckpt_dir)
+            warn_of_ignored_entries(self.snapshot_dir)
             try:
-                found = find_latest_snapshot(self.ckpt_dir)
+                found = find_latest_snapshot(self.snapshot_dir)
             except ValueError as e:
                 failure = (f"--resume auto: {e} Repair or move them away (a copy of a good snapshot elsewhere: "
-                           "--resume PATH), or start over with --resume never in a fresh --ckpt_dir.")
+                           "--resume PATH), or start over with --resume never in a fresh --snapshot_dir.")
         path, failure = from_rank_0((str(found[0]) if found else None, failure))
         if failure is not None:
             raise UserError(failure)
@@ -337,8 +337,8 @@ class Snapshots:
 # ----------------------------------------------------------------------------------------------------------------
 # files
 
-def snapshot_path(ckpt_dir: str | Path, step: int, sharded: bool = False) -> Path:
-    return Path(ckpt_dir) / (f"snapshot_{step:07d}" if sharded else f"snapshot_{step:07d}.pt")
+def snapshot_path(snapshot_dir: str | Path, step: int, sharded: bool = False) -> Path:
+    return Path(snapshot_dir) / (f"snapshot_{step:07d}" if sharded else f"snapshot_{step:07d}.pt")
 
 
 def save_snapshot(state: dict, path: Path) -> None:
@@ -440,37 +440,37 @@ def load_snapshot(path: str | Path, verify: bool = True) -> dict:
     return state
 
 
-def list_snapshots(ckpt_dir: str | Path) -> list[Path]:
-    """Snapshots in ckpt_dir (entries named as this code names them), newest (highest step) first."""
-    ckpt_dir = Path(ckpt_dir)
-    if not ckpt_dir.is_dir():
+def list_snapshots(snapshot_dir: str | Path) -> list[Path]:
+    """Snapshots in snapshot_dir (entries named as this code names them), newest (highest step) first."""
+    snapshot_dir = Path(snapshot_dir)
+    if not snapshot_dir.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := SNAPSHOT_NAME.fullmatch(p.name))]
+    found = [(int(m.group(1)), p) for p in snapshot_dir.iterdir() if (m := SNAPSHOT_NAME.fullmatch(p.name))]
     return [p for _, p in sorted(found, reverse=True)]
 
 
-def warn_of_ignored_entries(ckpt_dir: str | Path) -> None:
-    """One warning naming the entries of ckpt_dir that look like snapshots but are not named as this code names
+def warn_of_ignored_entries(snapshot_dir: str | Path) -> None:
+    """One warning naming the entries of snapshot_dir that look like snapshots but are not named as this code names
     them (nor ever touched by it), e.g. snapshot_1.pt; temp files of writes cut short are among them."""
-    ckpt_dir = Path(ckpt_dir)
-    ignored = sorted(p.name for p in ckpt_dir.glob("snapshot_*") if not SNAPSHOT_NAME.fullmatch(p.name))
+    snapshot_dir = Path(snapshot_dir)
+    ignored = sorted(p.name for p in snapshot_dir.glob("snapshot_*") if not SNAPSHOT_NAME.fullmatch(p.name))
     if ignored:
-        print(f"WARNING: --resume auto ignores in {ckpt_dir}: {', '.join(ignored)} (not named as this code names "
+        print(f"WARNING: --resume auto ignores in {snapshot_dir}: {', '.join(ignored)} (not named as this code names "
               "snapshots: snapshot_<step, 7 digits>.pt, or snapshot_<step>/ with --parallel fsdp).", file=sys.stderr)
 
 
-def find_latest_snapshot(ckpt_dir: str | Path) -> tuple[Path, dict] | None:
+def find_latest_snapshot(snapshot_dir: str | Path) -> tuple[Path, dict] | None:
     """The newest snapshot that loads; broken ones are skipped with a warning naming them. None if there is none;
     ValueError naming them all if there are some and none loads (a fresh start would prune them away)."""
     failures = []
-    for path in list_snapshots(ckpt_dir):
+    for path in list_snapshots(snapshot_dir):
         try:
             return path, load_snapshot(path)
         except (ValueError, OSError) as e:
             print(f"WARNING: skipping snapshot: {e} Trying the next older one.", file=sys.stderr)
             failures.append(f"{path} ({type(e).__name__}: {e})" if isinstance(e, OSError) else str(e))
     if failures:
-        raise ValueError(f"none of the {len(failures)} snapshots in {ckpt_dir} loads: {' '.join(failures)}")
+        raise ValueError(f"none of the {len(failures)} snapshots in {snapshot_dir} loads: {' '.join(failures)}")
     return None
 
 
@@ -478,11 +478,11 @@ def is_healthy(state: dict) -> bool:
     return state.get("healthy", True)  # snapshots from before the guard were not checked: trust them as before
 
 
-def health_newest_first(ckpt_dir: str | Path) -> Iterator[tuple[Path, bool | None]]:
+def health_newest_first(snapshot_dir: str | Path) -> Iterator[tuple[Path, bool | None]]:
     """Each snapshot, newest first, and whether it is healthy: True; False if unhealthy or broken (it does not load,
     or its checksums fail); None if a read error leaves that unknown. Only those whose flag says healthy are
     checksummed (a read of the whole file)."""
-    for path in list_snapshots(ckpt_dir):
+    for path in list_snapshots(snapshot_dir):
         try:
             state = load_snapshot(path, verify=False)
             healthy = is_healthy(state)
@@ -495,18 +495,18 @@ def health_newest_first(ckpt_dir: str | Path) -> Iterator[tuple[Path, bool | Non
         yield path, healthy
 
 
-def newest_healthy_snapshot(ckpt_dir: str | Path) -> Path | None:
+def newest_healthy_snapshot(snapshot_dir: str | Path) -> Path | None:
     """The newest snapshot that loads and is healthy (see the module doc)."""
-    return next((path for path, healthy in health_newest_first(ckpt_dir) if healthy), None)
+    return next((path for path, healthy in health_newest_first(snapshot_dir) if healthy), None)
 
 
-def prune_snapshots(ckpt_dir: str | Path, keep_last: int) -> None:
+def prune_snapshots(snapshot_dir: str | Path, keep_last: int) -> None:
     """Delete all but the keep_last newest of this code's snapshots, and the temp files and directories of writes
     that a crash cut short; only what written_here proves this code wrote. Kept whatever keep_last says: the newest
     healthy snapshot, and any newer one whose health a read error hides (it may be the newest healthy one)."""
-    old = [path for path in list_snapshots(ckpt_dir) if written_here(path)][keep_last:]
+    old = [path for path in list_snapshots(snapshot_dir) if written_here(path)][keep_last:]
     keep = set()
-    for path, healthy in health_newest_first(ckpt_dir) if old else ():  # (nothing to prune: read no snapshot)
+    for path, healthy in health_newest_first(snapshot_dir) if old else ():  # (nothing to prune: read no snapshot)
         if healthy is not False:
             keep.add(path)
         if healthy:
@@ -515,7 +515,7 @@ def prune_snapshots(ckpt_dir: str | Path, keep_last: int) -> None:
         if path not in keep:
             remove(path)
     # One snapshot is saved at a time, so once a save has finished every temp file or directory is a dead run's.
-    for tmp in Path(ckpt_dir).iterdir():
+    for tmp in Path(snapshot_dir).iterdir():
         if TEMP_NAME.fullmatch(tmp.name) and written_here(tmp):
             remove(tmp)
 
@@ -564,7 +564,7 @@ def check_replaceable(path: Path) -> None:
     step is replaced, a dead run's temp file cleared): that is never overwritten or deleted."""
     if (path.exists() or path.is_symlink()) and not written_here(path):
         raise FileExistsError(f"{path} is in the way of a snapshot and was not written by this code, so it is left "
-                              "as it is: move it out of --ckpt_dir")
+                              "as it is: move it out of --snapshot_dir")
 
 
 def remove(path: Path) -> None:

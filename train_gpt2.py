@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         # One run per output directory: a second one exits 2 here, before it reads or writes anything there.
         with (hangs_reported(cfg.dist_timeout, dist_env.rank),
-              lock_run_directories({"--log_dir": cfg.log_dir, "--ckpt_dir": cfg.ckpt_dir}, dist_env)):
+              lock_run_directories({"--log_dir": cfg.log_dir, "--snapshot_dir": cfg.snapshot_dir}, dist_env)):
             run(cfg, dist_env, stop)
             if dist.is_initialized():
                 # Leave together: a rank that tears gloo down while rank 0 still writes the last snapshot can abort.
@@ -90,7 +90,7 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None
     # --- model, optimizer, and the snapshot to resume from
     trainee = build_training_model(initial_model(cfg, plan), dist_env, dtype, cfg, cfg.compile, parallel=cfg.parallel)
     guard = DivergenceGuard(cfg.skip_zscore)
-    snapshots = Snapshots(plan.ckpt_dir, cfg.ckpt_every, cfg.keep_last, cfg.resume, trainee, train_loader,
+    snapshots = Snapshots(plan.snapshot_dir, cfg.snapshot_every, cfg.keep_last, cfg.resume, trainee, train_loader,
                           asdict(cfg), dist_env, print0, {"guard": guard})
     start_step, resumed_from = snapshots.resume()
     if start_step >= cfg.max_steps:
@@ -150,8 +150,8 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None
                               healthy=guard.skips_in_a_row == 0)
         if stopping:
             where = f"after step {step}" if evaluated else f"during the evaluation before step {step}"
-            print0(f"stopping {where} on SIGTERM; " + ("rerun the same command to resume" if cfg.ckpt_every
-                else "no snapshot written, as --ckpt_every is 0"))
+            print0(f"stopping {where} on SIGTERM; " + ("rerun the same command to resume" if cfg.snapshot_every
+                else "no snapshot written, as --snapshot_every is 0"))
             break
         step += 1
     metrics.finish()

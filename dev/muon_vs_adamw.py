@@ -19,7 +19,7 @@ from tools.plot import read_metrics
 ROOT = Path(os.environ.get("SWEEP_ROOT", "logs/sweep"))
 STEPS = {"small": 120, "narrow6": 120}
 COMMON = ["--data_dir", "data/shakespeare", "--total_batch_size", "1024", "--min_lr_ratio", "0.1", "--val_every", "20",
-          "--val_tokens", "8192", "--hellaswag_every", "0", "--sample_every", "0", "--ckpt_every", "0",
+          "--val_tokens", "8192", "--hellaswag_every", "0", "--sample_every", "0", "--snapshot_every", "0",
           "--resume", "never", "--seed", "1337"]
 SHAPES = {
     "small": ["--model", "small", "--micro_batch_size", "4", "--seq_len", "256"],  # the quickstart model

@@ -77,7 +77,7 @@ def save_tiny_model(path: Path, block_size: int = 64, perturb: float = 0.0) -> P
     return path
 
 
-def tiny_snapshots(data: Path, ckpt_dir: Path, log=print, guard=None, every: int = 1, keep_last: int = 2):
+def tiny_snapshots(data: Path, snapshot_dir: Path, log=print, guard=None, every: int = 1, keep_last: int = 2):
     """The Snapshots of a one-process CPU run of the tiny model (fp32, AdamW), its train loader reading data's shards
     2 × 16 tokens at a time: to test writing, pruning and rolling back without training."""
     from config import TrainConfig, resolve_plan
@@ -93,7 +93,8 @@ def tiny_snapshots(data: Path, ckpt_dir: Path, log=print, guard=None, every: int
     trainee = build_training_model(GPT(resolve_plan(cfg, 1).model_config), dist_env, torch.float32, cfg, compile=False)
     loader = DistributedDataLoader(data, "train", 2, 16)
     stateful = {"guard": guard} if guard is not None else {}
-    return Snapshots(str(ckpt_dir), every, keep_last, "never", trainee, loader, asdict(cfg), dist_env, log, stateful)
+    return Snapshots(str(snapshot_dir), every, keep_last, "never", trainee, loader, asdict(cfg), dist_env, log,
+                     stateful)
 
 
 def eio_the_first_time(monkeypatch) -> list[int]:

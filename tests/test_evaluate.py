@@ -91,7 +91,7 @@ def test_hugging_face_weights_get_hugging_faces_own_loss(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--ckpt", "missing.pt"], "--ckpt: snapshot missing.pt: no such file"),
+    (["--ckpt", "missing.pt"], "--snapshot: snapshot missing.pt: no such file"),
     (["--ckpt", "{logs}/snapshot_0000001.pt", "--seq_len", "128"], "--seq_len 128 exceeds the model's block_size 64"),
     (["--ckpt", "{logs}/snapshot_0000001.pt", "--data_dir", "{logs}"], "no val shards"),
     (["--ckpt", "{logs}/snapshot_0000001.pt", "--data_dir", "{logs}/nowhere"], "nowhere does not exist"),

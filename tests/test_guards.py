@@ -257,7 +257,7 @@ def test_a_rollback_adds_one_to_the_runs_count_whatever_the_snapshot_holds(data,
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--on_divergence", "rollback"], "--on_divergence rollback reloads .* --ckpt_every 0"),
+    (["--on_divergence", "rollback"], "--on_divergence rollback reloads .* --snapshot_every 0"),
     (["--skip_zscore", "-3"], "--skip_zscore -3.0: .* positive"),
     (["--max_skips", "0"], "--max_skips 0: .* 1 or more")])
 def test_guard_flags_that_cannot_work_are_refused(data, tmp_path, flags, message):

@@ -50,7 +50,7 @@ def test_cli_prints_what_the_function_returns(tiny_ckpt, gpt2_encoding):
 
 
 @pytest.mark.parametrize("argv, message", [
-    ([], "one of the arguments --ckpt --model is required"),
+    ([], "one of the arguments --snapshot/--ckpt --model is required"),
     (["--ckpt", "a.pt", "--model", "gpt2"], "not allowed with argument"),
     (["--ckpt", "does_not_exist.pt"], "does_not_exist.pt: no such file"),
 ])

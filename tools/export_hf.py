@@ -34,7 +34,7 @@ def write_tokenizer(tokenizer_dir: Path, out_dir: Path, model_max_length: int) -
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("ckpt", type=Path, help="a snapshot_*.pt written by train_gpt2.py (or just its model)")
+    parser.add_argument("snapshot", type=Path, help="a snapshot_*.pt written by train_gpt2.py (or just its model)")
     parser.add_argument("out_dir", type=Path, help="directory to write (created if missing)")
     parser.add_argument("--tokenizer_dir", type=Path,
                         help="folder with OpenAI's GPT-2 encoder.json and vocab.bpe, e.g. shared/data/gpt2_tokenizer")
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--tokenizer_dir {args.tokenizer_dir} lacks {' and '.join(missing)}. Point it at a folder "
                          "holding OpenAI's GPT-2 encoder.json and vocab.bpe (shared/data/gpt2_tokenizer has both).")
     try:
-        model = read_model(args.ckpt)
+        model = read_model(args.snapshot)
     except (FileNotFoundError, ValueError) as e:
         parser.error(str(e))
 

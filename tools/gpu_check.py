@@ -309,7 +309,7 @@ def train_stage(report: Report, scale: Scale, args: argparse.Namespace) -> None:
                "--warmup_steps", str(warmup), "--max_lr", str(scale.max_lr), "--data_dir", str(data_dir),
                "--val_every", every, "--val_tokens", str(scale.val_tokens), "--sample_every", every if samples else "0",
                "--hellaswag_every", every if hellaswag else "0", "--hellaswag_limit", str(scale.hellaswag_limit),
-               "--ckpt_every", "0", "--log_dir", str(log_dir), *(["--compile"] if scale.compile else []),
+               "--snapshot_every", "0", "--log_dir", str(log_dir), *(["--compile"] if scale.compile else []),
                *(["--hellaswag_path", str(args.hellaswag_path)] if hellaswag else [])]
     print("train:", " ".join(command[1:]), flush=True)
     returncode, output = run_logged(command, os.environ | {"PYTHONUNBUFFERED": "1"}, 2 * scale.stage_seconds,

@@ -1,6 +1,6 @@
 """Sample text from a snapshot of this codebase or from a Hugging Face GPT-2.
 
-    python -m tools.sample --ckpt logs/snapshot_0019072.pt
+    python -m tools.sample --snapshot logs/snapshot_0019072.pt
     python -m tools.sample --model gpt2 --prompt "The meaning of life is" --num_samples 2 --max_new_tokens 64
 
 The same --seed gives the same text on the same device and software versions (the random stream of a
@@ -18,7 +18,8 @@ from tokenizer import generate_text
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--ckpt", help="a snapshot_*.pt written by train_gpt2.py (or a file with just its model)")
+    source.add_argument("--snapshot", "--ckpt",
+                        help="a snapshot_*.pt written by train_gpt2.py (or a file with just its model)")
     source.add_argument("--model", help="Hugging Face GPT-2: a hub name (gpt2, gpt2-medium, ...) or a local directory")
     parser.add_argument("--prompt", default="Hello, I'm a language model,")
     parser.add_argument("--num_samples", type=int, default=4)
@@ -34,11 +35,11 @@ def main(argv: list[str] | None = None) -> None:
     if not 0 < args.top_p <= 1:
         parser.error(f"--top_p {args.top_p}: pass a probability in (0, 1]; 1 turns nucleus sampling off")
 
-    if args.ckpt is not None:
+    if args.snapshot is not None:
         try:
-            model = read_model(args.ckpt)
+            model = read_model(args.snapshot)
         except (FileNotFoundError, ValueError) as e:
-            parser.error(f"--ckpt: {e} (For Hugging Face weights use --model instead.)")
+            parser.error(f"--snapshot: {e} (For Hugging Face weights use --model instead.)")
     else:
         model = hf.from_pretrained(args.model)
     model.to(args.device)
