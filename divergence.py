@@ -112,15 +112,15 @@ class DivergenceResponse:
                 self.snapshots.commit_rollback(snapshot_step, path)
                 next_step, rollbacks = snapshot_step + 1, self.guard.rollbacks
                 self.print0(f"step {step:5d} | {cfg.max_skips} updates skipped in a row (last: {reason}): rollback "
-                         f"{rollbacks} of {cfg.max_rollbacks} to {path}; training goes on at step {next_step} "
-                         f"with the data after the skipped steps ({where})")
+                            f"{rollbacks} of {cfg.max_rollbacks} to {path}; training goes on at step {next_step} "
+                            f"with the data after the skipped steps ({where})")
                 self.metrics.log({"event": "rollback", "step": step, "to_step": next_step, "snapshot": path,
-                                 "rollbacks": rollbacks, "reason": reason, "data_position": position})
+                                  "rollbacks": rollbacks, "reason": reason, "data_position": position})
                 return next_step
         rollbacks = self.guard.rollbacks
         healthy = self.snapshots.newest_healthy()
         self.metrics.log({"event": "diverged", "step": step, "reason": reason, "rollbacks": rollbacks,
-                         "data_position": position, "healthy_snapshot": healthy})
+                          "data_position": position, "healthy_snapshot": healthy})
         self.metrics.finish()
         after = f"after {rollbacks} rollback(s) (--max_rollbacks {cfg.max_rollbacks}), " if rollbacks else ""
         restart = (f"The newest healthy snapshot is {healthy}: restart from it with --resume {healthy} and "

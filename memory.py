@@ -212,7 +212,7 @@ def choose_micro_batch(cfg: TrainConfig, dist_env: Distributed, dtype: torch.dty
         raise UserError(f"--micro_batch_size auto: {reason.rstrip('.')}. Lower --seq_len, pick a smaller model, or "
                         "use more ranks (with --parallel fsdp, each holds a smaller share of the model).")
     print0(f"--micro_batch_size auto: {choice.reason}"
-        + (f"; {size.item()}, another rank's smaller choice, on every rank" if size.item() != choice.size else ""))
+           + (f"; {size.item()}, another rank's smaller choice, on every rank" if size.item() != choice.size else ""))
     return size.item()
 
 

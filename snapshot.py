@@ -122,7 +122,7 @@ class Snapshots:
             return None
         if not self._finite():
             self.print0(f"WARNING: no snapshot after step {step}: the weights or optimizer state hold NaN or inf. The "
-                     f"snapshots in {self.snapshot_dir} are kept as they are.")
+                        f"snapshots in {self.snapshot_dir} are kept as they are.")
             return None
         state = self._capture(step, healthy)
         path = snapshot_path(self.snapshot_dir, step, self.trainee.sharded)
@@ -284,7 +284,7 @@ class Snapshots:
         if t.scaler.is_enabled() and not state["scaler"]:
             # A bf16 or fp32 run continued in fp16 (an A100 run moved to a V100): there is no loss scale to carry.
             self.print0(f"{path} was written without fp16, so it has no GradScaler state: the fp16 loss scale starts "
-                     "fresh.")
+                        "fresh.")
         else:  # (a disabled scaler ignores the state of an fp16 snapshot continued in bf16 or fp32)
             t.scaler.load_state_dict(state["scaler"])
         if data_position:

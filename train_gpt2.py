@@ -95,20 +95,20 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None
     start_step, resumed_from = snapshots.resume()
     if start_step >= cfg.max_steps:
         print0(f"{resumed_from} is from step {start_step - 1}, the last of --max_steps {cfg.max_steps}: the run is "
-            "already finished, nothing to do. To train on, raise --max_steps and resume from a snapshot taken before "
-            "the LR decayed (--resume PATH): with --lr_schedule wsd, one from the stable phase continues with no LR "
-            "jump; with cosine, or from this last snapshot, the LR jumps back up (a warning says by how much). Or "
-            "--resume never to start over.")
+               "already finished, nothing to do. To train on, raise --max_steps and resume from a snapshot taken "
+               "before the LR decayed (--resume PATH): with --lr_schedule wsd, one from the stable phase continues "
+               "with no LR jump; with cosine, or from this last snapshot, the LR jumps back up (a warning says by how "
+               "much). Or --resume never to start over.")
         return
     metrics = RunLogger(cfg.log_dir, enabled=master)
     if resumed_from:
         print0(f"resuming from {resumed_from} at step {start_step}")
         replaced = trainee.optimizer.replaced_settings
         metrics.log({"event": "resume", "step": start_step, "snapshot": str(resumed_from)}
-                   | ({"optimizer_settings": replaced} if replaced else {}))
+                    | ({"optimizer_settings": replaced} if replaced else {}))
         if replaced:
             print0("the snapshot's optimizer settings differ from this run's; this run's flags apply: "
-                + ", ".join(f"{flag} {saved} → {flagged}" for flag, (saved, flagged) in replaced.items()))
+                   + ", ".join(f"{flag} {saved} → {flagged}" for flag, (saved, flagged) in replaced.items()))
         change = schedule_change(start_step, snapshots.resumed_config, cfg)
         if change and master:
             line, jump = change
@@ -117,7 +117,7 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None
         print0(f"initialised from {cfg.init_from}")
         metrics.log({"event": "init", "step": 0, "init_from": cfg.init_from})
     metrics.start_wandb(cfg.wandb_project, cfg.wandb_mode or ("online" if cfg.wandb_project else "disabled"),
-                       snapshots.wandb_id, cfg.wandb_run_name, asdict(cfg) | {
+                        snapshots.wandb_id, cfg.wandb_run_name, asdict(cfg) | {
                            "model_config": asdict(plan.model_config), "world_size": dist_env.world_size,
                            "grad_accum_steps": plan.grad_accum_steps})
     evaluations = Evaluations(cfg, plan, trainee, val_loader, hellaswag_examples, metrics, stop, dist_env, dtype)
@@ -151,7 +151,7 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None
         if stopping:
             where = f"after step {step}" if evaluated else f"during the evaluation before step {step}"
             print0(f"stopping {where} on SIGTERM; " + ("rerun the same command to resume" if cfg.snapshot_every
-                else "no snapshot written, as --snapshot_every is 0"))
+                   else "no snapshot written, as --snapshot_every is 0"))
             break
         step += 1
     metrics.finish()
@@ -257,12 +257,12 @@ def log_setup(cfg: TrainConfig, plan: Plan, model: GPT, dist_env: Distributed, d
 def log_step(step: int, result: StepResult, lr: float, speed: dict, metrics: RunLogger) -> None:
     print0 = print if metrics.enabled else (lambda *args: None)
     print0(f"step {step:5d} | loss {result.loss:.6f} | lr {lr:.2e} | norm {result.grad_norm:.4f} | "
-             f"{speed['dt_ms']:.1f} ms | {speed['tokens_per_sec']:,.0f} tok/s | mfu {100 * speed['mfu']:.1f}%"
-             + (f" | step skipped: {result.skip_reason}" if result.skipped else ""))
+           f"{speed['dt_ms']:.1f} ms | {speed['tokens_per_sec']:,.0f} tok/s | mfu {100 * speed['mfu']:.1f}%"
+           + (f" | step skipped: {result.skip_reason}" if result.skipped else ""))
     # A NaN or inf loss or norm (a skipped step) is logged as null, as strict JSON readers reject NaN.
     loss, grad_norm = (v if math.isfinite(v) else None for v in (result.loss, result.grad_norm))
     metrics.log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm} | speed
-               | ({"skipped": True, "skip_reason": result.skip_reason} if result.skipped else {}))
+                | ({"skipped": True, "skip_reason": result.skip_reason} if result.skipped else {}))
 
 
 if __name__ == "__main__":
