@@ -14,6 +14,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -287,9 +288,14 @@ def test_a_planted_nan_is_skipped_and_a_divergence_rolls_back_and_goes_on(gpu_de
     after = by_step(run.records[run.records.index(rollbacks[0]) + 1:], "loss")
     assert list(after) == list(range(5, 14)) and all(math.isfinite(loss) for loss in after.values())
 
-    # Independently: the step-4 snapshot resumed in a fresh process with its data loader moved 4 steps on, past the
-    # bad data, and nothing planted. Both runs are --deterministic, so the same to the bit.
-    state = load_snapshot(snapshot_path(tmp_path / "run", 4))
+    # Independently: the step-4 snapshot as it was before the rollback (which writes its own state over it), from the
+    # same run killed as it reads step 5's data, resumed in a fresh process with its data loader moved 4 steps on,
+    # past the bad data, and nothing planted. The runs are --deterministic, so the same to the bit.
+    step_5 = micro_batch_keys(data, gpu_device, [5])
+    killed = run_train(args, tmp_path / "killed", check=False, script=PLANTED_NAN_SCRIPT,
+                       env={"PLANTED_NAN_BATCHES": json.dumps(keys), "SIGKILL_AT_BATCHES": json.dumps(step_5)})
+    assert killed.proc.returncode == -signal.SIGKILL, killed.output
+    state = load_snapshot(snapshot_path(tmp_path / "killed", 4))
     state["loader"]["chunk_position"] += 4 * state["loader"]["chunks_per_step"]
     (tmp_path / "reference").mkdir()
     save_snapshot(state, snapshot_path(tmp_path / "reference", 4))
