@@ -7,12 +7,17 @@ largest_micro_batch puts the two against the memory a device has.
 """
 
 import ctypes
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from config import TrainConfig, resolve_plan
+from distributed import Distributed
+from errors import UserError
 from model import GPT, GPTConfig
 
 ADAMW_BYTES_PER_PARAM = 8  # two fp32 moments (exp_avg, exp_avg_sq) per parameter, whatever the parameter's dtype
@@ -179,6 +184,36 @@ def auto_micro_batch(config: GPTConfig, seq_len: int, total_batch_size: int, wor
         torch.cuda.empty_cache()  # the probe's memory back to the device, so that it counts as free
     fixed = fixed_bytes(config, world_size, parallel, dtype)
     return largest_micro_batch(available_bytes(device, ranks_on_node), fixed, per_sequence, rank_tokens)
+
+
+def choose_micro_batch(cfg: TrainConfig, dist_env: Distributed, dtype: torch.dtype, print0) -> int:
+    """--micro_batch_size auto: the largest micro-batch that fits the device's memory (memory.auto_micro_batch) and
+    divides the rank's share of the batch; the smallest rank's choice, so that every rank takes the same.
+
+    A rank where not even one sequence fits (by the arithmetic, or the probe itself running out of memory) takes
+    part in the MIN all-reduce with 0, so that every rank learns of it and raises, none waiting for a peer."""
+    plan = resolve_plan(replace(cfg, micro_batch_size=1), dist_env.world_size)  # every other flag checked first
+    try:
+        choice, failure = auto_micro_batch(plan.model_config, plan.seq_len, cfg.total_batch_size, dist_env.world_size,
+                                           dist_env.device, dtype, int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+                                           cfg.parallel), None
+    except ValueError as e:
+        choice, failure = None, str(e)
+    except torch.OutOfMemoryError as e:
+        choice, failure = None, (f"one sequence does not fit: measuring the activations of one and two sequences "
+                                 f"ran out of memory ({str(e).strip().splitlines()[0]})")
+    if failure and dist_env.device.type == "cuda":
+        torch.cuda.empty_cache()  # the probe's memory back, as the error leaves
+    size = torch.tensor(choice.size if choice else 0, device=dist_env.device)
+    if dist.is_initialized():
+        dist.all_reduce(size, op=dist.ReduceOp.MIN)
+    if size.item() == 0:
+        reason = failure or "one sequence does not fit on another rank (its error says by how much)"
+        raise UserError(f"--micro_batch_size auto: {reason.rstrip('.')}. Lower --seq_len, pick a smaller model, or "
+                        "use more ranks (with --parallel fsdp, each holds a smaller share of the model).")
+    print0(f"--micro_batch_size auto: {choice.reason}"
+           + (f"; {size.item()}, another rank's smaller choice, on every rank" if size.item() != choice.size else ""))
+    return size.item()
 
 
 def keep_freed_memory() -> None:

@@ -1,12 +1,11 @@
 """GPT-2, written from scratch, in the order data flows through it.
 
 Parameter names follow Hugging Face's GPT-2 (transformer.h.0.attn.c_attn, ...), so pretrained weights load
-by name and a trained model exports back the same way.
+by name and a trained model exports back the same way (hf.py); snapshot.py reads a trained one back (read_model).
 """
 
 import math
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -203,10 +202,6 @@ PRESETS: dict[str, GPTConfig] = {
 }
 
 
-# Hugging Face's GPT-2 stores these linear layers as Conv1D modules, whose weights are nn.Linear's transposed.
-HF_CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-
-
 class GPT(nn.Module):
     loss_chunk_tokens: int | None = None  # tokens per chunk of the loss; None: loss_chunk_tokens(the device)
 
@@ -316,71 +311,6 @@ class GPT(nn.Module):
             raise ValueError(f"cannot crop block_size {self.config.block_size} to the longer {block_size}")
         self.config = replace(self.config, block_size=block_size)
         self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size].detach().clone())
-
-    @classmethod
-    def from_pretrained(cls, name_or_dir: str) -> "GPT":
-        """Load Hugging Face GPT-2 weights: a hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl) or a local
-        directory written by transformers' save_pretrained."""
-        from transformers import GPT2LMHeadModel  # only needed here, so not a hard dependency
-
-        hf_model = GPT2LMHeadModel.from_pretrained(name_or_dir)
-        hf = hf_model.config
-        config = GPTConfig(block_size=hf.n_positions, vocab_size=hf.vocab_size, n_layer=hf.n_layer,
-                           n_head=hf.n_head, n_embd=hf.n_embd)
-        model = cls(config)
-        model.load_hf_state_dict(hf_model.state_dict())
-        return model
-
-    def load_hf_state_dict(self, hf_state: dict[str, torch.Tensor]) -> None:
-        ours = self.state_dict()
-        # Skip the causal-mask buffers some versions save, and lm_head, which GPT-2 ties to wte.
-        hf_state = {k: v for k, v in hf_state.items()
-                    if not k.endswith((".attn.bias", ".attn.masked_bias")) and k != "lm_head.weight"}
-        if set(ours) - {"lm_head.weight"} != set(hf_state):
-            raise ValueError("Hugging Face weights do not match GPT-2's parameters: missing "
-                             f"{sorted(set(ours) - set(hf_state) - {'lm_head.weight'})}, unexpected "
-                             f"{sorted(set(hf_state) - set(ours))}")
-        with torch.no_grad():
-            for name, tensor in hf_state.items():
-                if name.endswith(HF_CONV1D_WEIGHTS):
-                    tensor = tensor.t()
-                target = ours[name]
-                if name == "transformer.wte.weight":
-                    target = target[: tensor.shape[0]]  # the padded vocabulary rows stay as initialised
-                if target.shape != tensor.shape:
-                    raise ValueError(f"Hugging Face parameter {name} has shape {tuple(tensor.shape)}, "
-                                     f"expected {tuple(target.shape)}")
-                target.copy_(tensor)
-
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Our weights under Hugging Face GPT2LMHeadModel's names and layouts (the inverse of load_hf_state_dict)."""
-        hf_state = {}
-        for name, tensor in self.state_dict().items():
-            if name == "lm_head.weight":
-                continue
-            if name == "transformer.wte.weight":
-                tensor = tensor[: self.config.vocab_size]
-            if name.endswith(HF_CONV1D_WEIGHTS):
-                tensor = tensor.t()
-            hf_state[name] = tensor.contiguous().clone()
-        hf_state["lm_head.weight"] = hf_state["transformer.wte.weight"]
-        return hf_state
-
-    @classmethod
-    def from_snapshot(cls, path: str | Path) -> "GPT":
-        """A plain GPT from a training snapshot (a snapshot_*.pt file, or the directory of an fsdp run's, whose
-        shards torch.distributed.checkpoint puts back together in one process), or from a file with just a
-        snapshot's "model" and "model_config". Read by snapshot.py, so that nothing in it runs code."""
-        from snapshot import load_model_snapshot, load_shards  # (not at the top: snapshot.py imports this module)
-
-        path = Path(path)
-        state = load_model_snapshot(path)
-        model = cls(GPTConfig(**state["model_config"]))
-        if path.is_dir():
-            state = {"model": model.state_dict()}
-            load_shards(state, path, no_dist=True)
-        model.load_state_dict(state["model"])
-        return model
 
 
 class DecodeStep:

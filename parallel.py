@@ -1,5 +1,5 @@
 """The model as a run trains it: on its device, sharded (fsdp) or replicated (ddp), compiled, with its optimizer
-and GradScaler; `build_model` does all of it in one place for train_gpt2.py and bench.py."""
+and GradScaler; `build_training_model` does all of it in one place for train_gpt2.py and bench.py."""
 
 from dataclasses import dataclass
 
@@ -43,8 +43,8 @@ class TrainingModel:
         return copy
 
 
-def build_model(raw_model: torch.nn.Module, dist_env: Distributed, dtype: torch.dtype, cfg: TrainConfig,
-                compile: bool, plain: bool = False, parallel: str = "ddp") -> TrainingModel:
+def build_training_model(raw_model: torch.nn.Module, dist_env: Distributed, dtype: torch.dtype, cfg: TrainConfig,
+                         compile: bool, plain: bool = False, parallel: str = "ddp") -> TrainingModel:
     """Move the model to the device (ddp) or shard it onto the device (fsdp), make its optimizers (cfg's) and
     GradScaler, then compile it and wrap it in DDP (ddp, several ranks).
 

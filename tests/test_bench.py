@@ -1,4 +1,4 @@
-"""bench.py, and the speed options it measures: the benchmark's JSON, and torch.compile in a real training run."""
+"""tools/bench.py, and the speed options it measures: the benchmark's JSON, and torch.compile in a real training run."""
 
 import json
 import subprocess
@@ -20,7 +20,7 @@ REPORT_KEYS = {"device", "world_size", "model", "n_layer", "n_head", "n_embd", "
 
 @pytest.mark.slow  # a few seconds: keeps `-m 'not slow'` under 90 s
 def test_bench_compare_prints_one_json_object_with_the_documented_keys():
-    command = [sys.executable, str(ROOT / "bench.py"), "--model", "tiny", "--device", "cpu", "--micro_batch_size",
+    command = [sys.executable, "-m", "tools.bench", "--model", "tiny", "--device", "cpu", "--micro_batch_size",
                "2", "--seq_len", "16", "--steps", "2", "--warmup", "0", "--compare", "--json"]
     proc = subprocess.run(command, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -44,7 +44,7 @@ def test_bench_compare_prints_one_json_object_with_the_documented_keys():
 
 @pytest.mark.slow  # a few seconds
 def test_bench_times_ours_against_the_full_logits_loss_and_generation_with_and_without_the_cache():
-    command = [sys.executable, str(ROOT / "bench.py"), "--model", "tiny", "--device", "cpu", "--micro_batch_size",
+    command = [sys.executable, "-m", "tools.bench", "--model", "tiny", "--device", "cpu", "--micro_batch_size",
                "2", "--seq_len", "16", "--steps", "2", "--warmup", "0", "--vs_full_logits", "--rounds", "2",
                "--generation", "--new_tokens", "8", "--dtype", "fp32", "--json"]
     proc = subprocess.run(command, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=120)
@@ -65,7 +65,7 @@ def test_bench_times_ours_against_the_full_logits_loss_and_generation_with_and_w
 
 
 def test_the_full_logits_baseline_is_cross_entropy_over_every_padded_column():
-    from bench import FullLogitsGPT
+    from tools.bench import FullLogitsGPT
 
     torch.manual_seed(0)
     config = PRESETS["tiny"]
@@ -105,8 +105,8 @@ def test_compiled_training_with_validation_and_sampling_matches_eager(tmp_path, 
 
 def test_a_configuration_that_runs_out_of_memory_is_reported_and_the_rest_still_measured(monkeypatch, capsys):
     """On an 80 GB GPU the fp32 baseline at the CUDA defaults (B=64, T=1024) needs ~87 GiB."""
-    import bench
     from distributed import Distributed
+    from tools import bench
 
     real_time_config = bench.time_config
 

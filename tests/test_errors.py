@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
+import hellaswag
 from conftest import ROOT, make_shards
-from data import hellaswag
 from dataloader import write_shard
 from helpers_train import TrainRun, run_train, train_env
 
@@ -36,8 +36,8 @@ HELLASWAG_CACHED = (hellaswag.CACHE_DIR / hellaswag.FILE_NAME).exists()
 
 # case: the words its error paragraph must hold (the file or flag, what is wrong, the fix)
 EXPECTED = {
-    "missing data dir": ["data directory", "nowhere", "does not exist", "python data/prepare.py", "--data_dir"],
-    "empty data dir": ["no train shards", "empty", "python data/prepare.py"],
+    "missing data dir": ["data directory", "nowhere", "does not exist", "python -m data.prepare", "--data_dir"],
+    "empty data dir": ["no train shards", "empty", "python -m data.prepare"],
     "truncated shard": ["test_train_000000.bin", "header says 400 tokens", "cut off mid-write", "Delete it"],
     "bad magic": ["test_train_000000.bin", "bad magic number 1234", "Re-create it with data/prepare.py"],
     "indivisible batch": ["--total_batch_size 33", "--micro_batch_size × --seq_len × ranks", "e.g. 32"],
@@ -188,7 +188,7 @@ def error_paragraph(run: TrainRun) -> str:
 def test_a_bad_input_exits_2_with_one_paragraph_naming_it_and_the_fix(runs, case):
     if case == "hellaswag offline" and HELLASWAG_CACHED:
         pytest.skip(f"{hellaswag.CACHE_DIR / hellaswag.FILE_NAME} is cached, so a run never downloads it, and "
-                    "data/hellaswag.py has no flag or environment variable to move its cache")
+                    "hellaswag.py has no flag or environment variable to move its cache")
     error = error_paragraph(result(runs, case))
     missing = [words for words in EXPECTED[case] if words not in error]
     assert not missing, f"{missing} not in: {error}"

@@ -1,5 +1,5 @@
-"""evaluate.py: the numbers a training run logged for a snapshot, the same on 2 ranks as on 1, OpenAI-style weights
-from a Hugging Face directory against Hugging Face's own loss, and clear errors."""
+"""tools/evaluate.py: the numbers a training run logged for a snapshot, the same on 2 ranks as on 1, OpenAI-style
+weights from a Hugging Face directory against Hugging Face's own loss, and clear errors."""
 
 import json
 import subprocess
@@ -14,8 +14,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from conftest import ROOT, SHARED_DATA, make_shards, perturb_
 from dataloader import DistributedDataLoader, write_shard
 from errors import run_entry_point
-from evaluate import main
 from helpers_train import main_in_process, read_metrics, train_env
+from tools.evaluate import main
 
 HELLASWAG = SHARED_DATA / "hellaswag" / "hellaswag_val.jsonl"
 # Validation before every step, a snapshot after steps 1 and 3, HellaSwag on 8 examples: a few seconds.
@@ -63,8 +63,8 @@ def test_two_ranks_under_torchrun_give_the_numbers_of_one_process(trained, capsy
     argv = ["--ckpt", str(trained / "logs" / "snapshot_0000001.pt"), "--hellaswag", "--limit", "7"]
     one = evaluate_json(argv, capsys)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(ROOT / "evaluate.py"), *argv, "--json", "--device", "cpu"], capture_output=True,
-                          text=True, timeout=120, env=train_env(), cwd=trained)
+                           "-m", "tools.evaluate", *argv, "--json", "--device", "cpu"], capture_output=True,
+                          text=True, timeout=120, env=train_env(), cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = json.loads(proc.stdout.strip())  # one JSON line: only rank 0 prints
     assert two["val_loss"] == pytest.approx(one["val_loss"], rel=1e-6)
@@ -91,7 +91,7 @@ def test_hugging_face_weights_get_hugging_faces_own_loss(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--ckpt", "missing.pt"], "--ckpt: snapshot missing.pt: no such file"),
+    (["--ckpt", "missing.pt"], "--snapshot: snapshot missing.pt: no such file"),
     (["--ckpt", "{logs}/snapshot_0000001.pt", "--seq_len", "128"], "--seq_len 128 exceeds the model's block_size 64"),
     (["--ckpt", "{logs}/snapshot_0000001.pt", "--data_dir", "{logs}"], "no val shards"),
     (["--ckpt", "{logs}/snapshot_0000001.pt", "--data_dir", "{logs}/nowhere"], "nowhere does not exist"),

@@ -1,5 +1,6 @@
-"""data/hellaswag.py: scoring against an independent Hugging Face computation, rank splitting, stopping early on
-request, data loading, and one download per node that fails cleanly without network."""
+"""hellaswag.py (and tools/hellaswag.py, its command line): scoring against an independent Hugging Face computation,
+rank splitting, stopping early on request, data loading, and one download per node that fails cleanly without
+network."""
 
 import hashlib
 import json
@@ -14,10 +15,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import hellaswag
+import hf
+import tools.hellaswag
 from conftest import free_port, save_tiny_model
-from data import hellaswag
 from errors import UserError
 from model import GPT
+from snapshot import read_model
 
 ROOT = Path(__file__).resolve().parent.parent
 VAL_FILE = Path("hellaswag") / "hellaswag_val.jsonl"
@@ -37,12 +41,12 @@ def test_ending_scores_match_hugging_face(tmp_path, shared_data, gpt2_encoding):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    hf = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, n_positions=256, vocab_size=50257)).eval()
+    hf_model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, n_positions=256, vocab_size=50257)).eval()
     with torch.no_grad():  # GPT-2's 0.02 init predicts nearly uniformly; larger weights make the choice non-trivial
-        for p in hf.parameters():
+        for p in hf_model.parameters():
             p.add_(torch.randn_like(p) * 0.2)
-    hf.save_pretrained(tmp_path)
-    ours = GPT.from_pretrained(str(tmp_path))
+    hf_model.save_pretrained(tmp_path)
+    ours = hf.from_pretrained(str(tmp_path))
     examples = hellaswag.load_examples(str(shared_data / VAL_FILE), limit=50)
 
     ref_preds, our_preds = [], []
@@ -53,7 +57,7 @@ def test_ending_scores_match_hugging_face(tmp_path, shared_data, gpt2_encoding):
             ref_losses = []
             for ending in example["endings"]:
                 end = gpt2_encoding.encode_ordinary(" " + ending)
-                logits = hf(torch.tensor([ctx + end])).logits[0, len(ctx) - 1: -1]  # the ones predicting `end`
+                logits = hf_model(torch.tensor([ctx + end])).logits[0, len(ctx) - 1: -1]  # the ones predicting `end`
                 logprobs = torch.log_softmax(logits, dim=-1)[torch.arange(len(end)), end]
                 ref_losses.append(-logprobs.mean())
             ref_losses = torch.stack(ref_losses)
@@ -93,7 +97,7 @@ def _on_rank(rank: int, port: int, ckpt: Path, data_file: Path, out_dir: Path) -
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     results = {}
     try:
-        model = GPT.from_snapshot(ckpt)
+        model = read_model(ckpt)
         results["acc"] = hellaswag.evaluate(model, hellaswag.load_examples(str(data_file), limit=25), "cpu",
                                             rank=rank, world_size=2)
         downloads, download = [], hellaswag.download
@@ -121,7 +125,7 @@ def two_ranks(tmp_path_factory, shared_data, tiny_ckpt) -> list[dict]:
 @pytest.mark.slow
 def test_two_ranks_match_one_rank(two_ranks, shared_data, tiny_ckpt):
     # 25 examples: the ranks get 13 and 12, so an unequal split is covered.
-    one_rank = hellaswag.evaluate(GPT.from_snapshot(tiny_ckpt),
+    one_rank = hellaswag.evaluate(read_model(tiny_ckpt),
                                   hellaswag.load_examples(str(shared_data / VAL_FILE), limit=25), "cpu")
     assert [r["acc"] for r in two_ranks] == [one_rank, one_rank]
 
@@ -165,7 +169,7 @@ def scored_by(rank: int, world_size: int, examples: list[dict], model: GPT, monk
 
 def test_each_rank_scores_only_its_own_share_of_the_examples(shared_data, tiny_ckpt, monkeypatch):
     examples = hellaswag.load_examples(str(shared_data / VAL_FILE), limit=9)
-    model = GPT.from_snapshot(tiny_ckpt)
+    model = read_model(tiny_ckpt)
     rank0, _ = scored_by(0, 2, examples, model, monkeypatch)
     rank1, _ = scored_by(1, 2, examples, model, monkeypatch)
     assert rank0 == [e["ctx"] for e in examples[0::2]] and rank1 == [e["ctx"] for e in examples[1::2]]
@@ -176,7 +180,7 @@ def test_stop_checks_come_at_the_same_points_on_every_rank_and_a_stop_returns_no
                                                                                     monkeypatch):
     every = hellaswag.STOP_CHECK_EVERY
     examples = hellaswag.load_examples(str(shared_data / VAL_FILE), limit=2 * every + 1)
-    model = GPT.from_snapshot(tiny_ckpt)
+    model = read_model(tiny_ckpt)
     for rank, share in ((0, every + 1), (1, every)):
         # Rank 1 has no example left when the check after `every` turns comes; it must still take part, or rank 0
         # would wait for it in the collective forever.
@@ -188,7 +192,7 @@ def test_stop_checks_come_at_the_same_points_on_every_rank_and_a_stop_returns_no
 
 
 def test_evaluate_restores_train_mode(shared_data, tiny_ckpt):
-    model = GPT.from_snapshot(tiny_ckpt).train()
+    model = read_model(tiny_ckpt).train()
     modes = []
     model.register_forward_hook(lambda module, args, output: modes.append(module.training))
     hellaswag.evaluate(model, hellaswag.load_examples(str(shared_data / VAL_FILE), limit=2), "cpu")
@@ -209,7 +213,7 @@ def test_missing_hellaswag_path_names_the_file(tmp_path, capsys):
     with pytest.raises(UserError, match="nowhere.jsonl"):
         hellaswag.load_examples(str(missing))
     with pytest.raises(SystemExit):  # the CLI checks the data before loading any model
-        hellaswag.main(["--model", "gpt2", "--hellaswag_path", str(missing)])
+        tools.hellaswag.main(["--model", "gpt2", "--hellaswag_path", str(missing)])
     err = capsys.readouterr().err
     assert str(missing) in err and "--hellaswag_path" in err
 
@@ -260,8 +264,8 @@ def test_download_is_cached_and_checked(tmp_path, monkeypatch, shared_data):
 
 def test_cli_prints_the_accuracy_of_a_snapshot(shared_data, tiny_ckpt):
     data_file = shared_data / VAL_FILE
-    result = subprocess.run([sys.executable, "data/hellaswag.py", "--ckpt", str(tiny_ckpt), "--hellaswag_path",
+    result = subprocess.run([sys.executable, "-m", "tools.hellaswag", "--ckpt", str(tiny_ckpt), "--hellaswag_path",
                              str(data_file), "--limit", "8", "--device", "cpu"],
                             cwd=ROOT, capture_output=True, text=True, check=True)
-    expected = hellaswag.evaluate(GPT.from_snapshot(tiny_ckpt), hellaswag.load_examples(str(data_file), 8), "cpu")
+    expected = hellaswag.evaluate(read_model(tiny_ckpt), hellaswag.load_examples(str(data_file), 8), "cpu")
     assert f"acc_norm {expected:.4f}" in result.stdout and "(8 examples)" in result.stdout

@@ -23,7 +23,7 @@ from errors import UserError
 from helpers_train import launched, main_in_process, read_metrics, records_so_far, run_train, wait_until, worker_pids
 from model import GPT, PRESETS
 from optim import build_optimizers, get_lr, newton_schulz, schedule_change
-from parallel import build_model
+from parallel import build_training_model
 from snapshot import list_snapshots, load_snapshot, snapshot_path
 
 TINY = PRESETS["tiny"]
@@ -84,8 +84,8 @@ def test_an_adamw_state_saved_before_optimizers_were_named_still_loads():
 
 def test_fsdp_with_muon_is_refused_with_a_clear_error():
     with pytest.raises(UserError, match="--optimizer muon with --parallel fsdp.*Use --parallel ddp"):
-        build_model(GPT(TINY), Distributed(0, 0, 1, torch.device("cpu")), torch.float32,
-                    TrainConfig(optimizer="muon"), compile=False, parallel="fsdp")
+        build_training_model(GPT(TINY), Distributed(0, 0, 1, torch.device("cpu")), torch.float32,
+                             TrainConfig(optimizer="muon"), compile=False, parallel="fsdp")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -111,6 +111,20 @@ def test_fp32_newton_schulz_agrees_with_torchs_and_muon_calls_it(monkeypatch, sh
     torch.optim.Muon([p]).step()
     monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", torchs)
     assert len(calls) == 1 and p.abs().sum() > 0
+
+
+@pytest.mark.parametrize("bf16_arithmetic", [False, True])
+def test_newton_schulz_runs_in_fp32_exactly_where_the_cpu_has_no_bf16_arithmetic(monkeypatch, bf16_arithmetic):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16_arithmetic)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: bf16_arithmetic)
+    calls = []
+    monkeypatch.setattr(optim, "torch_newton_schulz", lambda: lambda *args: calls.append(args) or "torch's")
+    grad = torch.randn(16, 48, generator=torch.Generator().manual_seed(0))
+    result = newton_schulz(grad, (3.4445, -4.7750, 2.0315), 5, 1e-7)
+    if bf16_arithmetic:  # torch's own bf16 iteration: fast there
+        assert result == "torch's" and len(calls) == 1
+    else:
+        assert result.dtype == torch.float32 and not calls
 
 
 def optim_without_torchs_private_muon(monkeypatch, gone: str) -> types.ModuleType:
@@ -283,6 +297,13 @@ def test_wsd_warms_up_holds_max_lr_then_decays_linearly_over_the_last_fraction()
     assert get_lr(98, cfg) == pytest.approx(1e-4 + 11 / 22 * 9e-4, rel=1e-12)
     assert get_lr(109, cfg) == pytest.approx(1e-4, rel=1e-12)  # the last step: min_lr_ratio · max_lr
     assert sum(get_lr(s, cfg) < 1e-3 for s in range(10, 110)) == 22
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "wsd"])
+def test_a_run_one_step_longer_than_its_warmup_ends_at_min_lr(schedule):
+    cfg = TrainConfig(lr_schedule=schedule, max_lr=1e-3, min_lr_ratio=0.1, warmup_steps=10, max_steps=11)
+    assert get_lr(9, cfg) == pytest.approx(1e-3, rel=1e-12)  # the warmup's last step: the peak
+    assert get_lr(10, cfg) == pytest.approx(1e-4, rel=1e-12)  # the run's last step: min_lr_ratio · max_lr
 
 
 def test_schedule_change_at_a_resume_is_no_jump_for_wsd_in_its_stable_phase_and_a_warning_for_cosine():

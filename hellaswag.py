@@ -7,22 +7,15 @@ use to data/hellaswag_cache/, or read from --hellaswag_path.
 
 Expected: GPT-2 124M scores acc_norm 0.2955 (acc 0.2859), gpt2-xl acc_norm 0.4893. EleutherAI's harness
 renders the task as multiple choice and reports higher numbers (31.14% for 124M), so don't compare across styles.
-
-    python data/hellaswag.py --model gpt2                  # Hugging Face GPT-2 (a hub name or a local directory)
-    python data/hellaswag.py --ckpt logs/snapshot_0019072.pt   # a snapshot of this codebase
+Used by training (--hellaswag_every), evaluate.py --hellaswag, and standalone: `python -m tools.hellaswag`.
 """
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: `import model` when run as a script
-
-import argparse
 import hashlib
 import json
 import math
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 
 import tiktoken
 import torch
@@ -30,15 +23,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from distributed import any_rank, default_device
+from distributed import any_rank
 from errors import UserError
 from files import atomic_write
-from model import GPT
 from precision import autocast
+from tokenizer import gpt2_encoding
 
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 SHA256 = "0aa3b88843990f3f10a97b9575c94d7b71fb2205240ba04ae4884d9e9c992588"
-CACHE_DIR = Path(__file__).resolve().parent / "hellaswag_cache"
+CACHE_DIR = Path(__file__).resolve().parent / "data" / "hellaswag_cache"
 FILE_NAME = "hellaswag_val.jsonl"
 
 
@@ -147,7 +140,7 @@ def accuracies(model: torch.nn.Module, examples: list[dict], device: str, dtype:
                rank: int = 0, world_size: int = 1, progress: bool = False,
                should_stop: Callable[[], bool] | None = None) -> dict[str, float] | None:
     """acc and acc_norm over all examples; see evaluate."""
-    enc = tiktoken.get_encoding("gpt2")
+    enc = gpt2_encoding()
     hits = torch.zeros(2, dtype=torch.long, device=device)  # [acc_norm, acc]
     was_training = model.training
     model.eval()
@@ -206,35 +199,3 @@ def load_examples_distributed(path: str | None, limit: int | None, local_rank: i
         rank, reason = next((r, text) for r, text in enumerate(reasons) if text is not None)
         raise UserError(f"rank {rank} (local rank 0 of its node): {reason}")
     return load_examples(path, limit)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", help="Hugging Face GPT-2: a hub name (gpt2, gpt2-medium, ...) or a local directory")
-    source.add_argument("--ckpt", help="a snapshot_*.pt written by train_gpt2.py")
-    parser.add_argument("--hellaswag_path",
-                        help="a local hellaswag_val.jsonl (default: download it to data/hellaswag_cache/)")
-    parser.add_argument("--limit", type=int, help="evaluate only the first N examples")
-    parser.add_argument("--device", default="auto", help="cuda, mps, cpu, or auto (the best one present)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                        help="autocast dtype; the reference numbers above are float32")
-    args = parser.parse_args(argv)
-
-    device = default_device() if args.device == "auto" else args.device
-    try:
-        examples = load_examples(args.hellaswag_path, args.limit)  # before the model, so a bad path fails fast
-    except UserError as e:
-        parser.error(str(e))
-    try:
-        model = GPT.from_pretrained(args.model) if args.model else GPT.from_snapshot(args.ckpt)
-    except (FileNotFoundError, ValueError) as e:  # a bad --ckpt: the message names the file and the fix
-        parser.error(str(e))
-    model.to(device)
-    torch.set_float32_matmul_precision("high")  # TF32 on GPUs that have it, as llm.c and build-nanogpt do
-    result = accuracies(model, examples, device, getattr(torch, args.dtype), progress=True)
-    print(f"acc_norm {result['acc_norm']:.4f}  acc {result['acc']:.4f}  ({len(examples)} examples)")
-
-
-if __name__ == "__main__":
-    main()

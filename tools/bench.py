@@ -1,16 +1,16 @@
 """Benchmark train_gpt2.py's training step: ms/step, tokens/s, MFU, peak memory and the time spent waiting for data.
 
-    python bench.py                                   # CPU: small preset, B=8, T=256; CUDA: GPT-2 124M, B=64, T=1024
-    python bench.py --compare                         # also the plain baseline, and the speed-up over it
-    python bench.py --vs_full_logits --compile        # ours against build-nanogpt's loss, same dtype and compile
-    python bench.py --generation                      # generation tokens/s with and without the key/value cache
-    python bench.py --model gpt2 --micro_batch_size 16 --seq_len 512 --dtype bf16 --compile --json
-    python bench.py --optimizer muon                  # Muon for the block matrices: compare optimizer_ms with adamw
-    torchrun --standalone --nproc_per_node=2 bench.py # 2 ranks (NCCL on GPUs, gloo on CPUs)
+    python -m tools.bench                               # CPU: small preset, B=8, T=256; CUDA: GPT-2 124M, B=64, T=1024
+    python -m tools.bench --compare                     # also the plain baseline, and the speed-up over it
+    python -m tools.bench --vs_full_logits --compile    # ours against build-nanogpt's loss, same dtype and compile
+    python -m tools.bench --generation                  # generation tokens/s with and without the key/value cache
+    python -m tools.bench --model gpt2 --micro_batch_size 16 --seq_len 512 --dtype bf16 --compile --json
+    python -m tools.bench --optimizer muon              # Muon for the block matrices: compare optimizer_ms with adamw
+    torchrun --standalone --nproc_per_node=2 -m tools.bench   # 2 ranks (NCCL on GPUs, gloo on CPUs)
 
-It runs the real step (training.train_step, its data loader, dtype choice and parallel.build_model) on random tokens
-written to a temporary shard directory, unless --data_dir points at real shards. Each configuration gets
---warmup untimed steps (torch.compile compiles in the first), then --steps timed ones; figures are medians.
+It runs the real step (training.train_step, its data loader, dtype choice and parallel.build_training_model) on
+random tokens written to a temporary shard directory, unless --data_dir points at real shards. Each configuration
+gets --warmup untimed steps (torch.compile compiles in the first), then --steps timed ones; figures are medians.
 
 --compare first times the plain baseline of the same model, build-nanogpt's step on this device: fp32, eager, the
 for-loop AdamW, no TF32, glibc's default allocator and the loss on the full logits; then the configuration asked
@@ -72,7 +72,7 @@ from errors import run_entry_point
 from memory import GiB, MiB, keep_freed_memory, largest_micro_batch, measure_activation_bytes_per_sequence, state_bytes
 from mfu import peak_flops
 from model import GPT, PRESETS, GPTConfig, linear_cross_entropy, loss_chunk_tokens, sample_next_token
-from parallel import build_model
+from parallel import build_training_model
 from precision import autocast, dtype_name, pick_dtype
 from training import train_step
 
@@ -153,14 +153,14 @@ def time_config(work: Workload, data_dir: str, dtype: torch.dtype, compile: bool
         keep_freed_memory()
     torch.manual_seed(cfg.seed)
     model = (FullLogitsGPT if plain or full_logits else GPT)(plan.model_config)
-    trained = build_model(model, dist_env, dtype, cfg, compile, plain)
+    trainee = build_training_model(model, dist_env, dtype, cfg, compile, plain)
     loader = DistributedDataLoader(data_dir, "train", cfg.micro_batch_size, plan.seq_len, dist_env.rank,
                                    dist_env.world_size, plan.grad_accum_steps)
     peak = peak_flops(device, dtype)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-    optimizer_seconds = time_optimizer_steps(trained.optimizer, device)
+    optimizer_seconds = time_optimizer_steps(trainee.optimizer, device)
     step_seconds, data_seconds, optimizer_ms, losses = [], [], [], []
     for step in range(warmup + steps):
         if step == warmup:  # the warm-up's peak (compilation and Inductor's autotuning allocate too), then the steps'
@@ -172,7 +172,7 @@ def time_config(work: Workload, data_dir: str, dtype: torch.dtype, compile: bool
         t0 = time.perf_counter()
         # The LR warms up over the steps to --max_lr, as a run's would: at full LR from step 0 models diverge.
         lr = cfg.max_lr * (step + 1) / (warmup + steps)
-        result = train_step(trained.model, trained.optimizer, trained.scaler, loader, plan.grad_accum_steps, lr,
+        result = train_step(trainee.model, trainee.optimizer, trainee.scaler, loader, plan.grad_accum_steps, lr,
                             cfg.grad_clip, device, dtype)
         losses.append(result.loss)
         synchronize(device)
@@ -182,7 +182,7 @@ def time_config(work: Workload, data_dir: str, dtype: torch.dtype, compile: bool
             optimizer_ms.append(1000 * sum(optimizer_seconds))
 
     seconds = statistics.median(step_seconds)
-    flops_per_sec = trained.raw.flops_per_token(plan.seq_len) * work.tokens_per_step / seconds
+    flops_per_sec = trainee.raw.flops_per_token(plan.seq_len) * work.tokens_per_step / seconds
     return {"name": run_name(dtype, compile, plain, full_logits), "dtype": dtype_name(dtype), "compile": compile,
             "ms_per_step": 1000 * seconds, "optimizer_ms": statistics.median(optimizer_ms),
             "tokens_per_sec": work.tokens_per_step / seconds,
