@@ -30,10 +30,10 @@ def state_bytes(model: nn.Module) -> int:
 
 
 def measure_activation_bytes_per_sequence(config: GPTConfig, seq_len: int, dtype: torch.dtype, device: str = "cpu",
-                                          batch_size: int = 2) -> int:
+                                          batch_size: int = 2, activation_checkpointing: str = "none") -> int:
     """Activation memory of one more sequence in a micro-batch: forward + backward of a fresh model at 1 and at
-    batch_size sequences, under autocast to dtype (unless fp32), peak memory above the model's state, and the
-    difference divided by batch_size - 1.
+    batch_size sequences, under autocast to dtype (unless fp32) and with --activation_checkpointing's recomputation,
+    peak memory above the model's state, and the difference divided by batch_size - 1.
 
     Why a difference and not peak / batch_size: part of the peak does not grow with the batch (autocast's low-precision
     copies of the weights, one chunk of the loss's logits, the stored lm_head gradient), and dividing would spread it
@@ -47,6 +47,7 @@ def measure_activation_bytes_per_sequence(config: GPTConfig, seq_len: int, dtype
     torch.manual_seed(0)
     model = GPT(config).to(device)
     model.loss_chunk_tokens = seq_len
+    model.set_activation_checkpointing(activation_checkpointing)
     # Unmeasured: the process's first matmuls and attention allocate cuBLAS's and cuDNN's workspaces, which would
     # otherwise land in the B=1 peak only and make the per-sequence slope 32-64 MiB low.
     _peak_activation_bytes(model, 1, seq_len, dtype)
@@ -165,16 +166,19 @@ def fixed_bytes(config: GPTConfig, world_size: int, parallel: str, dtype: torch.
 
 
 def auto_micro_batch(config: GPTConfig, seq_len: int, total_batch_size: int, world_size: int, device: torch.device,
-                     dtype: torch.dtype, ranks_on_node: int, parallel: str = "ddp") -> MicroBatch:
+                     dtype: torch.dtype, ranks_on_node: int, parallel: str = "ddp",
+                     activation_checkpointing: str = "none") -> MicroBatch:
     """--micro_batch_size auto: measure this model's activations per sequence on the device (on MPS: on the CPU,
-    whose figure is the same model's) and fit as many sequences as divide this rank's share of the batch, next to
-    what the rank holds anyway (fixed_bytes: the whole model state under ddp, a shard of it under fsdp)."""
+    whose figure is the same model's), with the run's --activation_checkpointing, and fit as many sequences as divide
+    this rank's share of the batch, next to what the rank holds anyway (fixed_bytes: the whole model state under ddp,
+    a shard of it under fsdp)."""
     rank_tokens, remainder = divmod(total_batch_size, world_size * seq_len)
     if remainder:
         raise ValueError(f"--total_batch_size {total_batch_size} is not a whole number of sequences per rank "
                          f"(--seq_len {seq_len} × {world_size} ranks)")
     measure_on = device if device.type == "cuda" else torch.device("cpu")
-    per_sequence = measure_activation_bytes_per_sequence(config, seq_len, dtype, measure_on)
+    per_sequence = measure_activation_bytes_per_sequence(config, seq_len, dtype, measure_on,
+                                                         activation_checkpointing=activation_checkpointing)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the probe's memory back to the device, so that it counts as free
     fixed = fixed_bytes(config, world_size, parallel, dtype)

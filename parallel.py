@@ -45,8 +45,9 @@ class TrainingModel:
 
 def build_model(raw_model: torch.nn.Module, dist_env: Distributed, dtype: torch.dtype, cfg: TrainConfig,
                 compile: bool, plain: bool = False, parallel: str = "ddp") -> TrainingModel:
-    """Move the model to the device (ddp) or shard it onto the device (fsdp), make its optimizers (cfg's; Muon's work
-    shared by the ranks) and GradScaler, then compile it and wrap it in DDP (ddp, several ranks).
+    """Move the model to the device (ddp) or shard it onto the device (fsdp), set its --activation_checkpointing,
+    make its optimizers (cfg's; Muon's work shared by the ranks) and GradScaler, then compile it and wrap it in DDP
+    (ddp, several ranks).
 
     plain: bench.py's baseline, with the for-loop AdamW instead of the fused one.
     """
@@ -63,6 +64,7 @@ def build_model(raw_model: torch.nn.Module, dist_env: Distributed, dtype: torch.
         shard(raw_model, dtype, init_device_mesh(device.type, (dist_env.world_size,)))
     else:
         raw_model = raw_model.to(device)
+    raw_model.set_activation_checkpointing(cfg.activation_checkpointing)
     optimizer = build_optimizers(raw_model, cfg, device.type, fused=not plain,
                                  shared=dist_env.world_size > 1 or parallel == "fsdp")
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)

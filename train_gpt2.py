@@ -168,7 +168,7 @@ def choose_micro_batch(cfg: TrainConfig, dist_env: Distributed, dtype: torch.dty
     try:
         choice, failure = auto_micro_batch(plan.model_config, plan.seq_len, cfg.total_batch_size, dist_env.world_size,
                                            dist_env.device, dtype, int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-                                           cfg.parallel), None
+                                           cfg.parallel, cfg.activation_checkpointing), None
     except ValueError as e:
         choice, failure = None, str(e)
     except torch.OutOfMemoryError as e:
