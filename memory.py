@@ -7,7 +7,7 @@ largest_micro_batch puts the two against the memory a device has.
 """
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -54,6 +54,17 @@ def measure_activation_bytes_per_sequence(config: GPTConfig, seq_len: int, dtype
     peak_1 = _peak_activation_bytes(model, 1, seq_len, dtype)
     peak_b = _peak_activation_bytes(model, batch_size, seq_len, dtype)
     return (peak_b - peak_1) // (batch_size - 1)
+
+
+def activation_bytes_per_sequence_from_two_depths(config: GPTConfig, seq_len: int, dtype: torch.dtype,
+                                                  device: str = "cpu", activation_checkpointing: str = "none") -> int:
+    """measure_activation_bytes_per_sequence of config's whole depth, from models of 1 and 2 of its layers: every
+    block keeps the same tensors, so the figure grows by the same amount per layer on top of what the embeddings and
+    the loss keep. (Measuring GPT-2 1.5B whole would take a CPU minutes per mode, and more memory than it has.)"""
+    one, two = (measure_activation_bytes_per_sequence(replace(config, n_layer=n), seq_len, dtype, device,
+                                                      activation_checkpointing=activation_checkpointing)
+                for n in (1, 2))
+    return one + (config.n_layer - 1) * (two - one)
 
 
 def _peak_activation_bytes(model: GPT, batch_size: int, seq_len: int, dtype: torch.dtype) -> int:
@@ -183,6 +194,23 @@ def auto_micro_batch(config: GPTConfig, seq_len: int, total_batch_size: int, wor
         torch.cuda.empty_cache()  # the probe's memory back to the device, so that it counts as free
     fixed = fixed_bytes(config, world_size, parallel, dtype)
     return largest_micro_batch(available_bytes(device, ranks_on_node), fixed, per_sequence, rank_tokens)
+
+
+def plan_micro_batches(config: GPTConfig, bytes_per_sequence: dict[str, int], memory_bytes: int, cards: int,
+                       seq_len: int, total_batch_size: int, dtype: torch.dtype) -> dict[tuple[str, str], int]:
+    """bench.py --plan: for `cards` cards of memory_bytes each, {(parallel, activation checkpointing): the largest
+    micro-batch that fits a card next to what it holds under that parallelism (fixed_bytes), or 0 if not even one
+    sequence does}, from the activations per sequence of each checkpointing mode."""
+    rank_sequences = total_batch_size // (seq_len * cards)
+    fits = {}
+    for parallel in ("ddp", "fsdp"):
+        fixed = fixed_bytes(config, cards, parallel, dtype)
+        for mode, per_sequence in bytes_per_sequence.items():
+            try:
+                fits[parallel, mode] = largest_micro_batch(memory_bytes, fixed, per_sequence, rank_sequences).size
+            except ValueError:  # one sequence does not fit
+                fits[parallel, mode] = 0
+    return fits
 
 
 def keep_freed_memory() -> None:
