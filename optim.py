@@ -147,10 +147,13 @@ class ShardedMuon(torch.optim.Muon):
     def _step_group(self, group: dict) -> None:
         params, grads, buffers = [], [], []
         self._init_group(group, params, grads, buffers)
-        updates = []
-        for grad, buffer in zip(map(local, grads), map(local, buffers)):  # elementwise: on what this rank holds
-            buffer.lerp_(grad, 1 - group["momentum"])
-            updates.append(grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer)
+        grads, buffers = [local(g) for g in grads], [local(b) for b in buffers]  # what this rank holds of them
+        momentum = group["momentum"]
+        for grad, buffer in zip(grads, buffers):  # elementwise
+            buffer.lerp_(grad, 1 - momentum)
+
+        def update(i: int) -> torch.Tensor:  # made where it is needed (under ddp: by the owner alone)
+            return grads[i].lerp(buffers[i], momentum) if group["nesterov"] else buffers[i]
 
         def orthogonalise(update: torch.Tensor) -> torch.Tensor:
             # Sent as fp32 (exact for a bf16 result), in row order (a tall matrix's comes back transposed).
@@ -159,10 +162,10 @@ class ShardedMuon(torch.optim.Muon):
         shapes = [p.shape for p in params]  # the whole matrices' shapes, also of fsdp's shards
         sharded = any(isinstance(p, DTensor) for p in params)
         exchange = orthogonalise_sharded if sharded else orthogonalise_replicated
-        for p, shape, update in zip(params, shapes, exchange(shapes, updates, orthogonalise)):
+        for p, shape, orthogonal in zip(params, shapes, exchange(shapes, grads, update, orthogonalise)):
             p = local(p)
             p.mul_(1 - group["lr"] * group["weight_decay"])
-            p.add_(update, alpha=-group["lr"] * muon_lr_scale(group["adjust_lr_fn"], shape))
+            p.add_(orthogonal, alpha=-group["lr"] * muon_lr_scale(group["adjust_lr_fn"], shape))
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -194,23 +197,27 @@ def muon_owners(shapes: list[torch.Size], world_size: int) -> list[int]:
     return owners
 
 
-def orthogonalise_replicated(shapes: list[torch.Size], updates: list[torch.Tensor],
+# The two ways of ShardedMuon.step to the orthogonalised updates: given the shapes of the whole matrices, what this
+# rank holds of their gradients (whole, or fsdp's rows), update(i) (what it holds of matrix i's update) and
+# orthogonalise (Newton–Schulz), they return what this rank holds of each orthogonalised update.
+
+def orthogonalise_replicated(shapes: list[torch.Size], held: list[torch.Tensor], update: Callable,
                              orthogonalise: Callable) -> list[torch.Tensor]:
-    """ddp: every rank holds every whole update; each owner orthogonalises its own and broadcasts the results."""
+    """ddp: every rank holds every whole matrix; each owner orthogonalises its own and broadcasts the results."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     owners = muon_owners(shapes, world_size)
-    results = [orthogonalise(u) if owner == rank else torch.empty_like(u, dtype=torch.float32)
-               for u, owner in zip(updates, owners)]
+    results = [orthogonalise(update(i)) if owner == rank else torch.empty_like(held[i], dtype=torch.float32)
+               for i, owner in enumerate(owners)]
     for work in [dist.broadcast(r, src=owner, async_op=True) for r, owner in zip(results, owners)]:
         work.wait()
     return results
 
 
-def orthogonalise_sharded(shapes: list[torch.Size], updates: list[torch.Tensor],
+def orthogonalise_sharded(shapes: list[torch.Size], held: list[torch.Tensor], update: Callable,
                           orthogonalise: Callable) -> list[torch.Tensor]:
-    """fsdp: every rank holds some rows of each update (torch.chunk's split of dim 0, as FSDP2 shards: ceil(rows /
-    world) to each rank in turn, the last ones fewer or none). Each is padded to that chunk, so that a matrix's
-    pieces line up: rank r's piece of every matrix is row r of the (world, chunk) view of the padded whole."""
+    """fsdp: every rank holds some rows of each matrix (torch.chunk's split of dim 0, as FSDP2 shards: ceil(rows /
+    world) to each rank in turn, the last ones fewer or none). Each rank's rows are padded to that chunk, so that a
+    matrix's pieces line up: rank r's piece of every matrix is row r of the (world, chunk) view of the padded whole."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     owners = muon_owners(shapes, world_size)
     chunk_rows = [math.ceil(shape[0] / world_size) for shape in shapes]
@@ -224,7 +231,7 @@ def orthogonalise_sharded(shapes: list[torch.Size], updates: list[torch.Tensor],
         return F.pad(t.float(), (0, 0, 0, rows - t.size(0)))
 
     # To the owners: rank r's rows of every matrix that owner o holds go to o, in order; o gets them from each rank.
-    send = torch.cat([padded(updates[i], chunk_rows[i]).flatten() for owner in owned for i in owner])
+    send = torch.cat([padded(update(i), chunk_rows[i]).flatten() for owner in owned for i in owner])
     received = send.new_empty(world_size * size(owned[rank]))
     dist.all_to_all_single(received, send, [size(owned[rank])] * world_size, [size(o) for o in owned])
     pieces = received.view(world_size, -1).split([chunk_sizes[i] for i in owned[rank]], dim=1)
@@ -237,7 +244,7 @@ def orthogonalise_sharded(shapes: list[torch.Size], updates: list[torch.Tensor],
     dist.all_to_all_single(received, send, [size(o) for o in owned], [size(owned[rank])] * world_size)
     order = [i for owner in owned for i in owner]
     mine = dict(zip(order, received.split([chunk_sizes[i] for i in order])))
-    return [mine[i].view(chunk_rows[i], -1)[:u.size(0)] for i, u in enumerate(updates)]
+    return [mine[i].view(chunk_rows[i], -1)[:rows.size(0)] for i, rows in enumerate(held)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
