@@ -78,8 +78,8 @@ class MLP(nn.Module):
 ACTIVATION_CHECKPOINTING = ("none", "blocks", "selective")  # what Block.activation_checkpointing may be
 
 # --activation_checkpointing selective keeps the outputs of these ops for backward and recomputes the rest of a block
-# (LayerNorms, GELU, dtype casts, reshapes): the matmuls and attention are most of a block's time, the rest most of
-# its activation memory.
+# (LayerNorms, GELU, dtype casts, reshapes): the matmuls and attention are most of a block's time, and the rest is
+# cheap to run again while its outputs are a third of the activations (GPT-2 124M keeps 226 of 334 MiB per sequence).
 KEPT_BY_SELECTIVE_CHECKPOINTING = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
                                    torch.ops.aten._scaled_dot_product_flash_attention.default,
                                    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
