@@ -17,7 +17,7 @@ import tomllib
 from dataloader import find_shards, read_shard_header
 from errors import UserError
 from hf import gpt_config
-from model import PRESETS, GPTConfig
+from model import ACTIVATION_CHECKPOINTING, PRESETS, GPTConfig
 
 HF_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 
@@ -73,6 +73,11 @@ class TrainConfig:
     compile: bool = arg(False, "torch.compile the model")
     parallel: str = arg("ddp", "ddp: every GPU holds the whole model | fsdp: weights, gradients and AdamW state "
                                "sharded across the ranks, for models that do not fit one GPU", choices=("ddp", "fsdp"))
+    activation_checkpointing: str = arg("none", "recompute activations in backward instead of keeping them: none | "
+                                                "blocks (keep each block's input only: the least memory, a second "
+                                                "forward of the blocks) | selective (keep the matmuls' and attention's "
+                                                "outputs, recompute LayerNorms, GELU and casts)",
+                                        choices=ACTIVATION_CHECKPOINTING)
     deterministic: bool = arg(False, "bitwise-repeatable GPU runs (strictly deterministic kernels; slower)")
     seed: int = arg(1337, "random seed (weights init, data shuffling)")
     # evaluation and logging

@@ -4,6 +4,7 @@ Parameter names follow Hugging Face's GPT-2 (transformer.h.0.attn.c_attn, ...), 
 by name and a trained model exports back the same way (hf.py); snapshot.py reads a trained one back (read_model).
 """
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -11,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 
 class KVCache:
@@ -72,8 +74,29 @@ class MLP(nn.Module):
         return self.c_proj(self.gelu(self.c_fc(x)))
 
 
+ACTIVATION_CHECKPOINTING = ("none", "blocks", "selective")  # what Block.activation_checkpointing may be
+
+# --activation_checkpointing selective keeps the outputs of these ops for backward and recomputes the rest of a block
+# (LayerNorms, GELU, dtype casts, reshapes): the matmuls and attention are most of a block's time, and the rest is
+# cheap to run again while its outputs are a third of the activations (GPT-2 124M keeps 226 of 334 MiB per sequence).
+KEPT_BY_SELECTIVE_CHECKPOINTING = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+                                   torch.ops.aten._scaled_dot_product_flash_attention.default,
+                                   torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+                                   torch.ops.aten._scaled_dot_product_efficient_attention.default,
+                                   torch.ops.aten._scaled_dot_product_cudnn_attention.default}
+
+
+def keep_matmuls_and_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in KEPT_BY_SELECTIVE_CHECKPOINTING else CheckpointPolicy.PREFER_RECOMPUTE
+
+
 class Block(nn.Module):
     """Pre-LayerNorm transformer block: the residual stream itself is never normalised."""
+
+    # --activation_checkpointing (set through GPT.set_activation_checkpointing): "none" keeps every activation for
+    # backward; "blocks" keeps only the block's input and recomputes the block in backward; "selective" recomputes
+    # only its cheap ops (KEPT_BY_SELECTIVE_CHECKPOINTING).
+    activation_checkpointing = "none"
 
     def __init__(self, config: "GPTConfig"):
         super().__init__()
@@ -84,6 +107,19 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None, positions: torch.Tensor | None = None,
                 visible: torch.Tensor | None = None) -> torch.Tensor:
+        # Inside forward, so that fsdp's hooks around the block gather its weights outside the recomputed part, before
+        # the forward and again before the backward.
+        recompute = self.training and torch.is_grad_enabled()
+        if recompute and self.activation_checkpointing == "blocks":
+            return checkpoint(self.residual_branches, x, use_reentrant=False)
+        if recompute and self.activation_checkpointing == "selective":
+            # (The partial made here, in the traced code: torch.compile follows no other kind of context_fn.)
+            return checkpoint(self.residual_branches, x, use_reentrant=False, context_fn=functools.partial(
+                create_selective_checkpoint_contexts, keep_matmuls_and_attention))
+        return self.residual_branches(x, kv_cache, positions, visible)
+
+    def residual_branches(self, x: torch.Tensor, kv_cache: KVCache | None = None,
+                          positions: torch.Tensor | None = None, visible: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), kv_cache, positions, visible)
         x = x + self.mlp(self.ln_2(x))
         return x
@@ -231,6 +267,11 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def set_activation_checkpointing(self, mode: str) -> None:
+        """What the blocks keep for backward and recompute in it: "none", "blocks" or "selective" (see Block)."""
+        for block in self.transformer.h:
+            block.activation_checkpointing = mode
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; by default without the position embeddings (the token embedding is used as the
