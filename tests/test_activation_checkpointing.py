@@ -68,9 +68,9 @@ def test_less_is_kept_for_backward_and_auto_micro_batch_fits_more_sequences(monk
 
 def test_the_flag_reaches_every_block_and_is_checked():
     cfg = parse_args(["--activation_checkpointing", "selective"])
-    trained = build_training_model(GPT(CONFIG), Distributed(0, 0, 1, torch.device("cpu")), torch.float32, cfg,
+    trainee = build_training_model(GPT(CONFIG), Distributed(0, 0, 1, torch.device("cpu")), torch.float32, cfg,
                                    compile=False)
-    assert [block.activation_checkpointing for block in trained.raw.transformer.h] == ["selective"] * CONFIG.n_layer
+    assert [block.activation_checkpointing for block in trainee.raw.transformer.h] == ["selective"] * CONFIG.n_layer
     assert parse_args([]).activation_checkpointing == "none"
     with pytest.raises(SystemExit):
         parse_args(["--activation_checkpointing", "all"])
@@ -82,10 +82,10 @@ def checkpointing_worker(rank: int) -> dict:
     for parallel in ("ddp", "fsdp"):
         for mode in MODES:
             torch.manual_seed(0)
-            trained = build_training_model(GPT(CONFIG), Distributed(rank, rank, 2, torch.device("cpu")), torch.float32,
+            trainee = build_training_model(GPT(CONFIG), Distributed(rank, rank, 2, torch.device("cpu")), torch.float32,
                                   TrainConfig(activation_checkpointing=mode), compile=False, parallel=parallel)
             batches = RandomBatches(rank, CONFIG.vocab_size, seq_len=CONFIG.block_size)
-            steps = [train_step(trained.model, trained.optimizer, trained.scaler, batches, 2, 1e-3, 1.0,
+            steps = [train_step(trainee.model, trainee.optimizer, trainee.scaler, batches, 2, 1e-3, 1.0,
                                 torch.device("cpu"), torch.float32) for _ in range(3)]
             results[f"{parallel} {mode}"] = [value for s in steps for value in (s.loss, s.grad_norm)]
     return results

@@ -255,18 +255,18 @@ def muon_shares_worker(rank: int) -> dict:
     result, weights = {}, {}
     for name, shared in (("shares", True), ("all", False)):
         torch.manual_seed(0)
-        trained = build_training_model(GPT(TINY), Distributed(rank, rank, 2, torch.device("cpu")), torch.float32, cfg,
+        trainee = build_training_model(GPT(TINY), Distributed(rank, rank, 2, torch.device("cpu")), torch.float32, cfg,
                               compile=False)
-        optimizers = trained.optimizer if shared else build_optimizers(trained.raw, cfg, "cpu", shared=False)
+        optimizers = trainee.optimizer if shared else build_optimizers(trainee.raw, cfg, "cpu", shared=False)
         assert isinstance(optimizers.by_name["muon"], ShardedMuon) == shared
         batches, losses, orthogonalised = RandomBatches(rank, TINY.vocab_size), [], []
         for _ in range(4):
             before = len(calls)
-            losses.append(train_step(trained.model, optimizers, trained.scaler, batches, 1, 1e-3, 1.0,
+            losses.append(train_step(trainee.model, optimizers, trainee.scaler, batches, 1, 1e-3, 1.0,
                                      torch.device("cpu"), torch.float32).loss)
             orthogonalised.append(sorted(calls[before:]))
         result[name] = {"losses": losses, "orthogonalised": orthogonalised}
-        weights[name] = [p.detach().clone() for p in trained.raw.parameters()]
+        weights[name] = [p.detach().clone() for p in trainee.raw.parameters()]
     result["weight_difference"] = max((p - q).abs().max().item() for p, q in zip(weights["shares"], weights["all"]))
     return result
 
