@@ -17,7 +17,8 @@ import tomllib
 from dataloader import find_shards, read_shard_header
 from errors import UserError
 from evals import parse_task_names
-from model import PRESETS, GPTConfig
+from hf import gpt_config
+from model import ACTIVATION_CHECKPOINTING, PRESETS, GPTConfig
 
 HF_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 
@@ -73,6 +74,11 @@ class TrainConfig:
     compile: bool = arg(False, "torch.compile the model")
     parallel: str = arg("ddp", "ddp: every GPU holds the whole model | fsdp: weights, gradients and AdamW state "
                                "sharded across the ranks, for models that do not fit one GPU", choices=("ddp", "fsdp"))
+    activation_checkpointing: str = arg("none", "recompute activations in backward instead of keeping them: none | "
+                                                "blocks (keep each block's input only: the least memory, a second "
+                                                "forward of the blocks) | selective (keep the matmuls' and attention's "
+                                                "outputs, recompute LayerNorms, GELU and casts)",
+                                        choices=ACTIVATION_CHECKPOINTING)
     deterministic: bool = arg(False, "bitwise-repeatable GPU runs (strictly deterministic kernels; slower)")
     seed: int = arg(1337, "random seed (weights init, data shuffling)")
     # evaluation and logging
@@ -93,10 +99,10 @@ class TrainConfig:
     wandb_mode: str | None = arg(None, "online|offline|disabled (default: online with a project, else disabled)")
     wandb_run_name: str | None = arg(None, "wandb run name")
     # fault tolerance
-    ckpt_dir: str | None = arg(None, "snapshot directory (default: --log_dir)")
-    ckpt_every: int = arg(500, "snapshot every N steps (0 = off); the last step always writes one")
+    snapshot_dir: str | None = arg(None, "snapshot directory (default: --log_dir)")
+    snapshot_every: int = arg(500, "snapshot every N steps (0 = off); the last step always writes one")
     keep_last: int = arg(2, "keep this many newest snapshots")
-    resume: str = arg("auto", "auto (newest valid snapshot in --ckpt_dir) | never | PATH to a snapshot")
+    resume: str = arg("auto", "auto (newest valid snapshot in --snapshot_dir) | never | PATH to a snapshot")
     dist_timeout: int = arg(600, "seconds a rank waits for the others in a collective before it exits, so that a "
                                  "stopped or stuck rank ends the job (to be restarted) instead of hanging it; longer "
                                  "than any snapshot write or evaluation that only some ranks do")
@@ -112,11 +118,11 @@ class TrainConfig:
 
 # The --help sections, named at the first flag of each (the comments in TrainConfig).
 FLAG_GROUPS = {"data_dir": "data", "model": "model", "seq_len": "batch", "max_steps": "optimization",
-               "dtype": "speed and precision", "val_every": "evaluation and logging", "ckpt_dir": "fault tolerance"}
-
-
-# Flags renamed since: the old names still work, on the command line and in recipes.
-ALIASES = {"hellaswag_every": "eval_every", "hellaswag_limit": "eval_limit"}
+               "dtype": "speed and precision", "val_every": "evaluation and logging",
+               "snapshot_dir": "fault tolerance"}
+# Flags by their old names, still accepted on the command line and in recipes.
+OLD_NAMES = {"ckpt_dir": "snapshot_dir", "ckpt_every": "snapshot_every", "hellaswag_every": "eval_every",
+             "hellaswag_limit": "eval_limit"}
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -132,13 +138,12 @@ def add_flags(parser: argparse.ArgumentParser, names: list[str] | None = None, d
         if names is not None and f.name not in names:
             continue
         default = (defaults or {}).get(f.name, f.default)
-        names_of_flag = [f"--{f.name}"] + [f"--{old}" for old, new in ALIASES.items() if new == f.name]
+        flags = [f"--{f.name}", *(f"--{old}" for old, new in OLD_NAMES.items() if new == f.name)]
         if f.type is bool:
-            group.add_argument(*names_of_flag, action=argparse.BooleanOptionalAction, default=default,
-                               help=f.metadata["help"])
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"])
         else:
             kind = {"int | None": int, "str | None": str, "int | str": int_or_auto}.get(str(f.type), f.type)
-            group.add_argument(*names_of_flag, type=kind, default=default, choices=f.metadata["choices"],
+            group.add_argument(*flags, type=kind, default=default, choices=f.metadata["choices"],
                                help=f.metadata["help"])
 
 
@@ -166,7 +171,7 @@ def load_recipe(path: str) -> dict:
     """The flags in a recipe file, checked against TrainConfig's names, types and choices."""
     try:
         with open(path, "rb") as f:
-            recipe = {ALIASES.get(key, key): value for key, value in tomllib.load(f).items()}
+            recipe = tomllib.load(f)
     except FileNotFoundError as e:
         raise UserError(f"--config {path}: no such file. Pass a recipe such as "
                         "recipes/gpt2_124m_fineweb_edu.toml.") from e
@@ -174,6 +179,7 @@ def load_recipe(path: str) -> dict:
         raise UserError(f"--config {path} is not valid TOML ({e}). Each line is `flag = value`, e.g. "
                         "`max_steps = 100` or `data_dir = \"data/shakespeare\"`.") from e
     known = {f.name: f for f in fields(TrainConfig)}
+    recipe = {OLD_NAMES.get(key, key): value for key, value in recipe.items()}
     for key, value in recipe.items():
         if key not in known:
             raise UserError(f"--config {path}: unknown setting {key!r}. A recipe sets the flags of "
@@ -197,7 +203,7 @@ class Plan:
     seq_len: int
     grad_accum_steps: int
     val_steps: int  # validation micro-batches per rank (0: no validation)
-    ckpt_dir: str
+    snapshot_dir: str
 
 
 def resolve_plan(cfg: TrainConfig, world_size: int) -> Plan:
@@ -223,10 +229,10 @@ def resolve_plan(cfg: TrainConfig, world_size: int) -> Plan:
     if cfg.max_skips < 1:
         raise UserError(f"--max_skips {cfg.max_skips}: a divergence is at least 1 skipped update; pass 1 or more "
                         "(the default 10 outlasts the GradScaler's start-up overflows in fp16).")
-    if cfg.on_divergence == "rollback" and not cfg.ckpt_every:
-        raise UserError("--on_divergence rollback reloads the newest healthy snapshot, and --ckpt_every 0 writes "
-                        "none. Pass --ckpt_every N (e.g. 500), or --on_divergence stop.")
-    return Plan(config, seq_len, grad_accum_steps, val_steps, cfg.ckpt_dir or cfg.log_dir)
+    if cfg.on_divergence == "rollback" and not cfg.snapshot_every:
+        raise UserError("--on_divergence rollback reloads the newest healthy snapshot, and --snapshot_every 0 writes "
+                        "none. Pass --snapshot_every N (e.g. 500), or --on_divergence stop.")
+    return Plan(config, seq_len, grad_accum_steps, val_steps, cfg.snapshot_dir or cfg.log_dir)
 
 
 def model_config(cfg: TrainConfig) -> GPTConfig:
@@ -261,11 +267,12 @@ def init_weights_config(init_from: str) -> GPTConfig:
     """The shape of the weights --init_from names, read without loading them."""
     if init_from in HF_MODELS:
         return PRESETS[init_from]  # OpenAI's GPT-2 sizes are our presets of the same names
+    from snapshot import is_snapshot_directory, read_model_config  # (not at the top: snapshot.py imports this module)
+
     path = Path(init_from)
-    if path.is_file() or (path / "meta.pt").is_file():  # a snapshot of ours (or an fsdp run's snapshot directory)
-        from snapshot import load_model_snapshot  # (not at the top: snapshot.py imports this module)
+    if path.is_file() or is_snapshot_directory(path):  # a snapshot of ours (a file, or an fsdp run's directory)
         try:
-            return GPTConfig(**load_model_snapshot(path)["model_config"])
+            return read_model_config(path)
         except ValueError as e:  # the reader's message names the file and what is wrong with it
             raise UserError(f"--init_from: {e} (Or a Hugging Face model directory, or gpt2 / gpt2-medium / ...)") from e
         except (TypeError, OSError) as e:
@@ -282,8 +289,7 @@ def init_weights_config(init_from: str) -> GPTConfig:
         if hf.get("model_type") != "gpt2":
             raise UserError(f"--init_from {init_from}: config.json says model_type {hf.get('model_type')!r}; only "
                             "GPT-2 (model_type 'gpt2') weights fit this model.")
-        return GPTConfig(block_size=hf["n_positions"], vocab_size=hf["vocab_size"], n_layer=hf["n_layer"],
-                         n_head=hf["n_head"], n_embd=hf["n_embd"])
+        return gpt_config(hf)
     raise UserError(f"--init_from {init_from}: no such file or directory, and not one of scratch, "
                     f"{', '.join(HF_MODELS)}. Pass a Hugging Face model directory or a snapshot_*.pt.")
 

@@ -72,12 +72,12 @@ def find_shards(data_dir: str | Path, split: str) -> list[Path]:
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
         raise UserError(f"data directory {data_dir} does not exist; prepare data first, e.g. "
-                                "`python data/prepare.py --source shakespeare`, or point --data_dir at your shards.")
+                                "`python -m data.prepare --source shakespeare`, or point --data_dir at your shards.")
     pattern = re.compile(rf".*_{split}_\d+\.bin")
     shards = sorted(p for p in data_dir.iterdir() if pattern.fullmatch(p.name))
     if not shards:
         raise UserError(f"no {split} shards (files named <name>_{split}_<NNNNNN>.bin) in {data_dir}; "
-                                "prepare data first, e.g. `python data/prepare.py --source shakespeare`.")
+                                "prepare data first, e.g. `python -m data.prepare --source shakespeare`.")
     for path in shards:
         if not path.is_file():
             raise UserError(f"{path} is a directory (or another non-file) named like a {split} shard. Shards are "

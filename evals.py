@@ -37,11 +37,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from data.tokenize_shards import gpt2_encoding
 from distributed import any_rank
 from errors import UserError
 from files import atomic_write
 from precision import autocast
+from tokenizer import gpt2_encoding
 
 DEFAULT_DIR = Path(__file__).resolve().parent / "data" / "evals"
 

@@ -7,12 +7,17 @@ largest_micro_batch puts the two against the memory a device has.
 """
 
 import ctypes
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from config import TrainConfig, resolve_plan
+from distributed import Distributed
+from errors import UserError
 from model import GPT, GPTConfig
 
 ADAMW_BYTES_PER_PARAM = 8  # two fp32 moments (exp_avg, exp_avg_sq) per parameter, whatever the parameter's dtype
@@ -30,10 +35,10 @@ def state_bytes(model: nn.Module) -> int:
 
 
 def measure_activation_bytes_per_sequence(config: GPTConfig, seq_len: int, dtype: torch.dtype, device: str = "cpu",
-                                          batch_size: int = 2) -> int:
+                                          batch_size: int = 2, activation_checkpointing: str = "none") -> int:
     """Activation memory of one more sequence in a micro-batch: forward + backward of a fresh model at 1 and at
-    batch_size sequences, under autocast to dtype (unless fp32), peak memory above the model's state, and the
-    difference divided by batch_size - 1.
+    batch_size sequences, under autocast to dtype (unless fp32) and with --activation_checkpointing's recomputation,
+    peak memory above the model's state, and the difference divided by batch_size - 1.
 
     Why a difference and not peak / batch_size: part of the peak does not grow with the batch (autocast's low-precision
     copies of the weights, one chunk of the loss's logits, the stored lm_head gradient), and dividing would spread it
@@ -47,12 +52,24 @@ def measure_activation_bytes_per_sequence(config: GPTConfig, seq_len: int, dtype
     torch.manual_seed(0)
     model = GPT(config).to(device)
     model.loss_chunk_tokens = seq_len
+    model.set_activation_checkpointing(activation_checkpointing)
     # Unmeasured: the process's first matmuls and attention allocate cuBLAS's and cuDNN's workspaces, which would
     # otherwise land in the B=1 peak only and make the per-sequence slope 32-64 MiB low.
     _peak_activation_bytes(model, 1, seq_len, dtype)
     peak_1 = _peak_activation_bytes(model, 1, seq_len, dtype)
     peak_b = _peak_activation_bytes(model, batch_size, seq_len, dtype)
     return (peak_b - peak_1) // (batch_size - 1)
+
+
+def activation_bytes_per_sequence_from_two_depths(config: GPTConfig, seq_len: int, dtype: torch.dtype,
+                                                  device: str = "cpu", activation_checkpointing: str = "none") -> int:
+    """measure_activation_bytes_per_sequence of config's whole depth, from models of 1 and 2 of its layers: every
+    block keeps the same tensors, so the figure grows by the same amount per layer on top of what the embeddings and
+    the loss keep. (Measuring GPT-2 1.5B whole would take a CPU minutes per mode, and more memory than it has.)"""
+    one, two = (measure_activation_bytes_per_sequence(replace(config, n_layer=n), seq_len, dtype, device,
+                                                      activation_checkpointing=activation_checkpointing)
+                for n in (1, 2))
+    return one + (config.n_layer - 1) * (two - one)
 
 
 def _peak_activation_bytes(model: GPT, batch_size: int, seq_len: int, dtype: torch.dtype) -> int:
@@ -165,20 +182,70 @@ def fixed_bytes(config: GPTConfig, world_size: int, parallel: str, dtype: torch.
 
 
 def auto_micro_batch(config: GPTConfig, seq_len: int, total_batch_size: int, world_size: int, device: torch.device,
-                     dtype: torch.dtype, ranks_on_node: int, parallel: str = "ddp") -> MicroBatch:
+                     dtype: torch.dtype, ranks_on_node: int, parallel: str = "ddp",
+                     activation_checkpointing: str = "none") -> MicroBatch:
     """--micro_batch_size auto: measure this model's activations per sequence on the device (on MPS: on the CPU,
-    whose figure is the same model's) and fit as many sequences as divide this rank's share of the batch, next to
-    what the rank holds anyway (fixed_bytes: the whole model state under ddp, a shard of it under fsdp)."""
+    whose figure is the same model's), with the run's --activation_checkpointing, and fit as many sequences as divide
+    this rank's share of the batch, next to what the rank holds anyway (fixed_bytes: the whole model state under ddp,
+    a shard of it under fsdp)."""
     rank_tokens, remainder = divmod(total_batch_size, world_size * seq_len)
     if remainder:
         raise ValueError(f"--total_batch_size {total_batch_size} is not a whole number of sequences per rank "
                          f"(--seq_len {seq_len} × {world_size} ranks)")
     measure_on = device if device.type == "cuda" else torch.device("cpu")
-    per_sequence = measure_activation_bytes_per_sequence(config, seq_len, dtype, measure_on)
+    per_sequence = measure_activation_bytes_per_sequence(config, seq_len, dtype, measure_on,
+                                                         activation_checkpointing=activation_checkpointing)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the probe's memory back to the device, so that it counts as free
     fixed = fixed_bytes(config, world_size, parallel, dtype)
     return largest_micro_batch(available_bytes(device, ranks_on_node), fixed, per_sequence, rank_tokens)
+
+
+def choose_micro_batch(cfg: TrainConfig, dist_env: Distributed, dtype: torch.dtype, print0) -> int:
+    """--micro_batch_size auto: the largest micro-batch that fits the device's memory (memory.auto_micro_batch) and
+    divides the rank's share of the batch; the smallest rank's choice, so that every rank takes the same.
+
+    A rank where not even one sequence fits (by the arithmetic, or the probe itself running out of memory) takes
+    part in the MIN all-reduce with 0, so that every rank learns of it and raises, none waiting for a peer."""
+    plan = resolve_plan(replace(cfg, micro_batch_size=1), dist_env.world_size)  # every other flag checked first
+    try:
+        choice, failure = auto_micro_batch(plan.model_config, plan.seq_len, cfg.total_batch_size, dist_env.world_size,
+                                           dist_env.device, dtype, int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+                                           cfg.parallel, cfg.activation_checkpointing), None
+    except ValueError as e:
+        choice, failure = None, str(e)
+    except torch.OutOfMemoryError as e:
+        choice, failure = None, (f"one sequence does not fit: measuring the activations of one and two sequences "
+                                 f"ran out of memory ({str(e).strip().splitlines()[0]})")
+    if failure and dist_env.device.type == "cuda":
+        torch.cuda.empty_cache()  # the probe's memory back, as the error leaves
+    size = torch.tensor(choice.size if choice else 0, device=dist_env.device)
+    if dist.is_initialized():
+        dist.all_reduce(size, op=dist.ReduceOp.MIN)
+    if size.item() == 0:
+        reason = failure or "one sequence does not fit on another rank (its error says by how much)"
+        raise UserError(f"--micro_batch_size auto: {reason.rstrip('.')}. Lower --seq_len, pick a smaller model, or "
+                        "use more ranks (with --parallel fsdp, each holds a smaller share of the model).")
+    print0(f"--micro_batch_size auto: {choice.reason}"
+           + (f"; {size.item()}, another rank's smaller choice, on every rank" if size.item() != choice.size else ""))
+    return size.item()
+
+
+def plan_micro_batches(config: GPTConfig, bytes_per_sequence: dict[str, int], memory_bytes: int, cards: int,
+                       seq_len: int, total_batch_size: int, dtype: torch.dtype) -> dict[tuple[str, str], int]:
+    """bench.py --plan: for `cards` cards of memory_bytes each, {(parallel, activation checkpointing): the largest
+    micro-batch that fits a card next to what it holds under that parallelism (fixed_bytes), or 0 if not even one
+    sequence does}, from the activations per sequence of each checkpointing mode."""
+    rank_sequences = total_batch_size // (seq_len * cards)
+    fits = {}
+    for parallel in ("ddp", "fsdp"):
+        fixed = fixed_bytes(config, cards, parallel, dtype)
+        for mode, per_sequence in bytes_per_sequence.items():
+            try:
+                fits[parallel, mode] = largest_micro_batch(memory_bytes, fixed, per_sequence, rank_sequences).size
+            except ValueError:  # one sequence does not fit
+                fits[parallel, mode] = 0
+    return fits
 
 
 def keep_freed_memory() -> None:

@@ -1,17 +1,18 @@
 """GPT-2, written from scratch, in the order data flows through it.
 
 Parameter names follow Hugging Face's GPT-2 (transformer.h.0.attn.c_attn, ...), so pretrained weights load
-by name and a trained model exports back the same way.
+by name and a trained model exports back the same way (hf.py); snapshot.py reads a trained one back (read_model).
 """
 
+import functools
 import math
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 
 class KVCache:
@@ -73,8 +74,29 @@ class MLP(nn.Module):
         return self.c_proj(self.gelu(self.c_fc(x)))
 
 
+ACTIVATION_CHECKPOINTING = ("none", "blocks", "selective")  # what Block.activation_checkpointing may be
+
+# --activation_checkpointing selective keeps the outputs of these ops for backward and recomputes the rest of a block
+# (LayerNorms, GELU, dtype casts, reshapes): the matmuls and attention are most of a block's time, and the rest is
+# cheap to run again while its outputs are a third of the activations (GPT-2 124M keeps 226 of 334 MiB per sequence).
+KEPT_BY_SELECTIVE_CHECKPOINTING = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+                                   torch.ops.aten._scaled_dot_product_flash_attention.default,
+                                   torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+                                   torch.ops.aten._scaled_dot_product_efficient_attention.default,
+                                   torch.ops.aten._scaled_dot_product_cudnn_attention.default}
+
+
+def keep_matmuls_and_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in KEPT_BY_SELECTIVE_CHECKPOINTING else CheckpointPolicy.PREFER_RECOMPUTE
+
+
 class Block(nn.Module):
     """Pre-LayerNorm transformer block: the residual stream itself is never normalised."""
+
+    # --activation_checkpointing (set through GPT.set_activation_checkpointing): "none" keeps every activation for
+    # backward; "blocks" keeps only the block's input and recomputes the block in backward; "selective" recomputes
+    # only its cheap ops (KEPT_BY_SELECTIVE_CHECKPOINTING).
+    activation_checkpointing = "none"
 
     def __init__(self, config: "GPTConfig"):
         super().__init__()
@@ -85,6 +107,19 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None, positions: torch.Tensor | None = None,
                 visible: torch.Tensor | None = None) -> torch.Tensor:
+        # Inside forward, so that fsdp's hooks around the block gather its weights outside the recomputed part, before
+        # the forward and again before the backward.
+        recompute = self.training and torch.is_grad_enabled()
+        if recompute and self.activation_checkpointing == "blocks":
+            return checkpoint(self.residual_branches, x, use_reentrant=False)
+        if recompute and self.activation_checkpointing == "selective":
+            # (The partial made here, in the traced code: torch.compile follows no other kind of context_fn.)
+            return checkpoint(self.residual_branches, x, use_reentrant=False, context_fn=functools.partial(
+                create_selective_checkpoint_contexts, keep_matmuls_and_attention))
+        return self.residual_branches(x, kv_cache, positions, visible)
+
+    def residual_branches(self, x: torch.Tensor, kv_cache: KVCache | None = None,
+                          positions: torch.Tensor | None = None, visible: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), kv_cache, positions, visible)
         x = x + self.mlp(self.ln_2(x))
         return x
@@ -203,10 +238,6 @@ PRESETS: dict[str, GPTConfig] = {
 }
 
 
-# Hugging Face's GPT-2 stores these linear layers as Conv1D modules, whose weights are nn.Linear's transposed.
-HF_CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-
-
 class GPT(nn.Module):
     loss_chunk_tokens: int | None = None  # tokens per chunk of the loss; None: loss_chunk_tokens(the device)
 
@@ -236,6 +267,11 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def set_activation_checkpointing(self, mode: str) -> None:
+        """What the blocks keep for backward and recompute in it: "none", "blocks" or "selective" (see Block)."""
+        for block in self.transformer.h:
+            block.activation_checkpointing = mode
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; by default without the position embeddings (the token embedding is used as the
@@ -327,71 +363,6 @@ class GPT(nn.Module):
             raise ValueError(f"cannot crop block_size {self.config.block_size} to the longer {block_size}")
         self.config = replace(self.config, block_size=block_size)
         self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size].detach().clone())
-
-    @classmethod
-    def from_pretrained(cls, name_or_dir: str) -> "GPT":
-        """Load Hugging Face GPT-2 weights: a hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl) or a local
-        directory written by transformers' save_pretrained."""
-        from transformers import GPT2LMHeadModel  # only needed here, so not a hard dependency
-
-        hf_model = GPT2LMHeadModel.from_pretrained(name_or_dir)
-        hf = hf_model.config
-        config = GPTConfig(block_size=hf.n_positions, vocab_size=hf.vocab_size, n_layer=hf.n_layer,
-                           n_head=hf.n_head, n_embd=hf.n_embd)
-        model = cls(config)
-        model.load_hf_state_dict(hf_model.state_dict())
-        return model
-
-    def load_hf_state_dict(self, hf_state: dict[str, torch.Tensor]) -> None:
-        ours = self.state_dict()
-        # Skip the causal-mask buffers some versions save, and lm_head, which GPT-2 ties to wte.
-        hf_state = {k: v for k, v in hf_state.items()
-                    if not k.endswith((".attn.bias", ".attn.masked_bias")) and k != "lm_head.weight"}
-        if set(ours) - {"lm_head.weight"} != set(hf_state):
-            raise ValueError("Hugging Face weights do not match GPT-2's parameters: missing "
-                             f"{sorted(set(ours) - set(hf_state) - {'lm_head.weight'})}, unexpected "
-                             f"{sorted(set(hf_state) - set(ours))}")
-        with torch.no_grad():
-            for name, tensor in hf_state.items():
-                if name.endswith(HF_CONV1D_WEIGHTS):
-                    tensor = tensor.t()
-                target = ours[name]
-                if name == "transformer.wte.weight":
-                    target = target[: tensor.shape[0]]  # the padded vocabulary rows stay as initialised
-                if target.shape != tensor.shape:
-                    raise ValueError(f"Hugging Face parameter {name} has shape {tuple(tensor.shape)}, "
-                                     f"expected {tuple(target.shape)}")
-                target.copy_(tensor)
-
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Our weights under Hugging Face GPT2LMHeadModel's names and layouts (the inverse of load_hf_state_dict)."""
-        hf_state = {}
-        for name, tensor in self.state_dict().items():
-            if name == "lm_head.weight":
-                continue
-            if name == "transformer.wte.weight":
-                tensor = tensor[: self.config.vocab_size]
-            if name.endswith(HF_CONV1D_WEIGHTS):
-                tensor = tensor.t()
-            hf_state[name] = tensor.contiguous().clone()
-        hf_state["lm_head.weight"] = hf_state["transformer.wte.weight"]
-        return hf_state
-
-    @classmethod
-    def from_snapshot(cls, path: str | Path) -> "GPT":
-        """A plain GPT from a training snapshot (a snapshot_*.pt file, or the directory of an fsdp run's, whose
-        shards torch.distributed.checkpoint puts back together in one process), or from a file with just a
-        snapshot's "model" and "model_config". Read by snapshot.py, so that nothing in it runs code."""
-        from snapshot import load_model_snapshot, load_shards  # (not at the top: snapshot.py imports this module)
-
-        path = Path(path)
-        state = load_model_snapshot(path)
-        model = cls(GPTConfig(**state["model_config"]))
-        if path.is_dir():
-            state = {"model": model.state_dict()}
-            load_shards(state, path, no_dist=True)
-        model.load_state_dict(state["model"])
-        return model
 
 
 class DecodeStep:

@@ -5,7 +5,8 @@ for the rest), and the learning-rate schedule every one of them follows (warmup 
     --optimizer muon    torch.optim.Muon for the 2-D weights inside the blocks (c_attn, attn.c_proj, c_fc,
                         mlp.c_proj); AdamW as above for the tied wte/lm_head, wpe, biases and LayerNorms, which Muon
                         is not for (an embedding row is a lookup, not a linear map, and 1-D tensors have no
-                        orthogonal update).
+                        orthogonal update). On several ranks, and under fsdp, ShardedMuon: the same update, each
+                        rank orthogonalising its share of the matrices.
 """
 
 import functools
@@ -16,6 +17,9 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from config import TrainConfig
 from precision import pick_dtype
@@ -80,8 +84,10 @@ class Optimizers:
             optimizer.load_state_dict(state[name])
 
 
-def build_optimizers(model: torch.nn.Module, cfg: TrainConfig, device_type: str, fused: bool = True) -> Optimizers:
-    """AdamW, or Muon + AdamW (see the module docstring), at the schedule's peak learning rate."""
+def build_optimizers(model: torch.nn.Module, cfg: TrainConfig, device_type: str, fused: bool = True,
+                     shared: bool = False) -> Optimizers:
+    """AdamW, or Muon + AdamW (see the module docstring), at the schedule's peak learning rate. shared: Muon's
+    Newton–Schulz work is split over the ranks (ShardedMuon: several ranks, or a model sharded by fsdp)."""
     if cfg.optimizer == "adamw":
         return Optimizers({"adamw": adamw(list(model.parameters()), cfg, device_type, fused)}, {"adamw": 1.0})
     matrices, rest = split_for_muon(model)
@@ -89,8 +95,8 @@ def build_optimizers(model: torch.nn.Module, cfg: TrainConfig, device_type: str,
     # Muon's adjust_lr_fn reads the shape as (A, B) = (rows, columns) = (out, in) for nn.Linear: "original" scales
     # the step by sqrt(max(1, out/in)), more for the matrices that widen (c_fc ×2, c_attn ×√3), which is the
     # RMS-to-RMS operator-norm scaling it is meant to be. HF's Conv1D stores (in, out) and would scale the others.
-    muon = torch.optim.Muon(matrices, lr=cfg.muon_lr, weight_decay=cfg.muon_weight_decay,
-                            momentum=cfg.muon_momentum, adjust_lr_fn=cfg.muon_adjust_lr)
+    muon = (ShardedMuon if shared else torch.optim.Muon)(matrices, lr=cfg.muon_lr, weight_decay=cfg.muon_weight_decay,
+                                                         momentum=cfg.muon_momentum, adjust_lr_fn=cfg.muon_adjust_lr)
     return Optimizers({"muon": muon, "adamw": adamw(rest, cfg, device_type, fused)},
                       {"muon": cfg.muon_lr / cfg.max_lr, "adamw": 1.0})
 
@@ -111,6 +117,134 @@ def adamw(params: list[torch.nn.Parameter], cfg: TrainConfig, device_type: str, 
     # 12 ms instead of 70 ms per step for the small preset. fused=False is the plain loop (bench.py's baseline).
     fused = fused and device_type in ("cuda", "mps", "cpu")
     return torch.optim.AdamW(groups, lr=cfg.max_lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Muon on several ranks: each orthogonalises its share of the matrices
+
+class ShardedMuon(torch.optim.Muon):
+    """torch.optim.Muon's update, with the Newton–Schulz work split over the ranks: each matrix has one owner
+    (muon_owners), which alone orthogonalises the matrix's update, and every rank receives what it holds of the
+    result. The momentum stays where torch.optim.Muon keeps it, beside its parameter, so snapshots hold it as before
+    (and under fsdp reshard it, like AdamW's moments).
+
+    ddp: every rank holds the whole all-reduced gradient and momentum, so each owner broadcasts its results.
+    fsdp: a rank holds rows of every matrix (FSDP2 shards dim 0), and of its momentum. The owner gathers the rows of
+    its matrices' updates from every rank, orthogonalises them, and sends each rank its rows of the result back: one
+    all-to-all each way, each rank receiving about 1/world of the matrices.
+    """
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._step_group(group)
+        return loss
+
+    def _step_group(self, group: dict) -> None:
+        params, grads, buffers = [], [], []
+        self._init_group(group, params, grads, buffers)
+        grads, buffers = [local(g) for g in grads], [local(b) for b in buffers]  # what this rank holds of them
+        momentum = group["momentum"]
+        for grad, buffer in zip(grads, buffers):  # elementwise
+            buffer.lerp_(grad, 1 - momentum)
+
+        def update(i: int) -> torch.Tensor:  # made where it is needed (under ddp: by the owner alone)
+            return grads[i].lerp(buffers[i], momentum) if group["nesterov"] else buffers[i]
+
+        def orthogonalise(update: torch.Tensor) -> torch.Tensor:
+            # Sent as fp32 (exact for a bf16 result), in row order (a tall matrix's comes back transposed).
+            return newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"]).float().contiguous()
+
+        shapes = [p.shape for p in params]  # the whole matrices' shapes, also of fsdp's shards
+        sharded = any(isinstance(p, DTensor) for p in params)
+        exchange = orthogonalise_sharded if sharded else orthogonalise_replicated
+        for p, shape, orthogonal in zip(params, shapes, exchange(shapes, grads, update, orthogonalise)):
+            p = local(p)
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+            p.add_(orthogonal, alpha=-group["lr"] * muon_lr_scale(group["adjust_lr_fn"], shape))
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of a tensor: its shard of an fsdp DTensor (a view: in-place changes reach the DTensor)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def muon_lr_scale(adjust_lr_fn: str | None, shape: torch.Size) -> float:
+    """torch.optim.Muon's per-shape factor of the learning rate, the two rules its documentation gives, for a matrix
+    of (rows, columns)."""
+    rows, columns = shape[:2]
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, columns))
+    return math.sqrt(max(1, rows / columns))  # "original" (and torch's default, None)
+
+
+def muon_owners(shapes: list[torch.Size], world_size: int) -> list[int]:
+    """The rank that orthogonalises each matrix: the largest first, each to the rank with the least work so far (the
+    lowest such rank on a tie), so that every rank computes the same answer. The work of Newton–Schulz on an (m, n)
+    matrix, m <= n, is about m²(2n + m) multiply-adds per iteration (X Xᵀ, its square, and the product with X)."""
+    def work(shape: torch.Size) -> int:
+        m, n = sorted(shape[:2])
+        return m * m * (2 * n + m)
+
+    owners, load = [0] * len(shapes), [0] * world_size
+    for i in sorted(range(len(shapes)), key=lambda i: -work(shapes[i])):  # (a stable sort: ties by position)
+        owners[i] = min(range(world_size), key=lambda r: load[r])
+        load[owners[i]] += work(shapes[i])
+    return owners
+
+
+# The two ways of ShardedMuon.step to the orthogonalised updates: given the shapes of the whole matrices, what this
+# rank holds of their gradients (whole, or fsdp's rows), update(i) (what it holds of matrix i's update) and
+# orthogonalise (Newton–Schulz), they return what this rank holds of each orthogonalised update.
+
+def orthogonalise_replicated(shapes: list[torch.Size], held: list[torch.Tensor], update: Callable,
+                             orthogonalise: Callable) -> list[torch.Tensor]:
+    """ddp: every rank holds every whole matrix; each owner orthogonalises its own and broadcasts the results."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    owners = muon_owners(shapes, world_size)
+    results = [orthogonalise(update(i)) if owner == rank else torch.empty_like(held[i], dtype=torch.float32)
+               for i, owner in enumerate(owners)]
+    for work in [dist.broadcast(r, src=owner, async_op=True) for r, owner in zip(results, owners)]:
+        work.wait()
+    return results
+
+
+def orthogonalise_sharded(shapes: list[torch.Size], held: list[torch.Tensor], update: Callable,
+                          orthogonalise: Callable) -> list[torch.Tensor]:
+    """fsdp: every rank holds some rows of each matrix (torch.chunk's split of dim 0, as FSDP2 shards: ceil(rows /
+    world) to each rank in turn, the last ones fewer or none). Each rank's rows are padded to that chunk, so that a
+    matrix's pieces line up: rank r's piece of every matrix is row r of the (world, chunk) view of the padded whole."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    owners = muon_owners(shapes, world_size)
+    chunk_rows = [math.ceil(shape[0] / world_size) for shape in shapes]
+    owned = [[i for i, owner in enumerate(owners) if owner == r] for r in range(world_size)]
+    chunk_sizes = [rows * shape[1] for rows, shape in zip(chunk_rows, shapes)]
+
+    def size(matrices: list[int]) -> int:
+        return sum(chunk_sizes[i] for i in matrices)
+
+    def padded(t: torch.Tensor, rows: int) -> torch.Tensor:
+        return F.pad(t.float(), (0, 0, 0, rows - t.size(0)))
+
+    # To the owners: rank r's rows of every matrix that owner o holds go to o, in order; o gets them from each rank.
+    send = torch.cat([padded(update(i), chunk_rows[i]).flatten() for owner in owned for i in owner])
+    received = send.new_empty(world_size * size(owned[rank]))
+    dist.all_to_all_single(received, send, [size(owned[rank])] * world_size, [size(o) for o in owned])
+    pieces = received.view(world_size, -1).split([chunk_sizes[i] for i in owned[rank]], dim=1)
+    wholes = [piece.reshape(-1, shapes[i][1])[:shapes[i][0]] for piece, i in zip(pieces, owned[rank])]
+    # Back: the owner's results, each rank's rows to that rank.
+    results = [padded(orthogonalise(whole), world_size * chunk_rows[i]).reshape(world_size, -1)
+               for whole, i in zip(wholes, owned[rank])]
+    send = torch.cat(results, dim=1).flatten() if results else send.new_empty(0)
+    received = send.new_empty(sum(size(o) for o in owned))
+    dist.all_to_all_single(received, send, [size(o) for o in owned], [size(owned[rank])] * world_size)
+    order = [i for owner in owned for i in owner]
+    mine = dict(zip(order, received.split([chunk_sizes[i] for i in order])))
+    return [mine[i].view(chunk_rows[i], -1)[:rows.size(0)] for i, rows in enumerate(held)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -144,12 +278,15 @@ def bf16_matmul_is_slow(device: torch.device) -> bool:
 def newton_schulz(grad: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
                   eps: float) -> torch.Tensor:
     """torch.optim.Muon's orthogonalisation, the same quintic iteration with the same coefficients, in fp32 where
-    bf16 is slow (torch's casts to bf16 unconditionally and has no option to do otherwise); torch's own elsewhere."""
-    if not bf16_matmul_is_slow(grad.device):
+    bf16 is slow (torch's casts to bf16 unconditionally and has no option to do otherwise); torch's own elsewhere
+    (ShardedMuon calls this directly: where a torch has moved its own, the iteration below in bf16)."""
+    slow = bf16_matmul_is_slow(grad.device)
+    if not slow and torch_newton_schulz() is not None:
         return torch_newton_schulz()(grad, ns_coefficients, ns_steps, eps)
     a, b, c = ns_coefficients
     wide = grad.size(0) <= grad.size(1)
-    x = grad.float() if wide else grad.float().T  # iterate on the (small, small) Gram matrix
+    x = grad.to(torch.float32 if slow else torch.bfloat16)
+    x = x if wide else x.T  # iterate on the (small, small) Gram matrix
     x = x / x.norm().clamp(min=eps)  # spectral norm ≤ Frobenius norm = 1
     for _ in range(ns_steps):
         gram = x @ x.T

@@ -1,5 +1,5 @@
 """The model as a run trains it: on its device, sharded (fsdp) or replicated (ddp), compiled, with its optimizer
-and GradScaler; `build_model` does all of it in one place for train_gpt2.py and bench.py."""
+and GradScaler; `build_training_model` does all of it in one place for train_gpt2.py and bench.py."""
 
 from dataclasses import dataclass
 
@@ -43,10 +43,11 @@ class TrainingModel:
         return copy
 
 
-def build_model(raw_model: torch.nn.Module, dist_env: Distributed, dtype: torch.dtype, cfg: TrainConfig,
-                compile: bool, plain: bool = False, parallel: str = "ddp") -> TrainingModel:
-    """Move the model to the device (ddp) or shard it onto the device (fsdp), make its optimizers (cfg's) and
-    GradScaler, then compile it and wrap it in DDP (ddp, several ranks).
+def build_training_model(raw_model: torch.nn.Module, dist_env: Distributed, dtype: torch.dtype, cfg: TrainConfig,
+                         compile: bool, plain: bool = False, parallel: str = "ddp") -> TrainingModel:
+    """Move the model to the device (ddp) or shard it onto the device (fsdp), set its --activation_checkpointing,
+    make its optimizers (cfg's; Muon's work shared by the ranks) and GradScaler, then compile it and wrap it in DDP
+    (ddp, several ranks).
 
     plain: bench.py's baseline, with the for-loop AdamW instead of the fused one.
     """
@@ -57,17 +58,15 @@ def build_model(raw_model: torch.nn.Module, dist_env: Distributed, dtype: torch.
     if parallel == "fsdp" and dtype == torch.float16:
         raise UserError("--parallel fsdp with fp16 is not supported (its loss scaling would need a sharded "
                         "GradScaler): use --dtype bf16 on GPUs that have it, --dtype fp32, or --parallel ddp.")
-    if parallel == "fsdp" and cfg.optimizer == "muon":
-        raise UserError("--optimizer muon with --parallel fsdp is not supported: Muon orthogonalises each whole "
-                        "weight matrix, and fsdp leaves each rank only a shard of it. Use --parallel ddp (every rank "
-                        "holds the whole model and applies the same Muon update), or --optimizer adamw with fsdp.")
     if parallel == "fsdp":
         # From the CPU: fully_shard moves one unit's weights at a time to the device and keeps only this rank's
         # shard of them, so the whole model never sits on one GPU (a model that only fits sharded would not start).
         shard(raw_model, dtype, init_device_mesh(device.type, (dist_env.world_size,)))
     else:
         raw_model = raw_model.to(device)
-    optimizer = build_optimizers(raw_model, cfg, device.type, fused=not plain)
+    raw_model.set_activation_checkpointing(cfg.activation_checkpointing)
+    optimizer = build_optimizers(raw_model, cfg, device.type, fused=not plain,
+                                 shared=dist_env.world_size > 1 or parallel == "fsdp")
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     model = torch.compile(raw_model) if compile else raw_model
     if dist_env.world_size > 1 and parallel == "ddp":

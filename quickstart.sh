@@ -15,5 +15,5 @@ if [ -n "${OFFLINE_DATA:-}" ]; then
   export TIKTOKEN_CACHE_DIR="$OFFLINE_DATA/gpt2_tokenizer/tiktoken_cache"  # tiktoken reads GPT-2's BPE from here
   corpus=(--input "$OFFLINE_DATA/tinyshakespeare/input.txt")
 fi
-"$PYTHON" data/prepare.py --source shakespeare "${corpus[@]}" --output_dir data/shakespeare
+"$PYTHON" -m data.prepare --source shakespeare "${corpus[@]}" --output_dir data/shakespeare
 "$PYTHON" train_gpt2.py --config recipes/shakespeare_small.toml "$@"

@@ -1,4 +1,4 @@
-"""One run per output directory. Two runs writing into one --log_dir or --ckpt_dir (one command started twice, or a
+"""One run per output directory. Two runs writing into one --log_dir or --snapshot_dir (a command started twice, or a
 requeued SLURM job starting while the old job's processes still run) would delete each other's temporary snapshot
 files, fail their writes and interleave metrics.jsonl lines.
 

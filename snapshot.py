@@ -1,8 +1,9 @@
 """Snapshots: everything a run needs to continue after a crash, written atomically, found again, restored.
 
 The interface for the training run is `Snapshots`: `resume()` at the start and `save_if_due(step, stopping)` after
-every step, and `rollback()` after a divergence. What a snapshot holds is decided here, in `_capture` and
-`_restore`, and nowhere else.
+every step, and `rollback()` then `commit_rollback()` after a divergence. What a snapshot holds is decided here, in
+`_capture` and `_restore`, and nowhere else: the model, optimizer and GradScaler, the data position, the RNGs, and
+the run's other stateful objects (the divergence guard), each by its state_dict/load_state_dict.
 
 Two kinds: with --parallel ddp, one file snapshot_<step>.pt that rank 0 writes; with --parallel fsdp, a directory
 snapshot_<step>/ in which every rank writes its shards of the model and optimizer (torch.distributed.checkpoint,
@@ -22,12 +23,12 @@ non-tensor values (the optimizer's hyperparameters) with plain pickle: load_shar
 unpickler that knows only the classes such a file holds, and the second with weights_only=True.
 
 A snapshot is never written from NaN or inf weights or optimizer state, and one written while the run was skipping
-updates (training.DivergenceGuard) is marked unhealthy: it is no place to roll back to. Pruning keeps the newest
+updates (divergence.DivergenceGuard) is marked unhealthy: it is no place to roll back to. Pruning keeps the newest
 healthy snapshot whatever --keep_last says (and any newer one whose health a read error hides), so a run that goes
 bad cannot prune away its last good state. A rollback is written at once, over the snapshot it restored.
 
 Pruning deletes only what this code provably wrote (written_here): its names, with the contents it writes under
-them. Anything else in --ckpt_dir is left alone, and --resume auto says which entries it ignored.
+them. Anything else in --snapshot_dir is left alone, and --resume auto says which entries it ignored.
 """
 
 import os
@@ -61,8 +62,8 @@ from dataloader import DistributedDataLoader
 from distributed import Distributed, any_rank, from_rank_0
 from errors import UserError
 from files import atomic_write, fsync_directory
+from model import GPT, GPTConfig
 from parallel import TrainingModel
-from training import DivergenceGuard
 
 STEP = r"(\d{7}|[1-9]\d{7,})"  # f"{step:07d}", exactly
 SNAPSHOT_NAME = re.compile(rf"snapshot_{STEP}(\.pt)?")  # a file (ddp) or a directory (fsdp)
@@ -78,18 +79,22 @@ META_KEYS = tuple(k for k in REQUIRED_KEYS if k not in SHARDED_KEYS)
 # the run's interface
 
 class Snapshots:
-    """The snapshots of one run in ckpt_dir: which one to resume from, and writing new ones on the beat."""
+    """The snapshots of one run in snapshot_dir: which one to resume from, and writing new ones on the beat.
 
-    def __init__(self, ckpt_dir: str, every: int, keep_last: int, resume_from: str, trained: TrainingModel,
+    stateful: the rest of the run's state, {name: object with state_dict() and load_state_dict()} (as torchtitan's
+    checkpointer takes Stateful objects), saved under its name; each must be the same on every rank (the divergence
+    guard is: every rank decides on the same numbers)."""
+
+    def __init__(self, snapshot_dir: str, every: int, keep_last: int, resume_from: str, trainee: TrainingModel,
                  train_loader: DistributedDataLoader, run_config: dict, dist_env: Distributed,
-                 log: Callable[[str], None], guard: DivergenceGuard | None = None):
+                 print0: Callable[[str], None], stateful: dict | None = None):
         if every and keep_last < 1:
             raise UserError(f"--keep_last {keep_last} would delete every snapshot, so nothing could resume. Keep at "
-                            "least 1, or turn snapshots off with --ckpt_every 0.")
-        self.ckpt_dir, self.every, self.keep_last, self.resume_from = ckpt_dir, every, keep_last, resume_from
-        self.trained, self.train_loader, self.run_config = trained, train_loader, run_config
-        self.dist_env, self.log = dist_env, log
-        self.guard = guard or DivergenceGuard()
+                            "least 1, or turn snapshots off with --snapshot_every 0.")
+        self.snapshot_dir, self.every, self.keep_last, self.resume_from = snapshot_dir, every, keep_last, resume_from
+        self.trainee, self.train_loader, self.run_config = trainee, train_loader, run_config
+        self.dist_env, self.print0 = dist_env, print0
+        self.stateful = stateful or {}
         self.wandb_id = uuid.uuid4().hex[:12]
         self.last_saved = -1
         self.resumed_config: dict | None = None  # the flags of the run that wrote the snapshot resumed from
@@ -108,22 +113,23 @@ class Snapshots:
         self.wandb_id, self.last_saved, self.resumed_config = state["wandb_id"], state["step"], state["config"]
         return state["step"] + 1, path
 
-    def save_if_due(self, step: int, last_step: int, stopping: bool) -> Path | None:
-        """Snapshot the state after `step` every --ckpt_every steps, at the last step and when stopping.
-        Collective: every rank calls it; rank 0 writes. Returns the path written, if any."""
+    def save_if_due(self, step: int, last_step: int, stopping: bool, healthy: bool = True) -> Path | None:
+        """Snapshot the state after `step` every --snapshot_every steps, at the last step and when stopping; healthy:
+        whether the run's last update was applied (a snapshot written while updates are skipped is no place to roll
+        back to). Collective: every rank calls it; rank 0 writes. Returns the path written, if any."""
         due = (step + 1) % self.every == 0 or step == last_step or stopping if self.every else False
         if not due or step <= self.last_saved:  # nothing trained since the last one (a stop during evaluation)
             return None
         if not self._finite():
-            self.log(f"WARNING: no snapshot after step {step}: the weights or optimizer state hold NaN or inf. The "
-                     f"snapshots in {self.ckpt_dir} are kept as they are.")
+            self.print0(f"WARNING: no snapshot after step {step}: the weights or optimizer state hold NaN or inf. The "
+                        f"snapshots in {self.snapshot_dir} are kept as they are.")
             return None
-        state = self._capture(step)
-        path = snapshot_path(self.ckpt_dir, step, self.trained.sharded)
+        state = self._capture(step, healthy)
+        path = snapshot_path(self.snapshot_dir, step, self.trainee.sharded)
         failure = None
         try:
-            if self.trained.sharded:
-                save_sharded_snapshot(state, self.trained, path, self.dist_env.device)
+            if self.trainee.sharded:
+                save_sharded_snapshot(state, self.trainee, path, self.dist_env.device)
             elif state is not None:
                 save_snapshot(state, path)
         except (OSError, CheckpointException) as e:  # the temp file or directory is gone, older snapshots untouched
@@ -134,51 +140,53 @@ class Snapshots:
             self._write_failed(step, path, failure, final=step == last_step or stopping)
             return None
         if self.dist_env.is_master:
-            prune_snapshots(self.ckpt_dir, self.keep_last)
-            self.log(f"snapshot written: {path}")
+            prune_snapshots(self.snapshot_dir, self.keep_last)
+            self.print0(f"snapshot written: {path}")
         self.last_saved = step
         return path
 
     def _write_failed(self, step: int, path: Path, failure: BaseException | None, final: bool) -> None:
         """One warning (rank 0) for a snapshot that could not be written, and training goes on; but a run must not
         end without its last snapshot, so then every rank raises."""
-        usage = shutil.disk_usage(self.ckpt_dir)
+        usage = shutil.disk_usage(self.snapshot_dir)
         reason = (f"{type(failure).__name__}: {str(failure).strip().splitlines()[0]}" if failure is not None
                   else "the write failed on another rank")
-        older = list_snapshots(self.ckpt_dir)
+        older = list_snapshots(self.snapshot_dir)
         newest = f"the older snapshots are intact, the newest is {older[0]}" if older else "there is no older snapshot"
         what = (f"the snapshot of step {step} could not be written to {path.parent} ({reason}; "
                 f"{usage.free / 2**20:,.0f} MiB free of {usage.total / 2**20:,.0f} MiB)")
         if final:
-            raise UserError(f"{what}, and it was the run's last; {newest}. Free space (or point --ckpt_dir at a disk "
-                            "with room) and rerun the same command to resume from there.")
+            raise UserError(f"{what}, and it was the run's last; {newest}. Free space (or point --snapshot_dir at a "
+                            "disk with room) and rerun the same command to resume from there.")
         if self.dist_env.is_master:
             print(f"WARNING: {what}; {newest}. Training goes on, and the next due snapshot tries again.",
                   file=sys.stderr)
 
     def rollback(self) -> tuple[int, str] | None:
         """Restore the newest healthy snapshot, all but the data loader's position: training goes on from its step
-        with the data after the divergence, never the batches in between again. Returns the step to go on at and
-        the snapshot, or None if there is no healthy snapshot. Collective: every rank restores the same one."""
+        with the data after the divergence, never the batches in between again. Returns its step and path, or None
+        if there is no healthy snapshot. Collective: every rank restores the same one. The caller counts the
+        rollback, then commit_rollback writes it."""
         path = self.newest_healthy()
         if path is None:
             return None
         state = load_snapshot(path, verify=False)  # rank 0 has verified it
-        rollbacks = self.guard.rollbacks
-        self._restore(path, state, data_position=False)  # the guard's state too, from before this rollback
-        self.guard.skips_in_a_row = 0  # (a snapshot from before the guard holds no count)
-        self.guard.rollbacks = rollbacks + 1
-        self._record_rollback(Path(path), state["step"])
+        self._restore(path, state, data_position=False)
+        return state["step"], path
+
+    def commit_rollback(self, step: int, path: str) -> None:
+        """After rollback(): write the state as it is now over the snapshot restored (_record_rollback), and delete
+        the newer snapshots of the abandoned timeline. Collective."""
+        self._record_rollback(Path(path), step)
         if self.dist_env.is_master:
             # The newer ones are the abandoned timeline's, all unhealthy: after a crash, --resume auto would pick
             # one of them over this timeline's snapshots, and re-read the data the rollback skipped.
-            newest_first = list_snapshots(self.ckpt_dir)
+            newest_first = list_snapshots(self.snapshot_dir)
             for abandoned in newest_first[:newest_first.index(Path(path))]:
                 if written_here(abandoned):
                     remove(abandoned)
-                    self.log(f"removed {abandoned}: written while updates were being skipped, after {path}")
-        self.last_saved = state["step"]
-        return state["step"] + 1, path
+                    self.print0(f"removed {abandoned}: written while updates were being skipped, after {path}")
+        self.last_saved = step
 
     def _record_rollback(self, path: Path, step: int) -> None:
         """Write the state just restored, with the data position after the divergence and the rollback counted,
@@ -187,7 +195,7 @@ class Snapshots:
         the new one is complete. Of a directory snapshot only meta.pt changes, as its shards hold the very weights
         and optimizer state just restored. Collective (the RNG states); rank 0 writes, and a failed write is a
         warning, as for any snapshot."""
-        state = self._capture(step)
+        state = self._capture(step, healthy=True)
         if not self.dist_env.is_master:
             return
         try:
@@ -201,8 +209,8 @@ class Snapshots:
                   "the next snapshot would resume from before the rollback.", file=sys.stderr)
 
     def newest_healthy(self) -> str | None:
-        """The newest healthy snapshot in ckpt_dir (rank 0 looks, every rank gets its answer)."""
-        found = newest_healthy_snapshot(self.ckpt_dir) if self.dist_env.is_master else None
+        """The newest healthy snapshot in snapshot_dir (rank 0 looks, every rank gets its answer)."""
+        found = newest_healthy_snapshot(self.snapshot_dir) if self.dist_env.is_master else None
         return from_rank_0(str(found) if found else None)
 
     def _finite(self) -> bool:
@@ -210,16 +218,16 @@ class Snapshots:
         rank checks its own shards). A tensor's sum is NaN or inf if any of its values is (or if they are around
         1e30 and more, which is no healthy state either): one read of each tensor, 20x faster than isfinite()
         on a CPU, and less than an AdamW step (README)."""
-        optimizer_state = (v for optimizer in self.trained.optimizer for s in optimizer.state.values()
+        optimizer_state = (v for optimizer in self.trainee.optimizer for s in optimizer.state.values()
                            for v in s.values() if torch.is_tensor(v))
-        tensors = [t.to_local() if isinstance(t, DTensor) else t for t in (*self.trained.raw.parameters(),
+        tensors = [t.to_local() if isinstance(t, DTensor) else t for t in (*self.trainee.raw.parameters(),
                                                                             *optimizer_state)]
         finite = bool(torch.stack([t.sum() for t in tensors]).isfinite().all()) if tensors else True
         return not any_rank(not finite, self.dist_env.device)
 
     # --- what a snapshot holds
 
-    def _capture(self, step: int) -> dict | None:
+    def _capture(self, step: int, healthy: bool) -> dict | None:
         """Everything needed to continue exactly after `step` (with fsdp: but the sharded model and optimizer).
         Collective: every rank calls it; rank 0 gets it."""
         device = self.dist_env.device
@@ -235,18 +243,18 @@ class Snapshots:
             raise RuntimeError(f"data loader positions differ across ranks at step {step}: {loader_states}")
         if not self.dist_env.is_master:
             return None
-        t = self.trained
+        t = self.trainee
         state = {"model_config": asdict(t.raw.config), "scaler": t.scaler.state_dict(), "step": step,
                  "loader": loader_states[0], "rng": list(rng_states), "config": self.run_config,
-                 "wandb_id": self.wandb_id, "guard": self.guard.state_dict(),
-                 "healthy": self.guard.skips_in_a_row == 0}
+                 "wandb_id": self.wandb_id, "healthy": healthy}
+        state |= {name: each.state_dict() for name, each in self.stateful.items()}
         if not t.sharded:
             state |= {"model": t.raw.state_dict(), "optimizer": t.optimizer.state_dict()}
         return state
 
     def _restore(self, path: str, state: dict, data_position: bool = True) -> None:
         """Restore everything `state` holds (the data loader's position only if data_position)."""
-        t, dist_env = self.trained, self.dist_env
+        t, dist_env = self.trainee, self.dist_env
         if state["model_config"] != asdict(t.raw.config):
             raise UserError(f"{path} holds a model {state['model_config']}, but this run builds "
                             f"{asdict(t.raw.config)}. Pass the --model/--n_layer/--n_head/--n_embd/--block_size of "
@@ -275,14 +283,15 @@ class Snapshots:
             t.optimizer.load_state_dict(state["optimizer"])
         if t.scaler.is_enabled() and not state["scaler"]:
             # A bf16 or fp32 run continued in fp16 (an A100 run moved to a V100): there is no loss scale to carry.
-            self.log(f"{path} was written without fp16, so it has no GradScaler state: the fp16 loss scale starts "
-                     "fresh.")
+            self.print0(f"{path} was written without fp16, so it has no GradScaler state: the fp16 loss scale starts "
+                        "fresh.")
         else:  # (a disabled scaler ignores the state of an fp16 snapshot continued in bf16 or fp32)
             t.scaler.load_state_dict(state["scaler"])
         if data_position:
             self.train_loader.load_state_dict(state["loader"])
-        if "guard" in state:  # (snapshots from before the guard have none: its statistics start afresh)
-            self.guard.load_state_dict(state["guard"])
+        for name, each in self.stateful.items():
+            if name in state:  # (snapshots from before the guard have none: its statistics start afresh)
+                each.load_state_dict(state[name])
         if len(state["rng"]) == dist_env.world_size:
             restore_rng_state(state["rng"][dist_env.rank], dist_env.device)
         else:  # a different number of ranks: the data position carries over exactly (see dataloader.py)
@@ -293,16 +302,16 @@ class Snapshots:
     def _choose(self) -> tuple[str, dict] | None:
         """Which snapshot to resume from, or None for a fresh start. Every rank reads the same one."""
         if self.resume_from == "never":
-            if self.dist_env.is_master and list_snapshots(self.ckpt_dir):
-                print(f"WARNING: --resume never, but {self.ckpt_dir} already holds snapshots; a later --resume auto "
-                      "would pick the highest step among them, perhaps the older run's. Use a fresh --ckpt_dir.",
-                      file=sys.stderr)
+            if self.dist_env.is_master and list_snapshots(self.snapshot_dir):
+                print(f"WARNING: --resume never, but {self.snapshot_dir} already holds snapshots; a later --resume "
+                      "auto would pick the highest step among them, perhaps the older run's. Use a fresh "
+                      "--snapshot_dir.", file=sys.stderr)
             return None
         if self.resume_from != "auto":
             # Every rank checks, so that none is left waiting in a collective for a rank 0 that has exited.
             if not Path(self.resume_from).exists():
                 raise UserError(f"--resume {self.resume_from}: no such file. Pass the path of a snapshot_* file, "
-                                "'auto' (the newest valid snapshot in --ckpt_dir) or 'never' (start fresh).")
+                                "'auto' (the newest valid snapshot in --snapshot_dir) or 'never' (start fresh).")
             try:
                 return self.resume_from, load_snapshot(self.resume_from)
             except ValueError as e:
@@ -311,12 +320,12 @@ class Snapshots:
         # read the same file, or raise the same error.
         found, failure = None, None
         if self.dist_env.is_master:
-            warn_of_ignored_entries(self.ckpt_dir)
+            warn_of_ignored_entries(self.snapshot_dir)
             try:
-                found = find_latest_snapshot(self.ckpt_dir)
+                found = find_latest_snapshot(self.snapshot_dir)
             except ValueError as e:
                 failure = (f"--resume auto: {e} Repair or move them away (a copy of a good snapshot elsewhere: "
-                           "--resume PATH), or start over with --resume never in a fresh --ckpt_dir.")
+                           "--resume PATH), or start over with --resume never in a fresh --snapshot_dir.")
         path, failure = from_rank_0((str(found[0]) if found else None, failure))
         if failure is not None:
             raise UserError(failure)
@@ -328,8 +337,8 @@ class Snapshots:
 # ----------------------------------------------------------------------------------------------------------------
 # files
 
-def snapshot_path(ckpt_dir: str | Path, step: int, sharded: bool = False) -> Path:
-    return Path(ckpt_dir) / (f"snapshot_{step:07d}" if sharded else f"snapshot_{step:07d}.pt")
+def snapshot_path(snapshot_dir: str | Path, step: int, sharded: bool = False) -> Path:
+    return Path(snapshot_dir) / (f"snapshot_{step:07d}" if sharded else f"snapshot_{step:07d}.pt")
 
 
 def save_snapshot(state: dict, path: Path) -> None:
@@ -349,7 +358,7 @@ def torch_save(obj, f) -> None:
         raise
 
 
-def save_sharded_snapshot(meta: dict | None, trained: TrainingModel, path: Path, device: torch.device) -> None:
+def save_sharded_snapshot(meta: dict | None, trainee: TrainingModel, path: Path, device: torch.device) -> None:
     """Every rank writes its shards of the model and optimizer into a temp directory, rank 0 adds meta (the rest of
     the snapshot, and the shard files' CRC-32s) and renames the directory into place once all are written.
     Collective; a failed write on any rank raises on every rank, with the temp directory removed."""
@@ -364,7 +373,7 @@ def save_sharded_snapshot(meta: dict | None, trained: TrainingModel, path: Path,
             failure = e
     if any_rank(failure is not None, device):  # (and no rank writes into tmp before rank 0 has cleared it)
         raise failure or OSError(f"{path} could not be written: see rank 0's warning")
-    model_state, optimizer_state = get_state_dict(trained.raw, list(trained.optimizer))
+    model_state, optimizer_state = get_state_dict(trainee.raw, list(trainee.optimizer))
     try:
         # dcp.save returns once all ranks have written, or raises CheckpointException on all if one failed.
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp)
@@ -431,37 +440,37 @@ def load_snapshot(path: str | Path, verify: bool = True) -> dict:
     return state
 
 
-def list_snapshots(ckpt_dir: str | Path) -> list[Path]:
-    """Snapshots in ckpt_dir (entries named as this code names them), newest (highest step) first."""
-    ckpt_dir = Path(ckpt_dir)
-    if not ckpt_dir.is_dir():
+def list_snapshots(snapshot_dir: str | Path) -> list[Path]:
+    """Snapshots in snapshot_dir (entries named as this code names them), newest (highest step) first."""
+    snapshot_dir = Path(snapshot_dir)
+    if not snapshot_dir.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := SNAPSHOT_NAME.fullmatch(p.name))]
+    found = [(int(m.group(1)), p) for p in snapshot_dir.iterdir() if (m := SNAPSHOT_NAME.fullmatch(p.name))]
     return [p for _, p in sorted(found, reverse=True)]
 
 
-def warn_of_ignored_entries(ckpt_dir: str | Path) -> None:
-    """One warning naming the entries of ckpt_dir that look like snapshots but are not named as this code names
+def warn_of_ignored_entries(snapshot_dir: str | Path) -> None:
+    """One warning naming the entries of snapshot_dir that look like snapshots but are not named as this code names
     them (nor ever touched by it), e.g. snapshot_1.pt; temp files of writes cut short are among them."""
-    ckpt_dir = Path(ckpt_dir)
-    ignored = sorted(p.name for p in ckpt_dir.glob("snapshot_*") if not SNAPSHOT_NAME.fullmatch(p.name))
+    snapshot_dir = Path(snapshot_dir)
+    ignored = sorted(p.name for p in snapshot_dir.glob("snapshot_*") if not SNAPSHOT_NAME.fullmatch(p.name))
     if ignored:
-        print(f"WARNING: --resume auto ignores in {ckpt_dir}: {', '.join(ignored)} (not named as this code names "
+        print(f"WARNING: --resume auto ignores in {snapshot_dir}: {', '.join(ignored)} (not named as this code names "
               "snapshots: snapshot_<step, 7 digits>.pt, or snapshot_<step>/ with --parallel fsdp).", file=sys.stderr)
 
 
-def find_latest_snapshot(ckpt_dir: str | Path) -> tuple[Path, dict] | None:
+def find_latest_snapshot(snapshot_dir: str | Path) -> tuple[Path, dict] | None:
     """The newest snapshot that loads; broken ones are skipped with a warning naming them. None if there is none;
     ValueError naming them all if there are some and none loads (a fresh start would prune them away)."""
     failures = []
-    for path in list_snapshots(ckpt_dir):
+    for path in list_snapshots(snapshot_dir):
         try:
             return path, load_snapshot(path)
         except (ValueError, OSError) as e:
             print(f"WARNING: skipping snapshot: {e} Trying the next older one.", file=sys.stderr)
             failures.append(f"{path} ({type(e).__name__}: {e})" if isinstance(e, OSError) else str(e))
     if failures:
-        raise ValueError(f"none of the {len(failures)} snapshots in {ckpt_dir} loads: {' '.join(failures)}")
+        raise ValueError(f"none of the {len(failures)} snapshots in {snapshot_dir} loads: {' '.join(failures)}")
     return None
 
 
@@ -469,11 +478,11 @@ def is_healthy(state: dict) -> bool:
     return state.get("healthy", True)  # snapshots from before the guard were not checked: trust them as before
 
 
-def health_newest_first(ckpt_dir: str | Path) -> Iterator[tuple[Path, bool | None]]:
+def health_newest_first(snapshot_dir: str | Path) -> Iterator[tuple[Path, bool | None]]:
     """Each snapshot, newest first, and whether it is healthy: True; False if unhealthy or broken (it does not load,
     or its checksums fail); None if a read error leaves that unknown. Only those whose flag says healthy are
     checksummed (a read of the whole file)."""
-    for path in list_snapshots(ckpt_dir):
+    for path in list_snapshots(snapshot_dir):
         try:
             state = load_snapshot(path, verify=False)
             healthy = is_healthy(state)
@@ -486,18 +495,18 @@ def health_newest_first(ckpt_dir: str | Path) -> Iterator[tuple[Path, bool | Non
         yield path, healthy
 
 
-def newest_healthy_snapshot(ckpt_dir: str | Path) -> Path | None:
+def newest_healthy_snapshot(snapshot_dir: str | Path) -> Path | None:
     """The newest snapshot that loads and is healthy (see the module doc)."""
-    return next((path for path, healthy in health_newest_first(ckpt_dir) if healthy), None)
+    return next((path for path, healthy in health_newest_first(snapshot_dir) if healthy), None)
 
 
-def prune_snapshots(ckpt_dir: str | Path, keep_last: int) -> None:
+def prune_snapshots(snapshot_dir: str | Path, keep_last: int) -> None:
     """Delete all but the keep_last newest of this code's snapshots, and the temp files and directories of writes
     that a crash cut short; only what written_here proves this code wrote. Kept whatever keep_last says: the newest
     healthy snapshot, and any newer one whose health a read error hides (it may be the newest healthy one)."""
-    old = [path for path in list_snapshots(ckpt_dir) if written_here(path)][keep_last:]
+    old = [path for path in list_snapshots(snapshot_dir) if written_here(path)][keep_last:]
     keep = set()
-    for path, healthy in health_newest_first(ckpt_dir) if old else ():  # (nothing to prune: read no snapshot)
+    for path, healthy in health_newest_first(snapshot_dir) if old else ():  # (nothing to prune: read no snapshot)
         if healthy is not False:
             keep.add(path)
         if healthy:
@@ -506,7 +515,7 @@ def prune_snapshots(ckpt_dir: str | Path, keep_last: int) -> None:
         if path not in keep:
             remove(path)
     # One snapshot is saved at a time, so once a save has finished every temp file or directory is a dead run's.
-    for tmp in Path(ckpt_dir).iterdir():
+    for tmp in Path(snapshot_dir).iterdir():
         if TEMP_NAME.fullmatch(tmp.name) and written_here(tmp):
             remove(tmp)
 
@@ -555,7 +564,7 @@ def check_replaceable(path: Path) -> None:
     step is replaced, a dead run's temp file cleared): that is never overwritten or deleted."""
     if (path.exists() or path.is_symlink()) and not written_here(path):
         raise FileExistsError(f"{path} is in the way of a snapshot and was not written by this code, so it is left "
-                              "as it is: move it out of --ckpt_dir")
+                              "as it is: move it out of --snapshot_dir")
 
 
 def remove(path: Path) -> None:
@@ -690,12 +699,39 @@ def load_shards(state: dict, directory: Path, no_dist: bool = False) -> None:
                          f"({type(errors[0]).__name__}: {first_line(errors[0])}).") from e
 
 
+def read_model(path: str | Path) -> GPT:
+    """A plain GPT from a training snapshot (a snapshot_*.pt file, or the directory of an fsdp run's, whose shards
+    torch.distributed.checkpoint puts back together in one process), or from a file with just a snapshot's "model"
+    and "model_config": what sample.py, export_hf.py, evaluate.py and --init_from load. Its bytes are checked as a
+    resume checks them (verify_checksums): ValueError naming the file if they changed since they were written."""
+    path = Path(path)
+    state = load_model_snapshot(path)
+    verify_checksums(path, state)
+    model = GPT(GPTConfig(**state["model_config"]))
+    if path.is_dir():
+        state = {"model": model.state_dict()}
+        load_shards(state, path, no_dist=True)
+    model.load_state_dict(state["model"])
+    return model
+
+
+def read_model_config(path: str | Path) -> GPTConfig:
+    """The shape of the model read_model would load, without its weights (nor their checksums: read_model checks
+    them when it loads them)."""
+    return GPTConfig(**load_model_snapshot(path)["model_config"])
+
+
+def is_snapshot_directory(path: Path) -> bool:
+    """Whether `path` is a snapshot in the directory form (an fsdp run's, with its meta.pt)."""
+    return path.is_dir() and (path / "meta.pt").is_file()
+
+
 def load_model_snapshot(path: str | Path) -> dict:
-    """What GPT.from_snapshot, --init_from and evaluate.py read: a snapshot's dict (of a directory snapshot, its
+    """What read_model, read_model_config and evaluate.py read: a snapshot's dict (of a directory snapshot, its
     meta.pt: the weights are in the shards, for load_shards), or a file's with just a snapshot's "model" and
     "model_config". FileNotFoundError or ValueError naming the file if it is none of those."""
     path = Path(path)
-    if path.is_dir() and (path / "meta.pt").is_file():
+    if is_snapshot_directory(path):
         return load_snapshot(path, verify=False)
     if not path.is_file():
         raise FileNotFoundError(f"snapshot {path}: no such file. Pass a snapshot_*.pt written by train_gpt2.py.")

@@ -11,7 +11,6 @@ in a row for NaN or spikes, stop or roll back to the newest healthy snapshot (--
 """
 
 import math
-import os
 import signal
 import sys
 import time
@@ -22,21 +21,23 @@ import torch
 import torch.distributed as dist
 
 import evals
+import hf
 from config import HF_MODELS, Plan, TrainConfig, parse_args, resolve_plan
 from dataloader import DistributedDataLoader
-from distributed import Distributed, any_rank, hangs_reported, setup_distributed, synchronize
+from distributed import Distributed, hangs_reported, setup_distributed, synchronize
+from divergence import DivergenceGuard, DivergenceResponse, StopRequest
 from errors import UserError, run_entry_point
-from memory import auto_micro_batch, keep_freed_memory
+from memory import choose_micro_batch, keep_freed_memory
 from mfu import Peak, peak_flops
 from model import GPT
 from optim import get_lr, schedule_change
-from parallel import TrainingModel, build_model
+from parallel import TrainingModel, build_training_model
 from precision import dtype_name, pick_dtype, set_deterministic
 from run_lock import lock_run_directories
 from run_logger import RunLogger
-from sample import generate_text
-from snapshot import Snapshots
-from training import DivergenceGuard, StepResult, train_step
+from snapshot import Snapshots, read_model
+from tokenizer import generate_text
+from training import StepResult, train_step
 from validation import validation_loss
 
 
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         # One run per output directory: a second one exits 2 here, before it reads or writes anything there.
         with (hangs_reported(cfg.dist_timeout, dist_env.rank),
-              lock_run_directories({"--log_dir": cfg.log_dir, "--ckpt_dir": cfg.ckpt_dir}, dist_env)):
+              lock_run_directories({"--log_dir": cfg.log_dir, "--snapshot_dir": cfg.snapshot_dir}, dist_env)):
             run(cfg, dist_env, stop)
             if dist.is_initialized():
                 # Leave together: a rank that tears gloo down while rank 0 still writes the last snapshot can abort.
@@ -64,13 +65,13 @@ def main(argv: list[str] | None = None) -> None:
             dist.destroy_process_group()
 
 
-def run(cfg: TrainConfig, dist_env: Distributed, stop: "StopRequest | None" = None) -> None:
+def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None) -> None:
     device, master = dist_env.device, dist_env.is_master
     stop = stop or StopRequest()
-    log = print if master else (lambda *args, **kwargs: None)
+    print0 = print if master else (lambda *args, **kwargs: None)  # stdout on rank 0; `metrics`: metrics.jsonl, wandb
     dtype = pick_dtype(cfg.dtype, device)
     if cfg.micro_batch_size == "auto":
-        cfg = replace(cfg, micro_batch_size=choose_micro_batch(cfg, dist_env, dtype, log))
+        cfg = replace(cfg, micro_batch_size=choose_micro_batch(cfg, dist_env, dtype, print0))
     plan = resolve_plan(cfg, dist_env.world_size)
     torch.manual_seed(cfg.seed)
 
@@ -89,44 +90,44 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: "StopRequest | None" = No
         eval_suite = evals.Suite(docs, plan.model_config.block_size, cfg.micro_batch_size * plan.seq_len)
 
     # --- model, optimizer, and the snapshot to resume from
-    trained = build_model(initial_model(cfg, plan), dist_env, dtype, cfg, cfg.compile, parallel=cfg.parallel)
+    trainee = build_training_model(initial_model(cfg, plan), dist_env, dtype, cfg, cfg.compile, parallel=cfg.parallel)
     guard = DivergenceGuard(cfg.skip_zscore)
-    snapshots = Snapshots(plan.ckpt_dir, cfg.ckpt_every, cfg.keep_last, cfg.resume, trained, train_loader,
-                          asdict(cfg), dist_env, log, guard)
+    snapshots = Snapshots(plan.snapshot_dir, cfg.snapshot_every, cfg.keep_last, cfg.resume, trainee, train_loader,
+                          asdict(cfg), dist_env, print0, {"guard": guard})
     start_step, resumed_from = snapshots.resume()
     if start_step >= cfg.max_steps:
-        log(f"{resumed_from} is from step {start_step - 1}, the last of --max_steps {cfg.max_steps}: the run is "
-            "already finished, nothing to do. To train on, raise --max_steps and resume from a snapshot taken before "
-            "the LR decayed (--resume PATH): with --lr_schedule wsd, one from the stable phase continues with no LR "
-            "jump; with cosine, or from this last snapshot, the LR jumps back up (a warning says by how much). Or "
-            "--resume never to start over.")
+        print0(f"{resumed_from} is from step {start_step - 1}, the last of --max_steps {cfg.max_steps}: the run is "
+               "already finished, nothing to do. To train on, raise --max_steps and resume from a snapshot taken "
+               "before the LR decayed (--resume PATH): with --lr_schedule wsd, one from the stable phase continues "
+               "with no LR jump; with cosine, or from this last snapshot, the LR jumps back up (a warning says by how "
+               "much). Or --resume never to start over.")
         return
-    logger = RunLogger(cfg.log_dir, enabled=master)
+    metrics = RunLogger(cfg.log_dir, enabled=master)
     if resumed_from:
-        log(f"resuming from {resumed_from} at step {start_step}")
-        replaced = trained.optimizer.replaced_settings
-        logger.log({"event": "resume", "step": start_step, "snapshot": str(resumed_from)}
-                   | ({"optimizer_settings": replaced} if replaced else {}))
+        print0(f"resuming from {resumed_from} at step {start_step}")
+        replaced = trainee.optimizer.replaced_settings
+        metrics.log({"event": "resume", "step": start_step, "snapshot": str(resumed_from)}
+                    | ({"optimizer_settings": replaced} if replaced else {}))
         if replaced:
-            log("the snapshot's optimizer settings differ from this run's; this run's flags apply: "
-                + ", ".join(f"{flag} {saved} → {flagged}" for flag, (saved, flagged) in replaced.items()))
+            print0("the snapshot's optimizer settings differ from this run's; this run's flags apply: "
+                   + ", ".join(f"{flag} {saved} → {flagged}" for flag, (saved, flagged) in replaced.items()))
         change = schedule_change(start_step, snapshots.resumed_config, cfg)
         if change and master:
             line, jump = change
             print(f"WARNING: {line}" if jump else line, file=sys.stderr if jump else sys.stdout)
     elif cfg.init_from != "scratch":
-        log(f"initialised from {cfg.init_from}")
-        logger.log({"event": "init", "step": 0, "init_from": cfg.init_from})
-    logger.start_wandb(cfg.wandb_project, cfg.wandb_mode or ("online" if cfg.wandb_project else "disabled"),
-                       snapshots.wandb_id, cfg.wandb_run_name, asdict(cfg) | {
+        print0(f"initialised from {cfg.init_from}")
+        metrics.log({"event": "init", "step": 0, "init_from": cfg.init_from})
+    metrics.start_wandb(cfg.wandb_project, cfg.wandb_mode or ("online" if cfg.wandb_project else "disabled"),
+                        snapshots.wandb_id, cfg.wandb_run_name, asdict(cfg) | {
                            "model_config": asdict(plan.model_config), "world_size": dist_env.world_size,
                            "grad_accum_steps": plan.grad_accum_steps})
-    evaluations = Evaluations(cfg, plan, trained, val_loader, eval_suite, logger, stop, dist_env, dtype)
+    evaluations = Evaluations(cfg, plan, trainee, val_loader, eval_suite, metrics, stop, dist_env, dtype)
     peak = peak_flops(device, dtype)  # after the RNG restore: it leaves the global generators alone
-    speed = Speedometer(trained.raw.flops_per_token(plan.seq_len) * cfg.total_batch_size, cfg.total_batch_size,
+    speed = Speedometer(trainee.raw.flops_per_token(plan.seq_len) * cfg.total_batch_size, cfg.total_batch_size,
                         peak.flops * dist_env.world_size)
-    log_setup(cfg, plan, trained.raw, dist_env, dtype, peak)
-    divergence = DivergenceResponse(cfg, snapshots, guard, train_loader, logger, log)
+    log_setup(cfg, plan, trainee.raw, dist_env, dtype, peak)
+    divergence = DivergenceResponse(cfg, snapshots, guard, train_loader, metrics, print0)
 
     last_step = cfg.max_steps - 1
     step = start_step
@@ -138,57 +139,28 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: "StopRequest | None" = No
             synchronize(device)
             t0 = time.perf_counter()
             lr = get_lr(step, cfg)
-            result = train_step(trained.model, trained.optimizer, trained.scaler, train_loader,
+            result = train_step(trainee.model, trainee.optimizer, trainee.scaler, train_loader,
                                 plan.grad_accum_steps, lr, cfg.grad_clip, device, dtype, guard)
             synchronize(device)
-            log_step(step, result, lr, speed.measure(time.perf_counter() - t0), logger)
+            log_step(step, result, lr, speed.measure(time.perf_counter() - t0), metrics)
             if guard.skips_in_a_row >= cfg.max_skips:  # the same on every rank: they all stop or roll back
                 step = divergence.respond(step, result.skip_reason)
                 continue
         # --- snapshot (of the state after the last step trained)
         stopping = not evaluated or stop.agreed(device)
-        snapshots.save_if_due(step if evaluated else step - 1, last_step, stopping)
+        snapshots.save_if_due(step if evaluated else step - 1, last_step, stopping,
+                              healthy=guard.skips_in_a_row == 0)
         if stopping:
             where = f"after step {step}" if evaluated else f"during the evaluation before step {step}"
-            log(f"stopping {where} on SIGTERM; " + ("rerun the same command to resume" if cfg.ckpt_every
-                else "no snapshot written, as --ckpt_every is 0"))
+            print0(f"stopping {where} on SIGTERM; " + ("rerun the same command to resume" if cfg.snapshot_every
+                   else "no snapshot written, as --snapshot_every is 0"))
             break
         step += 1
-    logger.finish()
+    metrics.finish()
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # the steps of the run
-
-def choose_micro_batch(cfg: TrainConfig, dist_env: Distributed, dtype: torch.dtype, log) -> int:
-    """--micro_batch_size auto: the largest micro-batch that fits the device's memory (memory.auto_micro_batch) and
-    divides the rank's share of the batch; the smallest rank's choice, so that every rank takes the same.
-
-    A rank where not even one sequence fits (by the arithmetic, or the probe itself running out of memory) takes
-    part in the MIN all-reduce with 0, so that every rank learns of it and raises, none waiting for a peer."""
-    plan = resolve_plan(replace(cfg, micro_batch_size=1), dist_env.world_size)  # every other flag checked first
-    try:
-        choice, failure = auto_micro_batch(plan.model_config, plan.seq_len, cfg.total_batch_size, dist_env.world_size,
-                                           dist_env.device, dtype, int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-                                           cfg.parallel), None
-    except ValueError as e:
-        choice, failure = None, str(e)
-    except torch.OutOfMemoryError as e:
-        choice, failure = None, (f"one sequence does not fit: measuring the activations of one and two sequences "
-                                 f"ran out of memory ({str(e).strip().splitlines()[0]})")
-    if failure and dist_env.device.type == "cuda":
-        torch.cuda.empty_cache()  # the probe's memory back, as the error leaves
-    size = torch.tensor(choice.size if choice else 0, device=dist_env.device)
-    if dist.is_initialized():
-        dist.all_reduce(size, op=dist.ReduceOp.MIN)
-    if size.item() == 0:
-        reason = failure or "one sequence does not fit on another rank (its error says by how much)"
-        raise UserError(f"--micro_batch_size auto: {reason.rstrip('.')}. Lower --seq_len, pick a smaller model, or "
-                        "use more ranks (with --parallel fsdp, each holds a smaller share of the model).")
-    log(f"--micro_batch_size auto: {choice.reason}"
-        + (f"; {size.item()}, another rank's smaller choice, on every rank" if size.item() != choice.size else ""))
-    return size.item()
-
 
 def initial_model(cfg: TrainConfig, plan: Plan) -> GPT:
     """Random weights, or the --init_from ones (cropped to --block_size), before compile and DDP see the model."""
@@ -196,88 +168,28 @@ def initial_model(cfg: TrainConfig, plan: Plan) -> GPT:
         return GPT(plan.model_config)
     if cfg.init_from in HF_MODELS or (Path(cfg.init_from) / "config.json").is_file():
         try:
-            model = GPT.from_pretrained(cfg.init_from)
+            model = hf.from_pretrained(cfg.init_from)
         except OSError as e:  # what transformers raises for no network, an unknown name or missing weight files
             raise UserError(f"--init_from {cfg.init_from}: the Hugging Face weights could not be loaded "
                             f"({str(e).strip().splitlines()[0]}). On a node without network, save them elsewhere "
                             "with GPT2LMHeadModel.from_pretrained(name).save_pretrained(directory), copy the "
                             "directory over and pass --init_from directory.") from e
     else:
-        model = GPT.from_snapshot(cfg.init_from)
+        try:
+            model = read_model(cfg.init_from)
+        except ValueError as e:  # its bytes changed since they were written: the reader's message names the file
+            raise UserError(f"--init_from: {e}") from e
     model.crop_block_size(plan.model_config.block_size)
     return model
-
-
-class StopRequest:
-    """SIGTERM (a preemption, or torchrun stopping workers) asks for a snapshot as soon as possible.
-
-    main() makes `request` the SIGTERM handler; it only sets a flag. Ranks agree on it (a collective) after every
-    step and every few batches of an evaluation, so they all stop at the same point and write the snapshot within a
-    step of the signal.
-    """
-
-    def __init__(self):
-        self.requested = False
-
-    def request(self, signum=None, frame=None) -> None:
-        self.requested = True
-
-    def agreed(self, device: torch.device) -> bool:
-        return any_rank(self.requested, device)
-
-
-class DivergenceResponse:
-    """--on_divergence: what the run does once --max_skips updates in a row were skipped (training.DivergenceGuard).
-
-    rollback: restore the newest healthy snapshot (Snapshots.rollback) and train on from its step with the data after
-    the divergence, at most --max_rollbacks times. stop, or no rollback left: a UserError, raised on every rank at
-    the same step, saying where the run stands and what to try.
-    """
-
-    def __init__(self, cfg: TrainConfig, snapshots: Snapshots, guard: DivergenceGuard,
-                 train_loader: DistributedDataLoader, logger: RunLogger, log):
-        self.cfg, self.snapshots, self.guard, self.train_loader = cfg, snapshots, guard, train_loader
-        self.logger, self.log = logger, log
-
-    def respond(self, step: int, reason: str) -> int:
-        """Roll back and return the step to go on at, or raise UserError."""
-        cfg, position = self.cfg, self.train_loader.state_dict()
-        where = (f"epoch {position['epoch']}, shard {position['shard_position']}, chunk "
-                 f"{position['chunk_position']}")
-        if cfg.on_divergence == "rollback" and self.guard.rollbacks < cfg.max_rollbacks:
-            restored = self.snapshots.rollback()
-            if restored is not None:
-                next_step, path = restored
-                rollbacks = self.guard.rollbacks
-                self.log(f"step {step:5d} | {cfg.max_skips} updates skipped in a row (last: {reason}): rollback "
-                         f"{rollbacks} of {cfg.max_rollbacks} to {path}; training goes on at step {next_step} "
-                         f"with the data after the skipped steps ({where})")
-                self.logger.log({"event": "rollback", "step": step, "to_step": next_step, "snapshot": path,
-                                 "rollbacks": rollbacks, "reason": reason, "data_position": position})
-                return next_step
-        rollbacks = self.guard.rollbacks
-        healthy = self.snapshots.newest_healthy()
-        self.logger.log({"event": "diverged", "step": step, "reason": reason, "rollbacks": rollbacks,
-                         "data_position": position, "healthy_snapshot": healthy})
-        self.logger.finish()
-        after = f"after {rollbacks} rollback(s) (--max_rollbacks {cfg.max_rollbacks}), " if rollbacks else ""
-        restart = (f"The newest healthy snapshot is {healthy}: restart from it with --resume {healthy} and "
-                   if healthy else "There is no healthy snapshot to restart from: start again with ")
-        raise UserError(
-            f"training diverged: {after}{cfg.max_skips} updates in a row were skipped up to step {step} (the last "
-            f"for {reason}; --max_skips {cfg.max_skips}), with the data loader at {where}. {restart}a lower "
-            f"--max_lr (now {cfg.max_lr:g}), or --skip_zscore 6 to skip loss spikes before they run away, or "
-            "--on_divergence rollback to reload the newest healthy snapshot automatically and skip the data that "
-            "diverged.")
 
 
 class Evaluations:
     """Validation, the zero-shot tasks and samples, each on its own beat."""
 
-    def __init__(self, cfg: TrainConfig, plan: Plan, trained: TrainingModel, val_loader, eval_suite,
-                 logger: RunLogger, stop: StopRequest, dist_env: Distributed, dtype: torch.dtype):
-        self.cfg, self.plan, self.trained, self.val_loader = cfg, plan, trained, val_loader
-        self.eval_suite, self.logger, self.stop = eval_suite, logger, stop
+    def __init__(self, cfg: TrainConfig, plan: Plan, trainee: TrainingModel, val_loader, eval_suite,
+                 metrics: RunLogger, stop: StopRequest, dist_env: Distributed, dtype: torch.dtype):
+        self.cfg, self.plan, self.trainee, self.val_loader = cfg, plan, trainee, val_loader
+        self.eval_suite, self.metrics, self.stop = eval_suite, metrics, stop
         self.dist_env, self.dtype = dist_env, dtype
 
     def run_due(self, step: int, last_step: int) -> bool:
@@ -287,34 +199,34 @@ class Evaluations:
         def should_stop() -> bool:
             return self.stop.agreed(device)
 
-        log = print if self.dist_env.is_master else (lambda *args: None)
+        print0 = print if self.dist_env.is_master else (lambda *args: None)
         if self.val_loader and (step % cfg.val_every == 0 or step == last_step):
-            val = validation_loss(self.trained.model, self.val_loader, self.plan.val_steps, device, dtype,
+            val = validation_loss(self.trainee.model, self.val_loader, self.plan.val_steps, device, dtype,
                                   should_stop)
             if val is None:
                 return False
             bpb = {"val_bpb": val.bpb} if val.bpb is not None else {}  # None: no GPT-2 tokenizer (offline)
-            log(f"step {step:5d} | val loss {val.loss:.4f}" + (f" | val bpb {val.bpb:.4f}" if bpb else ""))
-            self.logger.log({"step": step, "val_loss": val.loss} | bpb)
+            print0(f"step {step:5d} | val loss {val.loss:.4f}" + (f" | val bpb {val.bpb:.4f}" if bpb else ""))
+            self.metrics.log({"step": step, "val_loss": val.loss} | bpb)
         evals_due = self.eval_suite and (step % cfg.eval_every == 0 or step == last_step)
         sample_due = cfg.sample_every and step > 0 and (step % cfg.sample_every == 0 or step == last_step)
         # The uncompiled module, whole: the tasks' sequence lengths vary and would make torch.compile recompile,
         # and each rank scores other batches (and only rank 0 samples), so fsdp's gathers could not pair up.
-        full_model = self.trained.full_model() if evals_due or sample_due else None
+        full_model = self.trainee.full_model() if evals_due or sample_due else None
         if evals_due:
             results = evals.evaluate(full_model, self.eval_suite, device, dtype, self.dist_env.rank,
                                      self.dist_env.world_size, should_stop=should_stop)
             if results is None:
                 return False
-            log(f"step {step:5d} | " + " | ".join(f"{key} {value:.4f}" for key, value in results.items()))
-            self.logger.log({"step": step} | results)
+            print0(f"step {step:5d} | " + " | ".join(f"{key} {value:.4f}" for key, value in results.items()))
+            self.metrics.log({"step": step} | results)
         if self.dist_env.is_master and sample_due and not self.stop.requested:
             # Rank 0 alone, so no collective: a stop request seen later is agreed on after the step.
             texts = generate_text(full_model, "Hello, I'm a language model,", num_samples=4, max_new_tokens=32,
                                   temperature=1.0, top_k=50, seed=42)
             for text in texts:
                 print(f"sample {step}: {text!r}")
-            self.logger.log_samples(step, texts)
+            self.metrics.log_samples(step, texts)
         return True
 
 
@@ -343,15 +255,15 @@ def log_setup(cfg: TrainConfig, plan: Plan, model: GPT, dist_env: Distributed, d
           + (f"\nvalidation: {plan.val_steps} × {tokens_per_micro_step:,} tokens" if plan.val_steps else ""))
 
 
-def log_step(step: int, result: StepResult, lr: float, speed: dict, logger: RunLogger) -> None:
-    print_if = print if logger.enabled else (lambda *args: None)
-    print_if(f"step {step:5d} | loss {result.loss:.6f} | lr {lr:.2e} | norm {result.grad_norm:.4f} | "
-             f"{speed['dt_ms']:.1f} ms | {speed['tokens_per_sec']:,.0f} tok/s | mfu {100 * speed['mfu']:.1f}%"
-             + (f" | step skipped: {result.skip_reason}" if result.skipped else ""))
+def log_step(step: int, result: StepResult, lr: float, speed: dict, metrics: RunLogger) -> None:
+    print0 = print if metrics.enabled else (lambda *args: None)
+    print0(f"step {step:5d} | loss {result.loss:.6f} | lr {lr:.2e} | norm {result.grad_norm:.4f} | "
+           f"{speed['dt_ms']:.1f} ms | {speed['tokens_per_sec']:,.0f} tok/s | mfu {100 * speed['mfu']:.1f}%"
+           + (f" | step skipped: {result.skip_reason}" if result.skipped else ""))
     # A NaN or inf loss or norm (a skipped step) is logged as null, as strict JSON readers reject NaN.
     loss, grad_norm = (v if math.isfinite(v) else None for v in (result.loss, result.grad_norm))
-    logger.log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm} | speed
-               | ({"skipped": True, "skip_reason": result.skip_reason} if result.skipped else {}))
+    metrics.log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm} | speed
+                | ({"skipped": True, "skip_reason": result.skip_reason} if result.skipped else {}))
 
 
 if __name__ == "__main__":

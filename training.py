@@ -1,9 +1,7 @@
-"""One optimizer step, and the guard that refuses bad updates: shared by train_gpt2.py and bench.py."""
+"""One optimizer step: shared by train_gpt2.py and bench.py. Whether its update is applied is the divergence guard's
+call (divergence.py)."""
 
-import math
-import statistics
 import time
-from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +9,7 @@ from torch.distributed.tensor import DTensor
 
 from dataloader import DistributedDataLoader
 from distributed import average_across_ranks, to_device
+from divergence import DivergenceGuard, nonfinite_reason
 from optim import Optimizers
 from parallel import set_gradient_sync
 from precision import autocast
@@ -26,68 +25,6 @@ class StepResult:
     @property
     def skipped(self) -> bool:
         return self.skip_reason is not None
-
-
-def nonfinite_reason(loss: float, grad_norm: float, fp16: bool) -> str | None:
-    """Why an update must not be applied whatever the flags: a NaN or inf loss or gradient norm would put NaN into
-    the weights and AdamW's moments, from which no later step recovers. (In fp16 an inf norm with a finite loss is
-    the GradScaler's overflow, which it answers by halving the loss scale.)"""
-    if not math.isfinite(loss):
-        return "non-finite loss"
-    if not math.isfinite(grad_norm):
-        return "fp16 overflow" if fp16 else "non-finite grad norm"
-    return None
-
-
-class DivergenceGuard:
-    """Decides, from a step's global loss and gradient norm, whether its update is applied, and counts the updates
-    skipped in a row (train_gpt2.py acts on that count: --on_divergence).
-
-    Always: a non-finite loss or norm is skipped. With zscore > 0 (--skip_zscore), also a spike: a loss or norm more
-    than zscore standard deviations above its mean over the last SPIKE_WINDOW applied steps, once SPIKE_WARMUP
-    steps have been seen (llm.c skips outliers the same way). Every rank sees the same loss (averaged across ranks)
-    and norm (of the all-reduced gradients), so every rank decides the same without a collective of its own. The
-    state goes into snapshots, so a resumed run decides as the uninterrupted one would have.
-    """
-
-    SPIKE_WINDOW = 100  # steps: long enough for a stable spread, short enough to follow the falling loss
-    SPIKE_WARMUP = 20  # steps before the first spike check: the early statistics are noise
-
-    def __init__(self, zscore: float = 0.0):
-        self.zscore = zscore
-        self.losses: deque[float] = deque(maxlen=self.SPIKE_WINDOW)
-        self.grad_norms: deque[float] = deque(maxlen=self.SPIKE_WINDOW)
-        self.skips_in_a_row = 0
-        self.rollbacks = 0  # of the whole run, kept in snapshots so that a restart does not reset --max_rollbacks
-
-    def review(self, loss: float, grad_norm: float, fp16: bool) -> str | None:
-        """The reason to skip this step's update (None: apply it); records the step either way."""
-        reason = nonfinite_reason(loss, grad_norm, fp16) or self._spike(loss, grad_norm)
-        if reason is None:
-            self.losses.append(loss)
-            self.grad_norms.append(grad_norm)
-        self.skips_in_a_row = self.skips_in_a_row + 1 if reason else 0
-        return reason
-
-    def _spike(self, loss: float, grad_norm: float) -> str | None:
-        if not self.zscore or len(self.losses) < self.SPIKE_WARMUP:
-            return None
-        for name, value, recent in (("loss", loss, self.losses), ("grad norm", grad_norm, self.grad_norms)):
-            spread = statistics.pstdev(recent)
-            z = (value - statistics.fmean(recent)) / spread if spread else 0.0
-            if z > self.zscore:
-                return f"{name} spike z={z:.1f}"
-        return None
-
-    def state_dict(self) -> dict:
-        return {"losses": list(self.losses), "grad_norms": list(self.grad_norms),
-                "skips_in_a_row": self.skips_in_a_row, "rollbacks": self.rollbacks}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.losses = deque(state["losses"], maxlen=self.SPIKE_WINDOW)
-        self.grad_norms = deque(state["grad_norms"], maxlen=self.SPIKE_WINDOW)
-        self.skips_in_a_row = state["skips_in_a_row"]
-        self.rollbacks = state.get("rollbacks", 0)  # (snapshots from before the count was kept)
 
 
 def train_step(model: torch.nn.Module, optimizer: Optimizers, scaler: torch.amp.GradScaler,

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
-from data.tokenize_shards import gpt2_encoding
 from dataloader import DistributedDataLoader
 from distributed import average_across_ranks, to_device
 from precision import autocast
+from tokenizer import gpt2_encoding
 
 # A stop check is a collective and a device sync: often enough that a long evaluation notices SIGTERM within
 # seconds (torchrun and SLURM give 30 s before SIGKILL), rarely enough to cost nothing.

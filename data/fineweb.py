@@ -1,9 +1,9 @@
 """Download FineWeb-Edu (or FineWeb), tokenize it with GPT-2's tokenizer in a process pool, and write token shards.
 
-    python data/fineweb.py                                  # FineWeb-Edu sample-10BT -> data/fineweb_edu10B/
-    python data/fineweb.py --version classic --size 100B    # FineWeb sample-100BT -> data/fineweb100B/
-    python data/fineweb.py --max_shards 2                   # a quick partial download: the val and one train shard
-    python data/fineweb.py --input a.parquet b.jsonl --output_dir data/fineweb_mine   # local files, `text` column
+    python -m data.fineweb                                  # FineWeb-Edu sample-10BT -> data/fineweb_edu10B/
+    python -m data.fineweb --version classic --size 100B    # FineWeb sample-100BT -> data/fineweb100B/
+    python -m data.fineweb --max_shards 2                   # a quick partial download: the val and one train shard
+    python -m data.fineweb --input a.parquet b.jsonl --output_dir data/fineweb_mine   # local files, `text` column
 
 The documents are streamed from the Hugging Face hub (only the shards are kept on disk) and cut into shards of
 --shard_size tokens (default 100M, 200 MB; sample-10BT gives about 100): the first is val, the rest train, named
@@ -18,17 +18,13 @@ was writing, and never leaves part of one under a shard's name. A run without --
 re-running a finished command does nothing.
 """
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: `import dataloader, data` as a script
-
 import argparse
 import json
 import os
 import time
 from collections.abc import Callable, Iterator
 from itertools import islice
+from pathlib import Path
 
 import pyarrow.parquet as pq
 

@@ -1,8 +1,8 @@
 """Tokenize local text files, or Tiny Shakespeare, with GPT-2's tokenizer into val/train token shards.
 
-    python data/prepare.py --source shakespeare                          # downloads input.txt into data/shakespeare/
-    python data/prepare.py --source shakespeare --input path/input.txt   # offline, from a local copy
-    python data/prepare.py --input a.txt b.txt --output_dir data/mytext
+    python -m data.prepare --source shakespeare                          # downloads input.txt into data/shakespeare/
+    python -m data.prepare --source shakespeare --input path/input.txt   # offline, from a local copy
+    python -m data.prepare --input a.txt b.txt --output_dir data/mytext
 
 Document boundaries: each --input file is one document, preceded by the EOT token as llm.c writes documents (see
 data/tokenize_shards.py); with --val_fraction > 0, a file's val part and its train part are each preceded by one.
@@ -17,14 +17,10 @@ Shards go to --output_dir (default data/shakespeare with --source shakespeare, r
 The files are read into memory whole; for larger corpora use data/fineweb.py --input, which streams.
 """
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: `import dataloader, data` as a script
-
 import argparse
 import time
 import urllib.request
+from pathlib import Path
 
 from data.tokenize_shards import ShardWriter, check_input_files, shard_paths, summary, tokenize_documents
 from files import atomic_write

@@ -14,15 +14,10 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
-import tiktoken
 from tqdm import tqdm
 
 from dataloader import write_shard
-
-
-@functools.cache  # one per process: pool workers build their own on first use
-def gpt2_encoding() -> tiktoken.Encoding:
-    return tiktoken.get_encoding("gpt2")
+from tokenizer import gpt2_encoding
 
 
 def tokenize(text: str, eot: bool = True) -> np.ndarray:

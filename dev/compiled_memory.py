@@ -1,7 +1,7 @@
 """Where torch.compile's extra peak memory goes: one training micro-step of GPT-2 124M, eager against compiled, the
 allocator's peak above the model's state and the bytes autograd saves for backward (by shape), on one CUDA GPU.
 
-    python dev/compiled_memory.py --micro_batch_size 16
+    python -m dev.compiled_memory --micro_batch_size 16
 """
 
 import argparse

@@ -13,12 +13,12 @@ import argparse
 import tempfile
 import time
 
-import bench
 import evals
 from config import TrainConfig
 from distributed import setup_distributed
 from model import GPT, PRESETS
 from precision import dtype_name, pick_dtype
+from tools import bench
 
 
 def main() -> None:

@@ -2,14 +2,14 @@
 and every request's log-likelihood, side by side. The proof behind the README's "the harness's numbers".
 
     python -m venv /tmp/lmeval && /tmp/lmeval/bin/pip install -r requirements.txt "lm_eval[hf]==0.4.13"
-    python export_hf.py logs/quickstart/snapshot_0000149.pt /tmp/exported --tokenizer_dir ../shared/data/gpt2_tokenizer
+    python -m tools.export_hf logs/quickstart/snapshot_0000149.pt /tmp/hf --tokenizer_dir ../shared/data/gpt2_tokenizer
     TIKTOKEN_CACHE_DIR=../shared/data/gpt2_tokenizer/tiktoken_cache /tmp/lmeval/bin/python -m dev.harness_compare \\
-        --model /tmp/exported --eval_dir ../shared/data/evals tests/data/evals \\
+        --model /tmp/hf --eval_dir ../shared/data/evals tests/data/evals \\
         --hellaswag_path ../shared/data/hellaswag/hellaswag_val.jsonl --limit 500
 
 The harness runs offline on the local files: each task is a YAML of its own that includes the installed harness's
 task YAML and points dataset_path json at the file (as ../shared/data/README.md describes). Our side reads the same
-Hugging Face directory with GPT.from_pretrained. Both run in float32 on the CPU. Exit status 1 if a metric differs
+Hugging Face directory with hf.from_pretrained. Both run in float32 on the CPU. Exit status 1 if a metric differs
 by more than --tolerance (perplexity: its logarithm, i.e. relatively) or a request's text differs.
 """
 
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import evals
-from model import GPT
+import hf
 
 
 def task_files(eval_dirs: list[Path], hellaswag_path: Path | None) -> dict[str, Path]:
@@ -77,7 +77,7 @@ def run_harness(model_dir: Path, files: dict[str, Path], limit: int | None, batc
 
 
 def run_ours(model_dir: Path, files: dict[str, Path], limit: int | None) -> tuple[dict, dict]:
-    model = GPT.from_pretrained(str(model_dir))
+    model = hf.from_pretrained(str(model_dir))
     docs = {name: evals.load_docs(name, file, limit) for name, file in files.items()}
     suite = evals.Suite(docs, model.config.block_size, batch_tokens=16384)
     results = evals.score(model, suite, "cpu", progress=True)

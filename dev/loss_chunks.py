@@ -9,8 +9,8 @@ import argparse
 
 import torch
 
-import bench
 from distributed import setup_distributed
+from tools import bench
 
 
 def main() -> None:

@@ -1,9 +1,9 @@
 """AdamW vs Muon on Tiny Shakespeare: an LR sweep per optimizer and shape, same steps, data order and schedule.
 
-    python data/prepare.py --source shakespeare
-    OMP_NUM_THREADS=1 python dev/muon_vs_adamw.py run     # trains every configuration not yet finished, in turn
-    SWEEP_SHAPES=narrow6 python dev/muon_vs_adamw.py run  # one shape (run two shapes side by side on 2 cores)
-    python dev/muon_vs_adamw.py report                    # best of each, the steps Muon needs, the PNG
+    python -m data.prepare --source shakespeare
+    OMP_NUM_THREADS=1 python -m dev.muon_vs_adamw run     # trains every configuration not yet finished, in turn
+    SWEEP_SHAPES=narrow6 python -m dev.muon_vs_adamw run  # one shape (run two shapes side by side on 2 cores)
+    python -m dev.muon_vs_adamw report                    # best of each, the steps Muon needs, the PNG
 
 Muon's AdamW part (embeddings, biases, LayerNorms) runs at the --max_lr that the AdamW sweep of the same shape found
 best, so the Muon sweep varies --muon_lr alone: four LRs each. The README's "Optimizers" section has the results.
@@ -14,13 +14,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from plot import read_metrics  # noqa: E402
+from tools.plot import read_metrics
 
 ROOT = Path(os.environ.get("SWEEP_ROOT", "logs/sweep"))
 STEPS = {"small": 120, "narrow6": 120}
 COMMON = ["--data_dir", "data/shakespeare", "--total_batch_size", "1024", "--min_lr_ratio", "0.1", "--val_every", "20",
-          "--val_tokens", "8192", "--hellaswag_every", "0", "--sample_every", "0", "--ckpt_every", "0",
+          "--val_tokens", "8192", "--hellaswag_every", "0", "--sample_every", "0", "--snapshot_every", "0",
           "--resume", "never", "--seed", "1337"]
 SHAPES = {
     "small": ["--model", "small", "--micro_batch_size", "4", "--seq_len", "256"],  # the quickstart model

@@ -1,6 +1,7 @@
 """Shared test fixtures and helpers: the offline data beside the project (../shared/data), tiny shard
 directories, tiny saved models, perturbed weights and free ports. (Launching train_gpt2.py: helpers_train.py.)"""
 
+import errno
 import os
 import socket
 import sys
@@ -64,7 +65,7 @@ def perturb_(model: torch.nn.Module, scale: float, seed: int = 0) -> torch.nn.Mo
 
 
 def save_tiny_model(path: Path, block_size: int = 64, perturb: float = 0.0) -> Path:
-    """A random `tiny` GPT saved as just a snapshot's {"model", "model_config"}, as GPT.from_snapshot
+    """A random `tiny` GPT saved as just a snapshot's {"model", "model_config"}, as snapshot.read_model
     reads it; perturb > 0 moves every weight away from its init."""
     from dataclasses import replace
 
@@ -74,6 +75,43 @@ def save_tiny_model(path: Path, block_size: int = 64, perturb: float = 0.0) -> P
     model = perturb_(GPT(replace(PRESETS["tiny"], block_size=block_size)), perturb)
     torch.save({"model": model.state_dict(), "model_config": asdict(model.config)}, path)
     return path
+
+
+def tiny_snapshots(data: Path, snapshot_dir: Path, log=print, guard=None, every: int = 1, keep_last: int = 2):
+    """The Snapshots of a one-process CPU run of the tiny model (fp32, AdamW), its train loader reading data's shards
+    2 × 16 tokens at a time: to test writing, pruning and rolling back without training."""
+    from config import TrainConfig, resolve_plan
+    from dataloader import DistributedDataLoader
+    from distributed import Distributed
+    from model import GPT
+    from parallel import build_training_model
+    from snapshot import Snapshots
+
+    cfg = TrainConfig(data_dir=str(data), model="tiny", micro_batch_size=2, seq_len=16, total_batch_size=32,
+                      dtype="fp32", device="cpu", val_every=0)
+    dist_env = Distributed(0, 0, 1, torch.device("cpu"))
+    trainee = build_training_model(GPT(resolve_plan(cfg, 1).model_config), dist_env, torch.float32, cfg, compile=False)
+    loader = DistributedDataLoader(data, "train", 2, 16)
+    stateful = {"guard": guard} if guard is not None else {}
+    return Snapshots(str(snapshot_dir), every, keep_last, "never", trainee, loader, asdict(cfg), dist_env, log,
+                     stateful)
+
+
+def eio_the_first_time(monkeypatch) -> list[int]:
+    """snapshot.torch_save failing with EIO (half a file written) the first time; returns the steps it was given."""
+    import snapshot
+
+    writes, real_torch_save = [], snapshot.torch_save
+
+    def save(obj, f):
+        writes.append(obj["step"])
+        if len(writes) == 1:
+            f.write(b"half a snapshot")
+            raise OSError(errno.EIO, "Input/output error")
+        real_torch_save(obj, f)
+
+    monkeypatch.setattr(snapshot, "torch_save", save)
+    return writes
 
 
 def free_port() -> int:
@@ -112,7 +150,7 @@ def gpu_device() -> torch.device:
         return torch.device("cpu")
     if torch.cuda.is_available():
         return torch.device("cuda")
-    pytest.skip("needs a CUDA GPU (`python gpu_check.py --out DIR` runs these; `--cpu-smoke` runs them on the CPU)")
+    pytest.skip("needs a CUDA GPU (`python -m tools.gpu_check --out DIR` runs these; `--cpu-smoke` on the CPU)")
 
 
 @pytest.fixture(scope="session")

@@ -21,10 +21,13 @@ import time
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 import train_gpt2
 from conftest import ROOT
@@ -195,3 +198,37 @@ def main_in_process(argv: list[str]) -> None:
     finally:  # what the run sets for its process must not outlive it in ours
         signal.signal(signal.SIGTERM, handler)
         torch.set_float32_matmul_precision(precision)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# spawned process groups, for tests of what ranks do together without a whole run
+
+class RandomBatches:
+    """A rank's own micro-batches of random tokens, handed to training.train_step as a data loader would."""
+
+    def __init__(self, seed: int, vocab_size: int, batch_size: int = 2, seq_len: int = 16):
+        self.generator = torch.Generator().manual_seed(seed)
+        self.shape, self.vocab_size = (batch_size, seq_len + 1), vocab_size
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.randint(0, self.vocab_size, self.shape, generator=self.generator)
+        return tokens[:, :-1], tokens[:, 1:]
+
+
+def _rank_main(rank: int, world_size: int, directory: str, worker, args: tuple) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{directory}/store", rank=rank, world_size=world_size,
+                            timeout=timedelta(minutes=2))
+    try:
+        (Path(directory) / f"rank{rank}.json").write_text(json.dumps(worker(rank, *args)))
+    finally:
+        dist.destroy_process_group()
+
+
+def on_ranks(worker, directory: Path, *args, world_size: int = 2) -> list:
+    """worker(rank, *args) in world_size spawned processes joined in a gloo process group (seconds, where torchrun
+    and train_gpt2.py take tens of them); what each rank's call returned (through JSON), by rank. worker must be a
+    module-level function, so that the spawned processes can import it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    mp.spawn(_rank_main, args=(world_size, str(directory), worker, args), nprocs=world_size)
+    return [json.loads((directory / f"rank{r}.json").read_text()) for r in range(world_size)]

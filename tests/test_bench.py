@@ -1,4 +1,4 @@
-"""bench.py, and the speed options it measures: the benchmark's JSON, and torch.compile in a real training run."""
+"""tools/bench.py, and the speed options it measures: the benchmark's JSON, and torch.compile in a real training run."""
 
 import json
 import subprocess
@@ -20,7 +20,7 @@ REPORT_KEYS = {"device", "world_size", "model", "n_layer", "n_head", "n_embd", "
 
 @pytest.mark.slow  # a few seconds: keeps `-m 'not slow'` under 90 s
 def test_bench_compare_prints_one_json_object_with_the_documented_keys():
-    command = [sys.executable, str(ROOT / "bench.py"), "--model", "tiny", "--device", "cpu", "--micro_batch_size",
+    command = [sys.executable, "-m", "tools.bench", "--model", "tiny", "--device", "cpu", "--micro_batch_size",
                "2", "--seq_len", "16", "--steps", "2", "--warmup", "0", "--compare", "--json"]
     proc = subprocess.run(command, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -44,7 +44,7 @@ def test_bench_compare_prints_one_json_object_with_the_documented_keys():
 
 @pytest.mark.slow  # a few seconds
 def test_bench_times_ours_against_the_full_logits_loss_and_generation_with_and_without_the_cache():
-    command = [sys.executable, str(ROOT / "bench.py"), "--model", "tiny", "--device", "cpu", "--micro_batch_size",
+    command = [sys.executable, "-m", "tools.bench", "--model", "tiny", "--device", "cpu", "--micro_batch_size",
                "2", "--seq_len", "16", "--steps", "2", "--warmup", "0", "--vs_full_logits", "--rounds", "2",
                "--generation", "--new_tokens", "8", "--dtype", "fp32", "--json"]
     proc = subprocess.run(command, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=120)
@@ -65,7 +65,7 @@ def test_bench_times_ours_against_the_full_logits_loss_and_generation_with_and_w
 
 
 def test_the_full_logits_baseline_is_cross_entropy_over_every_padded_column():
-    from bench import FullLogitsGPT
+    from tools.bench import FullLogitsGPT
 
     torch.manual_seed(0)
     config = PRESETS["tiny"]
@@ -105,8 +105,8 @@ def test_compiled_training_with_validation_and_sampling_matches_eager(tmp_path, 
 
 def test_a_configuration_that_runs_out_of_memory_is_reported_and_the_rest_still_measured(monkeypatch, capsys):
     """On an 80 GB GPU the fp32 baseline at the CUDA defaults (B=64, T=1024) needs ~87 GiB."""
-    import bench
     from distributed import Distributed
+    from tools import bench
 
     real_time_config = bench.time_config
 
@@ -124,3 +124,29 @@ def test_a_configuration_that_runs_out_of_memory_is_reported_and_the_rest_still_
     assert configured["tokens_per_sec"] > 0 and report["speedup"] is None
     assert "going on with the rest" in capsys.readouterr().err
     assert "skipped: out of memory" in bench.format_report(report, args)
+
+
+@pytest.mark.slow  # about 10 s: the activations of 1-, 2- and 6-layer models, three ways each
+def test_the_memory_plans_numbers_agree_with_the_budget_memory_py_measures_on_the_whole_model():
+    """bench.py --plan extrapolates the activations from 1- and 2-layer models; memory.py measures the whole one."""
+    from memory import GiB, fixed_bytes, largest_micro_batch, measure_activation_bytes_per_sequence
+    from model import ACTIVATION_CHECKPOINTING, GPTConfig
+    from tools import bench
+
+    config = GPTConfig(block_size=128, vocab_size=50257, n_layer=6, n_head=4, n_embd=128)  # the loss counts, too
+    plan = bench.memory_plan([0.25], torch.device("cpu"), {"six": config}, seq_len=128, total_batch_size=128 * 128)
+    for mode in ACTIVATION_CHECKPOINTING:
+        measured = measure_activation_bytes_per_sequence(config, 128, torch.bfloat16, activation_checkpointing=mode)
+        planned = plan["activation_bytes_per_sequence"]["six"][mode]
+        assert planned == pytest.approx(measured, rel=0.1)
+        for cards in bench.PLAN_CARDS:
+            for parallel in ("ddp", "fsdp"):
+                fixed = fixed_bytes(config, cards, parallel, torch.bfloat16)
+                size = plan["micro_batch"]["0.25"]["six"][cards][f"{parallel} {mode}"]
+                assert fixed + size * planned == pytest.approx(fixed + size * measured, rel=0.1)
+                assert size == largest_micro_batch(GiB // 4, fixed, measured, 128 // cards).size
+    table = bench.format_plan(plan).splitlines()
+    assert "| model | cards | ddp | ddp + blocks | ddp + selective | fsdp | fsdp + blocks | fsdp + selective |" in table
+    sizes = plan["micro_batch"]["0.25"]["six"][1]
+    assert f"| six | 1 | {sizes['ddp none']} | {sizes['ddp blocks']} |" in "\n".join(table)
+    assert sizes["ddp blocks"] > sizes["ddp none"]  # (so the table says something)

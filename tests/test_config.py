@@ -20,6 +20,18 @@ def test_flags_override_the_recipe_which_overrides_the_defaults():
     assert cfg.weight_decay == TrainConfig.weight_decay  # not in the recipe: the default
 
 
+def test_the_snapshot_flags_old_names_still_work_on_the_command_line_and_in_recipes(tmp_path, capsys, monkeypatch):
+    (tmp_path / "old.toml").write_text('ckpt_every = 7\nckpt_dir = "old"\n')
+    cfg = parse_args(["--config", str(tmp_path / "old.toml")])
+    assert (cfg.snapshot_every, cfg.snapshot_dir) == (7, "old")
+    cfg = parse_args(["--config", str(tmp_path / "old.toml"), "--ckpt_every", "9", "--snapshot_dir", "new"])
+    assert (cfg.snapshot_every, cfg.snapshot_dir) == (9, "new")
+    monkeypatch.setattr("sys.argv", ["train_gpt2.py"])
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    assert "--snapshot_every SNAPSHOT_EVERY, --ckpt_every SNAPSHOT_EVERY" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
 def test_every_recipe_loads(recipe):
     cfg = parse_args(["--config", str(recipe)])
@@ -69,7 +81,7 @@ def test_the_plan_resolves_shape_lengths_and_steps(tmp_path):
     assert plan.model_config == PRESETS["tiny"] and plan.seq_len == 32
     assert plan.grad_accum_steps == 2  # 256 tokens = 2 × 32 × 2 ranks × 2
     assert plan.val_steps == 5  # all that one pass over the val shard holds: 640 tokens / (2 × 32 × 2 ranks)
-    assert Path(plan.ckpt_dir) == tmp_path / "logs"
+    assert Path(plan.snapshot_dir) == tmp_path / "logs"
 
 
 def test_the_old_hellaswag_flags_and_recipe_keys_set_the_eval_ones(tmp_path):

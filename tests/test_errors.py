@@ -38,8 +38,8 @@ HELLASWAG_CACHED = HELLASWAG_CACHE.exists()
 
 # case: the words its error paragraph must hold (the file or flag, what is wrong, the fix)
 EXPECTED = {
-    "missing data dir": ["data directory", "nowhere", "does not exist", "python data/prepare.py", "--data_dir"],
-    "empty data dir": ["no train shards", "empty", "python data/prepare.py"],
+    "missing data dir": ["data directory", "nowhere", "does not exist", "python -m data.prepare", "--data_dir"],
+    "empty data dir": ["no train shards", "empty", "python -m data.prepare"],
     "truncated shard": ["test_train_000000.bin", "header says 400 tokens", "cut off mid-write", "Delete it"],
     "bad magic": ["test_train_000000.bin", "bad magic number 1234", "Re-create it with data/prepare.py"],
     "indivisible batch": ["--total_batch_size 33", "--micro_batch_size × --seq_len × ranks", "e.g. 32"],

@@ -104,7 +104,8 @@ def hf_model(tmp_path_factory, shared_data):
     from the offline GPT-2 files, and the same weights as our GPT."""
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-    from export_hf import write_tokenizer
+    from hf import from_pretrained
+    from tools.export_hf import write_tokenizer
     directory = tmp_path_factory.mktemp("hf")
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, n_positions=64, vocab_size=50257)).eval()
@@ -113,7 +114,7 @@ def hf_model(tmp_path_factory, shared_data):
             p.add_(torch.randn_like(p) * 0.2)
     hf.save_pretrained(directory)
     write_tokenizer(shared_data / "gpt2_tokenizer", directory, 64)
-    return hf, AutoTokenizer.from_pretrained(directory), GPT.from_pretrained(str(directory))
+    return hf, AutoTokenizer.from_pretrained(directory), from_pretrained(str(directory))
 
 
 def reference_request(tokenizer, context: str, continuation: str, block_size: int) -> tuple[list[int], list[int]]:

@@ -23,7 +23,7 @@ def test_every_task_scores_as_the_harness_does(model, tmp_path, shared_data):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from dev import harness_compare
-    from export_hf import write_tokenizer
+    from tools.export_hf import write_tokenizer
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, n_positions=64, vocab_size=50257))
     with torch.no_grad():  # far from the near-uniform init, so that the model tells the choices apart

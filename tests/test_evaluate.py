@@ -1,6 +1,6 @@
-"""evaluate.py: the numbers a training run logged for a snapshot (val loss and zero-shot tasks), the same on 2 ranks
-as on 1, an old snapshot's flags, OpenAI-style weights from a Hugging Face directory against Hugging Face's own loss,
-and clear errors."""
+"""tools/evaluate.py: the numbers a training run logged for a snapshot (val loss and zero-shot tasks), the same on 2
+ranks as on 1, an old snapshot's flags, OpenAI-style weights from a Hugging Face directory against Hugging Face's own
+loss, and clear errors."""
 
 import json
 import subprocess
@@ -15,8 +15,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from conftest import ROOT, SHARED_DATA, make_shards, perturb_
 from dataloader import DistributedDataLoader, write_shard
 from errors import run_entry_point
-from evaluate import main
 from helpers_train import main_in_process, read_metrics, train_env
+from tools.evaluate import main
 
 HELLASWAG = SHARED_DATA / "hellaswag" / "hellaswag_val.jsonl"
 EVAL_FILES = ["--eval_dir", str(SHARED_DATA / "evals"), "--hellaswag_path", str(HELLASWAG)]
@@ -64,7 +64,7 @@ def test_a_snapshot_gets_the_val_loss_and_task_scores_its_run_logged_after_that_
 
 
 def test_an_old_snapshots_hellaswag_limit_is_the_default_limit(trained, capsys, monkeypatch):
-    import evaluate
+    from tools import evaluate
     old_run = {"config": {"hellaswag_every": 1, "hellaswag_limit": 3, "hellaswag_path": str(HELLASWAG)}, "step": 1}
     monkeypatch.setattr(evaluate, "load_model_snapshot", lambda path: old_run)  # a run from before evals.py
     result = evaluate_json(["--ckpt", str(trained / "logs" / "snapshot_0000001.pt"), "--hellaswag", "--no-val"],
@@ -78,8 +78,8 @@ def test_two_ranks_under_torchrun_give_the_numbers_of_one_process(trained, capsy
     argv = ["--ckpt", str(trained / "logs" / "snapshot_0000001.pt"), "--tasks", "hellaswag,piqa", "--limit", "7"]
     one = evaluate_json(argv, capsys)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(ROOT / "evaluate.py"), *argv, "--json", "--device", "cpu"], capture_output=True,
-                          text=True, timeout=120, env=train_env(), cwd=trained)
+                           "-m", "tools.evaluate", *argv, "--json", "--device", "cpu"], capture_output=True,
+                          text=True, timeout=120, env=train_env(), cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = json.loads(proc.stdout.strip())  # one JSON line: only rank 0 prints
     assert two["val_loss"] == pytest.approx(one["val_loss"], rel=1e-6)
@@ -105,13 +105,14 @@ def test_hugging_face_weights_get_hugging_faces_own_loss(tmp_path, capsys):
     assert result["val_tokens"] == 96 and result["step"] is None
     assert result["val_loss"] == pytest.approx(torch.stack(losses).mean().item(), rel=1e-5)
     import evals
-    from model import GPT
+    import hf as hf_weights
     suite = evals.Suite({"copa": evals.load_docs("copa", SHARED_DATA / "evals" / "copa.jsonl", 5)}, 32, 32)
-    assert result["copa/acc"] == evals.evaluate(GPT.from_pretrained(str(tmp_path / "hf")), suite, "cpu")["copa/acc"]
+    ours = hf_weights.from_pretrained(str(tmp_path / "hf"))
+    assert result["copa/acc"] == evals.evaluate(ours, suite, "cpu")["copa/acc"]
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--ckpt", "missing.pt"], "--ckpt: snapshot missing.pt: no such file"),
+    (["--ckpt", "missing.pt"], "--snapshot: snapshot missing.pt: no such file"),
     (["--ckpt", "{logs}/snapshot_0000001.pt", "--seq_len", "128"], "--seq_len 128 exceeds the model's block_size 64"),
     (["--ckpt", "{logs}/snapshot_0000001.pt", "--data_dir", "{logs}"], "no val shards"),
     (["--ckpt", "{logs}/snapshot_0000001.pt", "--data_dir", "{logs}/nowhere"], "nowhere does not exist"),

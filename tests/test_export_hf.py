@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from conftest import save_tiny_model
-from export_hf import main
-from model import GPT
+from snapshot import read_model
+from tools.export_hf import main
 
 
 @pytest.fixture
@@ -24,7 +24,7 @@ def test_transformers_loads_the_export_with_our_logits_and_tokenizer(perturbed_c
     hf_model = GPT2LMHeadModel.from_pretrained(out).eval()
     assert (hf_model.config.n_positions, hf_model.config.n_layer, hf_model.config.n_head) == (64, 2, 2)
     assert hf_model.config.activation_function == "gelu_new"
-    ours = GPT.from_snapshot(perturbed_ckpt)
+    ours = read_model(perturbed_ckpt)
     idx = torch.randint(0, 50257, (2, 64), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected, _ = ours(idx)

@@ -32,8 +32,8 @@ from helpers_train import (
     worker_pids,
 )
 from model import GPT, GPTConfig
-from parallel import build_model
-from snapshot import find_latest_snapshot, list_snapshots, load_snapshot, snapshot_path
+from parallel import build_training_model
+from snapshot import find_latest_snapshot, list_snapshots, load_snapshot, read_model, snapshot_path
 from training import train_step
 
 pytestmark = pytest.mark.slow  # torchrun and spawned process groups
@@ -82,7 +82,7 @@ def test_fsdp_snapshots_are_directories_of_shards_that_load_into_a_plain_gpt(run
     assert sorted(p.name for p in path.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
     # Validation at step 4 runs on the weights the snapshot of step 3 holds; the logged number is the mean of the
     # two ranks' 2 micro-batches each, i.e. of the first 4 micro-batches of the val stream.
-    model = GPT.from_snapshot(path).eval()
+    model = read_model(path).eval()
     val = DistributedDataLoader(root / "data", "val", B=2, T=16)
     with torch.no_grad():
         loss = sum(model(*val.next_batch())[1].item() for _ in range(4)) / 4
@@ -171,13 +171,13 @@ def fsdp_worker(rank: int, store: str, out_dir: str, sync_gate: bool) -> None:
             import training
             training.set_gradient_sync = parallel.set_gradient_sync
         torch.manual_seed(0)
-        trained = build_model(GPT(CONFIG), Distributed(rank, rank, 2, torch.device("cpu")), torch.float32,
-                              TrainConfig(), compile=False, parallel="fsdp")
+        trainee = build_training_model(GPT(CONFIG), Distributed(rank, rank, 2, torch.device("cpu")), torch.float32,
+                                       TrainConfig(), compile=False, parallel="fsdp")
         batches = Batches(rank, count)
-        train_step(trained.model, trained.optimizer, trained.scaler, batches, 3, 1e-3, 1.0, torch.device("cpu"),
+        train_step(trainee.model, trainee.optimizer, trainee.scaler, batches, 3, 1e-3, 1.0, torch.device("cpu"),
                    torch.float32)
-        params = list(trained.raw.parameters())
-        moments = [v for opt in trained.optimizer for s in opt.state.values() for k, v in s.items() if k != "step"]
+        params = list(trainee.raw.parameters())
+        moments = [v for opt in trainee.optimizer for s in opt.state.values() for k, v in s.items() if k != "step"]
         full = sum(p.numel() for p in params) * 4
         result = {"reduces_before_micro_step": batches.seen, "reduces": count[0],
                   "params": local_bytes(params) / full, "grads": local_bytes(p.grad for p in params) / full,
@@ -205,13 +205,12 @@ def test_reduce_scatters_happen_only_after_the_last_micro_step_and_each_rank_hol
 
 def test_fsdp_refuses_fp16_with_a_clear_error():
     with pytest.raises(UserError, match="--parallel fsdp with fp16 is not supported"):
-        build_model(GPT(CONFIG), Distributed(0, 0, 1, torch.device("cpu")), torch.float16, TrainConfig(),
-                    compile=False, parallel="fsdp")
+        build_training_model(GPT(CONFIG), Distributed(0, 0, 1, torch.device("cpu")), torch.float16, TrainConfig(),
+                             compile=False, parallel="fsdp")
 
 
 def test_the_tools_read_an_fsdp_snapshot(runs, tmp_path, capsys, gpt2_encoding):
-    import export_hf
-    import sample
+    from tools import export_hf, sample
 
     path = snapshot_path(runs["root"] / "fsdp", 7, sharded=True)
     sample.main(["--ckpt", str(path), "--num_samples", "1", "--max_new_tokens", "4", "--device", "cpu"])

@@ -1,8 +1,9 @@
-"""gpu_check.py, the GPU acceptance run: on this CPU-only machine it refuses in one line, and --cpu-smoke runs all
+"""tools/gpu_check.py, the GPU acceptance run: on this CPU-only machine it refuses in one line, and --cpu-smoke runs all
 three stages at a tiny size, without wandb, datasets or transformers, so that the command cannot rot before the
 first GPU run. (tests/gpu, which it runs, skip here without GPU_TESTS_DEVICE=cpu.)"""
 
 import json
+import os
 import subprocess
 import sys
 import types
@@ -12,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import gpu_check
 from config import TrainConfig
 from conftest import ROOT, SHARED_DATA
 from distributed import Distributed
-from gpu_check import Report, Scale, junit_row
 from helpers_train import train_env
+from tools import gpu_check
+from tools.gpu_check import Report, Scale, junit_row
 
 # What an offline GPU machine with a bare PyTorch lacks; gpu_check.py and everything it starts must not need them.
 ABSENT_PACKAGES = ("wandb", "datasets", "transformers")
@@ -25,7 +26,7 @@ ABSENT_PACKAGES = ("wandb", "datasets", "transformers")
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_without_a_gpu_it_says_so_in_one_line_and_exits_2(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "gpu_check.py"), "--out", str(tmp_path / "report")],
+    proc = subprocess.run([sys.executable, "-m", "tools.gpu_check", "--out", str(tmp_path / "report")], cwd=ROOT,
                           env=train_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: no CUDA GPU here") and "--cpu-smoke" in proc.stderr
@@ -89,9 +90,9 @@ def printed_by_a_run(texts: list[str], monkeypatch, capsys) -> str:
     import train_gpt2
     monkeypatch.setattr(train_gpt2, "generate_text", lambda *args, **kwargs: texts)
     cfg = TrainConfig(sample_every=100, val_every=0)
-    trained = types.SimpleNamespace(full_model=lambda: None)
+    trainee = types.SimpleNamespace(full_model=lambda: None)
     logger = types.SimpleNamespace(log_samples=lambda step, texts: None)
-    evaluations = train_gpt2.Evaluations(cfg, None, trained, None, None, logger, types.SimpleNamespace(requested=False),
+    evaluations = train_gpt2.Evaluations(cfg, None, trainee, None, None, logger, types.SimpleNamespace(requested=False),
                                          Distributed(0, 0, 1, torch.device("cpu")), torch.float32)
     capsys.readouterr()
     assert evaluations.run_due(100, 200)
@@ -135,9 +136,10 @@ def test_cpu_smoke_runs_every_stage_and_reports_a_verdict_per_check(tmp_path, gp
     for name in ABSENT_PACKAGES:  # importing any of them anywhere, in any subprocess, fails the run
         (blocked / f"{name}.py").write_text(f"raise ImportError('{name} is not installed on the GPU machine')\n")
     hellaswag = SHARED_DATA / "hellaswag" / "hellaswag_val.jsonl"
-    command = [sys.executable, str(ROOT / "gpu_check.py"), "--cpu-smoke", "--out", str(tmp_path / "out"),
+    command = [sys.executable, "-m", "tools.gpu_check", "--cpu-smoke", "--out", str(tmp_path / "out"),
                *(["--hellaswag_path", str(hellaswag)] if hellaswag.is_file() else [])]
-    proc = subprocess.run(command, cwd=tmp_path, env=train_env({"PYTHONPATH": str(blocked)}), capture_output=True,
+    python_path = os.pathsep.join([str(blocked), str(ROOT)])  # (ROOT: `-m tools.gpu_check` from another directory)
+    proc = subprocess.run(command, cwd=tmp_path, env=train_env({"PYTHONPATH": python_path}), capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 

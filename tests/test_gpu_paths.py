@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import distributed
+import memory
 import mfu
 import parallel
 import precision
@@ -160,7 +161,7 @@ def test_compile_on_mps_is_refused_before_the_model_moves(monkeypatch):
     model = GPT(PRESETS["tiny"])
     monkeypatch.setattr(model, "to", lambda *a, **k: pytest.fail("moved the model to MPS"))
     with pytest.raises(UserError, match="--compile is not supported on MPS"):
-        parallel.build_model(model, Distributed(0, 0, 1, MPS), torch.float32, TrainConfig(), compile=True)
+        parallel.build_training_model(model, Distributed(0, 0, 1, MPS), torch.float32, TrainConfig(), compile=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -236,7 +237,6 @@ def test_a_deterministic_run_trains_validates_and_samples_in_strict_mode(tmp_pat
 
 
 def test_auto_micro_batch_counts_a_ranks_shard_under_fsdp_gpt2_xl_fits_8_24gb_gpus(monkeypatch):
-    import memory
     from memory import GiB, MiB, auto_micro_batch, fixed_bytes
     config, cuda, world_size = PRESETS["gpt2-xl"], torch.device("cuda", 0), 8
     # What a 24 GB card has free, and gpt2-xl's activations per sequence of 1,024 tokens in bf16 (from the 774M
@@ -264,12 +264,12 @@ def test_auto_micro_batch_counts_a_ranks_shard_under_fsdp_gpt2_xl_fits_8_24gb_gp
 def test_an_out_of_memory_error_in_the_auto_probe_is_the_clean_does_not_fit_error(monkeypatch):
     def probe(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-    monkeypatch.setattr(train_gpt2, "auto_micro_batch", probe)
+    monkeypatch.setattr(memory, "auto_micro_batch", probe)
     cfg = parse_args(["--model", "tiny", "--micro_batch_size", "auto", "--seq_len", "16", "--total_batch_size", "64",
                       "--val_every", "0"])
     with pytest.raises(UserError, match=r"--micro_batch_size auto: one sequence does not fit: .* ran out of memory "
                                         r"\(CUDA out of memory\. Tried to allocate 2\.00 GiB\)\. Lower --seq_len"):
-        train_gpt2.choose_micro_batch(cfg, Distributed(0, 0, 1, CPU), torch.float32, print)
+        memory.choose_micro_batch(cfg, Distributed(0, 0, 1, CPU), torch.float32, print)
 
 
 def oom_on_rank_1_worker(rank: int, store: str, out_dir: str) -> None:
@@ -287,11 +287,11 @@ def oom_on_rank_1_worker(rank: int, store: str, out_dir: str) -> None:
             if rank == 1:
                 raise torch.OutOfMemoryError("CUDA out of memory")
             return MicroBatch(4, "fits")
-        train_gpt2.auto_micro_batch = probe
+        memory.auto_micro_batch = probe
         cfg = parse_args(["--model", "tiny", "--micro_batch_size", "auto", "--seq_len", "16", "--total_batch_size",
                           "128", "--val_every", "0"])
         try:
-            size = train_gpt2.choose_micro_batch(cfg, Distributed(rank, rank, 2, CPU), torch.float32, print)
+            size = memory.choose_micro_batch(cfg, Distributed(rank, rank, 2, CPU), torch.float32, print)
             outcome = f"chose {size}"
         except UserError as e:
             outcome = f"UserError: {e}"
@@ -334,24 +334,24 @@ def fsdp_group_of_one():
 def test_fsdp_full_model_is_the_gathered_weights_without_a_random_init(fsdp_group_of_one, monkeypatch):
     from conftest import perturb_
     torch.manual_seed(0)
-    trained = parallel.build_model(perturb_(GPT(PRESETS["tiny"]), 0.1), fsdp_group_of_one, torch.float32,
-                                   TrainConfig(max_lr=1e-3), compile=False, parallel="fsdp")
+    trainee = parallel.build_training_model(perturb_(GPT(PRESETS["tiny"]), 0.1), fsdp_group_of_one, torch.float32,
+                                            TrainConfig(max_lr=1e-3), compile=False, parallel="fsdp")
     initialised, normal = [], torch.nn.init.normal_
 
     def spied_normal(tensor, *args, **kwargs):
         initialised.append(tensor.device.type)
         return normal(tensor, *args, **kwargs)
     monkeypatch.setattr(torch.nn.init, "normal_", spied_normal)
-    full = trained.full_model()
+    full = trainee.full_model()
     assert set(initialised) <= {"meta"}  # no weights drawn in real memory, only the meta device's no-ops
-    sharded = {name: p.full_tensor() for name, p in trained.raw.named_parameters()}
+    sharded = {name: p.full_tensor() for name, p in trainee.raw.named_parameters()}
     assert sharded.keys() == dict(full.named_parameters()).keys()
     for name, p in full.named_parameters():
         assert p.device == CPU and not isinstance(p, torch.distributed.tensor.DTensor)
         assert torch.equal(p, sharded[name]), name
     assert full.lm_head.weight is full.transformer.wte.weight  # still tied: one matrix, not two
     idx = torch.randint(0, 100, (1, 8))
-    assert torch.allclose(full(idx)[0], trained.raw(idx)[0], atol=1e-6)
+    assert torch.allclose(full(idx)[0], trainee.raw(idx)[0], atol=1e-6)
 
 
 def test_fsdp_shards_the_model_before_it_reaches_the_device_never_moving_the_whole_of_it(fsdp_group_of_one,
@@ -364,7 +364,7 @@ def test_fsdp_shards_the_model_before_it_reaches_the_device_never_moving_the_who
     moved, move = [], _fsdp_init._move_states_to_device
     monkeypatch.setattr(_fsdp_init, "_move_states_to_device", lambda params, buffers, device: (
         moved.append(sum(p.numel() for p in params)), move(params, buffers, device))[1])
-    parallel.build_model(model, fsdp_group_of_one, torch.float32, TrainConfig(max_lr=1e-3), compile=False,
-                         parallel="fsdp")
+    parallel.build_training_model(model, fsdp_group_of_one, torch.float32, TrainConfig(max_lr=1e-3), compile=False,
+                                  parallel="fsdp")
     # FSDP moves one unit at a time (each Block, then the root's embeddings and last LayerNorm), each once.
     assert sum(moved) == total and max(moved) == largest_unit < total

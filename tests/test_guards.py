@@ -20,15 +20,18 @@ from pathlib import Path
 import pytest
 import torch
 
+import divergence
 import snapshot
 import train_gpt2
-from config import parse_args
-from conftest import make_shards
+from config import TrainConfig, parse_args
+from conftest import flip_a_byte_in_tensor_data, make_shards, tiny_snapshots
 from dataloader import DistributedDataLoader
 from distributed import Distributed
+from divergence import DivergenceGuard
 from errors import UserError
 from helpers_train import TINY_ARGS, read_metrics, run_train
 from model import GPT
+from run_logger import RunLogger
 from snapshot import (
     is_healthy,
     list_snapshots,
@@ -38,7 +41,6 @@ from snapshot import (
     save_snapshot,
     snapshot_path,
 )
-from training import DivergenceGuard
 
 CPU = torch.device("cpu")
 B, T, ACCUM = 2, 16, 2  # 2 micro-steps of 2 × 16 tokens per step
@@ -116,7 +118,8 @@ def test_guard_names_the_reason_for_a_non_finite_step_and_counts_skips_in_a_row(
     assert guard.review(math.nan, 1.0, fp16=False) == "non-finite loss"
     assert guard.review(3.0, math.inf, fp16=False) == "non-finite grad norm"
     assert guard.review(3.0, math.inf, fp16=True) == "fp16 overflow"
-    assert guard.skips_in_a_row == 3
+    assert guard.review(math.inf, 1.0, fp16=False) == guard.review(-math.inf, 1.0, fp16=False) == "non-finite loss"
+    assert guard.skips_in_a_row == 5
     assert guard.review(3.0, 1.0, fp16=False) is None
     assert guard.skips_in_a_row == 0
     assert list(guard.losses) == [3.0, 3.0]  # skipped steps never enter the statistics
@@ -141,12 +144,59 @@ def test_spike_guard_waits_for_its_warmup_then_skips_outliers_only():
     assert resumed.state_dict() == state and resumed.review(5.6, 1.0, fp16=False) == reason
 
 
+def steady_guard(steps: int) -> DivergenceGuard:
+    """A spike guard (zscore 4) that has recorded `steps` applied steps of loss ≈ 5.1 and grad norm ≈ 1.05."""
+    guard = DivergenceGuard(zscore=4.0)
+    for i in range(steps):
+        assert guard.review(5.0 + 0.1 * (i % 3), 1.0 + 0.05 * (i % 3), fp16=False) is None
+    return guard
+
+
+def test_spikes_are_judged_from_exactly_spike_warmup_recorded_steps_and_only_above_the_mean():
+    assert steady_guard(DivergenceGuard.SPIKE_WARMUP).review(50.0, 1.0, fp16=False).startswith("loss spike z=")
+    # Far below the mean (z ≈ -60) is a good step, not a spike: only an outlier upwards is skipped.
+    low = steady_guard(DivergenceGuard.SPIKE_WARMUP)
+    assert low.review(0.1, 1.0, fp16=False) is None and low.review(5.1, 0.01, fp16=False) is None
+
+
+def test_the_spike_windows_hold_the_last_spike_window_steps_also_after_a_load():
+    window = DivergenceGuard.SPIKE_WINDOW
+    guard = steady_guard(window + 50)
+    resumed = DivergenceGuard(zscore=4.0)
+    resumed.load_state_dict(guard.state_dict())
+    for each in (guard, resumed):
+        assert each.losses.maxlen == each.grad_norms.maxlen == window
+        assert len(each.losses) == len(each.grad_norms) == window
+    for _ in range(window):
+        resumed.review(5.1, 1.05, fp16=False)
+    assert len(resumed.losses) == len(resumed.grad_norms) == window
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # healthy snapshots
 
 def fake_snapshot(step: int, healthy: bool) -> dict:
     from snapshot import REQUIRED_KEYS
     return {key: {} for key in REQUIRED_KEYS} | {"step": step, "rng": [], "wandb_id": "x", "healthy": healthy}
+
+
+def test_a_snapshot_from_before_the_guard_counts_as_healthy(tmp_path):
+    older = fake_snapshot(4, True)
+    del older["healthy"]  # written before the guard existed: never checked, trusted as before
+    save_snapshot(older, snapshot_path(tmp_path, 4))
+    save_snapshot(fake_snapshot(9, False), snapshot_path(tmp_path, 9))
+    assert newest_healthy_snapshot(tmp_path) == snapshot_path(tmp_path, 4)
+    prune_snapshots(tmp_path, keep_last=1)
+    assert list_snapshots(tmp_path) == [snapshot_path(tmp_path, 9), snapshot_path(tmp_path, 4)]
+
+
+def test_a_corrupt_healthy_snapshot_is_neither_rolled_back_to_nor_kept_by_pruning(tmp_path):
+    for step, healthy in ((4, True), (9, True), (14, False), (19, False)):
+        save_snapshot(fake_snapshot(step, healthy) | {"model": {"w": torch.randn(256)}}, snapshot_path(tmp_path, step))
+    flip_a_byte_in_tensor_data(snapshot_path(tmp_path, 9))  # healthy by its flag, but its bytes changed
+    assert newest_healthy_snapshot(tmp_path) == snapshot_path(tmp_path, 4)
+    prune_snapshots(tmp_path, keep_last=2)
+    assert list_snapshots(tmp_path) == [snapshot_path(tmp_path, step) for step in (19, 14, 4)]
 
 
 def test_pruning_keeps_the_newest_healthy_snapshot_beyond_keep_last(tmp_path):
@@ -181,26 +231,33 @@ def test_a_snapshot_whose_health_a_read_error_hides_is_kept_by_pruning(tmp_path,
 
 
 def test_no_snapshot_is_written_from_nan_weights(data, tmp_path):
-    from parallel import build_model
-    from snapshot import Snapshots
-
-    cfg = parse_args([*TINY_ARGS, "--data_dir", str(data), *JOB])
-    trained = build_model(GPT(train_gpt2.resolve_plan(cfg, 1).model_config), Distributed(0, 0, 1, CPU),
-                          torch.float32, cfg, compile=False)
-    loader = DistributedDataLoader(data, "train", B, T)
     messages = []
-    snapshots = Snapshots(str(tmp_path), 1, 2, "never", trained, loader, {}, Distributed(0, 0, 1, CPU),
-                          messages.append)
+    snapshots = tiny_snapshots(data, tmp_path, messages.append)
     assert snapshots.save_if_due(0, 10, False) == snapshot_path(tmp_path, 0)
     with torch.no_grad():
-        trained.raw.transformer.h[1].mlp.c_fc.weight[3, 5] = math.nan
+        snapshots.trainee.raw.transformer.h[1].mlp.c_fc.weight[3, 5] = math.nan
     assert snapshots.save_if_due(1, 10, False) is None
     assert [p.name for p in tmp_path.iterdir()] == ["snapshot_0000000.pt"]
     assert "no snapshot after step 1: the weights or optimizer state hold NaN or inf" in messages[-1]
 
 
+def test_a_rollback_adds_one_to_the_runs_count_whatever_the_snapshot_holds(data, tmp_path):
+    # The snapshot restored can hold fewer rollbacks than the run has made (its rewrite after an earlier rollback
+    # failed, or a newer one turned out broken): --max_rollbacks counts the run's.
+    guard = DivergenceGuard()
+    snapshots = tiny_snapshots(data, tmp_path, guard=guard)
+    snapshots.save_if_due(0, 10, False)
+    guard.rollbacks, guard.skips_in_a_row = 2, 3
+    cfg = TrainConfig(on_divergence="rollback", max_skips=3, max_rollbacks=5)
+    response = divergence.DivergenceResponse(cfg, snapshots, guard, snapshots.train_loader,
+                                             RunLogger(tmp_path / "logs"), print)
+    assert response.respond(7, "non-finite loss") == 1
+    assert guard.rollbacks == 3 and guard.skips_in_a_row == 0
+    assert load_snapshot(snapshot_path(tmp_path, 0))["guard"]["rollbacks"] == 3
+
+
 @pytest.mark.parametrize("flags, message", [
-    (["--on_divergence", "rollback"], "--on_divergence rollback reloads .* --ckpt_every 0"),
+    (["--on_divergence", "rollback"], "--on_divergence rollback reloads .* --snapshot_every 0"),
     (["--skip_zscore", "-3"], "--skip_zscore -3.0: .* positive"),
     (["--max_skips", "0"], "--max_skips 0: .* 1 or more")])
 def test_guard_flags_that_cannot_work_are_refused(data, tmp_path, flags, message):
@@ -276,20 +333,22 @@ def test_a_rollback_removes_the_unhealthy_snapshots_of_the_abandoned_timeline(da
     plant(monkeypatch, data, [8, 9, 10], math.nan)
     run_dir = tmp_path / "run"
     on_disk_after_rollback = []
-    rollback = snapshot.Snapshots.rollback
+    commit_rollback = snapshot.Snapshots.commit_rollback
 
-    def spied_rollback(self):
+    def spied_rollback(self, step, path):
         assert [p.name for p in list_snapshots(run_dir)] == ["snapshot_0000009.pt", "snapshot_0000004.pt"]
         assert not is_healthy(load_snapshot(snapshot_path(run_dir, 9)))
-        restored = rollback(self)
+        commit_rollback(self, step, path)
         on_disk_after_rollback.extend(p.name for p in list_snapshots(run_dir))
-        return restored
 
-    monkeypatch.setattr(snapshot.Snapshots, "rollback", spied_rollback)
+    monkeypatch.setattr(snapshot.Snapshots, "commit_rollback", spied_rollback)
     records = run_in_process(data, run_dir, "--max_steps", "12", "--ckpt_every", "5", "--keep_last", "3",
                              "--max_skips", "3", "--on_divergence", "rollback")
     assert on_disk_after_rollback == ["snapshot_0000004.pt"]
     assert [r["to_step"] for r in records if r.get("event") == "rollback"] == [5]
+    # The new timeline's snapshots of steps 9 and 11 (the last), written though the old one had a step-9 snapshot.
+    assert [p.name for p in list_snapshots(run_dir)] == ["snapshot_0000011.pt", "snapshot_0000009.pt",
+                                                         "snapshot_0000004.pt"]
     assert all(is_healthy(load_snapshot(p)) for p in list_snapshots(run_dir))  # the new step 9's, and step 11's
 
 
@@ -307,14 +366,14 @@ def test_a_rollback_is_written_at_once_so_a_crash_after_it_resumes_after_it(data
     rollback = [r for r in whole if r.get("event") == "rollback"]
     assert [r["to_step"] for r in rollback] == [5]
 
-    respond = train_gpt2.DivergenceResponse.respond
+    respond = divergence.DivergenceResponse.respond
 
     def respond_then_crash(self, step, reason):
         respond(self, step, reason)
         raise Crash
 
     with monkeypatch.context() as patch:
-        patch.setattr(train_gpt2.DivergenceResponse, "respond", respond_then_crash)
+        patch.setattr(divergence.DivergenceResponse, "respond", respond_then_crash)
         with pytest.raises(Crash):
             run_in_process(data, tmp_path / "crashed", *args)
     assert list_snapshots(tmp_path / "crashed") == [snapshot_path(tmp_path / "crashed", 4)]

@@ -13,8 +13,7 @@ from conftest import make_shards, perturb_
 from dataloader import DistributedDataLoader
 from errors import UserError
 from helpers_train import run_train
-from model import GPT
-from snapshot import list_snapshots, snapshot_path
+from snapshot import list_snapshots, read_model, snapshot_path
 
 B, T = 2, 16
 ARGS = ["--micro_batch_size", str(B), "--seq_len", str(T), "--total_batch_size", str(B * T), "--warmup_steps", "2",
@@ -58,7 +57,7 @@ def test_step_0_of_a_run_from_hugging_face_weights_has_the_hugging_face_models_l
     assert abs(logged - math.log(50257)) > 0.1  # not what any freshly initialised model would score
     assert run.records[0] == {"event": "init", "step": 0, "init_from": str(root / "hf")}
     assert f"initialised from {root / 'hf'}" in run.proc.stdout
-    assert GPT.from_snapshot(snapshot_path(tmp_path, 0)).transformer.wpe.weight.shape == (32, 64)  # cropped
+    assert read_model(snapshot_path(tmp_path, 0)).transformer.wpe.weight.shape == (32, 64)  # cropped
 
 
 @pytest.mark.slow
@@ -68,7 +67,7 @@ def test_step_0_of_a_run_from_our_snapshot_has_that_models_loss(pretrained, tmp_
     source = snapshot_path(tmp_path / "first", 2)
     second = run_train(["--data_dir", str(root / "data"), *ARGS, "--init_from", str(source), "--max_steps", "1"],
                        tmp_path / "second")
-    model = GPT.from_snapshot(source).eval()
+    model = read_model(source).eval()
     val = DistributedDataLoader(root / "data", "val", B, T)
     with torch.no_grad():
         expected = sum(model(*val.next_batch())[1].item() for _ in range(2)) / 2

@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import GPT2Config, GPT2LMHeadModel
 
+import hf
 from model import GPT, GPTConfig, loss_chunk_tokens
 
 # vocab 97 is padded to 128 rows, so the padding rows' gradient is checked too.
@@ -184,7 +185,7 @@ def test_loss_and_gradients_match_hugging_face_gpt2():
         for p in hf_model.parameters():
             p.add_(0.3 * torch.randn_like(p))
     ours = GPT(config)
-    ours.load_hf_state_dict(hf_model.state_dict())
+    hf.load_hf_state_dict(ours, hf_model.state_dict())
     ours.loss_chunk_tokens = 16
     idx = torch.randint(0, config.vocab_size, (2, config.block_size), generator=torch.Generator().manual_seed(1))
 

@@ -9,8 +9,10 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
+import hf
 from conftest import perturb_
 from model import GPT, PRESETS, GPTConfig, KVCache, sample_next_token
+from snapshot import read_model
 
 # Full GPT-2 vocabulary (so the internal padding 50257 -> 50304 is exercised), everything else small.
 PARITY_CONFIG = GPTConfig(block_size=32, vocab_size=50257, n_layer=2, n_head=4, n_embd=32)
@@ -37,7 +39,7 @@ def hf_model() -> GPT2LMHeadModel:
 
 def test_logits_and_loss_match_hugging_face_loaded_from_save_pretrained(hf_model, tmp_path):
     hf_model.save_pretrained(tmp_path)
-    ours = GPT.from_pretrained(str(tmp_path)).eval()
+    ours = hf.from_pretrained(str(tmp_path)).eval()
     assert ours.config == PARITY_CONFIG
 
     idx = random_tokens(PARITY_CONFIG, B=3, T=PARITY_CONFIG.block_size)
@@ -58,7 +60,7 @@ def test_hf_state_dict_loads_into_hugging_face_with_same_logits():
     ours = GPT(PARITY_CONFIG).eval()
     perturb_(ours, 0.3, seed=2)
     hf_model = GPT2LMHeadModel(hf_config(PARITY_CONFIG)).eval()
-    hf_model.load_state_dict(ours.hf_state_dict(), strict=True)  # names, shapes (unpadded wte, Conv1D) all match
+    hf_model.load_state_dict(hf.hf_state_dict(ours), strict=True)  # names, shapes (unpadded wte, Conv1D) all match
 
     idx = random_tokens(PARITY_CONFIG, B=2, T=20, seed=3)
     with torch.no_grad():
@@ -280,9 +282,17 @@ def test_top_p_samples_only_from_the_nucleus(tiny_model):
     assert len(set(nucleus_only.tolist())) > 5  # different rows, different tokens: not a constant
 
 
+def test_top_p_reached_exactly_keeps_the_tokens_that_reach_it_and_no_more():
+    logits = torch.tensor([[0.5, 0.25, 0.25]]).log()  # softmax gives back 0.5, 0.25, 0.25 exactly
+    generator = torch.Generator().manual_seed(0)
+    draws = [sample_next_token(logits.clone(), 1.0, None, 0.5, generator).item() for _ in range(100)]
+    assert draws == [0] * 100  # the first token alone reaches top_p: the nucleus is {0}
+    assert {sample_next_token(logits.clone(), 1.0, None, 0.75, generator).item() for _ in range(100)} == {0, 1}
+
+
 def test_hugging_face_weights_generate_the_tokens_hugging_face_generates(hf_model, tmp_path):
     hf_model.save_pretrained(tmp_path)
-    ours = GPT.from_pretrained(str(tmp_path)).eval()
+    ours = hf.from_pretrained(str(tmp_path)).eval()
     idx = random_tokens(PARITY_CONFIG, B=2, T=8)
     n = PARITY_CONFIG.block_size - 8
     expected = hf_model.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=n, min_new_tokens=n,
@@ -290,10 +300,10 @@ def test_hugging_face_weights_generate_the_tokens_hugging_face_generates(hf_mode
     assert torch.equal(ours.generate(idx, n, temperature=0), expected)
 
 
-def test_from_snapshot_restores_the_same_model(tiny_model, tmp_path):
+def test_read_model_restores_the_same_model(tiny_model, tmp_path):
     path = tmp_path / "model.pt"
     torch.save({"model": tiny_model.state_dict(), "model_config": asdict(TINY), "step": 7}, path)
-    loaded = GPT.from_snapshot(path).eval()
+    loaded = read_model(path).eval()
     assert loaded.config == TINY
     assert loaded.lm_head.weight is loaded.transformer.wte.weight  # still tied after load_state_dict
     idx = random_tokens(TINY, B=2, T=TINY.block_size)
@@ -301,8 +311,8 @@ def test_from_snapshot_restores_the_same_model(tiny_model, tmp_path):
         assert torch.equal(loaded(idx)[0], tiny_model(idx)[0])
 
 
-def test_from_snapshot_rejects_a_file_without_model_and_config(tmp_path):
+def test_read_model_rejects_a_file_without_model_and_config(tmp_path):
     path = tmp_path / "not_a_snapshot.pt"
     torch.save({"weights": torch.zeros(3)}, path)
     with pytest.raises(ValueError, match=r"not_a_snapshot\.pt.*'model' and 'model_config'"):
-        GPT.from_snapshot(path)
+        read_model(path)

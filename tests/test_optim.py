@@ -1,5 +1,6 @@
-"""optim.py: which optimizer updates which parameter, Muon's Newton–Schulz where bf16 is slow, the LR schedules and
-extending a run; and Muon through the whole run: DDP, fp16, snapshots, resume (exact, after a killed rank)."""
+"""optim.py: which optimizer updates which parameter, Muon's Newton–Schulz where bf16 is slow, Muon's work shared by
+the ranks (ddp, fsdp), the LR schedules and extending a run; and Muon through the whole run: DDP, FSDP, fp16,
+snapshots, resume (exact, after a killed rank, on another number of ranks)."""
 
 import copy
 import importlib
@@ -12,21 +13,36 @@ import types
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.optim._muon as torch_muon
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import distribute_tensor
 
 import optim
 import train_gpt2
 from config import TrainConfig
-from conftest import make_shards
+from conftest import ROOT, make_shards
 from distributed import Distributed
 from errors import UserError
-from helpers_train import launched, main_in_process, read_metrics, records_so_far, run_train, wait_until, worker_pids
+from helpers_train import (
+    RandomBatches,
+    launched,
+    main_in_process,
+    on_ranks,
+    read_metrics,
+    records_so_far,
+    run_train,
+    wait_until,
+    worker_pids,
+)
 from model import GPT, PRESETS
-from optim import build_optimizers, get_lr, newton_schulz, schedule_change
-from parallel import build_model
-from snapshot import list_snapshots, load_snapshot, snapshot_path
+from optim import ShardedMuon, build_optimizers, get_lr, muon_owners, newton_schulz, schedule_change, split_for_muon
+from parallel import build_training_model, shard
+from snapshot import list_snapshots, load_snapshot, read_shard_metadata, snapshot_path
+from training import train_step
 
 TINY = PRESETS["tiny"]
+FP32_NEWTON_SCHULZ = ROOT / "tests" / "train_with_fp32_newton_schulz.py"
 BLOCK_MATRICES = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
 
@@ -82,12 +98,6 @@ def test_an_adamw_state_saved_before_optimizers_were_named_still_loads():
     assert optimizers.state_dict()["adamw"]["state"][0]["step"] == 1
 
 
-def test_fsdp_with_muon_is_refused_with_a_clear_error():
-    with pytest.raises(UserError, match="--optimizer muon with --parallel fsdp.*Use --parallel ddp"):
-        build_model(GPT(TINY), Distributed(0, 0, 1, torch.device("cpu")), torch.float32,
-                    TrainConfig(optimizer="muon"), compile=False, parallel="fsdp")
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Newton–Schulz in fp32 where bf16 is slow
 
@@ -111,6 +121,20 @@ def test_fp32_newton_schulz_agrees_with_torchs_and_muon_calls_it(monkeypatch, sh
     torch.optim.Muon([p]).step()
     monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", torchs)
     assert len(calls) == 1 and p.abs().sum() > 0
+
+
+@pytest.mark.parametrize("bf16_arithmetic", [False, True])
+def test_newton_schulz_runs_in_fp32_exactly_where_the_cpu_has_no_bf16_arithmetic(monkeypatch, bf16_arithmetic):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16_arithmetic)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: bf16_arithmetic)
+    calls = []
+    monkeypatch.setattr(optim, "torch_newton_schulz", lambda: lambda *args: calls.append(args) or "torch's")
+    grad = torch.randn(16, 48, generator=torch.Generator().manual_seed(0))
+    result = newton_schulz(grad, (3.4445, -4.7750, 2.0315), 5, 1e-7)
+    if bf16_arithmetic:  # torch's own bf16 iteration: fast there
+        assert result == "torch's" and len(calls) == 1
+    else:
+        assert result.dtype == torch.float32 and not calls
 
 
 def optim_without_torchs_private_muon(monkeypatch, gone: str) -> types.ModuleType:
@@ -166,6 +190,100 @@ def test_muon_without_torchs_private_muon_warns_once_and_steps_as_torchs_own_muo
         ours.step()
         theirs.step()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Muon's work shared by the ranks
+
+def test_muon_owners_give_each_matrix_one_rank_and_every_rank_a_fair_share_of_the_work():
+    with torch.device("meta"):
+        shapes = [p.shape for p in split_for_muon(GPT(PRESETS["gpt2"]))[0]]  # 12 × (c_attn, c_proj, c_fc, c_proj)
+
+    def work(shape):  # Newton–Schulz's multiply-adds per iteration, as muon_owners counts them
+        m, n = sorted(shape)
+        return m * m * (2 * n + m)
+
+    for world_size, worst in ((1, 1.0), (2, 1.0), (3, 1.0), (8, 1.03)):
+        owners = muon_owners(shapes, world_size)
+        assert owners == muon_owners(shapes, world_size) and sorted(set(owners)) == list(range(world_size))
+        load = [sum(work(s) for s, o in zip(shapes, owners) if o == r) for r in range(world_size)]
+        assert max(load) / (sum(load) / world_size) <= worst + 1e-9, (world_size, load)
+    assert muon_owners(shapes[:3], 8) == [1, 2, 0]  # fewer matrices than ranks: one each, the largest (c_fc) first
+
+
+@pytest.fixture
+def process_group_of_one():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("adjust_lr", ["original", "match_rms_adamw"])
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_sharded_muon_updates_exactly_as_torchs_muon(process_group_of_one, parallel, adjust_lr):
+    """The update itself, whole matrices (ddp) or fsdp's DTensor shards, against torch.optim.Muon on a plain model:
+    momentum, Nesterov, decoupled weight decay and the per-shape LR, on wide and tall matrices."""
+    model = GPT(TINY)
+    reference = copy.deepcopy(model)
+    if parallel == "fsdp":
+        shard(model, torch.float32, init_device_mesh("cpu", (1,)))
+    settings = dict(lr=0.02, weight_decay=0.01, momentum=0.9, adjust_lr_fn=adjust_lr)
+    ours, theirs = ShardedMuon(split_for_muon(model)[0], **settings), torch.optim.Muon(
+        split_for_muon(reference)[0], **settings)
+    for seed in range(3):
+        set_random_grads(reference, seed)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            p.grad = distribute_tensor(q.grad, p.device_mesh, p.placements) if parallel == "fsdp" else q.grad.clone()
+        ours.step()
+        theirs.step()
+    whole = [p.full_tensor() if parallel == "fsdp" else p for p in split_for_muon(model)[0]]
+    assert all(torch.equal(p, q) for p, q in zip(whole, split_for_muon(reference)[0]))
+    assert not torch.equal(whole[0], split_for_muon(GPT(TINY))[0][0])  # (they moved)
+
+
+def muon_shares_worker(rank: int) -> dict:
+    """Four steps of 2 DDP ranks with ShardedMuon and with torch.optim.Muon (each rank all of the matrices, as before),
+    the same model and batches; the shapes each rank ran Newton–Schulz on, per step."""
+    calls, real = [], optim.newton_schulz
+
+    def counted(update, *args):
+        calls.append(list(update.shape))
+        return real(update, *args)
+
+    optim.newton_schulz = counted  # build_optimizers installs it where torch.optim.Muon looks too
+    cfg = TrainConfig(optimizer="muon", max_lr=1e-3, muon_lr=0.05, muon_weight_decay=0.01)
+    result, weights = {}, {}
+    for name, shared in (("shares", True), ("all", False)):
+        torch.manual_seed(0)
+        trainee = build_training_model(GPT(TINY), Distributed(rank, rank, 2, torch.device("cpu")), torch.float32, cfg,
+                              compile=False)
+        optimizers = trainee.optimizer if shared else build_optimizers(trainee.raw, cfg, "cpu", shared=False)
+        assert isinstance(optimizers.by_name["muon"], ShardedMuon) == shared
+        batches, losses, orthogonalised = RandomBatches(rank, TINY.vocab_size), [], []
+        for _ in range(4):
+            before = len(calls)
+            losses.append(train_step(trainee.model, optimizers, trainee.scaler, batches, 1, 1e-3, 1.0,
+                                     torch.device("cpu"), torch.float32).loss)
+            orthogonalised.append(sorted(calls[before:]))
+        result[name] = {"losses": losses, "orthogonalised": orthogonalised}
+        weights[name] = [p.detach().clone() for p in trainee.raw.parameters()]
+    result["weight_difference"] = max((p - q).abs().max().item() for p, q in zip(weights["shares"], weights["all"]))
+    return result
+
+
+@pytest.mark.slow  # two spawned processes
+def test_ddp_ranks_each_orthogonalise_their_share_and_update_as_every_rank_doing_all_did(tmp_path):
+    ranks = on_ranks(muon_shares_worker, tmp_path)
+    shapes = [p.shape for p in split_for_muon(GPT(TINY))[0]]
+    owners = muon_owners(shapes, 2)
+    for rank, result in enumerate(ranks):
+        assert result["all"]["orthogonalised"] == [sorted(map(list, shapes))] * 4  # the control: every rank, all
+        share = sorted(list(s) for s, owner in zip(shapes, owners) if owner == rank)
+        assert result["shares"]["orthogonalised"] == [share] * 4 and len(share) == len(shapes) // 2
+        assert result["shares"]["losses"] == pytest.approx(result["all"]["losses"], rel=1e-6, abs=0)
+        assert result["weight_difference"] <= 1e-6
+    assert ranks[0]["shares"]["losses"] == ranks[1]["shares"]["losses"]
+    assert ranks[0]["shares"]["losses"][-1] < ranks[0]["shares"]["losses"][0]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -285,6 +403,13 @@ def test_wsd_warms_up_holds_max_lr_then_decays_linearly_over_the_last_fraction()
     assert sum(get_lr(s, cfg) < 1e-3 for s in range(10, 110)) == 22
 
 
+@pytest.mark.parametrize("schedule", ["cosine", "wsd"])
+def test_a_run_one_step_longer_than_its_warmup_ends_at_min_lr(schedule):
+    cfg = TrainConfig(lr_schedule=schedule, max_lr=1e-3, min_lr_ratio=0.1, warmup_steps=10, max_steps=11)
+    assert get_lr(9, cfg) == pytest.approx(1e-3, rel=1e-12)  # the warmup's last step: the peak
+    assert get_lr(10, cfg) == pytest.approx(1e-4, rel=1e-12)  # the run's last step: min_lr_ratio · max_lr
+
+
 def test_schedule_change_at_a_resume_is_no_jump_for_wsd_in_its_stable_phase_and_a_warning_for_cosine():
     wsd = TrainConfig(lr_schedule="wsd", max_steps=1000, warmup_steps=10, warmdown_frac=0.2)
     assert schedule_change(500, vars(wsd), wsd) is None  # nothing changed: nothing to say
@@ -381,3 +506,37 @@ def test_two_muon_ranks_with_a_killed_rank_train_like_one_process_and_resume_on_
     moved = run_train([*args, "--resume", str(snapshot_path(tmp_path / "two", 7))], tmp_path / "moved")
     assert {r["step"]: r["loss"] for r in moved.train} == pytest.approx({s: reference[s] for s in range(8, 12)},
                                                                        rel=1e-5)
+
+
+@pytest.mark.slow
+def test_muon_under_fsdp_on_two_ranks_trains_like_one_process_and_resumes_on_one_and_on_two(data, tmp_path,
+                                                                                            monkeypatch):
+    """2 fsdp ranks, each orthogonalising its share of the matrices from the rows the other sends, against one process
+    with torch.optim.Muon; then the 2-rank snapshot of step 3 (sharded momentum) resumed on 1 process and on 2.
+    Newton–Schulz in fp32 everywhere (see tests/train_with_fp32_newton_schulz.py): in bf16 the same runs differ by
+    1.6e-5 within 4 steps, from gradients that differ only in the order fsdp adds them up."""
+    monkeypatch.setattr(optim, "bf16_matmul_is_slow", lambda device: True)  # as the script does for its processes
+    args = [*JOB, "--data_dir", str(data), "--dtype", "fp32", "--max_steps", "8", "--ckpt_every", "4"]
+    main_in_process([*args, "--log_dir", str(tmp_path / "one")])
+    fsdp = [*args, "--parallel", "fsdp"]
+    run_train(fsdp, tmp_path / "two", nproc=2, script=FP32_NEWTON_SCHULZ)
+    two = losses(tmp_path / "two")
+    reference = losses(tmp_path / "one")
+    # Each step moves the loss by far more than the bound: equal losses mean equal updates.
+    assert sorted(two) == list(range(8)) and min(abs(reference[s + 1] - reference[s]) for s in range(7)) > 1e-3
+    worst = max(abs(two[s] - reference[s]) / reference[s] for s in range(8))
+    print(f"Muon, 2 fsdp ranks vs 1 process: max relative loss difference {worst:.1e}")
+    assert worst <= 1e-5
+    # The momentum is in the snapshot as fsdp left it: half of each matrix's rows from each rank.
+    shards = read_shard_metadata(snapshot_path(tmp_path / "two", 3, sharded=True)).state_dict_metadata
+    momentum = shards["optimizer.state.transformer.h.0.mlp.c_fc.weight.momentum_buffer"]
+    assert momentum.size == (4 * TINY.n_embd, TINY.n_embd)
+    assert sorted(chunk.offsets[0] for chunk in momentum.chunks) == [0, 2 * TINY.n_embd]
+    for name, nproc in (("on_one", None), ("on_two", 2)):
+        shutil.copytree(snapshot_path(tmp_path / "two", 3, sharded=True),
+                        snapshot_path(tmp_path / name, 3, sharded=True))
+        if nproc is None:
+            main_in_process([*fsdp, "--log_dir", str(tmp_path / name)])
+        else:
+            run_train(fsdp, tmp_path / name, nproc=nproc, script=FP32_NEWTON_SCHULZ)
+        assert losses(tmp_path / name) == pytest.approx({s: two[s] for s in range(4, 8)}, rel=1e-5), name

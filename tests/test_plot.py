@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from plot import main, read_metrics, run_label
+from tools.plot import main, read_metrics, run_label
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -8,7 +8,6 @@ A run is a subprocess, and torchrun launches cost 10-20 s each on 2 cores, so te
 """
 
 import contextlib
-import errno
 import json
 import os
 import re
@@ -23,8 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import snapshot
-from conftest import flip_a_byte_in_tensor_data, make_shards
+from conftest import eio_the_first_time, flip_a_byte_in_tensor_data, make_shards
 from dataloader import DistributedDataLoader
 from errors import UserError
 from helpers_train import (
@@ -37,8 +35,7 @@ from helpers_train import (
     wait_until,
     worker_pids,
 )
-from model import GPT
-from snapshot import SNAPSHOT_NAME, list_snapshots, load_snapshot, save_snapshot, snapshot_path
+from snapshot import SNAPSHOT_NAME, list_snapshots, load_snapshot, read_model, save_snapshot, snapshot_path
 
 LAST_STEP = 11
 JOB = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "64", "--max_steps", str(LAST_STEP + 1),
@@ -199,7 +196,7 @@ def test_snapshots_hold_the_whole_training_state(job):
 
 def test_snapshot_loads_into_a_plain_gpt_that_reproduces_the_logged_val_loss(job):
     # Validation at step 8 runs before step 8's update, on the weights the snapshot of step 7 holds.
-    model = GPT.from_snapshot(snapshot_path(job.one_rank, 7)).eval()
+    model = read_model(snapshot_path(job.one_rank, 7)).eval()
     val = DistributedDataLoader(job.data, "val", B=2, T=16)
     with torch.no_grad():
         loss = sum(model(*val.next_batch())[1] for _ in range(2)) / 2  # --val_tokens 64 = 2 micro-batches of 32
@@ -388,17 +385,7 @@ def test_a_full_snapshot_disk_keeps_the_older_snapshots_and_only_a_lost_last_one
 
 def test_a_failing_snapshot_write_is_retried_at_the_next_one_and_the_run_finishes(job, tmp_path, monkeypatch,
                                                                                   capsys):
-    writes = []
-
-    def eio_the_first_time(obj, f):
-        writes.append(obj["step"])
-        if len(writes) == 1:
-            f.write(b"half a snapshot")
-            raise OSError(errno.EIO, "Input/output error")
-        real_torch_save(obj, f)
-
-    real_torch_save = snapshot.torch_save
-    monkeypatch.setattr(snapshot, "torch_save", eio_the_first_time)
+    writes = eio_the_first_time(monkeypatch)
     main_in_process([*job.args, "--log_dir", str(tmp_path), "--ckpt_every", "4", "--keep_last", "3"])
     assert writes == [3, 7, 11]
     assert "WARNING: the snapshot of step 3 could not be written" in capsys.readouterr().err
@@ -435,3 +422,12 @@ def test_a_flipped_byte_in_the_newest_snapshot_resumes_the_older_one_with_a_warn
     event, after = after_resume(read_metrics(tmp_path))
     assert event == {"event": "resume", "step": 4, "snapshot": str(snapshot_path(tmp_path, 3))}
     assert_continues_exactly(after, job.one_rank_run, from_step=4, tol=1e-6)
+
+
+def test_resume_from_a_named_snapshot_whose_bytes_changed_is_refused_naming_it(job, tmp_path):
+    shutil.copy(snapshot_path(job.one_rank, 7), tmp_path)
+    record = flip_a_byte_in_tensor_data(snapshot_path(tmp_path, 7))
+    with pytest.raises(UserError, match=re.escape(f"--resume: {snapshot_path(tmp_path, 7)}: the bytes of its record "
+                                                  f"{record} changed since it was written")):
+        main_in_process([*job.args, "--log_dir", str(tmp_path / "run"), "--resume", str(snapshot_path(tmp_path, 7))])
+    assert not by_step(read_metrics(tmp_path / "run"), "loss")  # nothing trained from it

@@ -45,11 +45,11 @@ def files(directory: Path) -> dict[str, tuple[int, int]]:
     return {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in directory.iterdir()}
 
 
-@pytest.mark.parametrize("held", ["--log_dir", "--ckpt_dir"])
+@pytest.mark.parametrize("held", ["--log_dir", "--snapshot_dir"])
 def test_a_run_refuses_a_directory_that_another_holds_and_writes_nothing(data, tmp_path, held):
     logs, snapshots = tmp_path / "logs", tmp_path / "snapshots"
-    directory = {"--log_dir": logs, "--ckpt_dir": snapshots}[held]
-    args = [*JOB, "--data_dir", str(data), "--max_steps", "2", "--log_dir", str(logs), "--ckpt_dir", str(snapshots)]
+    directory = {"--log_dir": logs, "--snapshot_dir": snapshots}[held]
+    args = [*JOB, "--data_dir", str(data), "--max_steps", "2", "--log_dir", str(logs), "--snapshot_dir", str(snapshots)]
     other_run = lock_directory(directory, held)  # this process holds it, as another run would
     with pytest.raises(UserError, match=refusal(held, directory, os.getpid())):
         main_in_process(args)
@@ -59,7 +59,7 @@ def test_a_run_refuses_a_directory_that_another_holds_and_writes_nothing(data, t
     other_run.close()  # the holder ends: the same command now runs, and leaves the directories free again
     main_in_process(args)
     assert [r["step"] for r in read_metrics(logs) if "loss" in r] == [0, 1]
-    for flag, directory in (("--log_dir", logs), ("--ckpt_dir", snapshots)):
+    for flag, directory in (("--log_dir", logs), ("--snapshot_dir", snapshots)):
         lock_directory(directory, flag).close()
 
 

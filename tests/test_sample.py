@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from conftest import ROOT, save_tiny_model
-from model import GPT
-from sample import generate_text, main
+from snapshot import read_model
+from tokenizer import generate_text
+from tools.sample import main
 
 PROMPT = "Hello, I'm a language model,"
 
@@ -17,7 +18,7 @@ def tiny_ckpt(tmp_path):
 
 
 def test_same_seed_gives_same_text_and_another_seed_differs(tiny_ckpt, gpt2_encoding):
-    model = GPT.from_snapshot(tiny_ckpt)
+    model = read_model(tiny_ckpt)
     first = generate_text(model, PROMPT, num_samples=3, max_new_tokens=8, top_k=50, seed=1)
     again = generate_text(model, PROMPT, num_samples=3, max_new_tokens=8, top_k=50, seed=1)
     other = generate_text(model, PROMPT, num_samples=3, max_new_tokens=8, top_k=50, seed=2)
@@ -30,7 +31,7 @@ def test_same_seed_gives_same_text_and_another_seed_differs(tiny_ckpt, gpt2_enco
 
 
 def test_sampling_leaves_the_global_rng_alone(tiny_ckpt, gpt2_encoding):
-    model = GPT.from_snapshot(tiny_ckpt)
+    model = read_model(tiny_ckpt)
     torch.manual_seed(123)
     expected = torch.rand(4)
     torch.manual_seed(123)
@@ -40,16 +41,16 @@ def test_sampling_leaves_the_global_rng_alone(tiny_ckpt, gpt2_encoding):
 
 def test_cli_prints_what_the_function_returns(tiny_ckpt, gpt2_encoding):
     args = ["--num_samples", "2", "--max_new_tokens", "8", "--temperature", "0.8", "--top_k", "20", "--seed", "5"]
-    result = subprocess.run([sys.executable, str(ROOT / "sample.py"), "--ckpt", str(tiny_ckpt), "--device", "cpu",
+    result = subprocess.run([sys.executable, "-m", "tools.sample", "--ckpt", str(tiny_ckpt), "--device", "cpu",
                              *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr
-    expected = generate_text(GPT.from_snapshot(tiny_ckpt), PROMPT, num_samples=2, max_new_tokens=8,
+    expected = generate_text(read_model(tiny_ckpt), PROMPT, num_samples=2, max_new_tokens=8,
                              temperature=0.8, top_k=20, seed=5)
     assert result.stdout == "".join(f"--- sample {i} ---\n{text}\n" for i, text in enumerate(expected))
 
 
 @pytest.mark.parametrize("argv, message", [
-    ([], "one of the arguments --ckpt --model is required"),
+    ([], "one of the arguments --snapshot/--ckpt --model is required"),
     (["--ckpt", "a.pt", "--model", "gpt2"], "not allowed with argument"),
     (["--ckpt", "does_not_exist.pt"], "does_not_exist.pt: no such file"),
 ])

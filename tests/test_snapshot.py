@@ -9,6 +9,7 @@ import io
 import os
 import pickle
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -23,10 +24,20 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 from torch.utils._pytree import tree_leaves
 
-from conftest import ROOT, flip_a_byte_in_tensor_data, make_shards
+import tools.evaluate
+import tools.sample
+from conftest import (
+    ROOT,
+    eio_the_first_time,
+    flip_a_byte_in_tensor_data,
+    make_shards,
+    save_tiny_model,
+    tiny_snapshots,
+)
 from errors import UserError
 from helpers_train import main_in_process, read_metrics
 from model import GPT
+from run_lock import LOCK_FILE
 from snapshot import (
     REQUIRED_KEYS,
     capture_rng_state,
@@ -35,6 +46,7 @@ from snapshot import (
     list_snapshots,
     load_snapshot,
     prune_snapshots,
+    read_model,
     restore_rng_state,
     save_snapshot,
     snapshot_path,
@@ -163,6 +175,34 @@ def test_a_write_error_inside_torch_save_surfaces_as_the_oserror_behind_it(tmp_p
         torch_save(fake_snapshot(1), FailingFile())
 
 
+@pytest.fixture
+def data(tmp_path) -> Path:
+    make_shards(tmp_path / "data", "train", [2000], vocab=100)
+    return tmp_path / "data"
+
+
+def test_a_failed_write_is_not_reported_as_written_and_a_stop_at_that_step_writes_it_again(data, tmp_path,
+                                                                                            monkeypatch, capsys):
+    writes, messages = eio_the_first_time(monkeypatch), []
+    snapshots = tiny_snapshots(data, tmp_path / "run", messages.append, every=5)
+    assert snapshots.save_if_due(4, last_step=9, stopping=False) is None  # due, and failed: training goes on
+    assert "WARNING: the snapshot of step 4 could not be written" in capsys.readouterr().err
+    assert messages == [] and list_snapshots(tmp_path / "run") == []
+    # A SIGTERM during the evaluation before step 5: the stop's snapshot is of step 4 again, and this time written.
+    path = snapshots.save_if_due(4, last_step=9, stopping=True)
+    assert path == snapshot_path(tmp_path / "run", 4) and list_snapshots(tmp_path / "run") == [path]
+    assert writes == [4, 4] and messages == [f"snapshot written: {path}"]
+
+
+@pytest.mark.parametrize("step, stopping", [(9, False), (2, True)])  # the run's last step; a stop on SIGTERM
+def test_a_lost_last_or_stop_snapshot_fails_the_run(data, tmp_path, monkeypatch, step, stopping):
+    eio_the_first_time(monkeypatch)
+    snapshots = tiny_snapshots(data, tmp_path / "run", every=5)
+    with pytest.raises(UserError, match=f"the snapshot of step {step} could not be written .* and it was the run's "
+                                        "last; there is no older snapshot"):
+        snapshots.save_if_due(step, last_step=9, stopping=stopping)
+
+
 def test_no_snapshot_means_a_fresh_start_and_only_broken_ones_an_error_naming_them(tmp_path):
     assert find_latest_snapshot(tmp_path / "missing") is None
     (tmp_path / "notes.txt").write_text("not a snapshot")
@@ -289,13 +329,13 @@ def run_args(fsdp_run: Path, log_dir: Path, *args: str) -> list[str]:
     return [*JOB, "--data_dir", str(fsdp_run / "data"), "--log_dir", str(log_dir), *args]
 
 
-# Every way in: GPT.from_snapshot (sample.py, export_hf.py and evaluate.py --ckpt all load through it),
+# Every way in: read_model (tools/sample.py, export_hf.py and evaluate.py --snapshot load through it),
 # two of those tools end to end, a resume from the path, --resume auto (the trapped snapshot is the only one), and
 # --init_from.
 ENTRY_POINTS = {
-    "GPT.from_snapshot": lambda run, snapshot: GPT.from_snapshot(snapshot),
-    "sample.py": lambda run, snapshot: __import__("sample").main(["--ckpt", str(snapshot), "--device", "cpu"]),
-    "evaluate.py": lambda run, snapshot: __import__("evaluate").main(["--ckpt", str(snapshot), "--device", "cpu"]),
+    "read_model": lambda run, snapshot: read_model(snapshot),
+    "sample.py": lambda run, snapshot: tools.sample.main(["--ckpt", str(snapshot), "--device", "cpu"]),
+    "evaluate.py": lambda run, snapshot: tools.evaluate.main(["--ckpt", str(snapshot), "--device", "cpu"]),
     "--resume PATH": lambda run, snapshot: main_in_process(run_args(run, snapshot.parent / "other", "--parallel",
                                                                     "fsdp", "--resume", str(snapshot))),
     "--resume auto": lambda run, snapshot: main_in_process(run_args(run, snapshot.parent, "--parallel", "fsdp")),
@@ -320,7 +360,7 @@ def test_a_snapshot_directory_that_would_run_code_is_refused_by_every_entry_poin
 
 def test_a_real_fsdp_snapshot_loads_as_torch_reads_it_and_resumes_with_the_same_loss(fsdp_run, tmp_path):
     snapshot = snapshot_path(fsdp_run / "run", 1, sharded=True)
-    model = GPT.from_snapshot(snapshot)
+    model = read_model(snapshot)
     expected = {"model": GPT(model.config).state_dict()}
     dcp.load(expected, checkpoint_id=snapshot, no_dist=True)  # torch's own reader (our own run's files)
     assert model.state_dict().keys() == expected["model"].keys()
@@ -331,6 +371,34 @@ def test_a_real_fsdp_snapshot_loads_as_torch_reads_it_and_resumes_with_the_same_
     resumed = {r["step"]: r["loss"] for r in read_metrics(tmp_path) if "loss" in r}
     whole = {r["step"]: r["loss"] for r in read_metrics(fsdp_run / "run") if "loss" in r}
     assert resumed == {2: whole[2]}
+
+
+def flipped_model_file(fsdp_run: Path, directory: Path) -> tuple[Path, str]:
+    """A file with just a model, a byte of its weights flipped; and what the refusal must say."""
+    path = save_tiny_model(directory / "model.pt")
+    return path, f"{path}: the bytes of its record {flip_a_byte_in_tensor_data(path)} changed since it was written"
+
+
+def flipped_snapshot_directory(fsdp_run: Path, directory: Path) -> tuple[Path, str]:
+    """A copy of the real fsdp snapshot of step 1, a byte of its largest shard file flipped; and what the refusal must
+    say."""
+    copy = snapshot_path(directory, 1, sharded=True)
+    shutil.copytree(snapshot_path(fsdp_run / "run", 1, sharded=True), copy)
+    shard = max(copy.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(data)
+    return copy, f"{shard} is missing or its bytes changed since it was written"
+
+
+@pytest.mark.parametrize("flipped", [flipped_model_file, flipped_snapshot_directory])
+def test_a_model_read_from_bytes_that_changed_since_they_were_written_is_refused(fsdp_run, tmp_path, flipped):
+    path, refusal = flipped(fsdp_run, tmp_path)
+    with pytest.raises(ValueError, match=re.escape(refusal)):
+        read_model(path)  # sample.py, export_hf.py, evaluate.py: as a resume checks a snapshot
+    with pytest.raises(UserError, match=re.escape(f"--init_from: {refusal}")):
+        main_in_process(run_args(fsdp_run, tmp_path / "run", "--init_from", str(path)))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before the first step
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -379,14 +447,14 @@ def test_pruning_and_cleaning_delete_only_what_this_code_wrote(tmp_path):
 def test_the_directory_snapshots_of_a_real_fsdp_run_are_pruned_as_this_codes(fsdp_run, tmp_path):
     shutil.copytree(fsdp_run / "run", tmp_path, dirs_exist_ok=True)
     prune_snapshots(tmp_path, keep_last=1)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "run.lock", "snapshot_0000002"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", LOCK_FILE, "snapshot_0000002"]
 
 
 def test_a_run_with_keep_last_1_leaves_foreign_files_alone_and_says_which_it_ignored(fsdp_run, tmp_path, capsys):
     plant(tmp_path, ISSUE_24_ENTRIES)
     main_in_process(run_args(fsdp_run, tmp_path, "--keep_last", "1"))
     after = files_under(tmp_path)
-    assert after.keys() == ISSUE_24_ENTRIES.keys() | {"metrics.jsonl", "run.lock", "snapshot_0000002.pt"}
+    assert after.keys() == ISSUE_24_ENTRIES.keys() | {"metrics.jsonl", LOCK_FILE, "snapshot_0000002.pt"}
     assert {name: after[name] for name in ISSUE_24_ENTRIES} == ISSUE_24_ENTRIES
     warning = capsys.readouterr().err
     assert f"--resume auto ignores in {tmp_path}: snapshot_1.pt, snapshot_2023, snapshot_draft.tmp, " \
@@ -404,4 +472,5 @@ def test_resume_auto_among_snapshots_that_all_fail_to_load_exits_naming_them_and
     assert message.startswith(f"--resume auto: none of the 2 snapshots in {tmp_path} loads:")
     assert str(snapshot_path(tmp_path, 5)) in message and str(snapshot_path(tmp_path, 3)) in message
     assert "--resume never" in message
-    assert files_under(tmp_path) == before | {"run.lock": (tmp_path / "run.lock").read_bytes()}  # (the run's lock)
+    after = files_under(tmp_path)
+    assert after.pop(LOCK_FILE).startswith(b"pid ") and after == before  # (but the run's own lock file)

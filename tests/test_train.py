@@ -1,6 +1,7 @@
 """train_gpt2.py: 2 ranks train exactly like 1 rank, gradients sync once per step, the LR schedule, fp16/bf16
 steps, clear errors for bad flags, and a real run whose loss falls and whose metrics.jsonl has the documented keys."""
 
+import copy
 import math
 from collections import Counter
 from dataclasses import replace
@@ -11,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -230,6 +232,31 @@ def test_low_precision_steps_match_fp32(dtype):
         # so autocast really computed in low precision.
         assert ours.grad_norm == pytest.approx(reference.grad_norm, rel=1e-2)
         assert ours.grad_norm != reference.grad_norm
+
+
+def test_the_step_loss_is_the_mean_of_the_micro_batch_losses_and_its_norm_that_of_their_mean():
+    model, optimizer = new_model_and_optimizer()
+    batches = micro_batches(4)
+    reference = copy.deepcopy(model)  # independently: full logits, F.cross_entropy, one backward of the mean
+    mean = torch.stack([F.cross_entropy(reference(x)[0].flatten(0, 1), y.flatten()) for x, y in batches]).mean()
+    mean.backward()
+    result = take_step(model, optimizer, batches, grad_accum_steps=4)
+    assert result.loss == pytest.approx(mean.item(), rel=1e-6)
+    assert result.grad_norm == pytest.approx(flat_grad(reference).norm().item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_with_muon_both_optimizers_step_and_every_parameter_moves(dtype):
+    torch.manual_seed(0)
+    model = GPT(SMALL)
+    optimizer = build_optimizers(model, TrainConfig(optimizer="muon", max_lr=1e-3), "cpu")
+    before = [p.detach().clone() for p in model.parameters()]
+    result = take_step(model, optimizer, micro_batches(2), 2, dtype,
+                       torch.amp.GradScaler("cpu", enabled=dtype == torch.float16))
+    assert not result.skipped
+    assert [torch.equal(p, b) for p, b in zip(model.parameters(), before)] == [False] * len(before)
+    adamw = optimizer.by_name["adamw"]  # (the embeddings, biases and LayerNorms; Muon has the block matrices)
+    assert all(adamw.state[p]["exp_avg"].abs().sum() > 0 for group in adamw.param_groups for p in group["params"])
 
 
 def test_fp16_overflow_skips_the_update():

@@ -23,7 +23,7 @@ from conftest import make_shards, perturb_
 from dataloader import DistributedDataLoader, write_shard
 from distributed import Distributed
 from model import GPT, PRESETS, GPTConfig
-from parallel import build_model
+from parallel import build_training_model
 from precision import DTYPES, autocast
 from training import train_step
 from validation import validation_loss
@@ -118,22 +118,23 @@ def test_attention_runs_the_flash_kernel_in_bf16_and_agrees_with_the_math_kernel
 
 def train_in_process(device: torch.device, data_dir, compile: bool, steps: int, config: GPTConfig, B: int,
                      T: int) -> tuple[list[float], float]:
-    """`steps` training steps of a fresh model (seed 0) as train_gpt2.py takes them (build_model, train_step), in
-    bf16 on a GPU and fp32 on the CPU; returns the losses and the peak memory allocated on a GPU (MiB), else 0.
-    Inside a process group the model is DDP-wrapped (build_model wraps it only from two ranks on)."""
+    """`steps` training steps of a fresh model (seed 0) as train_gpt2.py takes them (build_training_model,
+    train_step), in bf16 on a GPU and fp32 on the CPU; returns the losses and the peak memory allocated on a GPU (MiB),
+    else 0.
+    Inside a process group the model is DDP-wrapped (build_training_model wraps it only from two ranks on)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
-    trained = build_model(GPT(config), Distributed(0, 0, 1, device), dtype, TrainConfig(max_lr=1e-3), compile)
+    trainee = build_training_model(GPT(config), Distributed(0, 0, 1, device), dtype, TrainConfig(max_lr=1e-3), compile)
     if dist.is_initialized():
-        trained.model = DDP(trained.model, device_ids=[device.index or 0] if device.type == "cuda" else None)
+        trainee.model = DDP(trainee.model, device_ids=[device.index or 0] if device.type == "cuda" else None)
     loader = DistributedDataLoader(data_dir, "train", B, T)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    losses = [train_step(trained.model, trained.optimizer, trained.scaler, loader, 1, 1e-3, 1.0, device, dtype).loss
+    losses = [train_step(trainee.model, trainee.optimizer, trainee.scaler, loader, 1, 1e-3, 1.0, device, dtype).loss
               for _ in range(steps)]
     peak_mib = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else 0.0
-    del trained
+    del trainee
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()  # so that the next run's peak starts from nothing of this one

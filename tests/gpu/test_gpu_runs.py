@@ -24,11 +24,11 @@ import torch
 from config import TrainConfig
 from conftest import ROOT, make_shards
 from dataloader import DistributedDataLoader
-from gpu_check import SAMPLE_PROMPT, printed_samples
 from helpers_train import TrainRun, run_train, train_env
 from model import GPT, GPTConfig
 from optim import bf16_matmul_is_slow
 from snapshot import find_latest_snapshot, load_snapshot, save_snapshot, snapshot_path
+from tools.gpu_check import SAMPLE_PROMPT, printed_samples
 
 pytestmark = pytest.mark.gpu
 
@@ -305,8 +305,8 @@ def test_a_planted_nan_is_skipped_and_a_divergence_rolls_back_and_goes_on(gpu_de
 def test_evaluate_py_gets_the_val_loss_the_run_logged_for_its_snapshot(job, tmp_path):
     # snapshot_3 holds the weights after step 3; the run validated them before step 4's update.
     snapshot = snapshot_path(job.root / "plain", 3)
-    proc = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), "--ckpt", str(snapshot), "--device",
-                           job.device.type, "--json"], cwd=tmp_path, env=train_env(), capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "tools.evaluate", "--ckpt", str(snapshot), "--device",
+                           job.device.type, "--json"], cwd=ROOT, env=train_env(), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -1,16 +1,18 @@
 """Benchmark train_gpt2.py's training step: ms/step, tokens/s, MFU, peak memory and the time spent waiting for data.
 
-    python bench.py                                   # CPU: small preset, B=8, T=256; CUDA: GPT-2 124M, B=64, T=1024
-    python bench.py --compare                         # also the plain baseline, and the speed-up over it
-    python bench.py --vs_full_logits --compile        # ours against build-nanogpt's loss, same dtype and compile
-    python bench.py --generation                      # generation tokens/s with and without the key/value cache
-    python bench.py --model gpt2 --micro_batch_size 16 --seq_len 512 --dtype bf16 --compile --json
-    python bench.py --optimizer muon                  # Muon for the block matrices: compare optimizer_ms with adamw
-    torchrun --standalone --nproc_per_node=2 bench.py # 2 ranks (NCCL on GPUs, gloo on CPUs)
+    python -m tools.bench                               # CPU: small preset, B=8, T=256; CUDA: GPT-2 124M, B=64, T=1024
+    python -m tools.bench --compare                     # also the plain baseline, and the speed-up over it
+    python -m tools.bench --vs_full_logits --compile    # ours against build-nanogpt's loss, same dtype and compile
+    python -m tools.bench --generation                  # generation tokens/s with and without the key/value cache
+    python -m tools.bench --model gpt2 --micro_batch_size 16 --seq_len 512 --dtype bf16 --compile --json
+    python -m tools.bench --optimizer muon              # Muon for the block matrices: compare optimizer_ms with adamw
+    python -m tools.bench --activation_checkpointing blocks   # the step with recomputed blocks, its memory
+    python -m tools.bench --plan --memory_gb 24 80      # GPT-2 124M-1.5B on 1-8 cards: ddp/fsdp × checkpointing
+    torchrun --standalone --nproc_per_node=2 -m tools.bench   # 2 ranks (NCCL on GPUs, gloo on CPUs)
 
-It runs the real step (training.train_step, its data loader, dtype choice and parallel.build_model) on random tokens
-written to a temporary shard directory, unless --data_dir points at real shards. Each configuration gets
---warmup untimed steps (torch.compile compiles in the first), then --steps timed ones; figures are medians.
+It runs the real step (training.train_step, its data loader, dtype choice and parallel.build_training_model) on
+random tokens written to a temporary shard directory, unless --data_dir points at real shards. Each configuration
+gets --warmup untimed steps (torch.compile compiles in the first), then --steps timed ones; figures are medians.
 
 --compare first times the plain baseline of the same model, build-nanogpt's step on this device: fp32, eager, the
 for-loop AdamW, no TF32, glibc's default allocator and the loss on the full logits; then the configuration asked
@@ -28,6 +30,14 @@ gives its share of the step.
 --generation times GPT.generate (the key/value cache; on CUDA its decode step is a CUDA graph) against a whole-context
 forward per token, on the --model's random weights (the speed is the same for trained ones): --new_tokens tokens
 after a 16-token prompt, one sample, top-k 50, and says whether both gave the same tokens.
+
+--plan measures no step: it prints, for GPT-2 124M, 350M, 774M and 1.5B on 1, 2, 4 and 8 cards of each --memory_gb
+GiB, the largest micro-batch that fits a card under ddp and under fsdp, with each --activation_checkpointing (- where
+not even one sequence does), for GPT-2's recipe (1,024-token sequences, 524,288 tokens per step, bf16, AdamW): the
+budget of memory.py (fixed_bytes, largest_micro_batch) with the activations per sequence measured here (on CUDA
+with the allocator's peak, elsewhere with MemTracker), from 1- and 2-layer models of each width. With --json:
+seq_len, total_batch_size, activation_bytes_per_sequence {model: {mode: bytes}} and micro_batch {memory_gb: {model:
+{cards: {"ddp none", ..., "fsdp selective": size}}}}.
 
 --json prints one object: device, world_size, model, n_layer, n_head, n_embd, parameters, micro_batch_size,
 seq_len, grad_accum_steps, tokens_per_step, flops_per_token, runs (a list; for each: name, dtype, compile,
@@ -69,16 +79,36 @@ from config import HelpFormatter, Plan, TrainConfig, add_flags, resolve_plan
 from dataloader import DistributedDataLoader, write_shard
 from distributed import Distributed, setup_distributed, synchronize
 from errors import run_entry_point
-from memory import GiB, MiB, keep_freed_memory, largest_micro_batch, measure_activation_bytes_per_sequence, state_bytes
+from memory import (
+    GiB,
+    MiB,
+    activation_bytes_per_sequence_from_two_depths,
+    keep_freed_memory,
+    largest_micro_batch,
+    measure_activation_bytes_per_sequence,
+    plan_micro_batches,
+    state_bytes,
+)
 from mfu import peak_flops
-from model import GPT, PRESETS, GPTConfig, linear_cross_entropy, loss_chunk_tokens, sample_next_token
-from parallel import build_model
+from model import (
+    ACTIVATION_CHECKPOINTING,
+    GPT,
+    PRESETS,
+    GPTConfig,
+    linear_cross_entropy,
+    loss_chunk_tokens,
+    sample_next_token,
+)
+from parallel import build_training_model
 from precision import autocast, dtype_name, pick_dtype
 from training import train_step
 
 # The flags that mean what they mean in train_gpt2.py; bench.py's own defaults depend on the device.
 SHARED_FLAGS = ["model", "n_layer", "n_head", "n_embd", "micro_batch_size", "seq_len", "dtype", "compile", "device",
-                "optimizer", "max_lr"]
+                "optimizer", "max_lr", "activation_checkpointing"]
+# --plan: GPT-2's sizes, on this many cards each, at GPT-2's recipe
+PLAN_MODELS = {"124M": "gpt2", "350M": "gpt2-medium", "774M": "gpt2-large", "1.5B": "gpt2-xl"}
+PLAN_CARDS = (1, 2, 4, 8)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -98,6 +128,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--memory_gb", type=float, nargs="+", default=[24, 40, 80],
                         help="device memories (GiB) to fit the largest micro-batch into, from the measured budget")
+    parser.add_argument("--plan", action="store_true",
+                        help="no timing: which GPT-2 size fits 1-8 cards of --memory_gb, ddp or fsdp, with each "
+                             "--activation_checkpointing, and at what micro-batch")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.grad_accum_steps < 1 or args.rounds < 1:
         parser.error("--steps, --grad_accum_steps and --rounds must be at least 1, --warmup at least 0.")
@@ -153,14 +186,14 @@ def time_config(work: Workload, data_dir: str, dtype: torch.dtype, compile: bool
         keep_freed_memory()
     torch.manual_seed(cfg.seed)
     model = (FullLogitsGPT if plain or full_logits else GPT)(plan.model_config)
-    trained = build_model(model, dist_env, dtype, cfg, compile, plain)
+    trainee = build_training_model(model, dist_env, dtype, cfg, compile, plain)
     loader = DistributedDataLoader(data_dir, "train", cfg.micro_batch_size, plan.seq_len, dist_env.rank,
                                    dist_env.world_size, plan.grad_accum_steps)
     peak = peak_flops(device, dtype)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-    optimizer_seconds = time_optimizer_steps(trained.optimizer, device)
+    optimizer_seconds = time_optimizer_steps(trainee.optimizer, device)
     step_seconds, data_seconds, optimizer_ms, losses = [], [], [], []
     for step in range(warmup + steps):
         if step == warmup:  # the warm-up's peak (compilation and Inductor's autotuning allocate too), then the steps'
@@ -172,7 +205,7 @@ def time_config(work: Workload, data_dir: str, dtype: torch.dtype, compile: bool
         t0 = time.perf_counter()
         # The LR warms up over the steps to --max_lr, as a run's would: at full LR from step 0 models diverge.
         lr = cfg.max_lr * (step + 1) / (warmup + steps)
-        result = train_step(trained.model, trained.optimizer, trained.scaler, loader, plan.grad_accum_steps, lr,
+        result = train_step(trainee.model, trainee.optimizer, trainee.scaler, loader, plan.grad_accum_steps, lr,
                             cfg.grad_clip, device, dtype)
         losses.append(result.loss)
         synchronize(device)
@@ -182,7 +215,7 @@ def time_config(work: Workload, data_dir: str, dtype: torch.dtype, compile: bool
             optimizer_ms.append(1000 * sum(optimizer_seconds))
 
     seconds = statistics.median(step_seconds)
-    flops_per_sec = trained.raw.flops_per_token(plan.seq_len) * work.tokens_per_step / seconds
+    flops_per_sec = trainee.raw.flops_per_token(plan.seq_len) * work.tokens_per_step / seconds
     return {"name": run_name(dtype, compile, plain, full_logits), "dtype": dtype_name(dtype), "compile": compile,
             "ms_per_step": 1000 * seconds, "optimizer_ms": statistics.median(optimizer_ms),
             "tokens_per_sec": work.tokens_per_step / seconds,
@@ -379,7 +412,8 @@ def memory_budget(work: Workload, dtype: torch.dtype, memory_gb: list[float]) ->
     1,024 tokens, or 0 if not even one sequence fits."""
     device = work.dist_env.device if work.dist_env.device.type == "cuda" else torch.device("cpu")
     config, seq_len = work.plan.model_config, work.plan.seq_len
-    per_sequence = measure_activation_bytes_per_sequence(config, seq_len, dtype, device)
+    per_sequence = measure_activation_bytes_per_sequence(config, seq_len, dtype, device,
+                                                         activation_checkpointing=work.cfg.activation_checkpointing)
     with torch.device("meta"):
         state = state_bytes(GPT(config))
     largest = {}
@@ -389,6 +423,45 @@ def memory_budget(work: Workload, dtype: torch.dtype, memory_gb: list[float]) ->
         except ValueError:
             largest[f"{gb:g}"] = 0
     return {"state_bytes": state, "activation_bytes_per_sequence": per_sequence, "largest_micro_batch": largest}
+
+
+def memory_plan(memory_gb: list[float], device: torch.device, models: dict[str, GPTConfig] | None = None,
+                seq_len: int = 1024, total_batch_size: int = 524_288) -> dict:
+    """--plan (see the module doc): GPT-2's sizes unless `models`, at its recipe's sequence length and batch."""
+    device = device if device.type == "cuda" else torch.device("cpu")
+    models = models or {name: PRESETS[preset] for name, preset in PLAN_MODELS.items()}
+    per_sequence = {name: {mode: activation_bytes_per_sequence_from_two_depths(config, seq_len, torch.bfloat16, device,
+                                                                               mode)
+                           for mode in ACTIVATION_CHECKPOINTING} for name, config in models.items()}
+    micro_batch = {}
+    for gb in memory_gb:
+        micro_batch[f"{gb:g}"] = by_model = {}
+        for name, config in models.items():
+            by_model[name] = {}
+            for cards in PLAN_CARDS:
+                fits = plan_micro_batches(config, per_sequence[name], int(gb * GiB), cards, seq_len, total_batch_size,
+                                          torch.bfloat16)
+                by_model[name][cards] = {f"{parallel} {mode}": size for (parallel, mode), size in fits.items()}
+    return {"device": str(device), "seq_len": seq_len, "total_batch_size": total_batch_size,
+            "activation_bytes_per_sequence": per_sequence, "micro_batch": micro_batch}
+
+
+def format_plan(plan: dict) -> str:
+    """--plan's tables, in Markdown (the README's are these)."""
+    columns = [f"{parallel} {mode}" for parallel in ("ddp", "fsdp") for mode in ACTIVATION_CHECKPOINTING]
+    lines = [f"activations per sequence of {plan['seq_len']:,} tokens, bf16, measured on {plan['device']}, "
+             f"{' / '.join(ACTIVATION_CHECKPOINTING)}: " + "; ".join(
+                 f"{name} " + " / ".join(f"{b / MiB:,.0f}" for b in modes.values()) + " MiB"
+                 for name, modes in plan["activation_bytes_per_sequence"].items())]
+    for gb, models in plan["micro_batch"].items():
+        lines += ["", f"{gb} GiB per card: the largest micro-batch that fits ({plan['total_batch_size']:,} tokens "
+                      "per step, AdamW; -: not even one sequence fits)", "",
+                  "| model | cards | " + " | ".join(c.replace(" none", "").replace(" ", " + ") for c in columns)
+                  + " |", "|---|---:|" + "---:|" * len(columns)]
+        for name, by_cards in models.items():
+            for cards, sizes in by_cards.items():
+                lines.append(f"| {name} | {cards} | " + " | ".join(str(sizes[c] or "-") for c in columns) + " |")
+    return "\n".join(lines)
 
 
 def format_report(report: dict, args: argparse.Namespace) -> str:
@@ -453,12 +526,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     dist_env = setup_distributed(args.device)
     try:
-        report = benchmark(args, dist_env)
+        report = memory_plan(args.memory_gb, dist_env.device) if args.plan else benchmark(args, dist_env)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     if dist_env.is_master:
-        print(json.dumps(report) if args.json else format_report(report, args))
+        print(json.dumps(report) if args.json else format_plan(report) if args.plan else format_report(report, args))
 
 
 if __name__ == "__main__":

@@ -3,9 +3,9 @@
 copa, boolq), for a snapshot of ours (a snapshot_*.pt file or an fsdp run's snapshot directory) or for OpenAI's GPT-2
 (a hub name or a Hugging Face directory).
 
-    python evaluate.py --ckpt logs/snapshot_0019072.pt                    # what the run logged, from its own flags
-    python evaluate.py --model gpt2 --tasks all --no-val --json           # the harness's zero-shot table
-    torchrun --standalone --nproc_per_node=8 evaluate.py --ckpt logs/snapshot_0019072 --tasks hellaswag,piqa
+    python -m tools.evaluate --snapshot logs/snapshot_0019072.pt           # what the run logged, from its own flags
+    python -m tools.evaluate --model gpt2 --tasks all --no-val --json      # the harness's zero-shot table
+    torchrun --standalone --nproc_per_node=8 -m tools.evaluate --snapshot logs/snapshot_0019072 --tasks hellaswag,piqa
 
 For a snapshot, --data_dir, --micro_batch_size, --seq_len, --val_tokens, --val_steps, --dtype, --eval_dir,
 --hellaswag_path and --limit default to the training run's own (saved in the snapshot), so the numbers are the ones
@@ -24,13 +24,14 @@ import torch
 import torch.distributed as dist
 
 import evals
+import hf
 from config import HelpFormatter, TrainConfig, add_flags, validation_steps
 from dataloader import DistributedDataLoader
 from distributed import Distributed, setup_distributed
 from errors import UserError, run_entry_point
 from model import GPT
 from precision import pick_dtype
-from snapshot import load_model_snapshot
+from snapshot import load_model_snapshot, read_model
 from validation import validation_loss
 
 # The training flags that decide the numbers; a snapshot's own values are their defaults.
@@ -41,8 +42,8 @@ RUN_FLAGS = ["data_dir", "micro_batch_size", "seq_len", "val_tokens", "val_steps
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--ckpt", help="a snapshot of train_gpt2.py: a snapshot_*.pt file or an fsdp snapshot "
-                                       "directory (or a file with just its model)")
+    source.add_argument("--snapshot", "--ckpt", help="a snapshot of train_gpt2.py: a snapshot_*.pt file or an fsdp "
+                                                   "snapshot directory (or a file with just its model)")
     source.add_argument("--model", help="OpenAI's weights from Hugging Face: gpt2, gpt2-medium, gpt2-large, "
                                         "gpt2-xl, or a local save_pretrained directory")
     add_flags(parser, RUN_FLAGS + ["device"])
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true", help="print the results as one JSON line on stdout")
     source_args = parser.parse_known_args(argv)[0]
     task_names(source_args)  # a bad name fails before the model loads
-    model, run_config, step = load_model(source_args.ckpt, source_args.model)
+    model, run_config, step = load_model(source_args.snapshot, source_args.model)
     # A snapshot's run decides the defaults (flags given on the command line still win); hellaswag_limit is the
     # name eval_limit had in runs before evals.py.
     parser.set_defaults(**{k: v for k, v in run_config.items() if k in RUN_FLAGS},
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
     if dist_env.is_master:
-        results = {"model": args.ckpt or args.model, "step": step} | results
+        results = {"model": args.snapshot or args.model, "step": step} | results
         if args.json:
             print(json.dumps(results))
         else:
@@ -81,21 +82,21 @@ def task_names(args: argparse.Namespace) -> list[str]:
     return names + ["hellaswag"] * (args.hellaswag and "hellaswag" not in names)
 
 
-def load_model(ckpt: str | None, hf_name: str | None) -> tuple[GPT, dict, int | None]:
+def load_model(snapshot: str | None, hf_name: str | None) -> tuple[GPT, dict, int | None]:
     """The model on the CPU, with the flags and the last trained step of the run that wrote it (a snapshot of
     ours; {} and None for OpenAI's weights or a file with just a model)."""
     if hf_name is not None:
         try:
-            return GPT.from_pretrained(hf_name), {}, None
+            return hf.from_pretrained(hf_name), {}, None
         except OSError as e:  # what transformers raises for no network, an unknown name or missing weight files
             raise UserError(f"--model {hf_name}: the Hugging Face weights could not be loaded "
                             f"({str(e).strip().splitlines()[0]}). Pass gpt2, gpt2-medium, gpt2-large or gpt2-xl "
                             "(downloaded on first use) or a directory written by save_pretrained.") from e
     try:
-        model = GPT.from_snapshot(ckpt)
+        model = read_model(snapshot)
     except (FileNotFoundError, ValueError) as e:  # the message names the file and what to pass instead
-        raise UserError(f"--ckpt: {e} (For OpenAI's weights use --model gpt2.)") from e
-    saved = load_model_snapshot(ckpt)
+        raise UserError(f"--snapshot: {e} (For OpenAI's weights use --model gpt2.)") from e
+    saved = load_model_snapshot(snapshot)
     return model, saved.get("config", {}), saved.get("step")
 
 

@@ -1,7 +1,7 @@
 """Plot training runs from their metrics.jsonl files: loss, val bits per byte, HellaSwag accuracy, the zero-shot
 eval_score and learning rate against step.
 
-    python plot.py logs/run_a/metrics.jsonl logs/run_b/metrics.jsonl --out runs.png
+    python -m tools.plot logs/run_a/metrics.jsonl logs/run_b/metrics.jsonl --out runs.png
 
 Each run is one labelled line per panel, named after its folder (or after the file, when it is not called
 metrics.jsonl). GPT-2 124M's scores are drawn as dashed reference lines: val loss 3.2924 on FineWeb-Edu and

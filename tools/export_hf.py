@@ -1,6 +1,6 @@
 """Export a snapshot of this codebase as a Hugging Face GPT-2 model directory.
 
-    python export_hf.py logs/run/model_19072.pt exported/ --tokenizer_dir ../shared/data/gpt2_tokenizer
+    python -m tools.export_hf logs/run/model_19072.pt exported/ --tokenizer_dir ../shared/data/gpt2_tokenizer
 
 The directory then loads anywhere transformers does, with the same logits as our model:
 
@@ -17,28 +17,10 @@ import json
 import shutil
 from pathlib import Path
 
-from transformers import GPT2Config, GPT2LMHeadModel
-
-from model import GPT
+from hf import to_hf
+from snapshot import read_model
 
 EOT = "<|endoftext|>"
-
-
-def to_hf(model: GPT) -> GPT2LMHeadModel:
-    """A GPT2LMHeadModel holding our weights."""
-    cfg = model.config
-    hf_config = GPT2Config(
-        vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_ctx=cfg.block_size,
-        n_embd=cfg.n_embd, n_layer=cfg.n_layer, n_head=cfg.n_head,
-        activation_function="gelu_new",  # the tanh approximation of GELU, as in our MLP
-        layer_norm_epsilon=1e-5,  # nn.LayerNorm's default
-        # Our model has no dropout; zero here means fine-tuning in transformers continues the same way.
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        bos_token_id=50256, eos_token_id=50256,
-    )
-    hf_model = GPT2LMHeadModel(hf_config)
-    hf_model.load_state_dict(model.hf_state_dict())  # strict: a name or shape mismatch fails here, not later
-    return hf_model.eval()
 
 
 def write_tokenizer(tokenizer_dir: Path, out_dir: Path, model_max_length: int) -> None:
@@ -52,7 +34,7 @@ def write_tokenizer(tokenizer_dir: Path, out_dir: Path, model_max_length: int) -
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("ckpt", type=Path, help="a snapshot_*.pt written by train_gpt2.py (or just its model)")
+    parser.add_argument("snapshot", type=Path, help="a snapshot_*.pt written by train_gpt2.py (or just its model)")
     parser.add_argument("out_dir", type=Path, help="directory to write (created if missing)")
     parser.add_argument("--tokenizer_dir", type=Path,
                         help="folder with OpenAI's GPT-2 encoder.json and vocab.bpe, e.g. shared/data/gpt2_tokenizer")
@@ -64,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--tokenizer_dir {args.tokenizer_dir} lacks {' and '.join(missing)}. Point it at a folder "
                          "holding OpenAI's GPT-2 encoder.json and vocab.bpe (shared/data/gpt2_tokenizer has both).")
     try:
-        model = GPT.from_snapshot(args.ckpt)
+        model = read_model(args.snapshot)
     except (FileNotFoundError, ValueError) as e:
         parser.error(str(e))
 

@@ -1,7 +1,7 @@
 """Sample text from a snapshot of this codebase or from a Hugging Face GPT-2.
 
-    python sample.py --ckpt logs/snapshot_0019072.pt
-    python sample.py --model gpt2 --prompt "The meaning of life is" --num_samples 2 --max_new_tokens 64
+    python -m tools.sample --snapshot logs/snapshot_0019072.pt
+    python -m tools.sample --model gpt2 --prompt "The meaning of life is" --num_samples 2 --max_new_tokens 64
 
 The same --seed gives the same text on the same device and software versions (the random stream of a
 torch.Generator differs between CPU, CUDA and MPS, and GPU kernels may differ between versions).
@@ -9,35 +9,17 @@ torch.Generator differs between CPU, CUDA and MPS, and GPU kernels may differ be
 
 import argparse
 
-import tiktoken
-import torch
-
+import hf
 from distributed import default_device
-from model import GPT
-
-
-def generate_text(model: GPT, prompt: str, num_samples: int = 4, max_new_tokens: int = 32,
-                  temperature: float = 1.0, top_k: int | None = 50, seed: int = 42,
-                  top_p: float | None = None) -> list[str]:
-    """num_samples continuations of prompt, each returned with the prompt in front.
-
-    Runs on the device the model's weights are on. The generator is private, so sampling neither reads nor
-    advances the global RNG: calling this in the middle of training leaves the training run unchanged.
-    An empty prompt samples from <|endoftext|>, i.e. the start of a new document.
-    """
-    enc = tiktoken.get_encoding("gpt2")
-    prompt_tokens = enc.encode(prompt, allowed_special={"<|endoftext|>"}) or [enc.eot_token]
-    device = next(model.parameters()).device
-    idx = torch.tensor(prompt_tokens, dtype=torch.long, device=device).repeat(num_samples, 1)  # (B, T)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
-    return [prompt + enc.decode(row[len(prompt_tokens):].tolist()) for row in out]
+from snapshot import read_model
+from tokenizer import generate_text
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--ckpt", help="a snapshot_*.pt written by train_gpt2.py (or a file with just its model)")
+    source.add_argument("--snapshot", "--ckpt",
+                        help="a snapshot_*.pt written by train_gpt2.py (or a file with just its model)")
     source.add_argument("--model", help="Hugging Face GPT-2: a hub name (gpt2, gpt2-medium, ...) or a local directory")
     parser.add_argument("--prompt", default="Hello, I'm a language model,")
     parser.add_argument("--num_samples", type=int, default=4)
@@ -53,13 +35,13 @@ def main(argv: list[str] | None = None) -> None:
     if not 0 < args.top_p <= 1:
         parser.error(f"--top_p {args.top_p}: pass a probability in (0, 1]; 1 turns nucleus sampling off")
 
-    if args.ckpt is not None:
+    if args.snapshot is not None:
         try:
-            model = GPT.from_snapshot(args.ckpt)
+            model = read_model(args.snapshot)
         except (FileNotFoundError, ValueError) as e:
-            parser.error(f"--ckpt: {e} (For Hugging Face weights use --model instead.)")
+            parser.error(f"--snapshot: {e} (For Hugging Face weights use --model instead.)")
     else:
-        model = GPT.from_pretrained(args.model)
+        model = hf.from_pretrained(args.model)
     model.to(args.device)
 
     texts = generate_text(model, args.prompt, args.num_samples, args.max_new_tokens, args.temperature,

@@ -1,10 +1,10 @@
 """The GPU acceptance run: one command checks every GPU path of this codebase, measures its speed, and gives each
 check a verdict.
 
-    python gpu_check.py --out gpu_report                     # all three stages, under 20 minutes on one H100
-    python gpu_check.py --out gpu_report --stage bench       # one stage: tests, bench or train
-    python gpu_check.py --out gpu_report --data_dir data/fineweb_edu10B --hellaswag_path hellaswag_val.jsonl
-    python gpu_check.py --out /tmp/smoke --cpu-smoke         # every stage on the CPU at a tiny size (the CPU suite)
+    python -m tools.gpu_check --out gpu_report                 # all three stages, under 20 minutes on one H100
+    python -m tools.gpu_check --out gpu_report --stage bench   # one stage: tests, bench or train
+    python -m tools.gpu_check --out gpu_report --data_dir data/fineweb_edu10B --hellaswag_path hellaswag_val.jsonl
+    python -m tools.gpu_check --out /tmp/smoke --cpu-smoke     # every stage on the CPU at a tiny size (the CPU suite)
 
 It needs what a cluster node or a container image already has: PyTorch with CUDA, numpy, tiktoken and tqdm (and
 pytest for the tests stage). No network, no wandb, no datasets, nothing to install: the data are random tokens
@@ -47,16 +47,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import bench
 from config import TrainConfig
 from dataloader import write_shard
 from distributed import Distributed
 from errors import UserError, run_entry_point
-from memory import GiB
+from memory import GiB, choose_micro_batch
 from precision import pick_dtype
-from train_gpt2 import choose_micro_batch
+from tokenizer import gpt2_encoding
+from tools import bench
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent  # the repository root: tests/gpu, train_gpt2.py
 STAGES = ("tests", "train", "bench")
 
 
@@ -210,8 +210,7 @@ def within_budget(seconds: float, budget: int) -> Result:
 def tokenizer_problem() -> str | None:
     """Why the GPT-2 tokenizer cannot be loaded here (samples and HellaSwag need it), or None if it can."""
     try:
-        import tiktoken
-        tiktoken.get_encoding("gpt2")
+        gpt2_encoding()
         return None
     except Exception as e:  # no cache and no network: tiktoken's errors vary
         return (f"the GPT-2 tokenizer could not be loaded ({type(e).__name__}); point TIKTOKEN_CACHE_DIR at a copy "
@@ -310,7 +309,7 @@ def train_stage(report: Report, scale: Scale, args: argparse.Namespace) -> None:
                "--warmup_steps", str(warmup), "--max_lr", str(scale.max_lr), "--data_dir", str(data_dir),
                "--val_every", every, "--val_tokens", str(scale.val_tokens), "--sample_every", every if samples else "0",
                "--hellaswag_every", every if hellaswag else "0", "--hellaswag_limit", str(scale.hellaswag_limit),
-               "--ckpt_every", "0", "--log_dir", str(log_dir), *(["--compile"] if scale.compile else []),
+               "--snapshot_every", "0", "--log_dir", str(log_dir), *(["--compile"] if scale.compile else []),
                *(["--hellaswag_path", str(args.hellaswag_path)] if hellaswag else [])]
     print("train:", " ".join(command[1:]), flush=True)
     returncode, output = run_logged(command, os.environ | {"PYTHONUNBUFFERED": "1"}, 2 * scale.stage_seconds,
