@@ -221,6 +221,7 @@ def _rank_main(rank: int, world_size: int, directory: str, worker, args: tuple) 
                             timeout=timedelta(minutes=2))
     try:
         (Path(directory) / f"rank{rank}.json").write_text(json.dumps(worker(rank, *args)))
+        dist.barrier()  # leave together: a rank tearing gloo down while its peer still talks can abort the peer
     finally:
         dist.destroy_process_group()
 
