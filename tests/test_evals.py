@@ -11,13 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import evals
-from conftest import free_port
 from errors import UserError
+from helpers_train import on_ranks
 from model import GPT
 
 FIXTURES = Path(__file__).resolve().parent / "data" / "evals"  # hand-made arc_easy, arc_challenge, sciq documents
@@ -257,41 +255,35 @@ def test_the_batching_does_not_change_the_numbers(shared_data):
 # ----------------------------------------------------------------------------------------------------------------
 # ranks and stopping
 
-def _on_rank(rank: int, port: int, shared_data: Path, out_dir: Path) -> None:
-    """One of 2 gloo ranks (local ranks 0 and 1 of one node): the suite on 2 ranks, then the default directory's
+def evaluate_and_download(rank: int, shared_data: str, out_dir: str) -> dict:
+    """On one of 2 gloo ranks (local ranks 0 and 1 of one node): the suite on 2 ranks, then the default directory's
     files fetched from a source that works and from one that does not, counting the downloads."""
-    torch.set_num_threads(1)  # two processes share the cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    from conftest import perturb_
+    from model import PRESETS
+    shared_data, out_dir = Path(shared_data), Path(out_dir)
+    torch.manual_seed(0)
+    model = perturb_(GPT(PRESETS["tiny"]), 0.2)
+    suite = evals.Suite(load_mixed_docs(shared_data, limit=5), 64, batch_tokens=512)
+    results = {"metrics": evals.evaluate(model, suite, "cpu", rank=rank, world_size=2)}
+    downloads, download = [], evals.download
+    evals.download = lambda name, path: (downloads.append(name), download(name, path))
+    source = shared_data / "evals" / "copa.jsonl"
+    evals.DEFAULT_DIR = out_dir / "cache"
+    evals.SOURCES["copa"] = evals.Url(source.as_uri(), hashlib.sha256(source.read_bytes()).hexdigest())
+    results["docs"] = len(evals.load_tasks(["copa"], None, None, 3, rank)["copa"])
+    evals.DEFAULT_DIR = out_dir / "empty_cache"
+    evals.SOURCES["copa"] = evals.Url((out_dir / "offline.jsonl").as_uri(), "0" * 64)
     try:
-        from conftest import perturb_
-        from model import PRESETS
-        torch.manual_seed(0)
-        model = perturb_(GPT(PRESETS["tiny"]), 0.2)
-        suite = evals.Suite(load_mixed_docs(shared_data, limit=5), 64, batch_tokens=512)
-        results = {"metrics": evals.evaluate(model, suite, "cpu", rank=rank, world_size=2)}
-        downloads, download = [], evals.download
-        evals.download = lambda name, path: (downloads.append(name), download(name, path))
-        source = shared_data / "evals" / "copa.jsonl"
-        evals.DEFAULT_DIR = out_dir / "cache"
-        evals.SOURCES["copa"] = evals.Url(source.as_uri(), hashlib.sha256(source.read_bytes()).hexdigest())
-        results["docs"] = len(evals.load_tasks(["copa"], None, None, 3, rank)["copa"])
-        evals.DEFAULT_DIR = out_dir / "empty_cache"
-        evals.SOURCES["copa"] = evals.Url((out_dir / "offline.jsonl").as_uri(), "0" * 64)
-        try:
-            evals.load_tasks(["copa"], None, None, 3, rank)
-        except UserError as e:
-            results["offline_error"] = str(e)
-        results["downloads"] = len(downloads)
-        (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
-    finally:
-        dist.destroy_process_group()
+        evals.load_tasks(["copa"], None, None, 3, rank)
+    except UserError as e:
+        results["offline_error"] = str(e)
+    return results | {"downloads": len(downloads)}
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory, shared_data) -> list[dict]:
     out = tmp_path_factory.mktemp("two_ranks")
-    mp.spawn(_on_rank, args=(free_port(), shared_data, out), nprocs=2)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return on_ranks(evaluate_and_download, out / "ranks", str(shared_data), str(out))
 
 
 @pytest.mark.slow
