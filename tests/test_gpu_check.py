@@ -24,6 +24,7 @@ from tools.gpu_check import Report, Scale, junit_row
 ABSENT_PACKAGES = ("wandb", "datasets", "transformers")
 
 
+@pytest.mark.slow  # over 3 s: keeps `-m 'not slow'` under 90 s
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_without_a_gpu_it_says_so_in_one_line_and_exits_2(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "tools.gpu_check", "--out", str(tmp_path / "report")], cwd=ROOT,

@@ -292,6 +292,7 @@ def test_a_nan_loss_skips_that_update_and_training_goes_on_as_without_it(data, t
     assert got[9] < got[0] - 0.2  # and the run really trained
 
 
+@pytest.mark.slow  # over 3 s: keeps `-m 'not slow'` under 90 s
 def test_rollback_reloads_the_newest_healthy_snapshot_and_skips_the_bad_data(data, tmp_path, monkeypatch):
     plant(monkeypatch, data, [6, 7, 8], math.nan)  # bad data at steps 6-8: 3 skips in a row, then a rollback
     args = ["--max_steps", "14", "--ckpt_every", "5", "--keep_last", "3", "--max_skips", "3",
@@ -356,6 +357,7 @@ class Crash(BaseException):
     """A crash: nothing of the run after it runs."""
 
 
+@pytest.mark.slow  # over 3 s: keeps `-m 'not slow'` under 90 s
 def test_a_rollback_is_written_at_once_so_a_crash_after_it_resumes_after_it(data, tmp_path, monkeypatch):
     # Bad data at steps 6-8: a rollback at step 8 to snapshot_4, then steps 5-11 read data 9-15. A crash right after
     # the rollback, before snapshot_9, must resume with the data after the bad batches and the rollback counted.

@@ -464,6 +464,7 @@ def losses(log_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(log_dir) if "loss" in r}
 
 
+@pytest.mark.slow  # over 3 s: keeps `-m 'not slow'` under 90 s
 def test_an_fp16_muon_run_steps_saves_both_optimizers_and_its_scale_and_resumes_exactly(data, tmp_path):
     args = [*JOB, "--data_dir", str(data), "--dtype", "fp16", "--max_steps", "4", "--ckpt_every", "2"]
     main_in_process([*args, "--log_dir", str(tmp_path / "whole")])

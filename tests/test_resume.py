@@ -108,6 +108,7 @@ def newest_snapshot_step(log_dir: Path) -> int:
 # ----------------------------------------------------------------------------------------------------------------
 # the tests
 
+@pytest.mark.slow  # over 3 s: keeps `-m 'not slow'` under 90 s
 def test_one_rank_resume_after_a_crash_continues_exactly(job, tmp_path):
     # The state a crash after step 5 leaves: the snapshot of step 3, and metrics up to step 5.
     shutil.copy(snapshot_path(job.one_rank, 3), tmp_path)
@@ -260,6 +261,7 @@ def scale_in(path: Path) -> float | None:
     return load_snapshot(path)["scaler"].get("scale")
 
 
+@pytest.mark.slow  # over 3 s: keeps `-m 'not slow'` under 90 s
 def test_an_fp16_run_saves_its_loss_scale_and_a_resume_carries_it_on(job, tmp_path):
     fp16 = ["--dtype", "fp16", "--max_steps", "4", "--ckpt_every", "2", "--val_every", "0"]
     main_in_process([*job.args, *fp16, "--log_dir", str(tmp_path / "whole")])

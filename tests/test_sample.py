@@ -39,6 +39,7 @@ def test_sampling_leaves_the_global_rng_alone(tiny_ckpt, gpt2_encoding):
     assert torch.equal(torch.rand(4), expected)  # periodic samples in training must not change the training run
 
 
+@pytest.mark.slow  # over 3 s: keeps `-m 'not slow'` under 90 s
 def test_cli_prints_what_the_function_returns(tiny_ckpt, gpt2_encoding):
     args = ["--num_samples", "2", "--max_new_tokens", "8", "--temperature", "0.8", "--top_k", "20", "--seed", "5"]
     result = subprocess.run([sys.executable, "-m", "tools.sample", "--ckpt", str(tiny_ckpt), "--device", "cpu",
