@@ -28,9 +28,17 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from data.tokenize_shards import ShardWriter, check_input_files, shard_paths, summary, tokenize_documents
+from data.tokenize_shards import (
+    ShardWriter,
+    check_input_files,
+    is_jsonl,
+    jsonl_texts,
+    shard_paths,
+    summary,
+    tokenize_documents,
+)
 from dataloader import read_shard_header
-from errors import UserError
+from errors import UserError, run_entry_point
 from files import atomic_write
 
 DATASETS = {"edu": ("HuggingFaceFW/fineweb-edu", "fineweb_edu"), "classic": ("HuggingFaceFW/fineweb", "fineweb")}
@@ -55,13 +63,7 @@ def file_texts(paths: list[Path]) -> Iterator[str]:
             for batch in parquet.iter_batches(columns=["text"]):
                 yield from batch.column("text").to_pylist()
         else:
-            with open(path, encoding="utf-8") as f:
-                for line_number, line in enumerate(f, 1):
-                    row = json.loads(line)
-                    if "text" not in row:
-                        raise SystemExit(f"{path}, line {line_number}: no \"text\" field; each line of a JSON-lines "
-                                         "--input file must be an object whose \"text\" is a document.")
-                    yield row["text"]
+            yield from jsonl_texts(path)
 
 
 def load_progress(path: Path, source: str | list[str], shard_size: int, shard_path: Callable[[int], Path]) -> dict:
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--version", choices=["edu", "classic"], default="edu", help="FineWeb-Edu or FineWeb")
     parser.add_argument("--size", choices=["10B", "100B"], default="10B", help="the sample-10BT or sample-100BT subset")
     parser.add_argument("--input", type=Path, nargs="+",
-                        help="local .parquet or .jsonl files with a `text` column, read instead of the hub")
+                        help="local .parquet or .jsonl(.gz) files with a `text` column, read instead of the hub")
     parser.add_argument("--output_dir", type=Path,
                         help="default: data/fineweb_edu10B, data/fineweb100B, ... after --version and --size; "
                              "data/fineweb_local with --input")
@@ -101,8 +103,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.input:
         check_input_files(parser, args.input)
         for path in args.input:
-            if path.suffix not in (".parquet", ".jsonl", ".json"):
-                parser.error(f"--input {path}: unknown file type; pass .parquet or .jsonl (JSON lines) files.")
+            if path.suffix not in (".parquet", ".json") and not is_jsonl(path):
+                parser.error(f"--input {path}: unknown file type; pass .parquet or .jsonl/.jsonl.gz (JSON lines) "
+                             "files.")
         source = [str(path.resolve()) for path in args.input]
         output_dir = args.output_dir or DATA_DIR / "fineweb_local"
     else:
@@ -146,4 +149,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_entry_point(main)

@@ -3,13 +3,18 @@
     python -m data.prepare --source shakespeare                          # downloads input.txt into data/shakespeare/
     python -m data.prepare --source shakespeare --input path/input.txt   # offline, from a local copy
     python -m data.prepare --input a.txt b.txt --output_dir data/mytext
+    python -m data.prepare --input ../shared/data/enwiki/enwiki.jsonl.gz \
+        --val_input ../shared/data/enwiki/enwiki_val.jsonl.gz --output_dir data/enwiki
 
-Document boundaries: each --input file is one document, preceded by the EOT token as llm.c writes documents (see
-data/tokenize_shards.py); with --val_fraction > 0, a file's val part and its train part are each preceded by one.
+Documents: each text file is one document, and each line {"text": ...} of a JSON-lines file (.jsonl, or gzipped
+.jsonl.gz) is one. Every document is preceded by the EOT token as llm.c writes documents (see
+data/tokenize_shards.py), so EOT separates consecutive documents; with --val_fraction > 0, a text file's val part
+and its train part are each preceded by one.
 Tiny Shakespeare (--source shakespeare) is one text without EOT, tokenized exactly as nanoGPT's
 data/shakespeare/prepare.py does it. The val split:
-  --val_fraction F > 0 (default 0.1): the last F of each file's characters is val, the rest train, as nanoGPT
-      splits Tiny Shakespeare (train 301,966 / val 36,059 tokens).
+  --val_fraction F > 0 (default 0.1): the last F of each text file's characters is val, the rest train, as nanoGPT
+      splits Tiny Shakespeare (train 301,966 / val 36,059 tokens); of a JSON-lines file, its last F of documents.
+  --val_input FILES: these files are val, the --input files train, whole.
   --val_fraction 0: the first --shard_size tokens are val, the rest train (llm.c's convention, for corpora of
       many shards).
 Shards go to --output_dir (default data/shakespeare with --source shakespeare, required otherwise) as
@@ -22,7 +27,16 @@ import time
 import urllib.request
 from pathlib import Path
 
-from data.tokenize_shards import ShardWriter, check_input_files, shard_paths, summary, tokenize_documents
+from data.tokenize_shards import (
+    ShardWriter,
+    check_input_files,
+    is_jsonl,
+    jsonl_texts,
+    shard_paths,
+    summary,
+    tokenize_documents,
+)
+from errors import run_entry_point
 from files import atomic_write
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -42,16 +56,38 @@ def download_shakespeare(path: Path) -> None:
     atomic_write(path, lambda f: f.write(data))
 
 
+def read_documents(path: Path) -> list[str]:
+    return list(jsonl_texts(path)) if is_jsonl(path) else [path.read_text(encoding="utf-8")]
+
+
+def split_val(documents: list[str], text_file: bool, val_fraction: float) -> tuple[list[str], list[str]]:
+    """(val, train): a text file's last val_fraction of characters, or a JSON-lines file's last of documents."""
+    if text_file:
+        text = documents[0]
+        cut = int(len(text) * (1 - val_fraction))
+        return [text[cut:]], [text[:cut]]
+    cut = int(len(documents) * (1 - val_fraction))
+    return documents[cut:], documents[:cut]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--source", choices=["shakespeare"],
                         help="Tiny Shakespeare, downloaded (and cached in --output_dir) unless --input is given")
-    parser.add_argument("--input", type=Path, nargs="+", help="local text files (UTF-8), one document each")
+    parser.add_argument("--input", type=Path, nargs="+",
+                        help="text files (UTF-8), a document each, or .jsonl/.jsonl.gz files, a document a line")
+    parser.add_argument("--val_input", type=Path, nargs="+",
+                        help="files (as --input) that are the val split, whole; --input is then all train")
     parser.add_argument("--output_dir", type=Path, help="default: data/shakespeare with --source shakespeare")
     parser.add_argument("--shard_size", type=int, default=100_000_000, help="tokens per shard (default 100M)")
-    parser.add_argument("--val_fraction", type=float, default=0.1,
-                        help="fraction of each file's characters, from its end, that is val; 0: the first shard is val")
+    parser.add_argument("--val_fraction", type=float,
+                        help="fraction of each file's characters (JSON lines: documents), from its end, that is val "
+                             "(default 0.1); 0: the first shard is val")
     args = parser.parse_args(argv)
+    if args.val_input and (args.val_fraction is not None or args.source):
+        parser.error("--val_input names the val files, so it goes without --val_fraction and --source")
+    if args.val_fraction is None:
+        args.val_fraction = 0.0 if args.val_input else 0.1
     if args.source is None and (args.input is None or args.output_dir is None):
         parser.error("pass --source shakespeare, or your own text files with --input and a directory for the shards "
                      "with --output_dir")
@@ -65,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     output_dir = args.output_dir or DATA_DIR / "shakespeare"
     output_dir.mkdir(parents=True, exist_ok=True)
     if args.input:
-        check_input_files(parser, args.input)
+        check_input_files(parser, args.input + (args.val_input or []))
         inputs = args.input
     else:
         inputs = [output_dir / "input.txt"]
@@ -73,13 +109,17 @@ def main(argv: list[str] | None = None) -> None:
             download_shakespeare(inputs[0])
 
     t0 = time.time()
-    texts = [path.read_text(encoding="utf-8") for path in inputs]
-    if args.val_fraction > 0:
-        cuts = [int(len(text) * (1 - args.val_fraction)) for text in texts]
-        streams = {"val": (shard_paths(output_dir, "val"), [text[cut:] for text, cut in zip(texts, cuts)]),
-                   "train": (shard_paths(output_dir, "train"), [text[:cut] for text, cut in zip(texts, cuts)])}
+    files = [read_documents(path) for path in inputs]
+    if args.val_input:
+        val = [d for path in args.val_input for d in read_documents(path)]
+        streams = {"val": (shard_paths(output_dir, "val"), val),
+                   "train": (shard_paths(output_dir, "train"), [d for documents in files for d in documents])}
+    elif args.val_fraction > 0:
+        splits = [split_val(documents, not is_jsonl(path), args.val_fraction) for path, documents in zip(inputs, files)]
+        streams = {"val": (shard_paths(output_dir, "val"), [d for val, _ in splits for d in val]),
+                   "train": (shard_paths(output_dir, "train"), [d for _, train in splits for d in train])}
     else:
-        streams = {"val+train": (shard_paths(output_dir), texts)}
+        streams = {"val+train": (shard_paths(output_dir), [d for documents in files for d in documents])}
     tokens = shards = 0
     for desc, (paths, documents) in streams.items():
         writer = ShardWriter(paths, args.shard_size, desc)
@@ -88,11 +128,12 @@ def main(argv: list[str] | None = None) -> None:
         writer.close()
         print(f"{desc}: {writer.tokens_added:,} tokens in {writer.shards} shard(s)")
         tokens, shards = tokens + writer.tokens_added, shards + writer.shards
-    if args.val_fraction == 0 and shards < 2:
+    if args.val_fraction == 0 and not args.val_input and shards < 2:
         raise SystemExit(f"all {tokens:,} tokens fit in the val shard, leaving no train shard. Use --val_fraction "
                          "(e.g. 0.1) or a smaller --shard_size.")
-    print(summary(len(inputs), tokens, shards, time.time() - t0, output_dir))
+    documents = sum(map(len, files)) + (len(streams["val"][1]) if args.val_input else 0)
+    print(summary(documents, tokens, shards, time.time() - t0, output_dir))
 
 
 if __name__ == "__main__":
-    main()
+    run_entry_point(main)

@@ -8,6 +8,8 @@ the way nanoGPT splits Tiny Shakespeare (data/prepare.py --source shakespeare): 
 
 import argparse
 import functools
+import gzip
+import json
 import multiprocessing
 import signal
 from collections.abc import Callable, Iterable, Iterator
@@ -17,6 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 from dataloader import write_shard
+from errors import UserError
 from tokenizer import gpt2_encoding
 
 
@@ -98,6 +101,34 @@ class ShardWriter:
         self.shards, self.fill = self.shards + 1, 0
         if self.on_shard is not None:
             self.on_shard(self)
+
+
+def is_jsonl(path: Path) -> bool:
+    return path.name.endswith((".jsonl", ".jsonl.gz"))
+
+
+def jsonl_texts(path: Path) -> Iterator[str]:
+    """The "text" of each line of a JSON-lines file (gzip-compressed if its name ends in .gz), in order. Blank lines
+    are skipped (a trailing one is common); any other line must be a JSON object with a string "text"."""
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rt", encoding="utf-8") as f:
+        for line_number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                problem = f"is not valid JSON ({e})"
+            else:
+                if not isinstance(row, dict) or "text" not in row:
+                    problem = f'has no "text" field (it starts {line[:60]!r})'
+                elif not isinstance(row["text"], str):
+                    problem = f'has a "text" that is {type(row["text"]).__name__}, not a string'
+                else:
+                    yield row["text"]
+                    continue
+            raise UserError(f'{path}, line {line_number} {problem}. Each line of a JSON-lines file must be one JSON '
+                            'object whose "text" field holds a document, e.g. {"text": "Anarchism is ..."}; fix or '
+                            'delete that line and run the same command again.')
 
 
 def check_input_files(parser: argparse.ArgumentParser, paths: list[Path]) -> None:

@@ -1,14 +1,21 @@
 """data/prepare.py: nanoGPT's Tiny Shakespeare split to the token (no EOT), EOT before every file (llm.c's stream)
 in the val-first split and in the --val_fraction split, and clear errors for bad input or a failed download."""
 
+import gzip
+import itertools
+import json
+import subprocess
+import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from data import prepare
 from dataloader import HEADER_BYTES, TOKEN_DTYPE, read_shard_header
+from errors import UserError
 
 
 def shard_tokens(path) -> np.ndarray:
@@ -91,3 +98,76 @@ def test_failed_download_tells_user_to_pass_input(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="pass it with --input path/to/input.txt"):
         prepare.main(["--source", "shakespeare", "--output_dir", str(tmp_path)])
     assert not (tmp_path / "input.txt").exists()  # nothing half-downloaded to be mistaken for the data later
+
+
+DOCS = ["First article.\nIts second paragraph.", "Zweites Dokument: ünïcode ✓, 日本語.",
+        "Third mentions <|endoftext|>.", "Fourth, short.", "Fifth and last."]
+
+
+def write_jsonl(path: Path, lines: list[str]) -> Path:
+    with (gzip.open if path.suffix == ".gz" else open)(path, "wt", encoding="utf-8") as f:
+        f.writelines(line + "\n" for line in lines)
+    return path
+
+
+@pytest.mark.parametrize("name", ["docs.jsonl", "docs.jsonl.gz"])
+def test_jsonl_documents_each_preceded_by_eot_and_split_by_documents(gpt2_encoding, tmp_path, name):
+    path = write_jsonl(tmp_path / name, [json.dumps({"text": t, "id": i}) for i, t in enumerate(DOCS)] + [""])
+    out = tmp_path / "mine"
+    prepare.main(["--input", str(path), "--output_dir", str(out), "--val_fraction", "0.4"])
+
+    eot = gpt2_encoding.eot_token  # llm.c's stream: EOT, then the document, for each; the last 40 % of documents val
+    stream = [[eot, *gpt2_encoding.encode_ordinary(text)] for text in DOCS]
+    assert shard_tokens(out / "mine_train_000000.bin").tolist() == list(itertools.chain(*stream[:3]))
+    assert shard_tokens(out / "mine_val_000000.bin").tolist() == list(itertools.chain(*stream[3:]))
+
+
+def test_val_input_is_val_and_text_files_mix_with_jsonl(gpt2_encoding, tmp_path):
+    jsonl = write_jsonl(tmp_path / "train.jsonl.gz", [json.dumps({"text": t}) for t in DOCS[:2]])
+    (tmp_path / "c.txt").write_text(DOCS[2], encoding="utf-8")
+    val = write_jsonl(tmp_path / "val.jsonl", [json.dumps({"text": t}) for t in DOCS[3:]])
+    out = tmp_path / "mine"
+    prepare.main(["--input", str(jsonl), str(tmp_path / "c.txt"), "--val_input", str(val), "--output_dir", str(out)])
+
+    eot = gpt2_encoding.eot_token
+    expected = [[t for text in texts for t in [eot, *gpt2_encoding.encode_ordinary(text)]]
+                for texts in (DOCS[:3], DOCS[3:])]
+    assert shard_tokens(out / "mine_train_000000.bin").tolist() == expected[0]
+    assert shard_tokens(out / "mine_val_000000.bin").tolist() == expected[1]
+
+
+@pytest.mark.parametrize(("line", "problem"), [
+    ('{"text": "fine"', "line 2 is not valid JSON"),
+    ('{"title": "no text"}', 'line 2 has no "text" field'),
+    ('["a", "list"]', 'line 2 has no "text" field'),
+    ('{"text": null}', 'line 2 has a "text" that is NoneType, not a string'),
+])
+def test_bad_jsonl_line_is_named_in_one_paragraph(tmp_path, line, problem):
+    path = write_jsonl(tmp_path / "bad.jsonl.gz", ['{"text": "a good first line"}', line, '{"text": "unread"}'])
+    with pytest.raises(UserError) as error:
+        prepare.main(["--input", str(path), "--output_dir", str(tmp_path / "out")])
+    assert str(error.value).startswith(f"{path}, line 2 ") and problem in str(error.value)
+    assert "\n" not in str(error.value) and "fix or delete that line" in str(error.value)
+    assert not list((tmp_path / "out").glob("*.bin"))  # nothing written from a file that could not be read
+
+
+@pytest.mark.slow  # a fresh interpreter importing torch: about 4 s
+def test_bad_jsonl_exits_2_with_error_line(tmp_path):
+    path = write_jsonl(tmp_path / "bad.jsonl", ["not json"])
+    result = subprocess.run([sys.executable, "-m", "data.prepare", "--input", str(path), "--output_dir",
+                             str(tmp_path / "out")], capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    assert result.returncode == 2 and result.stderr.startswith(f"error: {path}, line 1 is not valid JSON")
+
+
+def test_enwiki_first_documents(shared_data, gpt2_encoding, tmp_path):
+    with gzip.open(shared_data / "enwiki" / "enwiki.jsonl.gz", "rt", encoding="utf-8") as f:
+        lines = list(itertools.islice(f, 20))
+    path = write_jsonl(tmp_path / "enwiki20.jsonl.gz", [line.rstrip("\n") for line in lines])
+    out = tmp_path / "enwiki"
+    prepare.main(["--input", str(path), "--output_dir", str(out), "--val_fraction", "0.1"])
+
+    texts = [json.loads(line)["text"] for line in lines]
+    assert texts[0].startswith("Anarchism")  # the README's first article, in dump order
+    encode = [[gpt2_encoding.eot_token, *gpt2_encoding.encode_ordinary(text)] for text in texts]
+    assert shard_tokens(out / "enwiki_train_000000.bin").tolist() == list(itertools.chain(*encode[:18]))
+    assert shard_tokens(out / "enwiki_val_000000.bin").tolist() == list(itertools.chain(*encode[18:]))
