@@ -10,8 +10,18 @@ chunks_per_step = world_size·grad_accum_steps of them. A shard is used up to a 
 steps, then all ranks move to the next shard together. So the chunks a step trains on depend only on B, T and
 the total batch, never on how they are split across ranks, and the loader's position is the same on every
 rank: a 2-rank snapshot resumes on 1 rank at exactly the next tokens.
+
+Document-aligned batches (align_bos=True): every row starts at a document's first token, the token after an EOT
+(or a shard's first token, unless that is an EOT). Each shard's documents are packed into rows of T+1 tokens
+(x and its shifted y) by pack_rows, before and independently of the ranks: best fit from a window of the next
+PACK_WINDOW documents, the largest that fits the row's space left; when none fits, the shortest is cropped to fill
+the row and its rest dropped (so a document longer than a row gives its first T+1 tokens and loses the rest:
+its later pieces would start rows mid-document). No token is padding; the share cropped is pack_rows' second
+result (dev/align_bos_waste.py measures it on enwiki). A chunk is then B consecutive packed rows instead of B·T
+consecutive tokens, and everything above (chunk order, ranks, steps, state) is unchanged.
 """
 
+import bisect
 import hashlib
 import re
 from pathlib import Path
@@ -27,6 +37,8 @@ VERSION = 1
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 TOKEN_DTYPE = np.dtype("<u2")
+EOT = 50256  # GPT-2's <|endoftext|>, written before every document (data/tokenize_shards.py)
+PACK_WINDOW = 1000  # documents pack_rows chooses from: a wider window wastes less and packs slower
 
 
 def write_shard(path: str | Path, tokens: np.ndarray) -> None:
@@ -102,11 +114,70 @@ def memmap_tokens(path: Path, num_tokens: int) -> np.memmap:
     return np.memmap(path, dtype=TOKEN_DTYPE, mode="r", offset=HEADER_BYTES, shape=(num_tokens,))
 
 
+def document_starts(tokens: np.ndarray) -> np.ndarray:
+    """Where the shard's documents start: after each EOT, and at 0 unless the shard opens with an EOT."""
+    starts = np.flatnonzero(tokens[:-1] == EOT) + 1
+    return starts if tokens[0] == EOT else np.concatenate([[0], starts])
+
+
+def pack_rows(tokens: np.ndarray, row_len: int, split_long: bool = True) -> tuple[np.ndarray, int]:
+    """Best-fit packing of the shard's documents into rows of row_len tokens (see the module doc).
+
+    A document longer than a row is cut into row_len pieces and a shorter tail (split_long; without it, cropped
+    like any document that does not fit): its first piece is a row starting at its first token, each later piece a
+    row of its own continuing it, and the tail fills the end of a row that starts with another document, never a
+    row's start. Returns (segments, cropped): segments is an int64 array (rows, k, 2) of (start, length) pieces of
+    `tokens`, a row's pieces in order (unused ones have length 0), and cropped the number of the shard's tokens in
+    no row. Deterministic: it depends only on the tokens, row_len and split_long.
+    """
+    starts = document_starts(tokens)
+    lengths = np.diff(np.append(starts, tokens.size))
+    # (length, start) sorted, ties to the later start: documents (may start a row) and tails (may not)
+    documents: list[tuple[int, int]] = []
+    tails: list[tuple[int, int]] = []
+    next_document, rows, row, space = 0, [], [], row_len
+    while True:
+        # (tails cannot start a row: a window of only tails reads on)
+        while (len(documents) + len(tails) < PACK_WINDOW or not documents) and next_document < starts.size:
+            start, length = int(starts[next_document]), int(lengths[next_document])
+            next_document += 1
+            if split_long and length > row_len:
+                rows += [[(piece, row_len)] for piece in range(start, start + length - row_len + 1, row_len)]
+                start, length = start + length // row_len * row_len, length % row_len
+                if length:
+                    bisect.insort(tails, (length, start))
+            else:
+                bisect.insort(documents, (length, start))
+        candidates = [documents] if space == row_len else [documents, tails]
+        candidates = [units for units in candidates if units]
+        if not candidates:
+            break
+        fits = [(units[i], units, i) for units in candidates
+                if (i := bisect.bisect_right(units, (space, tokens.size)) - 1) >= 0]
+        if fits:
+            _, units, i = max(fits)
+        else:  # nothing fits: crop the shortest
+            _, units, i = min((units[0], units, 0) for units in candidates)
+        length, start = units.pop(i)
+        taken = min(length, space)
+        row.append((start, taken))
+        space -= taken
+        if space == 0:
+            rows.append(row)
+            row, space = [], row_len
+    segments = np.zeros((len(rows), max(map(len, rows), default=1), 2), dtype=np.int64)
+    for i, row in enumerate(rows):
+        segments[i, : len(row)] = row
+    return segments, tokens.size - len(rows) * row_len
+
+
 class DistributedDataLoader:
     def __init__(self, data_dir: str | Path, split: str, B: int, T: int, rank: int = 0, world_size: int = 1,
-                 grad_accum_steps: int = 1, shuffle: bool = False, seed: int = 0, vocab_size: int | None = None):
-        """vocab_size: the model's; every token id is checked to be below it (None: not checked)."""
-        self.B, self.T, self.rank, self.world_size = B, T, rank, world_size
+                 grad_accum_steps: int = 1, shuffle: bool = False, seed: int = 0, vocab_size: int | None = None,
+                 align_bos: bool = False):
+        """vocab_size: the model's; every token id is checked to be below it (None: not checked). align_bos: rows
+        start at documents' first tokens (see the module doc)."""
+        self.B, self.T, self.rank, self.world_size, self.align_bos = B, T, rank, world_size, align_bos
         self.chunks_per_step = world_size * grad_accum_steps
         self.shuffle, self.seed = shuffle, seed
         self.data_dir, self.shards = str(data_dir), find_shards(data_dir, split)
@@ -144,7 +215,17 @@ class DistributedDataLoader:
             shard_index = self.shard_position
         num_tokens = self.shard_tokens[shard_index]
         self.tokens = memmap_tokens(self.shards[shard_index], num_tokens)
-        num_chunks = (num_tokens - 1) // (self.B * self.T)
+        if self.align_bos:
+            self.rows, _ = pack_rows(self.tokens, self.T + 1)  # rebuilt on every opening: resuming needs no more
+            num_chunks = len(self.rows) // self.B
+            if num_chunks < self.chunks_per_step:
+                raise UserError(f"{self.shards[shard_index]}: its documents pack into {len(self.rows)} rows of "
+                                f"--seq_len + 1 = {self.T + 1} tokens under --align_bos, fewer than one optimizer step "
+                                f"needs ({self.chunks_per_step} chunks of {self.B} rows). Its documents (separated by "
+                                "<|endoftext|>) are too few or too long; use a smaller --total_batch_size / "
+                                "--seq_len, larger shards, or leave out --align_bos.")
+        else:
+            num_chunks = (num_tokens - 1) // (self.B * self.T)
         self.usable_chunks = num_chunks - num_chunks % self.chunks_per_step
         if self.shuffle:  # a fresh chunk order per (seed, epoch, shard), cheap to recompute on resume
             self.chunk_order = np.random.default_rng([self.seed, self.epoch, shard_index]).permutation(num_chunks)
@@ -154,10 +235,16 @@ class DistributedDataLoader:
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's (x, y) for one micro-step, each (B, T) int64 on the CPU; y is x shifted by one token."""
         B, T = self.B, self.T
-        # A micro-step's B rows are B consecutive T-token runs: B·T tokens in one slice, then reshaped.
-        start = int(self.chunk_order[self.chunk_position + self.rank]) * B * T
-        buf = torch.from_numpy(self.tokens[start : start + B * T + 1].astype(np.int64))  # uint16 until here
-        x, y = buf[:-1].view(B, T), buf[1:].view(B, T)
+        chunk = int(self.chunk_order[self.chunk_position + self.rank])
+        if self.align_bos:  # B consecutive packed rows of T+1 tokens, each its own x and y
+            rows = self.rows[chunk * B : (chunk + 1) * B].reshape(-1, 2)
+            buf = np.concatenate([self.tokens[start : start + n] for start, n in rows]).astype(np.int64)
+            rows = torch.from_numpy(buf).view(B, T + 1)
+            x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        else:  # B consecutive T-token runs: B·T tokens in one slice, then reshaped
+            start = chunk * B * T
+            buf = torch.from_numpy(self.tokens[start : start + B * T + 1].astype(np.int64))  # uint16 until here
+            x, y = buf[:-1].view(B, T), buf[1:].view(B, T)
         self.chunk_position += self.world_size
         if self.chunk_position >= self.usable_chunks:
             self.chunk_position = 0
@@ -173,6 +260,7 @@ class DistributedDataLoader:
         return {"epoch": self.epoch, "shard_position": self.shard_position, "chunk_position": self.chunk_position,
                 "chunk_tokens": self.B * self.T, "chunks_per_step": self.chunks_per_step,
                 "num_shards": len(self.shards), "shuffle": int(self.shuffle), "seed": self.seed, "seq_len": self.T,
+                "align_bos": int(self.align_bos),
                 "data_dir": self.data_dir, "data_fingerprint": self.data_fingerprint}
 
     def load_state_dict(self, state: dict[str, int | str]) -> None:
@@ -185,13 +273,13 @@ class DistributedDataLoader:
                 "shards, with other sizes or tokens), so its position would fall somewhere in other data. Pass "
                 "the --data_dir of the snapshot's run (a copy of its shards elsewhere resumes as well), or start a "
                 "new run on this data from the snapshot's weights with --init_from SNAPSHOT.")
-        for key in ("chunk_tokens", "chunks_per_step", "num_shards", "shuffle", "seed"):
-            if state[key] != mine[key]:
+        for key in ("chunk_tokens", "chunks_per_step", "num_shards", "shuffle", "seed", "align_bos"):
+            if state.get(key, 0) != mine[key]:  # (snapshots from before --align_bos had none: 0)
                 raise UserError(
-                    f"cannot resume the data loader: the snapshot was taken with {key}={state[key]}, this run has "
-                    f"{key}={mine[key]}. Resuming would re-read or skip data. Keep --micro_batch_size·--seq_len, "
-                    "--total_batch_size, the data directory, --shuffle and --seed as they were (the number of "
-                    "ranks may change), or start a fresh run with --resume never.")
+                    f"cannot resume the data loader: the snapshot was taken with {key}={state.get(key, 0)}, this run "
+                    f"has {key}={mine[key]}. Resuming would re-read or skip data. Keep --micro_batch_size·--seq_len, "
+                    "--total_batch_size, the data directory, --shuffle, --seed and --align_bos as they were (the "
+                    "number of ranks may change), or start a fresh run with --resume never.")
         if state.get("seq_len", self.T) != self.T:
             raise UserError(
                 f"cannot resume the data loader: the snapshot's run cut its chunks of {self.B * self.T} tokens into "

@@ -11,7 +11,16 @@ import pytest
 import torch
 
 from conftest import make_shards
-from dataloader import HEADER_BYTES, MAGIC, VERSION, DistributedDataLoader, read_shard_header, write_shard
+from dataloader import (
+    EOT,
+    HEADER_BYTES,
+    MAGIC,
+    VERSION,
+    DistributedDataLoader,
+    pack_rows,
+    read_shard_header,
+    write_shard,
+)
 from errors import UserError
 
 B, T = 2, 4  # one chunk = B·T = 8 tokens (+1 for the last target)
@@ -304,3 +313,107 @@ def test_loader_memory_maps_shards(tmp_path):
     for _ in range(2):  # on to the second shard
         loader.next_batch()
     assert loader.shard_position == 1 and isinstance(loader.tokens, np.memmap)
+
+
+# --- document-aligned batches (align_bos)
+
+ROW = T + 1  # an aligned row: T inputs and the one more target
+
+
+def document_shards(directory: Path, sizes: list[int], seed: int = 0) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Shards of documents of 1 to 3 rows (EOT before each, as data/prepare.py writes them), every other token its
+    own position plus 10,000·shard, so a batch tells where it came from. Returns (tokens, document starts) by shard."""
+    rng = np.random.default_rng(seed)
+    arrays, starts = [], []
+    for i, n in enumerate(sizes):
+        tokens = np.arange(n) + 10_000 * i
+        eots = np.cumsum(rng.integers(2, 3 * ROW + 2, size=n))  # documents of 1 .. 3·ROW text tokens
+        tokens[eots[eots < n]] = EOT
+        write_shard(directory / f"docs_train_{i:06d}.bin", tokens)
+        arrays.append(tokens)
+        starts.append(np.concatenate([[0], eots[eots < n - 1] + 1]))  # the shard opens with a document
+    return arrays, starts
+
+
+def aligned_loaders(data_dir: Path, world_size: int, grad_accum_steps: int, **kw) -> list[DistributedDataLoader]:
+    return loaders(data_dir, world_size, grad_accum_steps, align_bos=True, **kw)
+
+
+def test_pack_rows_best_fit_by_hand():
+    #          0    1  2  3    4  5  6  7  8  9  10 11   12 13   14 15 16
+    tokens = [EOT, 1, 1, EOT, 2, 2, 2, 2, 2, 2, 2, EOT, 3, EOT, 4, 4, 4]  # documents of 3, 8, 2, 3 tokens
+    segments, cropped = pack_rows(np.array(tokens), 5)
+    # The 8-token document: a row of its first 5, and its tail (9, 3 tokens) fills the end of a row; rows start
+    # with the largest document that fits (ties: the later one), then the largest that fits what is left, else the
+    # shortest cropped; the shard's leading EOT and the tail's last token are cropped.
+    assert segments.tolist() == [[[4, 5], [0, 0]], [[14, 3], [12, 2]], [[1, 3], [9, 2]]]
+    assert cropped == 2
+    # Without splitting long documents, the 8-token one is cropped to 2 and the rest of it lost.
+    segments, cropped = pack_rows(np.array(tokens), 5, split_long=False)
+    assert segments.tolist() == [[[14, 3], [12, 2]], [[1, 3], [4, 2]]] and cropped == 7
+
+
+def test_aligned_rows_start_at_document_starts_or_continue_a_long_one(tmp_path):
+    arrays, starts = document_shards(tmp_path, [3000, 2000])
+    (loader,) = aligned_loaders(tmp_path, world_size=1, grad_accum_steps=1)
+    seen, rows = set(), 0
+    while loader.epoch == 0:
+        x, y = loader.next_batch()
+        assert x.shape == y.shape == (B, T) and torch.equal(x[:, 1:], y[:, :-1])
+        for row in torch.cat([x, y[:, -1:]], dim=1).tolist():
+            shard = row[0] // 10_000
+            document_starts = set((starts[shard] + 10_000 * shard).tolist())
+            for i in range(1, ROW):  # a document's last token is the next one's EOT: its position, or (a tail of
+                if row[i] == EOT:    # only the EOT) a negative one of its own
+                    row[i] = row[i - 1] + 1 if row[i - 1] + 2 in document_starts else -i
+            runs = np.split(np.array(row), np.flatnonzero(np.diff(row) != 1) + 1)  # maximal runs of positions
+            for i, run in enumerate(runs):
+                if run[0] in document_starts or (run[0] < 0 and i > 0):
+                    continue
+                first = max(s for s in document_starts if s < run[0])
+                assert (run[0] - first) % ROW == 0, (row, "starts mid-document, not at a row-sized piece")
+                assert i > 0 or len(runs) == 1, (row, "a long document's continuation starts a row it shares")
+            assert row[0] in document_starts or len(runs) == 1  # a row starts a document, or continues one whole
+            row = [t for t in row if t >= 0]
+            assert seen.isdisjoint(row)  # no token read twice in an epoch
+            seen |= set(row)
+            rows += 1
+    counts = [(len(a), pack_rows(a, ROW)[1]) for a in arrays]
+    packed = sum(n - cropped for n, cropped in counts)
+    assert packed >= rows * ROW >= packed - len(arrays) * B * ROW  # all but each shard's leftover part of a chunk
+
+
+@pytest.mark.parametrize("shuffle", [False, True], ids=["in_order", "shuffled"])
+def test_aligned_batches_of_two_ranks_are_the_one_rank_batches(tmp_path, shuffle):
+    document_shards(tmp_path, [2000, 1500])
+    k = 2
+    ranks = aligned_loaders(tmp_path, world_size=2, grad_accum_steps=k, shuffle=shuffle, seed=4)
+    (single,) = aligned_loaders(tmp_path, world_size=1, grad_accum_steps=2 * k, shuffle=shuffle, seed=4)
+    for step in range(150):  # over 2 epochs
+        per_rank = [[loader.next_batch() for _ in range(k)] for loader in ranks]
+        for j in range(2 * k):  # the 1-rank micro-step j is rank j % 2's micro-step j // 2
+            x, y = single.next_batch()
+            x2, y2 = per_rank[j % 2][j // 2]
+            assert torch.equal(x, x2) and torch.equal(y, y2), (step, j)
+        assert ranks[0].state_dict() == ranks[1].state_dict() == single.state_dict()
+    assert single.epoch >= 2
+
+
+@pytest.mark.parametrize("shuffle", [False, True], ids=["in_order", "shuffled"])
+def test_aligned_loader_resumed_mid_epoch_gives_the_uninterrupted_batches(tmp_path, shuffle):
+    document_shards(tmp_path, [2000, 1500])
+    (original,) = aligned_loaders(tmp_path, world_size=1, grad_accum_steps=2, shuffle=shuffle, seed=3)
+    for _ in range(30):
+        original.next_batch()
+    state = original.state_dict()
+    assert state["align_bos"] == 1 and state["epoch"] == 0 and state["chunk_position"] > 0
+    (resumed,) = aligned_loaders(tmp_path, world_size=1, grad_accum_steps=2, shuffle=shuffle, seed=3)
+    resumed.load_state_dict(state)
+    for i in range(300):  # into the next epoch
+        x, y = original.next_batch()
+        x2, y2 = resumed.next_batch()
+        assert torch.equal(x, x2) and torch.equal(y, y2), i
+    assert resumed.state_dict() == original.state_dict() and original.epoch >= 1
+    (unaligned,) = loaders(tmp_path, world_size=1, grad_accum_steps=2, shuffle=shuffle, seed=3)
+    with pytest.raises(UserError, match="align_bos=1, this run has align_bos=0"):
+        unaligned.load_state_dict(state)
