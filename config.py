@@ -32,6 +32,8 @@ class TrainConfig:
     # data
     data_dir: str = arg("data/fineweb_edu10B", "directory of *_train_*.bin / *_val_*.bin shards")
     shuffle: bool = arg(True, "shuffle shard and chunk order each epoch (seeded; validation never shuffles)")
+    align_bos: bool = arg(False, "train rows start at a document's first token, documents packed best-fit (see "
+                                 "dataloader.py; validation reads the plain stream)")
     # model
     model: str | None = arg(None, f"architecture preset: {', '.join(PRESETS)} (default: gpt2; with --init_from: the "
                                   "shape of those weights)")

@@ -54,6 +54,25 @@ def make_shards(directory: Path, split: str, sizes: list[int], seed: int = 0, vo
     return arrays
 
 
+def make_document_shards(directory: Path, split: str, row: int, sizes: list[int],
+                         seed: int = 0) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Shards of documents of 1 to 3·row text tokens, each preceded by EOT (as data/prepare.py writes them), every
+    other token its own position plus 10,000·shard, so a batch tells where it came from. Returns (tokens, document
+    starts) by shard; a shard opens with a document."""
+    from dataloader import EOT, write_shard
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    arrays, starts = [], []
+    for i, n in enumerate(sizes):
+        tokens = np.arange(n) + 10_000 * i
+        eots = np.cumsum(rng.integers(2, 3 * row + 2, size=n))
+        tokens[eots[eots < n]] = EOT
+        write_shard(directory / f"docs_{split}_{i:06d}.bin", tokens)
+        arrays.append(tokens)
+        starts.append(np.concatenate([[0], eots[eots < n - 1] + 1]))
+    return arrays, starts
+
+
 def perturb_(model: torch.nn.Module, scale: float, seed: int = 0) -> torch.nn.Module:
     """Add noise to every parameter, so LayerNorm gains and biases are no longer 1 and 0 and a mix-up between
     weights (a missed transpose, a swapped or dropped tensor) shows in the outputs."""

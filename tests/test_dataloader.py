@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_shards
+from conftest import make_document_shards, make_shards
 from dataloader import (
     EOT,
     HEADER_BYTES,
@@ -320,21 +320,6 @@ def test_loader_memory_maps_shards(tmp_path):
 ROW = T + 1  # an aligned row: T inputs and the one more target
 
 
-def document_shards(directory: Path, sizes: list[int], seed: int = 0) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Shards of documents of 1 to 3 rows (EOT before each, as data/prepare.py writes them), every other token its
-    own position plus 10,000·shard, so a batch tells where it came from. Returns (tokens, document starts) by shard."""
-    rng = np.random.default_rng(seed)
-    arrays, starts = [], []
-    for i, n in enumerate(sizes):
-        tokens = np.arange(n) + 10_000 * i
-        eots = np.cumsum(rng.integers(2, 3 * ROW + 2, size=n))  # documents of 1 .. 3·ROW text tokens
-        tokens[eots[eots < n]] = EOT
-        write_shard(directory / f"docs_train_{i:06d}.bin", tokens)
-        arrays.append(tokens)
-        starts.append(np.concatenate([[0], eots[eots < n - 1] + 1]))  # the shard opens with a document
-    return arrays, starts
-
-
 def aligned_loaders(data_dir: Path, world_size: int, grad_accum_steps: int, **kw) -> list[DistributedDataLoader]:
     return loaders(data_dir, world_size, grad_accum_steps, align_bos=True, **kw)
 
@@ -354,7 +339,7 @@ def test_pack_rows_best_fit_by_hand():
 
 
 def test_aligned_rows_start_at_document_starts_or_continue_a_long_one(tmp_path):
-    arrays, starts = document_shards(tmp_path, [3000, 2000])
+    arrays, starts = make_document_shards(tmp_path, "train", ROW, [3000, 2000])
     (loader,) = aligned_loaders(tmp_path, world_size=1, grad_accum_steps=1)
     seen, rows = set(), 0
     while loader.epoch == 0:
@@ -385,7 +370,7 @@ def test_aligned_rows_start_at_document_starts_or_continue_a_long_one(tmp_path):
 
 @pytest.mark.parametrize("shuffle", [False, True], ids=["in_order", "shuffled"])
 def test_aligned_batches_of_two_ranks_are_the_one_rank_batches(tmp_path, shuffle):
-    document_shards(tmp_path, [2000, 1500])
+    make_document_shards(tmp_path, "train", ROW, [2000, 1500])
     k = 2
     ranks = aligned_loaders(tmp_path, world_size=2, grad_accum_steps=k, shuffle=shuffle, seed=4)
     (single,) = aligned_loaders(tmp_path, world_size=1, grad_accum_steps=2 * k, shuffle=shuffle, seed=4)
@@ -401,7 +386,7 @@ def test_aligned_batches_of_two_ranks_are_the_one_rank_batches(tmp_path, shuffle
 
 @pytest.mark.parametrize("shuffle", [False, True], ids=["in_order", "shuffled"])
 def test_aligned_loader_resumed_mid_epoch_gives_the_uninterrupted_batches(tmp_path, shuffle):
-    document_shards(tmp_path, [2000, 1500])
+    make_document_shards(tmp_path, "train", ROW, [2000, 1500])
     (original,) = aligned_loaders(tmp_path, world_size=1, grad_accum_steps=2, shuffle=shuffle, seed=3)
     for _ in range(30):
         original.next_batch()

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import eio_the_first_time, flip_a_byte_in_tensor_data, make_shards
+from conftest import eio_the_first_time, flip_a_byte_in_tensor_data, make_document_shards, make_shards
 from dataloader import DistributedDataLoader
 from errors import UserError
 from helpers_train import (
@@ -433,3 +433,20 @@ def test_resume_from_a_named_snapshot_whose_bytes_changed_is_refused_naming_it(j
                                                   f"{record} changed since it was written")):
         main_in_process([*job.args, "--log_dir", str(tmp_path / "run"), "--resume", str(snapshot_path(tmp_path, 7))])
     assert not by_step(read_metrics(tmp_path / "run"), "loss")  # nothing trained from it
+
+
+@pytest.mark.slow  # two runs in this process: about 3 s
+def test_align_bos_run_resumes_exactly_from_a_mid_epoch_snapshot(tmp_path):
+    make_document_shards(tmp_path / "data", "train", 17, [1000, 800])  # about 13 and 11 steps of rows of 17 tokens
+    make_shards(tmp_path / "data", "val", [200], seed=1)
+    args = [*JOB, "--data_dir", str(tmp_path / "data"), "--align_bos", "--ckpt_every", "4"]
+    main_in_process([*args, "--log_dir", str(tmp_path / "whole")])
+    state = load_snapshot(snapshot_path(tmp_path / "whole", 7))
+    loader = state["loader"]  # mid-shard: 8 steps of 2 chunks
+    assert loader["align_bos"] == 1 and [loader[k] for k in ("epoch", "shard_position", "chunk_position")] == [0, 0, 16]
+    main_in_process([*args, "--log_dir", str(tmp_path / "resumed"), "--resume",
+                     str(snapshot_path(tmp_path / "whole", 7))])
+    whole, resumed = read_metrics(tmp_path / "whole"), read_metrics(tmp_path / "resumed")
+    assert after_resume(resumed)[0]["step"] == 8
+    assert list(by_step(resumed, "loss")) == [8, 9, 10, 11]
+    assert by_step(resumed, "loss") == {s: loss for s, loss in by_step(whole, "loss").items() if s >= 8}

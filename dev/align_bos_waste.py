@@ -1,0 +1,41 @@
+"""--align_bos's cost in tokens: the share of a train shard's tokens that dataloader.pack_rows crops (in no row), at
+several sequence lengths, with long documents cut into row-sized pieces (the loader's packing) and without (every
+row strictly starting at a document's first token, the rest of a long document dropped). Also the share of rows
+that start at a document's first token, and the packing time. The figures behind README's --align_bos paragraph.
+
+    python -m data.prepare --input ../shared/data/enwiki/enwiki.jsonl.gz \\
+        --val_input ../shared/data/enwiki/enwiki_val.jsonl.gz --output_dir data/enwiki
+    python -m dev.align_bos_waste --shard data/enwiki/enwiki_train_000000.bin --seq_len 256 512 1024 2048
+"""
+
+import argparse
+import time
+
+import numpy as np
+
+from dataloader import document_starts, memmap_tokens, pack_rows, read_shard_header
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shard", required=True)
+    parser.add_argument("--seq_len", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    args = parser.parse_args()
+    tokens = np.array(memmap_tokens(args.shard, read_shard_header(args.shard)))
+    starts = document_starts(tokens)
+    lengths = np.diff(np.append(starts, tokens.size))
+    print(f"{args.shard}: {tokens.size:,} tokens, {starts.size:,} documents, median {np.median(lengths):,.0f} "
+          f"tokens, mean {lengths.mean():,.0f}")
+    print("seq_len | cropped (long documents in pieces) | rows starting a document | cropped (strict) | pack s")
+    for seq_len in args.seq_len:
+        t0 = time.perf_counter()
+        segments, cropped = pack_rows(tokens, seq_len + 1)
+        seconds = time.perf_counter() - t0
+        starting = np.isin(segments[:, 0, 0], starts).mean()
+        _, strict = pack_rows(tokens, seq_len + 1, split_long=False)
+        print(f"{seq_len:7d} | {cropped / tokens.size:34.1%} | {starting:24.1%} | {strict / tokens.size:16.1%} | "
+              f"{seconds:.2f}")
+
+
+if __name__ == "__main__":
+    main()
