@@ -120,15 +120,15 @@ def document_starts(tokens: np.ndarray) -> np.ndarray:
     return starts if tokens[0] == EOT else np.concatenate([[0], starts])
 
 
-def pack_rows(tokens: np.ndarray, row_len: int, split_long: bool = True) -> tuple[np.ndarray, int]:
+def pack_rows(tokens: np.ndarray, row_len: int, split_long: bool = True) -> tuple[list[np.ndarray], int]:
     """Best-fit packing of the shard's documents into rows of row_len tokens (see the module doc).
 
     A document longer than a row is cut into row_len pieces and a shorter tail (split_long; without it, cropped
     like any document that does not fit): its first piece is a row starting at its first token, each later piece a
     row of its own continuing it, and the tail fills the end of a row that starts with another document, never a
-    row's start. Returns (segments, cropped): segments is an int64 array (rows, k, 2) of (start, length) pieces of
-    `tokens`, a row's pieces in order (unused ones have length 0), and cropped the number of the shard's tokens in
-    no row. Deterministic: it depends only on the tokens, row_len and split_long.
+    row's start. Returns (rows, cropped): rows[i] is row i's (start, length) pieces of `tokens` in order, an int64
+    array (pieces, 2), and cropped the number of the shard's tokens in no row. Deterministic: it depends only on
+    the tokens, row_len and split_long.
     """
     starts = document_starts(tokens)
     lengths = np.diff(np.append(starts, tokens.size))
@@ -165,10 +165,7 @@ def pack_rows(tokens: np.ndarray, row_len: int, split_long: bool = True) -> tupl
         if space == 0:
             rows.append(row)
             row, space = [], row_len
-    segments = np.zeros((len(rows), max(map(len, rows), default=1), 2), dtype=np.int64)
-    for i, row in enumerate(rows):
-        segments[i, : len(row)] = row
-    return segments, tokens.size - len(rows) * row_len
+    return [np.array(row, dtype=np.int64) for row in rows], tokens.size - len(rows) * row_len
 
 
 class DistributedDataLoader:
@@ -237,8 +234,8 @@ class DistributedDataLoader:
         B, T = self.B, self.T
         chunk = int(self.chunk_order[self.chunk_position + self.rank])
         if self.align_bos:  # B consecutive packed rows of T+1 tokens, each its own x and y
-            rows = self.rows[chunk * B : (chunk + 1) * B].reshape(-1, 2)
-            buf = np.concatenate([self.tokens[start : start + n] for start, n in rows]).astype(np.int64)
+            pieces = np.concatenate(self.rows[chunk * B : (chunk + 1) * B])
+            buf = np.concatenate([self.tokens[start : start + n] for start, n in pieces]).astype(np.int64)
             rows = torch.from_numpy(buf).view(B, T + 1)
             x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
         else:  # B consecutive T-token runs: B·T tokens in one slice, then reshaped

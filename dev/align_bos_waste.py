@@ -29,9 +29,9 @@ def main() -> None:
     print("seq_len | cropped (long documents in pieces) | rows starting a document | cropped (strict) | pack s")
     for seq_len in args.seq_len:
         t0 = time.perf_counter()
-        segments, cropped = pack_rows(tokens, seq_len + 1)
+        rows, cropped = pack_rows(tokens, seq_len + 1)
         seconds = time.perf_counter() - t0
-        starting = np.isin(segments[:, 0, 0], starts).mean()
+        starting = np.isin([row[0, 0] for row in rows], starts).mean()
         _, strict = pack_rows(tokens, seq_len + 1, split_long=False)
         print(f"{seq_len:7d} | {cropped / tokens.size:34.1%} | {starting:24.1%} | {strict / tokens.size:16.1%} | "
               f"{seconds:.2f}")
