@@ -2,6 +2,7 @@
 that hold llm.c's token stream (EOT before every document), byte-identical output for any number of processes, resuming
 after --max_shards or an interruption, and clear errors for bad input."""
 
+import gzip
 import json
 import os
 import random
@@ -36,12 +37,14 @@ def documents() -> list[str]:
 
 @pytest.fixture
 def corpus(tmp_path, documents) -> dict[str, str]:
-    """The documents as a parquet file (in several row groups) and as a JSON-lines file."""
+    """The documents as a parquet file (in several row groups) and as a JSON-lines file, plain and gzipped."""
     pq.write_table(pa.table({"id": list(range(len(documents))), "text": documents}), tmp_path / "docs.parquet",
                    row_group_size=7)
-    with open(tmp_path / "docs.jsonl", "w", encoding="utf-8") as f:
-        f.writelines(json.dumps({"text": text, "id": i}) + "\n" for i, text in enumerate(documents))
-    return {"parquet": str(tmp_path / "docs.parquet"), "jsonl": str(tmp_path / "docs.jsonl")}
+    for name, opener in (("docs.jsonl", open), ("docs.jsonl.gz", gzip.open)):
+        with opener(tmp_path / name, "wt", encoding="utf-8") as f:
+            f.writelines(json.dumps({"text": text, "id": i}) + "\n" for i, text in enumerate(documents))
+    return {"parquet": str(tmp_path / "docs.parquet"), "jsonl": str(tmp_path / "docs.jsonl"),
+            "jsonl.gz": str(tmp_path / "docs.jsonl.gz")}
 
 
 def run(input_path, output_dir, *flags) -> None:
@@ -80,7 +83,7 @@ def llm_c_stream(documents: list[str], encoding) -> list[int]:
     return [token for text in documents for token in [encoding.eot_token, *encoding.encode_ordinary(text)]]
 
 
-@pytest.mark.parametrize("kind", ["parquet", "jsonl"])
+@pytest.mark.parametrize("kind", ["parquet", "jsonl", "jsonl.gz"])
 def test_shards_hold_the_documents_each_after_an_eot_as_llm_c_writes_them(kind, corpus, documents, gpt2_encoding,
                                                                           tmp_path):
     out = tmp_path / "out"
