@@ -168,7 +168,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int,
                 chunk_tokens: int, compute_grads: bool) -> torch.Tensor:
         # x (N, C): final hidden states; weight (padded_vocab, C); targets (N,): token ids in [0, vocab_size). There is
-        # no ignore_index: every position is a real token, and an id >= vocab_size fails in gather below.
+        # no ignore_index: every position is a real token. An id of a padding row gives an infinite loss, and one past
+        # the padded width fails in gather (the loader checks shards for such ids before training starts).
         device_type = x.device.type
         # Under autocast, run the matmuls in its dtype as nn.Linear would; softmax and the sums stay in fp32.
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype

@@ -251,11 +251,7 @@ class FullLogitsGPT(GPT):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         if targets is None:
             return super().forward(idx)
-        t = self.transformer
-        x = t.wte(idx) + t.wpe(torch.arange(idx.size(1), device=idx.device))
-        for block in t.h:
-            x = block(x)
-        logits = self.lm_head(t.ln_f(x))  # at the padded width, padding columns included, as build-nanogpt's
+        logits = self.lm_head(self.hidden_states(idx))  # the padded width, padding columns included, as theirs
         return None, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
