@@ -18,7 +18,7 @@ from dataloader import find_shards, read_shard_header
 from errors import UserError
 from evals import parse_task_names
 from hf import gpt_config
-from model import ACTIVATION_CHECKPOINTING, PRESETS, GPTConfig
+from model import ACTIVATION_CHECKPOINTING, ARCHITECTURES, PRESETS, GPTConfig
 
 HF_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 
@@ -32,10 +32,14 @@ class TrainConfig:
     # data
     data_dir: str = arg("data/fineweb_edu10B", "directory of *_train_*.bin / *_val_*.bin shards")
     shuffle: bool = arg(True, "shuffle shard and chunk order each epoch (seeded; validation never shuffles)")
-    align_bos: bool = arg(False, "train rows start at a document's first token, documents packed best-fit (see "
-                                 "dataloader.py; validation reads the plain stream)")
+    align_bos: bool | None = arg(None, "train rows start at a document's first token, documents packed best-fit (see "
+                                       "dataloader.py; validation reads the plain stream). Default: on for --arch "
+                                       "modern, off for gpt2")
     # model
-    model: str | None = arg(None, f"architecture preset: {', '.join(PRESETS)} (default: gpt2; with --init_from: the "
+    arch: str | None = arg(None, "gpt2 (OpenAI's, exactly) | modern: rotary positions, RMSNorm, QK-norm, SwiGLU, "
+                                 "untied embeddings, no biases (model.py; exports as Qwen3). Default: gpt2, or the "
+                                 "--init_from weights'", choices=ARCHITECTURES)
+    model: str | None = arg(None, f"size preset: {', '.join(PRESETS)} (default: gpt2; with --init_from: the "
                                   "shape of those weights)")
     init_from: str = arg("scratch", f"start from: scratch (random weights) | {' | '.join(HF_MODELS)} (OpenAI's, from "
                                     "the Hugging Face hub) | a Hugging Face model directory | a snapshot_*.pt of ours")
@@ -119,7 +123,7 @@ class TrainConfig:
 
 
 # The --help sections, named at the first flag of each (the comments in TrainConfig).
-FLAG_GROUPS = {"data_dir": "data", "model": "model", "seq_len": "batch", "max_steps": "optimization",
+FLAG_GROUPS = {"data_dir": "data", "arch": "model", "seq_len": "batch", "max_steps": "optimization",
                "dtype": "speed and precision", "val_every": "evaluation and logging",
                "snapshot_dir": "fault tolerance"}
 # Flags by their old names, still accepted on the command line and in recipes.
@@ -141,7 +145,7 @@ def add_flags(parser: argparse.ArgumentParser, names: list[str] | None = None, d
             continue
         default = (defaults or {}).get(f.name, f.default)
         flags = [f"--{f.name}", *(f"--{old}" for old, new in OLD_NAMES.items() if new == f.name)]
-        if f.type is bool:
+        if f.type in (bool, bool | None):
             group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"])
         else:
             kind = {"int | None": int, "str | None": str, "int | str": int_or_auto}.get(str(f.type), f.type)
@@ -186,7 +190,8 @@ def load_recipe(path: str) -> dict:
         if key not in known:
             raise UserError(f"--config {path}: unknown setting {key!r}. A recipe sets the flags of "
                             "`python train_gpt2.py --help`, without the leading dashes.")
-        expected = {"int | None": int, "str | None": str, "float": (float, int), "int | str": (int, str)}.get(
+        expected = {"int | None": int, "str | None": str, "bool | None": bool, "float": (float, int),
+                    "int | str": (int, str)}.get(
             str(known[key].type), known[key].type)
         choices = known[key].metadata["choices"]
         if not isinstance(value, expected) or isinstance(value, bool) != (expected is bool) or \
@@ -202,6 +207,7 @@ def load_recipe(path: str) -> dict:
 @dataclass(frozen=True)
 class Plan:
     model_config: GPTConfig
+    align_bos: bool  # --align_bos, or its default for the architecture
     seq_len: int
     grad_accum_steps: int
     val_steps: int  # validation micro-batches per rank (0: no validation)
@@ -234,7 +240,8 @@ def resolve_plan(cfg: TrainConfig, world_size: int) -> Plan:
     if cfg.on_divergence == "rollback" and not cfg.snapshot_every:
         raise UserError("--on_divergence rollback reloads the newest healthy snapshot, and --snapshot_every 0 writes "
                         "none. Pass --snapshot_every N (e.g. 500), or --on_divergence stop.")
-    return Plan(config, seq_len, grad_accum_steps, val_steps, cfg.snapshot_dir or cfg.log_dir)
+    align_bos = cfg.align_bos if cfg.align_bos is not None else config.arch == "modern"
+    return Plan(config, align_bos, seq_len, grad_accum_steps, val_steps, cfg.snapshot_dir or cfg.log_dir)
 
 
 def model_config(cfg: TrainConfig) -> GPTConfig:
@@ -243,12 +250,12 @@ def model_config(cfg: TrainConfig) -> GPTConfig:
         raise UserError(f"--model {cfg.model!r} is not a known preset; choose one of {', '.join(PRESETS)}.")
     overrides = {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd", "block_size") if getattr(cfg, k)}
     if cfg.init_from == "scratch":
-        config = replace(PRESETS[cfg.model or "gpt2"], **overrides)
+        config = replace(PRESETS[cfg.model or "gpt2"], arch=cfg.arch or "gpt2", **overrides)
         if config.n_embd % config.n_head:
             raise UserError(f"--n_embd {config.n_embd} must be a multiple of --n_head {config.n_head}.")
         return config
     weights = init_weights_config(cfg.init_from)
-    asked = {k: v for k, v in overrides.items() if k != "block_size"}
+    asked = {k: v for k, v in overrides.items() if k != "block_size"} | ({"arch": cfg.arch} if cfg.arch else {})
     if cfg.model is not None:  # a preset named on purpose must be the weights' shape
         preset = PRESETS[cfg.model]
         asked = {"n_layer": preset.n_layer, "n_head": preset.n_head, "n_embd": preset.n_embd} | asked

@@ -1,7 +1,9 @@
-"""GPT-2, written from scratch, in the order data flows through it.
+"""GPT-2, written from scratch, in the order data flows through it; and, with GPTConfig(arch="modern"), the same
+decoder with the parts that models trained since 2023 share (see ModernBlock).
 
 Parameter names follow Hugging Face's GPT-2 (transformer.h.0.attn.c_attn, ...), so pretrained weights load
-by name and a trained model exports back the same way (hf.py); snapshot.py reads a trained one back (read_model).
+by name and a trained model exports back the same way (hf.py: GPT-2 as GPT2LMHeadModel, modern as Qwen3ForCausalLM);
+snapshot.py reads a trained one back (read_model).
 """
 
 import functools
@@ -91,7 +93,7 @@ def keep_matmuls_and_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: the residual stream itself is never normalised."""
+    """Pre-norm transformer block: the residual stream itself is never normalised."""
 
     # --activation_checkpointing (set through GPT.set_activation_checkpointing): "none" keeps every activation for
     # backward; "blocks" keeps only the block's input and recomputes the block in backward; "selective" recomputes
@@ -100,10 +102,11 @@ class Block(nn.Module):
 
     def __init__(self, config: "GPTConfig"):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd)
-        self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd)
-        self.mlp = MLP(config)
+        modern = config.arch == "modern"  # (the parts of arch="modern" are below)
+        self.ln_1 = norm(config, config.n_embd)
+        self.attn = (ModernAttention if modern else CausalSelfAttention)(config)
+        self.ln_2 = norm(config, config.n_embd)
+        self.mlp = (SwiGLU if modern else MLP)(config)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None, positions: torch.Tensor | None = None,
                 visible: torch.Tensor | None = None) -> torch.Tensor:
@@ -123,6 +126,82 @@ class Block(nn.Module):
         x = x + self.attn(self.ln_1(x), kv_cache, positions, visible)
         x = x + self.mlp(self.ln_2(x))
         return x
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# arch="modern": what decoders trained since GPT-2 changed (Llama, Qwen3, modded-nanogpt), each part a known gain:
+# rotary positions instead of learned ones, RMSNorm instead of LayerNorm, RMSNorm on each head's queries and keys
+# (QK-norm: attention logits cannot blow up, so higher learning rates stay stable), a SwiGLU MLP, no biases, output
+# projections and the output layer initialised to zero, and input and output embeddings untied. The layout is
+# Qwen3's, so that a trained model exports as a Qwen3ForCausalLM (hf.py) with the same logits.
+
+ROPE_THETA = 10_000.0  # rotary base: the wavelengths run from 2π to 2π·10,000 positions, plenty for 1,024
+NORM_EPS = 1e-6
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding (Su et al. 2021) of x (B, nh, T, hs) at positions (T,): each pair of channels
+    (i, i + hs/2) turned by the angle position · θ^(−2i/hs), so that a query–key dot product depends only on how far
+    apart the two tokens are. The pairs are half a head apart, as Hugging Face's Llama/Qwen pair them."""
+    hs = x.size(-1)
+    inv_freq = ROPE_THETA ** -(torch.arange(0, hs, 2, device=x.device, dtype=torch.float32) / hs)
+    angles = positions.float()[:, None] * inv_freq[None, :]  # (T, hs/2), in fp32 even under autocast
+    cos, sin = (torch.cat((f, f), dim=-1).to(x.dtype) for f in (angles.cos(), angles.sin()))
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-second, first), dim=-1) * sin
+
+
+class ModernAttention(nn.Module):
+    def __init__(self, config: "GPTConfig"):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0, "n_embd must be a multiple of n_head"
+        self.n_head = config.n_head
+        head_size = config.n_embd // config.n_head
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
+        self.q_norm = norm(config, head_size)  # QK-norm, per head, before the rotation
+        self.k_norm = norm(config, head_size)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        self.c_proj.ZERO_INIT = True
+
+    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None, positions: torch.Tensor | None = None,
+                visible: torch.Tensor | None = None) -> torch.Tensor:
+        B, T, C = x.size()
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head) for t in self.c_attn(x).split(C, dim=2))
+        # Normalised in fp32 (as Qwen3 does; under autocast c_attn's output is bf16, and its gain fp32)
+        q, k = self.q_norm(q.float()).type_as(v), self.k_norm(k.float()).type_as(v)
+        q, k, v = rotate(q.transpose(1, 2), positions), rotate(k.transpose(1, 2), positions), v.transpose(1, 2)
+        if kv_cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # as in CausalSelfAttention
+            k, v = kv_cache.write(positions, k, v)
+            with sdpa_kernel(SDPBackend.MATH):
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class SwiGLU(nn.Module):
+    """silu(x·W_gate) ⊙ (x·W_up), then down (Shazeer 2020). The hidden width is 8/3 of n_embd (rounded up to a multiple
+    of 64), so that its three matrices hold as many weights as GPT-2's two at 4×."""
+
+    def __init__(self, config: "GPTConfig"):
+        super().__init__()
+        self.hidden = swiglu_hidden_size(config.n_embd)
+        self.c_fc = nn.Linear(config.n_embd, 2 * self.hidden, bias=False)  # gate and up, one matmul
+        self.c_proj = nn.Linear(self.hidden, config.n_embd, bias=False)
+        self.c_proj.ZERO_INIT = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.c_fc(x).split(self.hidden, dim=-1)
+        return self.c_proj(F.silu(gate) * up)
+
+
+def swiglu_hidden_size(n_embd: int) -> int:
+    return math.ceil(8 * n_embd / 3 / 64) * 64
+
+
+def norm(config: "GPTConfig", size: int) -> nn.Module:
+    """GPT-2's LayerNorm (mean and variance, gain and bias), or modern's RMSNorm (the scale alone, a gain, no bias)."""
+    return nn.RMSNorm(size, eps=NORM_EPS) if config.arch == "modern" else nn.LayerNorm(size)
 
 
 def _cross_entropy_chunk(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, vocab_size: int,
@@ -220,6 +299,7 @@ class GPTConfig:
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768
+    arch: str = "gpt2"  # or "modern" (see ModernAttention and SwiGLU)
 
     @property
     def padded_vocab_size(self) -> int:
@@ -227,6 +307,8 @@ class GPTConfig:
         # GPUs; the extra rows are never a target: they are sliced off the logits and the loss never reads them.
         return math.ceil(self.vocab_size / 128) * 128
 
+
+ARCHITECTURES = ("gpt2", "modern")
 
 PRESETS: dict[str, GPTConfig] = {
     "gpt2": GPTConfig(n_layer=12, n_head=12, n_embd=768),  # 124M
@@ -245,19 +327,30 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.padded_vocab_size, config.n_embd),  # token embedding
-            wpe=nn.Embedding(config.block_size, config.n_embd),  # position embedding
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-            ln_f=nn.LayerNorm(config.n_embd),
-        ))
+        if config.arch not in ARCHITECTURES:
+            raise ValueError(f"arch {config.arch!r} is none of {', '.join(ARCHITECTURES)}")
+        self.transformer = nn.ModuleDict(dict(wte=nn.Embedding(config.padded_vocab_size, config.n_embd)))  # tokens
+        if config.arch == "gpt2":  # (modern rotates queries and keys by their positions instead)
+            self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)  # position embedding
+        self.transformer.h = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.transformer.ln_f = norm(config, config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
-        # Weight tying: reading a token in and writing it out use one matrix (GPT-2 does this; saves 38M params).
-        self.lm_head.weight = self.transformer.wte.weight
+        self.lm_head.ZERO_INIT = config.arch == "modern"
+        self.tie_weights()
         self.apply(self._init_weights)
 
+    def tie_weights(self) -> None:
+        """GPT-2 reads a token in and writes it out with one matrix (saves 38M parameters at 124M). Untied, as in
+        modern, the two can learn what each job needs: an input row is a lookup, an output row a direction."""
+        if self.config.arch == "gpt2":
+            self.lm_head.weight = self.transformer.wte.weight
+
     def _init_weights(self, module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
+        if isinstance(module, nn.Linear) and getattr(module, "ZERO_INIT", False):
+            # modern: each block's branches start as the identity and the output as uniform, and grow from there
+            # (modded-nanogpt does so; Muon's first update of a zero matrix is as large as of any other).
+            nn.init.zeros_(module.weight)
+        elif isinstance(module, nn.Linear):
             std = 0.02
             if getattr(module, "RESIDUAL_SCALED_INIT", False):
                 # Each block adds two projections to the residual stream; scaling them keeps its variance flat
@@ -275,12 +368,14 @@ class GPT(nn.Module):
             block.activation_checkpointing = mode
 
     def num_params(self, non_embedding: bool = True) -> int:
-        """Parameter count; by default without the position embeddings (the token embedding is used as the
-        output layer, so it does count)."""
+        """Parameter count; by default without the lookup tables, which cost no FLOPs: GPT-2's position embeddings
+        (its token embedding is also the output layer, so it does count) or modern's untied token embedding."""
         n = sum(p.numel() for p in self.parameters())
-        n -= (self.config.padded_vocab_size - self.config.vocab_size) * self.config.n_embd  # padding rows
+        padding_rows = (self.config.padded_vocab_size - self.config.vocab_size) * self.config.n_embd
+        n -= padding_rows if self.config.arch == "gpt2" else 2 * padding_rows  # (the output layer's, the input's)
         if non_embedding:
-            n -= self.transformer.wpe.weight.numel()
+            n -= self.transformer.wpe.weight.numel() if self.config.arch == "gpt2" else \
+                self.config.vocab_size * self.config.n_embd
         return n
 
     def flops_per_token(self, seq_len: int) -> int:
@@ -321,7 +416,9 @@ class GPT(nn.Module):
         visible = None
         if kv_caches is not None:  # (T, block_size): cached position j is visible to the token at position p if j <= p
             visible = torch.arange(self.config.block_size, device=idx.device) <= positions[:, None]
-        x = self.transformer.wte(idx) + self.transformer.wpe(positions)  # (B, T, C)
+        x = self.transformer.wte(idx)  # (B, T, C)
+        if self.config.arch == "gpt2":
+            x = x + self.transformer.wpe(positions)
         for i, block in enumerate(self.transformer.h):
             x = block(x, kv_caches[i] if kv_caches else None, positions, visible)
         return self.transformer.ln_f(x)
@@ -337,8 +434,8 @@ class GPT(nn.Module):
 
         The prompt is read once into key/value caches, then each new token alone (DecodeStep: on a GPU one CUDA
         graph per token): n tokens cost n one-token forwards instead of n whole-context ones. Past block_size the
-        context window slides, and since positions are absolute embeddings, every cached key would have to move to
-        another position: the caches are refilled from the last block_size tokens at each step there, so from then
+        context window slides, and since a cached key holds its position (GPT-2's embedding, modern's rotation), every
+        one would have to move to another position: the caches are refilled from the last block_size tokens at each step there, so from then
         on a token costs a whole-window forward, as it would without a cache (the tokens are the same either way).
         The caches live only in this call."""
         block_size = self.config.block_size
@@ -363,7 +460,8 @@ class GPT(nn.Module):
         if block_size > self.config.block_size:
             raise ValueError(f"cannot crop block_size {self.config.block_size} to the longer {block_size}")
         self.config = replace(self.config, block_size=block_size)
-        self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size].detach().clone())
+        if self.config.arch == "gpt2":
+            self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size].detach().clone())
 
 
 class DecodeStep:

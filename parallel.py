@@ -39,7 +39,7 @@ class TrainingModel:
         with torch.device("meta"):
             copy = GPT(self.raw.config)
         copy.load_state_dict(full, assign=True)
-        copy.lm_head.weight = copy.transformer.wte.weight  # assigning replaced the tied parameter by two tensors
+        copy.tie_weights()  # assigning replaced GPT-2's tied parameter by two tensors
         return copy
 
 

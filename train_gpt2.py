@@ -79,7 +79,7 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None
     vocab_size = plan.model_config.vocab_size
     train_loader = DistributedDataLoader(cfg.data_dir, "train", cfg.micro_batch_size, plan.seq_len, dist_env.rank,
                                          dist_env.world_size, plan.grad_accum_steps, shuffle=cfg.shuffle, seed=cfg.seed,
-                                         vocab_size=vocab_size, align_bos=cfg.align_bos)
+                                         vocab_size=vocab_size, align_bos=plan.align_bos)
     val_loader = DistributedDataLoader(cfg.data_dir, "val", cfg.micro_batch_size, plan.seq_len, dist_env.rank,
                                        dist_env.world_size, vocab_size=vocab_size) if plan.val_steps else None
     eval_suite = None

@@ -104,8 +104,8 @@ from precision import autocast, dtype_name, pick_dtype
 from training import train_step
 
 # The flags that mean what they mean in train_gpt2.py; bench.py's own defaults depend on the device.
-SHARED_FLAGS = ["model", "n_layer", "n_head", "n_embd", "micro_batch_size", "seq_len", "dtype", "compile", "device",
-                "optimizer", "max_lr", "activation_checkpointing"]
+SHARED_FLAGS = ["arch", "model", "n_layer", "n_head", "n_embd", "micro_batch_size", "seq_len", "dtype", "compile",
+                "device", "optimizer", "max_lr", "activation_checkpointing"]
 # --plan: GPT-2's sizes, on this many cards each, at GPT-2's recipe
 PLAN_MODELS = {"124M": "gpt2", "350M": "gpt2-medium", "774M": "gpt2-large", "1.5B": "gpt2-xl"}
 PLAN_CARDS = (1, 2, 4, 8)

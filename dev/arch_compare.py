@@ -1,0 +1,151 @@
+"""Three recipes on real text (enwiki), each with its LR tuned: GPT-2 + AdamW + cosine (2019's), GPT-2 + Muon + WSD
+(today's best here) and --arch modern + Muon + WSD; same data, same tokens per step, same steps.
+
+    python -m data.prepare --input ../shared/data/enwiki/enwiki.jsonl.gz \\
+        --val_input ../shared/data/enwiki/enwiki_val.jsonl.gz --output_dir data/enwiki
+    python -m dev.arch_compare run                       # every run not yet finished, in turn (GPU: minutes)
+    python -m dev.arch_compare run --shapes 4x256 --recipes gpt2_muon_wsd,modern_muon_wsd --seeds 1337 --lrs 0.02
+    python -m dev.arch_compare report                    # the table for the README and docs/arch_compare.png
+
+Each run is train_gpt2.py on the auto device and dtype: 245 steps of 8,192 tokens (32 rows of 256), 2.0M tokens,
+past the unigram phase (val loss well under 7). Validation every 20 steps on the same 65,536 val tokens for every
+run. A run whose metrics show its last val loss is not run again, so a sweep can be stopped and continued.
+"""
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from dev.muon_vs_adamw import read_records, steps_to_reach
+from tools.plot import read_metrics
+
+ROOT = Path(os.environ.get("SWEEP_ROOT", "logs/arch_sweep"))
+STEPS = 245  # × 8,192 tokens = 2,007,040
+COMMON = ["--data_dir", "data/enwiki", "--seq_len", "256", "--micro_batch_size", "32", "--total_batch_size", "8192",
+          "--max_steps", str(STEPS), "--warmup_steps", "25", "--val_every", "20", "--val_tokens", "65536",
+          "--eval_every", "0", "--sample_every", "0", "--snapshot_every", "0", "--resume", "never"]
+SHAPES = {"4x256": ["--model", "small"],  # 4 layers, 4 heads, width 256
+          "6x384": ["--model", "small", "--n_layer", "6", "--n_head", "6", "--n_embd", "384"]}
+# The LR each recipe sweeps (--max_lr for AdamW, --muon_lr for Muon), and its fixed flags. Muon's AdamW part
+# (embeddings, output layer, norms) stays at --max_lr 2e-3 in both Muon recipes.
+RECIPES = {
+    "gpt2_adamw_cosine": ("--max_lr", [1e-3, 2e-3, 4e-3], ["--arch", "gpt2", "--optimizer", "adamw"]),
+    "gpt2_muon_wsd": ("--muon_lr", [0.01, 0.02, 0.04], ["--arch", "gpt2", "--optimizer", "muon", "--max_lr", "2e-3",
+                                                        "--lr_schedule", "wsd", "--warmdown_frac", "0.3"]),
+    "modern_muon_wsd": ("--muon_lr", [0.01, 0.02, 0.04], ["--arch", "modern", "--optimizer", "muon", "--max_lr",
+                                                          "2e-3", "--lr_schedule", "wsd", "--warmdown_frac", "0.3"]),
+}
+SEEDS = [1337, 42]
+
+
+def run_dir(shape: str, recipe: str, lr: float, seed: int) -> Path:
+    return ROOT / shape / f"{recipe}_lr{lr:g}_s{seed}"
+
+
+def val_curve(path: Path, key: str = "val_loss") -> dict[int, float] | None:
+    """{step: val} of a finished run (one that logged its last validation), else None."""
+    metrics = path / "metrics.jsonl"
+    if not metrics.exists():
+        return None
+    val = read_metrics(metrics).get(key, {})
+    return val if STEPS - 1 in val else None
+
+
+def run(shapes: list[str], recipes: list[str], seeds: list[int], lrs: list[float] | None) -> None:
+    for shape in shapes:
+        for recipe in recipes:
+            flag, recipe_lrs, flags = RECIPES[recipe]
+            for lr in lrs or recipe_lrs:
+                for seed in seeds:
+                    out = run_dir(shape, recipe, lr, seed)
+                    if val_curve(out) is not None:
+                        continue
+                    out.mkdir(parents=True, exist_ok=True)
+                    print(f"{out} ...", flush=True)
+                    with open(out / "stdout.txt", "w") as f:
+                        subprocess.run([sys.executable, "train_gpt2.py", *COMMON, *SHAPES[shape], *flags, flag,
+                                        str(lr), "--seed", str(seed), "--log_dir", str(out)],
+                                       stdout=f, stderr=subprocess.STDOUT, check=True)
+
+
+def mean_curve(paths: list[Path], key: str) -> dict[int, float]:
+    """The val curve averaged over seeds (the steps every run logged)."""
+    curves = [val_curve(p, key) for p in paths]
+    return {s: statistics.fmean(c[s] for c in curves) for s in sorted(set.intersection(*(set(c) for c in curves)))}
+
+
+def best_runs(shape: str, recipe: str) -> tuple[float, list[Path]] | None:
+    """The LR whose final val loss, averaged over the seeds finished at every LR, is lowest; and its runs."""
+    runs = {}
+    for path in (ROOT / shape).glob(f"{recipe}_lr*_s*"):
+        if val_curve(path) is not None:
+            lr, seed = path.name.removeprefix(recipe + "_lr").split("_s")
+            runs.setdefault(float(lr), {})[int(seed)] = path
+    if not runs:
+        return None
+    seeds = set.intersection(*(set(by_seed) for by_seed in runs.values()))
+    runs = {lr: [by_seed[s] for s in sorted(seeds)] for lr, by_seed in runs.items()} if seeds else \
+        {lr: list(by_seed.values()) for lr, by_seed in runs.items()}
+    final = {lr: statistics.fmean(val_curve(p)[STEPS - 1] for p in paths) for lr, paths in runs.items()}
+    for lr in sorted(final):
+        print(f"    {recipe} lr {lr:g}: final val loss {final[lr]:.4f} ({len(runs[lr])} seed(s))")
+    lr = min(final, key=final.get)
+    return lr, runs[lr]
+
+
+def median_step_ms(paths: list[Path]) -> float:
+    return statistics.median(r["dt_ms"] for p in paths for r in read_records(p / "metrics.jsonl") if "dt_ms" in r)
+
+
+def report(out: str = "docs/arch_compare.png") -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = [s for s in SHAPES if (ROOT / s).is_dir()]
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6.5 * len(shapes), 4.5), squeeze=False)
+    rows = ["| shape | recipe | best LR | seeds | final val loss | val bpb | ms/step | steps to today's best final "
+            "(fraction) |", "|---|---|---|---|---|---|---|---|"]
+    for ax, shape in zip(axes[0], shapes):
+        print(f"== {shape}: {STEPS} steps of 8,192 tokens")
+        best = {recipe: b for recipe in RECIPES if (b := best_runs(shape, recipe))}
+        target = None
+        if "gpt2_muon_wsd" in best:
+            target = mean_curve(best["gpt2_muon_wsd"][1], "val_loss")[STEPS - 1]
+        for i, (recipe, (lr, paths)) in enumerate(best.items()):
+            loss, bpb = mean_curve(paths, "val_loss"), mean_curve(paths, "val_bpb")
+            reach = steps_to_reach(loss, target) if target is not None else None
+            fraction = "not reached" if reach is None else f"{reach:.0f} ({reach / (STEPS - 1):.2f})"
+            rows.append(f"| {shape} | {recipe} | {lr:g} | {len(paths)} | {loss[STEPS - 1]:.4f} | "
+                        f"{bpb.get(STEPS - 1, float('nan')):.4f} | {median_step_ms(paths):.0f} | {fraction} |")
+            steps = sorted(bpb)
+            ax.plot(steps, [bpb[s] for s in steps], marker=".", color=f"C{i}", label=f"{recipe}, lr {lr:g}")
+        ax.set(title=f"{shape}: enwiki val bpb, best LR of each recipe", xlabel=f"step (× 8,192 tokens)",
+               ylabel="val bits per byte")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    print("\n".join(rows))
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    print(f"wrote {out}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=("run", "report"))
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--recipes", default=",".join(RECIPES))
+    parser.add_argument("--seeds", default=",".join(map(str, SEEDS)))
+    parser.add_argument("--lrs", help="only these LRs (comma-separated), instead of each recipe's sweep")
+    args = parser.parse_args()
+    if args.command == "report":
+        return report()
+    run(args.shapes.split(","), args.recipes.split(","), [int(s) for s in args.seeds.split(",")],
+        [float(x) for x in args.lrs.split(",")] if args.lrs else None)
+
+
+if __name__ == "__main__":
+    main()
