@@ -1,11 +1,13 @@
-"""Export a snapshot of this codebase as a Hugging Face GPT-2 model directory.
+"""Export a snapshot of this codebase as a Hugging Face model directory: GPT-2 (GPT2LMHeadModel), or, for an
+--arch modern run, Qwen3 (Qwen3ForCausalLM, the standard class with the same decoder).
 
     python -m tools.export_hf logs/run/model_19072.pt exported/ --tokenizer_dir ../shared/data/gpt2_tokenizer
 
-The directory then loads anywhere transformers does, with the same logits as our model:
+The directory then loads anywhere transformers does (and what reads transformers' directories: vLLM, llama.cpp's
+converter), with the same logits as our model:
 
-    from transformers import GPT2LMHeadModel, GPT2TokenizerFast
-    model = GPT2LMHeadModel.from_pretrained("exported/")
+    from transformers import AutoModelForCausalLM, GPT2TokenizerFast
+    model = AutoModelForCausalLM.from_pretrained("exported/")
     tokenizer = GPT2TokenizerFast.from_pretrained("exported/")   # only if --tokenizer_dir was given
 
 Weights go through transformers' own save_pretrained (model.safetensors), so the layout is whatever the installed
