@@ -8,7 +8,7 @@ used, so training from scratch does not need it.
 
 import torch
 
-from model import NORM_EPS, ROPE_THETA, GPT, GPTConfig
+from model import GPT, NORM_EPS, ROPE_THETA, GPTConfig
 
 # Hugging Face's GPT-2 stores these linear layers as Conv1D modules, whose weights are nn.Linear's transposed.
 HF_CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")

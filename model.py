@@ -114,11 +114,13 @@ class Block(nn.Module):
         # the forward and again before the backward.
         recompute = self.training and torch.is_grad_enabled()
         if recompute and self.activation_checkpointing == "blocks":
-            return checkpoint(self.residual_branches, x, use_reentrant=False)
+            # (the positions too: modern's rotation reads them)
+            return checkpoint(self.residual_branches, x, None, positions, use_reentrant=False)
         if recompute and self.activation_checkpointing == "selective":
             # (The partial made here, in the traced code: torch.compile follows no other kind of context_fn.)
-            return checkpoint(self.residual_branches, x, use_reentrant=False, context_fn=functools.partial(
-                create_selective_checkpoint_contexts, keep_matmuls_and_attention))
+            return checkpoint(self.residual_branches, x, None, positions, use_reentrant=False,
+                              context_fn=functools.partial(create_selective_checkpoint_contexts,
+                                                           keep_matmuls_and_attention))
         return self.residual_branches(x, kv_cache, positions, visible)
 
     def residual_branches(self, x: torch.Tensor, kv_cache: KVCache | None = None,
@@ -434,9 +436,10 @@ class GPT(nn.Module):
 
         The prompt is read once into key/value caches, then each new token alone (DecodeStep: on a GPU one CUDA
         graph per token): n tokens cost n one-token forwards instead of n whole-context ones. Past block_size the
-        context window slides, and since a cached key holds its position (GPT-2's embedding, modern's rotation), every
-        one would have to move to another position: the caches are refilled from the last block_size tokens at each step there, so from then
-        on a token costs a whole-window forward, as it would without a cache (the tokens are the same either way).
+        context window slides, and since a cached key holds its position (GPT-2's embedding, modern's rotation),
+        every one would have to move to another position: the caches are refilled from the last block_size tokens at
+        each step there, so from then on a token costs a whole-window forward, as it would without a cache (the
+        tokens are the same either way).
         The caches live only in this call."""
         block_size = self.config.block_size
         kv_caches = [KVCache(block_size) for _ in range(self.config.n_layer)]

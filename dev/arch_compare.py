@@ -123,7 +123,7 @@ def report(out: str = "docs/arch_compare.png") -> None:
                         f"{bpb.get(STEPS - 1, float('nan')):.4f} | {median_step_ms(paths):.0f} | {fraction} |")
             steps = sorted(bpb)
             ax.plot(steps, [bpb[s] for s in steps], marker=".", color=f"C{i}", label=f"{recipe}, lr {lr:g}")
-        ax.set(title=f"{shape}: enwiki val bpb, best LR of each recipe", xlabel=f"step (× 8,192 tokens)",
+        ax.set(title=f"{shape}: enwiki val bpb, best LR of each recipe", xlabel="step (× 8,192 tokens)",
                ylabel="val bits per byte")
         ax.grid(alpha=0.3)
         ax.legend()

@@ -240,14 +240,17 @@ def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(x.abs())) - 7)
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "modern"])
 @pytest.mark.parametrize("dtype_name", ["fp32", "bf16"])
-def test_greedy_generation_with_the_kv_cache_is_the_argmax_of_full_forwards_token_for_token(gpu_device, dtype_name):
+def test_greedy_generation_with_the_kv_cache_is_the_argmax_of_full_forwards_token_for_token(gpu_device, dtype_name,
+                                                                                           arch):
     # Past block_size the context window slides and the cache is refilled at every step: both paths are covered.
     # GPU: GPT-2's vocabulary and a 64-token window; CPU: a tiny model.
     if gpu_device.type == "cuda":
-        config, prompt_len, new_tokens = GPTConfig(block_size=64, n_layer=4, n_head=4, n_embd=256), 8, 80
+        config, prompt_len, new_tokens = GPTConfig(block_size=64, n_layer=4, n_head=4, n_embd=256, arch=arch), 8, 80
     else:
-        config, prompt_len, new_tokens = GPTConfig(block_size=16, vocab_size=97, n_layer=2, n_head=2, n_embd=32), 4, 24
+        config, prompt_len, new_tokens = GPTConfig(block_size=16, vocab_size=97, n_layer=2, n_head=2, n_embd=32,
+                                                   arch=arch), 4, 24
     torch.manual_seed(0)
     model = perturb_(GPT(config), 0.1).to(gpu_device).eval()  # sharp attention, so wrong keys or positions show
     prompt = torch.randint(0, config.vocab_size, (4, prompt_len), generator=torch.Generator().manual_seed(0))

@@ -203,6 +203,25 @@ def newton_schulz_float64(m: torch.Tensor) -> torch.Tensor:
     return x.T if tall else x
 
 
+def test_a_compiled_modern_muon_run_learns_and_resumes_with_the_uninterrupted_losses(job, gpu_compile, tmp_path):
+    """--arch modern (rotary, QK-norm, SwiGLU, untied) with Muon in bf16, compiled on a GPU: the loss falls as the
+    plain GPT-2 run's does, and a resume from its step-3 snapshot repeats steps 4-7 (rerun in the same process
+    settings, so the compiled kernels are the same)."""
+    dtype = "bf16" if job.device.type == "cuda" else "fp32"
+    args = [*job.args, "--arch", "modern", "--no-align_bos", "--optimizer", "muon", "--dtype", dtype,
+            *(["--compile"] if gpu_compile else [])]
+    whole = run_train([*args, "--ckpt_every", "4", "--keep_last", "2"], tmp_path / "whole", timeout=600)
+    losses = by_step(whole.records, "loss")
+    assert sorted(losses) == list(range(LAST_STEP + 1)) and losses[LAST_STEP] < losses[0] - 0.5
+    assert not any(r.get("skipped") for r in whole.train)
+    resumed = run_train([*args, "--ckpt_every", "0", "--resume", str(snapshot_path(tmp_path / "whole", 3))],
+                        tmp_path / "resumed", timeout=600)
+    diff = max_rel_diff(resumed, whole, "loss", range(4, LAST_STEP + 1))
+    print(f"modern + Muon, {dtype}{' compiled' if gpu_compile else ''}: loss {losses[0]:.3f} -> "
+          f"{losses[LAST_STEP]:.3f}; resumed at step 4: max relative loss difference {diff:.2e}")
+    assert diff <= job.tolerance
+
+
 def test_a_muon_run_learns_and_its_last_update_is_muons_computed_in_float64(job, gpu_compile, tmp_path):
     """--optimizer muon in bf16, compiled (on the CPU: fp32, eager unless GPU_TESTS_COMPILE=1). The block matrices'
     last update, read from the snapshots of steps 6 and 7, against Muon in float64 from the run's own momentum
