@@ -54,17 +54,20 @@ def make_shards(directory: Path, split: str, sizes: list[int], seed: int = 0, vo
     return arrays
 
 
-def make_document_shards(directory: Path, split: str, row: int, sizes: list[int],
-                         seed: int = 0) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def make_document_shards(directory: Path, split: str, row: int, sizes: list[int], seed: int = 0,
+                         vocab: int | None = None) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Shards of documents of 1 to 3·row text tokens, each preceded by EOT (as data/prepare.py writes them), every
-    other token its own position plus 10,000·shard, so a batch tells where it came from. Returns (tokens, document
-    starts) by shard; a shard opens with a document."""
+    other token its own position plus 10,000·shard, so a batch tells where it came from; or, with vocab, that modulo
+    vocab (each token then predicts the next: a run's loss falls fast). Returns (tokens, document starts) by shard;
+    a shard opens with a document."""
     from dataloader import EOT, write_shard
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     arrays, starts = [], []
     for i, n in enumerate(sizes):
         tokens = np.arange(n) + 10_000 * i
+        if vocab is not None:
+            tokens %= vocab
         eots = np.cumsum(rng.integers(2, 3 * row + 2, size=n))
         tokens[eots[eots < n]] = EOT
         write_shard(directory / f"docs_{split}_{i:06d}.bin", tokens)
@@ -83,15 +86,15 @@ def perturb_(model: torch.nn.Module, scale: float, seed: int = 0) -> torch.nn.Mo
     return model
 
 
-def save_tiny_model(path: Path, block_size: int = 64, perturb: float = 0.0) -> Path:
-    """A random `tiny` GPT saved as just a snapshot's {"model", "model_config"}, as snapshot.read_model
-    reads it; perturb > 0 moves every weight away from its init."""
+def save_tiny_model(path: Path, block_size: int = 64, perturb: float = 0.0, arch: str = "gpt2") -> Path:
+    """A random `tiny` GPT (of the architecture arch) saved as just a snapshot's {"model", "model_config"}, as
+    snapshot.read_model reads it; perturb > 0 moves every weight away from its init."""
     from dataclasses import replace
 
     from model import GPT, PRESETS
 
     torch.manual_seed(0)
-    model = perturb_(GPT(replace(PRESETS["tiny"], block_size=block_size)), perturb)
+    model = perturb_(GPT(replace(PRESETS["tiny"], block_size=block_size, arch=arch)), perturb)
     torch.save({"model": model.state_dict(), "model_config": asdict(model.config)}, path)
     return path
 

@@ -9,6 +9,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from config import TrainConfig, parse_args
+from conftest import perturb_
 from distributed import Distributed
 from helpers_train import RandomBatches, on_ranks
 from memory import auto_micro_batch, measure_activation_bytes_per_sequence
@@ -20,14 +21,16 @@ CONFIG = GPTConfig(block_size=32, vocab_size=256, n_layer=2, n_head=2, n_embd=32
 MODES = ("none", "blocks", "selective")
 
 
-def loss_gradients_and_flops(mode: str, compile: bool = False) -> tuple[float, list[torch.Tensor], int]:
+def loss_gradients_and_flops(mode: str, compile: bool = False, config: GPTConfig = CONFIG,
+                             perturb: float = 0.0) -> tuple[float, list[torch.Tensor], int]:
     """One forward and backward in fp32 of the same model and batch, with `mode`, and (eager) the FLOPs of the matmuls
     that ran (FlopCounterMode counts what executes: a recomputed matmul counts again; 0 compiled). Compiled as one
-    graph (fullgraph): the checkpoint is compiled, not left to eager at a graph break."""
+    graph (fullgraph): the checkpoint is compiled, not left to eager at a graph break. perturb: noise on every weight
+    (arch="modern" starts with zero output projections, through which no gradient would reach the rest)."""
     torch.manual_seed(0)
-    model = GPT(CONFIG)
+    model = perturb_(GPT(config), perturb)
     model.set_activation_checkpointing(mode)
-    tokens = torch.randint(0, CONFIG.vocab_size, (2, CONFIG.block_size + 1), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, config.vocab_size, (2, config.block_size + 1), generator=torch.Generator().manual_seed(1))
     flops = FlopCounterMode(display=False)
     with contextlib.nullcontext() if compile else flops:
         _, loss = (torch.compile(model, fullgraph=True) if compile else model)(tokens[:, :-1], tokens[:, 1:])
