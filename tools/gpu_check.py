@@ -18,7 +18,8 @@ from TIKTOKEN_CACHE_DIR. The stages, in the order they run:
          own timing): ms/step, tokens/s, MFU against the datasheet peak, peak memory, the loss's trend; ours against
          build-nanogpt's full-logits loss at B=64 and 524,288 tokens a step, compiled, alternating (bench.py
          --vs_full_logits), and the loss's share of the step; generation tokens/s with and without the key/value
-         cache; then gpt2-medium and -large while the stage has half its budget left
+         cache; --arch modern's step against gpt2's; then gpt2-medium and -large while the stage has half its budget
+         left
 
 OUT/report.md and OUT/report.json (rewritten after every check, so a run cut short still leaves its rows) hold the
 machine (GPU, compute capability, memory, driver, torch, CUDA) and a row per check: its figure, its bound, and PASS,
@@ -428,6 +429,12 @@ def bench_stage(report: Report, scale: Scale, args: argparse.Namespace) -> None:
         report.check("bench", name, bench_speed, runs[name], scale, compile)
     eager, compiled = (runs.get(f"{scale.model} {scale.dtype} {kind}") for kind in ("eager", "compiled"))
     report.check("bench", f"{scale.model}: compiled against eager", bench_compiled_vs_eager, eager, compiled)
+    gpt2 = compiled or eager
+    if gpt2 is not None and "skipped" not in gpt2:  # --arch modern at the same size, batch and compile mode
+        runs[f"{scale.model} modern"] = time_training_step(scale.model, gpt2["micro_batch_size"], compiled is not None,
+                                                           scale, dist_env, data_dir, arch="modern")
+        report.check("bench", f"{scale.model}: --arch modern against gpt2", bench_modern_vs_gpt2,
+                     runs[f"{scale.model} modern"], gpt2)
     comparison = compare_with_full_logits(scale, dist_env, data_dir)
     report.details["bench_vs_full_logits"] = comparison
     report.check("bench", f"{scale.model}: ours against the full-logits loss", bench_vs_full_logits, comparison,
@@ -463,18 +470,20 @@ BENCH_MAX_LR = {"gpt2-medium": 3e-4, "gpt2-large": 2.5e-4, "gpt2-xl": 2e-4}
 
 
 def bench_workload(model: str, micro_batch: int, scale: Scale, dist_env: Distributed, data_dir: str | None,
-                   steps: int, warmup: int, grad_accum_steps: int = 1, compile: bool = False) -> bench.Workload:
+                   steps: int, warmup: int, grad_accum_steps: int = 1, compile: bool = False,
+                   arch: str = "gpt2") -> bench.Workload:
     return bench.make_workload(bench.parse_args(
-        ["--model", model, "--max_lr", str(BENCH_MAX_LR.get(model, scale.max_lr)), "--seq_len", str(scale.seq_len),
-         "--micro_batch_size", str(micro_batch), "--dtype",
-         scale.dtype, "--device", scale.device, "--steps", str(steps), "--warmup", str(warmup), "--grad_accum_steps",
-         str(grad_accum_steps)] + (["--compile"] if compile else []) + (["--data_dir", data_dir] if data_dir else [])),
+        ["--arch", arch, "--model", model, "--max_lr", str(BENCH_MAX_LR.get(model, scale.max_lr)), "--seq_len",
+         str(scale.seq_len), "--micro_batch_size", str(micro_batch), "--dtype", scale.dtype, "--device", scale.device,
+         "--steps", str(steps), "--warmup", str(warmup), "--grad_accum_steps", str(grad_accum_steps)]
+        + (["--compile"] if compile else []) + (["--data_dir", data_dir] if data_dir else [])),
         dist_env)
 
 
 def time_training_step(model: str, micro_batch: int, compile: bool, scale: Scale, dist_env: Distributed,
-                       data_dir: str) -> dict:
-    work = bench_workload(model, micro_batch, scale, dist_env, data_dir, scale.bench_steps, scale.bench_warmup)
+                       data_dir: str, arch: str = "gpt2") -> dict:
+    work = bench_workload(model, micro_batch, scale, dist_env, data_dir, scale.bench_steps, scale.bench_warmup,
+                          arch=arch)
     result = bench.time_config_or_skip(work, data_dir, pick_dtype(scale.dtype, dist_env.device), compile, False,
                                        scale.bench_steps, scale.bench_warmup)
     return result | {"micro_batch_size": micro_batch, "seq_len": scale.seq_len}
@@ -500,6 +509,21 @@ def bench_speed(run: dict, scale: Scale, compile: bool) -> Result:
             f"({run['warmup_peak_memory_mib'] / 1024:,.1f} in the warm-up steps), "
             f"loss {losses[0]:.3f} → {losses[-1]:.3f}", f"MFU ≥ {floor:.0%}, the loss falls",
             run["mfu"] >= floor and loss_falls(losses))
+
+
+def bench_modern_vs_gpt2(modern: dict, gpt2: dict) -> Result:
+    """Issue 26's bound: --arch modern's step within 1.15× GPT-2's at the same size (rotary and the norms cost a
+    little; SwiGLU holds as many weights as GPT-2's MLP, and the untied output layer adds no matmul)."""
+    if "skipped" in modern:
+        return modern["skipped"], "fits and runs", False
+    ratio = modern["ms_per_step"] / gpt2["ms_per_step"]
+    losses = modern["losses"]
+    # Finite, not falling: without biases, modern learns the unigram distribution later than GPT-2 at the same AdamW
+    # LR, so a few steps at the bench's LR need not lower its loss yet.
+    return (f"{modern['ms_per_step']:,.1f} against {gpt2['ms_per_step']:,.1f} ms/step: {ratio:.3f}×, MFU "
+            f"{modern['mfu']:.1%}, peak memory {modern['peak_memory_mib'] / 1024:,.1f} GiB, loss {losses[0]:.3f} → "
+            f"{losses[-1]:.3f}", "≤ 1.15× gpt2's step, finite losses",
+            ratio <= 1.15 and all(math.isfinite(loss) for loss in losses))
 
 
 def loss_falls(losses: list[float]) -> bool:
