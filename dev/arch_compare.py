@@ -5,6 +5,7 @@
         --val_input ../shared/data/enwiki/enwiki_val.jsonl.gz --output_dir data/enwiki
     python -m dev.arch_compare run                       # every run not yet finished, in turn (GPU: minutes)
     python -m dev.arch_compare run --shapes 4x256 --recipes gpt2_muon_wsd,modern_muon_wsd --seeds 1337 --lrs 0.02
+    python -m dev.arch_compare run --recipes modern_muon_wsd --lrs 0.02 --steps 147   # a shorter run, its own schedule
     python -m dev.arch_compare report                    # the table for the README and docs/arch_compare.png
 
 Each run is train_gpt2.py on the auto device and dtype: 245 steps of 8,192 tokens (32 rows of 256), 2.0M tokens,
@@ -19,14 +20,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dev.muon_vs_adamw import read_records, steps_to_reach
+from dev.muon_vs_adamw import steps_to_reach
 from tools.plot import read_metrics
 
 ROOT = Path(os.environ.get("SWEEP_ROOT", "logs/arch_sweep"))
 STEPS = 245  # × 8,192 tokens = 2,007,040
 COMMON = ["--data_dir", "data/enwiki", "--seq_len", "256", "--micro_batch_size", "32", "--total_batch_size", "8192",
-          "--max_steps", str(STEPS), "--warmup_steps", "25", "--val_every", "20", "--val_tokens", "65536",
-          "--eval_every", "0", "--sample_every", "0", "--snapshot_every", "0", "--resume", "never"]
+          "--warmup_steps", "25", "--val_every", "20", "--val_tokens", "65536", "--eval_every", "0",
+          "--sample_every", "0", "--snapshot_every", "0", "--resume", "never"]
 SHAPES = {"4x256": ["--model", "small"],  # 4 layers, 4 heads, width 256
           "6x384": ["--model", "small", "--n_layer", "6", "--n_head", "6", "--n_embd", "384"]}
 # The LR each recipe sweeps (--max_lr for AdamW, --muon_lr for Muon), and its fixed flags. Muon's AdamW part
@@ -41,33 +42,35 @@ RECIPES = {
 SEEDS = [1337, 42]
 
 
-def run_dir(shape: str, recipe: str, lr: float, seed: int) -> Path:
-    return ROOT / shape / f"{recipe}_lr{lr:g}_s{seed}"
+def run_dir(shape: str, recipe: str, lr: float, seed: int, steps: int = STEPS) -> Path:
+    """A run of the comparison; one with fewer --steps (its whole schedule shortened) in a directory of its own."""
+    return ROOT / shape / f"{recipe}_lr{lr:g}_s{seed}{'' if steps == STEPS else f'_steps{steps}'}"
 
 
-def val_curve(path: Path, key: str = "val_loss") -> dict[int, float] | None:
+def val_curve(path: Path, key: str = "val_loss", steps: int = STEPS) -> dict[int, float] | None:
     """{step: val} of a finished run (one that logged its last validation), else None."""
     metrics = path / "metrics.jsonl"
     if not metrics.exists():
         return None
     val = read_metrics(metrics).get(key, {})
-    return val if STEPS - 1 in val else None
+    return val if steps - 1 in val else None
 
 
-def run(shapes: list[str], recipes: list[str], seeds: list[int], lrs: list[float] | None) -> None:
+def run(shapes: list[str], recipes: list[str], seeds: list[int], lrs: list[float] | None, steps: int = STEPS) -> None:
     for shape in shapes:
         for recipe in recipes:
             flag, recipe_lrs, flags = RECIPES[recipe]
             for lr in lrs or recipe_lrs:
                 for seed in seeds:
-                    out = run_dir(shape, recipe, lr, seed)
-                    if val_curve(out) is not None:
+                    out = run_dir(shape, recipe, lr, seed, steps)
+                    if val_curve(out, steps=steps) is not None:
                         continue
                     out.mkdir(parents=True, exist_ok=True)
                     print(f"{out} ...", flush=True)
                     with open(out / "stdout.txt", "w") as f:
-                        subprocess.run([sys.executable, "train_gpt2.py", *COMMON, *SHAPES[shape], *flags, flag,
-                                        str(lr), "--seed", str(seed), "--log_dir", str(out)],
+                        subprocess.run([sys.executable, "train_gpt2.py", *COMMON, "--max_steps", str(steps),
+                                        *SHAPES[shape], *flags, flag, str(lr), "--seed", str(seed), "--log_dir",
+                                        str(out)],
                                        stdout=f, stderr=subprocess.STDOUT, check=True)
 
 
@@ -81,7 +84,7 @@ def best_runs(shape: str, recipe: str) -> tuple[float, list[Path]] | None:
     """The LR whose final val loss, averaged over the seeds finished at every LR, is lowest; and its runs."""
     runs = {}
     for path in (ROOT / shape).glob(f"{recipe}_lr*_s*"):
-        if val_curve(path) is not None:
+        if "_steps" not in path.name and val_curve(path) is not None:
             lr, seed = path.name.removeprefix(recipe + "_lr").split("_s")
             runs.setdefault(float(lr), {})[int(seed)] = path
     if not runs:
@@ -96,10 +99,6 @@ def best_runs(shape: str, recipe: str) -> tuple[float, list[Path]] | None:
     return lr, runs[lr]
 
 
-def median_step_ms(paths: list[Path]) -> float:
-    return statistics.median(r["dt_ms"] for p in paths for r in read_records(p / "metrics.jsonl") if "dt_ms" in r)
-
-
 def report(out: str = "docs/arch_compare.png") -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -107,8 +106,8 @@ def report(out: str = "docs/arch_compare.png") -> None:
 
     shapes = [s for s in SHAPES if (ROOT / s).is_dir()]
     fig, axes = plt.subplots(1, len(shapes), figsize=(6.5 * len(shapes), 4.5), squeeze=False)
-    rows = ["| shape | recipe | best LR | seeds | final val loss | val bpb | ms/step | steps to today's best final "
-            "(fraction) |", "|---|---|---|---|---|---|---|---|"]
+    rows = ["| shape | recipe | best LR | seeds | final val loss | val bpb | steps to today's best final (fraction) |",
+            "|---|---|---|---|---|---|---|"]
     for ax, shape in zip(axes[0], shapes):
         print(f"== {shape}: {STEPS} steps of 8,192 tokens")
         best = {recipe: b for recipe in RECIPES if (b := best_runs(shape, recipe))}
@@ -120,13 +119,19 @@ def report(out: str = "docs/arch_compare.png") -> None:
             reach = steps_to_reach(loss, target) if target is not None else None
             fraction = "not reached" if reach is None else f"{reach:.0f} ({reach / (STEPS - 1):.2f})"
             rows.append(f"| {shape} | {recipe} | {lr:g} | {len(paths)} | {loss[STEPS - 1]:.4f} | "
-                        f"{bpb.get(STEPS - 1, float('nan')):.4f} | {median_step_ms(paths):.0f} | {fraction} |")
+                        f"{bpb.get(STEPS - 1, float('nan')):.4f} | {fraction} |")
             steps = sorted(bpb)
             ax.plot(steps, [bpb[s] for s in steps], marker=".", color=f"C{i}", label=f"{recipe}, lr {lr:g}")
         ax.set(title=f"{shape}: enwiki val bpb, best LR of each recipe", xlabel="step (× 8,192 tokens)",
                ylabel="val bits per byte")
         ax.grid(alpha=0.3)
         ax.legend()
+        for path in sorted((ROOT / shape).glob("*_steps*")):  # shorter runs, each with its whole schedule
+            steps = int(path.name.rsplit("_steps", 1)[1])
+            if (val := val_curve(path, steps=steps)) is not None and target is not None:
+                verdict = "reaches" if val[steps - 1] <= target else "does not reach"
+                print(f"  {path.name}: {steps} steps ({(steps - 1) / (STEPS - 1):.2f} of the updates), final val loss "
+                      f"{val[steps - 1]:.4f}: {verdict} today's best final {target:.4f}")
     print("\n".join(rows))
     fig.tight_layout()
     fig.savefig(out, dpi=100)
@@ -140,11 +145,12 @@ def main() -> None:
     parser.add_argument("--recipes", default=",".join(RECIPES))
     parser.add_argument("--seeds", default=",".join(map(str, SEEDS)))
     parser.add_argument("--lrs", help="only these LRs (comma-separated), instead of each recipe's sweep")
+    parser.add_argument("--steps", type=int, default=STEPS, help="a shorter run (the LR schedule shortened with it)")
     args = parser.parse_args()
     if args.command == "report":
         return report()
     run(args.shapes.split(","), args.recipes.split(","), [int(s) for s in args.seeds.split(",")],
-        [float(x) for x in args.lrs.split(",")] if args.lrs else None)
+        [float(x) for x in args.lrs.split(",")] if args.lrs else None, args.steps)
 
 
 if __name__ == "__main__":
