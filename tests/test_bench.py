@@ -57,7 +57,9 @@ def test_bench_times_ours_against_the_full_logits_loss_and_generation_with_and_w
     assert full_logits["speed_ratio"] == pytest.approx(sum(ratios) / 2)  # the median of two
     assert full_logits["memory_ratio"] is None  # a CPU's peak resident memory never goes down
     assert full_logits["loss_ms"]["ours"] > 0 and full_logits["loss_ms"]["full_logits"] > 0
-    assert 0 < full_logits["loss_share"] < 1
+    # Timed apart from the step, the loss can take longer than the whole step on a busy CPU (1.46 was seen): a share,
+    # not a bound.
+    assert full_logits["loss_share"] > 0
     assert all(len(run["losses"]) == 2 for pair in rounds for run in pair)
     assert set(generation["tokens_per_sec"]) == {"with_cache", "without_cache"} and generation["same_tokens"]
     assert generation["speedup"] == pytest.approx(generation["tokens_per_sec"]["with_cache"]

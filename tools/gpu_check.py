@@ -434,7 +434,7 @@ def bench_stage(report: Report, scale: Scale, args: argparse.Namespace) -> None:
         runs[f"{scale.model} modern"] = time_training_step(scale.model, gpt2["micro_batch_size"], compiled is not None,
                                                            scale, dist_env, data_dir, arch="modern")
         report.check("bench", f"{scale.model}: --arch modern against gpt2", bench_modern_vs_gpt2,
-                     runs[f"{scale.model} modern"], gpt2)
+                     runs[f"{scale.model} modern"], gpt2, scale)
     comparison = compare_with_full_logits(scale, dist_env, data_dir)
     report.details["bench_vs_full_logits"] = comparison
     report.check("bench", f"{scale.model}: ours against the full-logits loss", bench_vs_full_logits, comparison,
@@ -511,7 +511,7 @@ def bench_speed(run: dict, scale: Scale, compile: bool) -> Result:
             run["mfu"] >= floor and loss_falls(losses))
 
 
-def bench_modern_vs_gpt2(modern: dict, gpt2: dict) -> Result:
+def bench_modern_vs_gpt2(modern: dict, gpt2: dict, scale: Scale) -> Result:
     """Issue 26's bound: --arch modern's step within 1.15× GPT-2's at the same size (rotary and the norms cost a
     little; SwiGLU holds as many weights as GPT-2's MLP, and the untied output layer adds no matmul)."""
     if "skipped" in modern:
@@ -520,10 +520,13 @@ def bench_modern_vs_gpt2(modern: dict, gpt2: dict) -> Result:
     losses = modern["losses"]
     # Finite, not falling: without biases, modern learns the unigram distribution later than GPT-2 at the same AdamW
     # LR, so a few steps at the bench's LR need not lower its loss yet.
-    return (f"{modern['ms_per_step']:,.1f} against {gpt2['ms_per_step']:,.1f} ms/step: {ratio:.3f}×, MFU "
-            f"{modern['mfu']:.1%}, peak memory {modern['peak_memory_mib'] / 1024:,.1f} GiB, loss {losses[0]:.3f} → "
-            f"{losses[-1]:.3f}", "≤ 1.15× gpt2's step, finite losses",
-            ratio <= 1.15 and all(math.isfinite(loss) for loss in losses))
+    figure = (f"{modern['ms_per_step']:,.1f} against {gpt2['ms_per_step']:,.1f} ms/step: {ratio:.3f}×, MFU "
+              f"{modern['mfu']:.1%}, peak memory {modern['peak_memory_mib'] / 1024:,.1f} GiB, loss {losses[0]:.3f} → "
+              f"{losses[-1]:.3f}")
+    finite = all(math.isfinite(loss) for loss in losses)
+    if scale.vs_full_logits_goal is None:  # one timing each of a tiny model on a shared CPU: no verdict on speed
+        return figure, "finite losses (the speed not judged on a CPU)", finite
+    return figure, "≤ 1.15× gpt2's step, finite losses", ratio <= 1.15 and finite
 
 
 def loss_falls(losses: list[float]) -> bool:
