@@ -133,9 +133,9 @@ class Block(nn.Module):
 # ----------------------------------------------------------------------------------------------------------------
 # arch="modern": what decoders trained since GPT-2 changed (Llama, Qwen3, modded-nanogpt), each part a known gain:
 # rotary positions instead of learned ones, RMSNorm instead of LayerNorm, RMSNorm on each head's queries and keys
-# (QK-norm: attention logits cannot blow up, so higher learning rates stay stable), a SwiGLU MLP, no biases, output
-# projections and the output layer initialised to zero, and input and output embeddings untied. The layout is
-# Qwen3's, so that a trained model exports as a Qwen3ForCausalLM (hf.py) with the same logits.
+# (QK-norm: attention logits cannot blow up, so higher learning rates stay stable), a SwiGLU MLP, no biases, the
+# blocks' output projections initialised to zero, and input and output embeddings untied. The layout is Qwen3's, so
+# that a trained model exports as a Qwen3ForCausalLM (hf.py) with the same logits.
 
 ROPE_THETA = 10_000.0  # rotary base: the wavelengths run from 2π to 2π·10,000 positions, plenty for 1,024
 NORM_EPS = 1e-6
