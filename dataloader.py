@@ -11,14 +11,15 @@ steps, then all ranks move to the next shard together. So the chunks a step trai
 the total batch, never on how they are split across ranks, and the loader's position is the same on every
 rank: a 2-rank snapshot resumes on 1 rank at exactly the next tokens.
 
-Document-aligned batches (align_bos=True): every row starts at a document's first token, the token after an EOT
-(or a shard's first token, unless that is an EOT). Each shard's documents are packed into rows of T+1 tokens
-(x and its shifted y) by pack_rows, before and independently of the ranks: best fit from a window of the next
-PACK_WINDOW documents, the largest that fits the row's space left; when none fits, the shortest is cropped to fill
-the row and its rest dropped (so a document longer than a row gives its first T+1 tokens and loses the rest:
-its later pieces would start rows mid-document). No token is padding; the share cropped is pack_rows' second
-result (dev/align_bos_waste.py measures it on enwiki). A chunk is then B consecutive packed rows instead of B·T
-consecutive tokens, and everything above (chunk order, ranks, steps, state) is unchanged.
+Document-aligned batches (align_bos=True): every row starts at a document's first token, the token after an EOT (or
+a shard's first token, unless that is an EOT), or continues a document longer than a row. Each shard's documents are
+packed into rows of T+1 tokens (x and its shifted y) by pack_rows, before and independently of the ranks: best fit
+from a window of the next PACK_WINDOW documents, the largest that fits the row's space left; when none fits, the
+shortest is cropped to fill the row and its rest dropped. A document longer than a row is first cut into rows of its
+own, each continuing it, and a shorter tail that ends a row started by another document. No token is padding; the
+share cropped is pack_rows' second result (dev/align_bos_waste.py measures it on enwiki). A chunk is then B
+consecutive packed rows instead of B·T consecutive tokens, and everything above (chunk order, ranks, steps, state)
+is unchanged.
 """
 
 import bisect

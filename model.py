@@ -1,5 +1,5 @@
 """GPT-2, written from scratch, in the order data flows through it; and, with GPTConfig(arch="modern"), the same
-decoder with the parts that models trained since 2023 share (see ModernBlock).
+decoder with the parts that models trained since 2023 share (see ModernAttention and SwiGLU).
 
 Parameter names follow Hugging Face's GPT-2 (transformer.h.0.attn.c_attn, ...), so pretrained weights load
 by name and a trained model exports back the same way (hf.py: GPT-2 as GPT2LMHeadModel, modern as Qwen3ForCausalLM);
@@ -52,16 +52,23 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        if kv_cache is None:  # a whole sequence (training, evaluation)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # flash attention where the device has it
-        else:  # new tokens against every cached position; visible (T, max_len) says which each one may see
-            k, v = kv_cache.write(positions, k, v)
-            # Plain matmuls: for one query the fused kernels waste their tiles (on an H100, 124 µs a layer in the
-            # memory-efficient kernel, the one that takes a mask; a whole 124M decode step 1.0 ms instead of 2.1).
-            with sdpa_kernel(SDPBackend.MATH):
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble all head outputs side by side
-        return self.c_proj(y)
+        return self.c_proj(attend(q, k, v, kv_cache, positions, visible))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache | None, positions: torch.Tensor | None,
+           visible: torch.Tensor | None) -> torch.Tensor:
+    """Causal attention of q, k, v (B, nh, T, hs), or of the new tokens against every cached position; returns the
+    heads' outputs side by side, (B, T, nh·hs)."""
+    if kv_cache is None:  # a whole sequence (training, evaluation)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # flash attention where the device has it
+    else:  # new tokens against every cached position; visible (T, max_len) says which each one may see
+        k, v = kv_cache.write(positions, k, v)
+        # Plain matmuls: for one query the fused kernels waste their tiles (on an H100, 124 µs a layer in the
+        # memory-efficient kernel, the one that takes a mask; a whole 124M decode step 1.0 ms instead of 2.1).
+        with sdpa_kernel(SDPBackend.MATH):
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+    B, nh, T, hs = y.shape
+    return y.transpose(1, 2).contiguous().view(B, T, nh * hs)  # re-assemble all head outputs side by side
 
 
 class MLP(nn.Module):
@@ -172,13 +179,7 @@ class ModernAttention(nn.Module):
         # Normalised in fp32 (as Qwen3 does; under autocast c_attn's output is bf16, and its gain fp32)
         q, k = self.q_norm(q.float()).type_as(v), self.k_norm(k.float()).type_as(v)
         q, k, v = rotate(q.transpose(1, 2), positions), rotate(k.transpose(1, 2), positions), v.transpose(1, 2)
-        if kv_cache is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:  # as in CausalSelfAttention
-            k, v = kv_cache.write(positions, k, v)
-            with sdpa_kernel(SDPBackend.MATH):
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        return self.c_proj(attend(q, k, v, kv_cache, positions, visible))
 
 
 class SwiGLU(nn.Module):
