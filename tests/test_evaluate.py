@@ -90,7 +90,7 @@ def test_two_ranks_under_torchrun_give_the_numbers_of_one_process(trained, capsy
     assert two["hellaswag/docs"] == 7 and two["piqa/acc_norm"] == one["piqa/acc_norm"]  # the tasks: bit for bit
 
 
-def test_hugging_face_weights_get_hugging_faces_own_loss(tmp_path, capsys):
+def test_hugging_face_weights_get_hugging_faces_own_loss(tmp_path, capsys, shared_data):  # (EVAL_FILES' copa)
     torch.manual_seed(0)
     hf = perturb_(GPT2LMHeadModel(GPT2Config(n_positions=32, n_embd=32, n_layer=2, n_head=2)).eval(), 0.1)
     hf.save_pretrained(tmp_path / "hf")

@@ -36,8 +36,9 @@ def documents() -> list[str]:
 
 
 @pytest.fixture
-def corpus(tmp_path, documents) -> dict[str, str]:
-    """The documents as a parquet file (in several row groups) and as a JSON-lines file, plain and gzipped."""
+def corpus(tmp_path, documents, gpt2_encoding) -> dict[str, str]:
+    """The documents as a parquet file (in several row groups) and as a JSON-lines file, plain and gzipped. (Every
+    test of it tokenizes them: gpt2_encoding skips it where the offline tokenizer files are missing.)"""
     pq.write_table(pa.table({"id": list(range(len(documents))), "text": documents}), tmp_path / "docs.parquet",
                    row_group_size=7)
     for name, opener in (("docs.jsonl", open), ("docs.jsonl.gz", gzip.open)):
@@ -172,7 +173,7 @@ def test_interrupted_run_leaves_only_whole_shards_and_resumes_to_the_same_shards
     ([], "HuggingFaceFW/fineweb-edu", "sample-10BT", "fineweb_edu10B"),
     (["--version", "classic", "--size", "100B"], "HuggingFaceFW/fineweb", "sample-100BT", "fineweb100B")])
 def test_hub_source_streams_the_sample_into_its_default_directory(flags, repo, config, name, documents, tmp_path,
-                                                                   monkeypatch):
+                                                                   monkeypatch, gpt2_encoding):
     calls = []
 
     class FakeStream:  # what load_dataset(..., streaming=True) gives: rows as dicts, in a fixed order

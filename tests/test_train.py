@@ -355,7 +355,7 @@ def test_loss_falls_on_tiny_shakespeare(tmp_path, shared_data, gpt2_encoding):
 
 
 @pytest.mark.slow
-def test_metrics_jsonl_has_the_documented_keys(rank_runs):
+def test_metrics_jsonl_has_the_documented_keys(rank_runs, gpt2_encoding):  # (val_bpb decodes with the tokenizer)
     for train_run in rank_runs:
         assert len(train_run.records) == 5 + 3
         for r in train_run.train:
