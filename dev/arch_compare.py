@@ -7,13 +7,17 @@
     python -m dev.arch_compare run --shapes 4x256 --recipes gpt2_muon_wsd,modern_muon_wsd --seeds 1337 --lrs 0.02
     python -m dev.arch_compare run --recipes modern_muon_wsd --lrs 0.02 --steps 147   # a shorter run, its own schedule
     python -m dev.arch_compare report                    # the table for the README and docs/arch_compare.png
+    python -m dev.arch_compare heldout                   # the best runs' final models on text nobody tuned on
 
 Each run is train_gpt2.py on the auto device and dtype: 245 steps of 8,192 tokens (32 rows of 256), 2.0M tokens,
 past the unigram phase (val loss well under 7). Validation every 20 steps on the same 65,536 val tokens for every
-run. A run whose metrics show its last val loss is not run again, so a sweep can be stopped and continued.
+run. A run whose metrics show its last val loss is not run again, so a sweep can be stopped and continued. Each run
+keeps its last step's snapshot, so that `heldout` can score its model on other text: web pages (FineWeb's 20 rows
+in ../shared/data) and novels (LAMBADA's passages, from BookCorpus), neither of which any recipe was tuned on.
 """
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -27,7 +31,7 @@ ROOT = Path(os.environ.get("SWEEP_ROOT", "logs/arch_sweep"))
 STEPS = 245  # × 8,192 tokens = 2,007,040
 COMMON = ["--data_dir", "data/enwiki", "--seq_len", "256", "--micro_batch_size", "32", "--total_batch_size", "8192",
           "--warmup_steps", "25", "--val_every", "20", "--val_tokens", "65536", "--eval_every", "0",
-          "--sample_every", "0", "--snapshot_every", "0", "--resume", "never"]
+          "--sample_every", "0", "--snapshot_every", "1000000", "--resume", "never"]  # (only the last step's)
 SHAPES = {"4x256": ["--model", "small"],  # 4 layers, 4 heads, width 256
           "6x384": ["--model", "small", "--n_layer", "6", "--n_head", "6", "--n_embd", "384"]}
 # The LR each recipe sweeps (--max_lr for AdamW, --muon_lr for Muon), and its fixed flags. Muon's AdamW part
@@ -40,6 +44,8 @@ RECIPES = {
                                                           "2e-3", "--lr_schedule", "wsd", "--warmdown_frac", "0.3"]),
 }
 SEEDS = [1337, 42]
+SHARED_DATA = Path(os.environ.get("SHARED_DATA", "../shared/data"))
+HELDOUT = {"fineweb": "fineweb_sample/fineweb_20docs.jsonl", "lambada": "evals/lambada_openai.jsonl"}
 
 
 def run_dir(shape: str, recipe: str, lr: float, seed: int, steps: int = STEPS) -> Path:
@@ -140,9 +146,42 @@ def report(out: str = "docs/arch_compare.png") -> None:
     print(f"wrote {out}")
 
 
+def heldout() -> None:
+    """The val loss and bpb, on each held-out text, of every best-LR run that kept its final snapshot."""
+    texts = {}
+    for name, source in HELDOUT.items():  # each text whole as the val split (the train split is not read)
+        texts[name] = Path("data") / f"heldout_{name}"
+        if not texts[name].is_dir():
+            subprocess.run([sys.executable, "-m", "data.prepare", "--input", str(SHARED_DATA / source), "--val_input",
+                            str(SHARED_DATA / source), "--output_dir", str(texts[name])], check=True)
+    header = " | ".join(f"{name} loss | {name} bpb" for name in texts)
+    rows = [f"| shape | recipe | LR | seed | enwiki val loss | {header} |",
+            "|---|---|---|---|---|" + "---|---|" * len(texts)]
+    for shape in SHAPES:
+        for recipe in RECIPES:
+            if (best := best_runs(shape, recipe)) is None:
+                continue
+            lr, _ = best
+            for path in sorted((ROOT / shape).glob(f"{recipe}_lr{lr:g}_s*")):
+                snapshots = sorted(path.glob("snapshot_*.pt"))
+                if "_steps" in path.name or not snapshots:
+                    continue
+                scores = []
+                for data_dir in texts.values():  # all of the text (--val_tokens more than it holds)
+                    out = subprocess.run([sys.executable, "-m", "tools.evaluate", "--snapshot", str(snapshots[-1]),
+                                          "--data_dir", str(data_dir), "--val_tokens", str(10**9), "--json"],
+                                         check=True, capture_output=True, text=True).stdout
+                    result = json.loads(out.strip().splitlines()[-1])
+                    scores.append(f"{result['val_loss']:.4f} | {result['val_bpb']:.4f}")
+                seed = path.name.rsplit("_s", 1)[1]
+                rows.append(f"| {shape} | {recipe} | {lr:g} | {seed} | {val_curve(path)[STEPS - 1]:.4f} | "
+                            + " | ".join(scores) + " |")
+    print("\n".join(rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=("run", "report"))
+    parser.add_argument("command", choices=("run", "report", "heldout"))
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--recipes", default=",".join(RECIPES))
     parser.add_argument("--seeds", default=",".join(map(str, SEEDS)))
@@ -151,6 +190,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.command == "report":
         return report()
+    if args.command == "heldout":
+        return heldout()
     run(args.shapes.split(","), args.recipes.split(","), [int(s) for s in args.seeds.split(",")],
         [float(x) for x in args.lrs.split(",")] if args.lrs else None, args.steps)
 
