@@ -36,11 +36,12 @@ SHAPES = {"4x256": ["--model", "small"],  # 4 layers, 4 heads, width 256
           "6x384": ["--model", "small", "--n_layer", "6", "--n_head", "6", "--n_embd", "384"]}
 # The LR each recipe sweeps (--max_lr for AdamW, --muon_lr for Muon), and its fixed flags. Muon's AdamW part
 # (embeddings, output layer, norms) stays at --max_lr 2e-3 in both Muon recipes.
+MUON_LRS = [0.0025, 0.005, 0.01, 0.02, 0.04]  # (modern's best was at the low end of 0.01-0.04, so the sweep went down)
 RECIPES = {
     "gpt2_adamw_cosine": ("--max_lr", [1e-3, 2e-3, 4e-3], ["--arch", "gpt2", "--optimizer", "adamw"]),
-    "gpt2_muon_wsd": ("--muon_lr", [0.01, 0.02, 0.04], ["--arch", "gpt2", "--optimizer", "muon", "--max_lr", "2e-3",
+    "gpt2_muon_wsd": ("--muon_lr", MUON_LRS, ["--arch", "gpt2", "--optimizer", "muon", "--max_lr", "2e-3",
                                                         "--lr_schedule", "wsd", "--warmdown_frac", "0.3"]),
-    "modern_muon_wsd": ("--muon_lr", [0.01, 0.02, 0.04], ["--arch", "modern", "--optimizer", "muon", "--max_lr",
+    "modern_muon_wsd": ("--muon_lr", MUON_LRS, ["--arch", "modern", "--optimizer", "muon", "--max_lr",
                                                           "2e-3", "--lr_schedule", "wsd", "--warmdown_frac", "0.3"]),
 }
 SEEDS = [1337, 42]
@@ -87,7 +88,8 @@ def mean_curve(paths: list[Path], key: str) -> dict[int, float]:
 
 
 def best_runs(shape: str, recipe: str) -> tuple[float, list[Path]] | None:
-    """The LR whose final val loss, averaged over the seeds finished at every LR, is lowest; and its runs."""
+    """The LR whose final val loss, averaged over the seeds finished at every LR, is lowest; and all its runs (a
+    second seed is run at the best LR only)."""
     runs = {}
     for path in (ROOT / shape).glob(f"{recipe}_lr*_s*"):
         if "_steps" not in path.name and val_curve(path) is not None:
@@ -95,14 +97,13 @@ def best_runs(shape: str, recipe: str) -> tuple[float, list[Path]] | None:
             runs.setdefault(float(lr), {})[int(seed)] = path
     if not runs:
         return None
-    seeds = set.intersection(*(set(by_seed) for by_seed in runs.values()))
-    runs = {lr: [by_seed[s] for s in sorted(seeds)] for lr, by_seed in runs.items()} if seeds else \
-        {lr: list(by_seed.values()) for lr, by_seed in runs.items()}
-    final = {lr: statistics.fmean(val_curve(p)[STEPS - 1] for p in paths) for lr, paths in runs.items()}
+    seeds = set.intersection(*(set(by_seed) for by_seed in runs.values())) or {s for r in runs.values() for s in r}
+    final = {lr: statistics.fmean(val_curve(p)[STEPS - 1] for s, p in by_seed.items() if s in seeds)
+             for lr, by_seed in runs.items()}
     for lr in sorted(final):
-        print(f"    {recipe} lr {lr:g}: final val loss {final[lr]:.4f} ({len(runs[lr])} seed(s))")
+        print(f"    {recipe} lr {lr:g}: final val loss {final[lr]:.4f} (seeds {sorted(seeds & set(runs[lr]))})")
     lr = min(final, key=final.get)
-    return lr, runs[lr]
+    return lr, [runs[lr][s] for s in sorted(runs[lr])]
 
 
 def report(out: str = "docs/arch_compare.png") -> None:
