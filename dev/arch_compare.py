@@ -40,9 +40,9 @@ MUON_LRS = [0.0025, 0.005, 0.01, 0.02, 0.04]  # (modern's best was at the low en
 RECIPES = {
     "gpt2_adamw_cosine": ("--max_lr", [1e-3, 2e-3, 4e-3], ["--arch", "gpt2", "--optimizer", "adamw"]),
     "gpt2_muon_wsd": ("--muon_lr", MUON_LRS, ["--arch", "gpt2", "--optimizer", "muon", "--max_lr", "2e-3",
-                                                        "--lr_schedule", "wsd", "--warmdown_frac", "0.3"]),
-    "modern_muon_wsd": ("--muon_lr", MUON_LRS, ["--arch", "modern", "--optimizer", "muon", "--max_lr",
-                                                          "2e-3", "--lr_schedule", "wsd", "--warmdown_frac", "0.3"]),
+                                              "--lr_schedule", "wsd", "--warmdown_frac", "0.3"]),
+    "modern_muon_wsd": ("--muon_lr", MUON_LRS, ["--arch", "modern", "--optimizer", "muon", "--max_lr", "2e-3",
+                                                "--lr_schedule", "wsd", "--warmdown_frac", "0.3"]),
 }
 SEEDS = [1337, 42]
 SHARED_DATA = Path(os.environ.get("SHARED_DATA", "../shared/data"))
