@@ -64,6 +64,9 @@ class TrainConfig:
     warmdown_frac: float = arg(0.2, "wsd: the fraction of --max_steps over which the LR decays at the end")
     optimizer: str = arg("adamw", "adamw (GPT-2's) | muon: torch.optim.Muon for the 2-D weights in the blocks, AdamW "
                                   "for embeddings, biases and LayerNorms", choices=("adamw", "muon"))
+    embed_lr: float | None = arg(None, "peak learning rate of the untied input embedding of --arch modern (AdamW, on "
+                                       "the same schedule; gpt2's is its output layer too, at --max_lr). Default: "
+                                       "10 × --max_lr (README, Architectures)")
     muon_lr: float = arg(0.01, "muon: peak learning rate of the Muon-updated matrices (follows the same schedule; "
                                "0.01 was best of 0.005-0.04 on two small models, see the README)")
     muon_momentum: float = arg(0.95, "muon: Nesterov momentum")
@@ -148,7 +151,8 @@ def add_flags(parser: argparse.ArgumentParser, names: list[str] | None = None, d
         if f.type in (bool, bool | None):
             group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"])
         else:
-            kind = {"int | None": int, "str | None": str, "int | str": int_or_auto}.get(str(f.type), f.type)
+            kind = {"int | None": int, "float | None": float, "str | None": str,
+                    "int | str": int_or_auto}.get(str(f.type), f.type)
             group.add_argument(*flags, type=kind, default=default, choices=f.metadata["choices"],
                                help=f.metadata["help"])
 
@@ -191,6 +195,7 @@ def load_recipe(path: str) -> dict:
             raise UserError(f"--config {path}: unknown setting {key!r}. A recipe sets the flags of "
                             "`python train_gpt2.py --help`, without the leading dashes.")
         expected = {"int | None": int, "str | None": str, "bool | None": bool, "float": (float, int),
+                    "float | None": (float, int),
                     "int | str": (int, str)}.get(
             str(known[key].type), known[key].type)
         choices = known[key].metadata["choices"]
@@ -240,6 +245,9 @@ def resolve_plan(cfg: TrainConfig, world_size: int) -> Plan:
     if cfg.on_divergence == "rollback" and not cfg.snapshot_every:
         raise UserError("--on_divergence rollback reloads the newest healthy snapshot, and --snapshot_every 0 writes "
                         "none. Pass --snapshot_every N (e.g. 500), or --on_divergence stop.")
+    if cfg.embed_lr is not None and config.arch == "gpt2":
+        raise UserError(f"--embed_lr {cfg.embed_lr}: gpt2's token embedding is also its output layer (tied), so it "
+                        "learns at --max_lr. Leave --embed_lr out, or train --arch modern, whose embedding is its own.")
     align_bos = cfg.align_bos if cfg.align_bos is not None else config.arch == "modern"
     return Plan(config, align_bos, seq_len, grad_accum_steps, val_steps, cfg.snapshot_dir or cfg.log_dir)
 

@@ -42,7 +42,11 @@ RECIPES = {
     "gpt2_muon_wsd": ("--muon_lr", MUON_LRS, ["--arch", "gpt2", "--optimizer", "muon", "--max_lr", "2e-3",
                                               "--lr_schedule", "wsd", "--warmdown_frac", "0.3"]),
     "modern_muon_wsd": ("--muon_lr", MUON_LRS, ["--arch", "modern", "--optimizer", "muon", "--max_lr", "2e-3",
-                                                "--lr_schedule", "wsd", "--warmdown_frac", "0.3"]),
+                                                "--lr_schedule", "wsd", "--warmdown_frac", "0.3"]),  # embedding 2e-2
+    # The ablation: modern with its input embedding at --max_lr, as every other AdamW parameter, not 10× it.
+    "modern_embed1x_muon_wsd": ("--muon_lr", MUON_LRS, ["--arch", "modern", "--optimizer", "muon", "--max_lr", "2e-3",
+                                                        "--embed_lr", "2e-3", "--lr_schedule", "wsd",
+                                                        "--warmdown_frac", "0.3"]),
 }
 SEEDS = [1337, 42]
 SHARED_DATA = Path(os.environ.get("SHARED_DATA", "../shared/data"))

@@ -183,10 +183,43 @@ def test_muon_takes_the_block_matrices_and_adamw_the_embeddings_output_layer_and
         ["transformer.wte.weight", "lm_head.weight", "transformer.ln_f.weight"]
         + [f"transformer.h.{i}.{g}.weight" for i in range(SMALL.n_layer) for g in gains])
     optimizers = build_optimizers(model, TrainConfig(optimizer="muon"), "cpu")
-    decay, no_decay = optimizers.by_name["adamw"].param_groups
-    assert sorted(names[id(p)] for p in decay["params"]) == ["lm_head.weight", "transformer.wte.weight"]
+    decay, no_decay, embedding = optimizers.by_name["adamw"].param_groups
+    assert [names[id(p)] for p in decay["params"]] == ["lm_head.weight"]
     assert len(no_decay["params"]) == 1 + len(gains) * SMALL.n_layer
+    assert [names[id(p)] for p in embedding["params"]] == ["transformer.wte.weight"]  # at --embed_lr (next test)
+    assert embedding["weight_decay"] == decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert [id(p) for p in optimizers.by_name["muon"].param_groups[0]["params"]] == [id(p) for p in matrices]
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_the_input_embedding_learns_at_embed_lr_by_default_ten_times_max_lr_on_the_schedule(optimizer):
+    def peak_lrs(arch: str, **flags) -> dict[str, float]:
+        """{parameter name: its learning rate} at the schedule's peak (max_lr 1e-3)."""
+        model = GPT(replace(SMALL, arch=arch))
+        names = {id(p): name for name, p in model.named_parameters()}
+        optimizers = build_optimizers(model, TrainConfig(optimizer=optimizer, max_lr=1e-3, muon_lr=0.02, **flags),
+                                      "cpu")
+        optimizers.set_lr(1e-3)
+        return {names[id(p)]: group["lr"] for opt in optimizers for group in opt.param_groups for p in group["params"]}
+
+    default = peak_lrs("modern")
+    assert default["transformer.wte.weight"] == pytest.approx(1e-2)
+    assert default["lm_head.weight"] == default["transformer.ln_f.weight"] == pytest.approx(1e-3)
+    assert default["transformer.h.0.mlp.c_fc.weight"] == pytest.approx(1e-3 if optimizer == "adamw" else 0.02)
+    assert peak_lrs("modern", embed_lr=3e-3)["transformer.wte.weight"] == pytest.approx(3e-3)
+    # gpt2's wte is its output layer too: it stays with every other AdamW parameter, at --max_lr
+    assert peak_lrs("gpt2")["transformer.wte.weight"] == pytest.approx(1e-3)
+
+
+def test_a_resume_takes_this_runs_embed_lr_and_says_it_replaced_the_saved_one():
+    model = GPT(SMALL)
+    saved = build_optimizers(model, TrainConfig(optimizer="muon", max_lr=1e-3, embed_lr=5e-3), "cpu").state_dict()
+    optimizers = build_optimizers(model, TrainConfig(optimizer="muon", max_lr=1e-3, embed_lr=2e-3), "cpu")
+    optimizers.load_state_dict(saved)
+    optimizers.set_lr(1e-3)
+    assert optimizers.by_name["adamw"].param_groups[2]["lr"] == pytest.approx(2e-3)
+    assert optimizers.replaced_settings == {"--embed_lr (as a ratio to --max_lr)": (pytest.approx(5.0),
+                                                                                    pytest.approx(2.0))}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -195,6 +228,12 @@ def test_muon_takes_the_block_matrices_and_adamw_the_embeddings_output_layer_and
 def plan(*flags: str):
     return resolve_plan(parse_args(["--model", "tiny", "--val_every", "0", "--micro_batch_size", "2",
                                     "--total_batch_size", "128", *flags]), world_size=1)
+
+
+def test_embed_lr_on_gpt2_whose_embedding_is_its_output_layer_is_an_error_naming_the_flag():
+    with pytest.raises(UserError, match=r"--embed_lr 0\.01: gpt2's token embedding is also its output layer"):
+        plan("--embed_lr", "0.01")
+    assert plan("--arch", "modern", "--embed_lr", "0.01").model_config.arch == "modern"
 
 
 def test_align_bos_is_on_by_default_for_modern_only_and_the_flag_wins():
