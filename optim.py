@@ -118,7 +118,7 @@ def split_for_muon(model: torch.nn.Module) -> tuple[list[torch.nn.Parameter], li
 
 
 def adamw(params: list[torch.nn.Parameter], cfg: TrainConfig, device_type: str, fused: bool,
-          embedding: torch.nn.Parameter | None) -> torch.optim.AdamW:
+          embedding: torch.nn.Parameter | None = None) -> torch.optim.AdamW:
     """AdamW for params; embedding (an untied input embedding, one of params) in a group of its own, at --embed_lr."""
     # Decay only matrices (matmul weights, embeddings); biases and LayerNorm gains stay free.
     groups = [{"params": [p for p in params if p.dim() >= 2 and p is not embedding], "weight_decay": cfg.weight_decay},
