@@ -4,10 +4,10 @@ for the rest), and the learning-rate schedule every one of them follows (warmup 
     --optimizer adamw   GPT-2's: AdamW for every parameter, decay on matrices only.
     --optimizer muon    torch.optim.Muon for the 2-D weights inside the blocks (c_attn, attn.c_proj, c_fc,
                         mlp.c_proj); AdamW as above for the tied wte/lm_head, wpe, biases and LayerNorms (with
-                        --arch modern: the untied wte and lm_head, and the RMSNorm gains, QK-norm's too), which Muon
-                        is not for (an embedding row is a lookup, not a linear map, and 1-D tensors have no
-                        orthogonal update). On several ranks, and under fsdp, ShardedMuon: the same update, each
-                        rank orthogonalising its share of the matrices.
+                        --arch modern: the untied wte, at --embed_lr, and lm_head, and the RMSNorm gains, QK-norm's
+                        too), which Muon is not for (an embedding row is a lookup, not a linear map, and 1-D tensors
+                        have no orthogonal update). On several ranks, and under fsdp, ShardedMuon: the same update,
+                        each rank orthogonalising its share of the matrices.
 """
 
 import functools
