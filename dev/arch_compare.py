@@ -1,5 +1,6 @@
 """Three recipes on real text (enwiki), each with its LR tuned: GPT-2 + AdamW + cosine (2019's), GPT-2 + Muon + WSD
-(today's best here) and --arch modern + Muon + WSD; same data, same tokens per step, same steps.
+(today's best here) and --arch modern + Muon + WSD; same data, same tokens per step, same steps. A fourth, modern
+with its embedding at --max_lr instead of --embed_lr's default 10×, is the ablation of that part.
 
     python -m data.prepare --input ../shared/data/enwiki/enwiki.jsonl.gz \\
         --val_input ../shared/data/enwiki/enwiki_val.jsonl.gz --output_dir data/enwiki
@@ -38,7 +39,7 @@ SHAPES = {"4x256": ["--model", "small"],  # 4 layers, 4 heads, width 256
 # (embeddings, output layer, norms) stays at --max_lr 2e-3 in both Muon recipes.
 MUON_LRS = [0.0025, 0.005, 0.01, 0.02, 0.04]  # (modern's best was at the low end of 0.01-0.04, so the sweep went down)
 RECIPES = {
-    "gpt2_adamw_cosine": ("--max_lr", [1e-3, 2e-3, 4e-3], ["--arch", "gpt2", "--optimizer", "adamw"]),
+    "gpt2_adamw_cosine": ("--max_lr", [5e-4, 1e-3, 2e-3, 4e-3], ["--arch", "gpt2", "--optimizer", "adamw"]),
     "gpt2_muon_wsd": ("--muon_lr", MUON_LRS, ["--arch", "gpt2", "--optimizer", "muon", "--max_lr", "2e-3",
                                               "--lr_schedule", "wsd", "--warmdown_frac", "0.3"]),
     "modern_muon_wsd": ("--muon_lr", MUON_LRS, ["--arch", "modern", "--optimizer", "muon", "--max_lr", "2e-3",
