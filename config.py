@@ -9,6 +9,7 @@ happens there, before any process group, model or data loader exists.
 
 import argparse
 import json
+import typing
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
@@ -148,13 +149,18 @@ def add_flags(parser: argparse.ArgumentParser, names: list[str] | None = None, d
             continue
         default = (defaults or {}).get(f.name, f.default)
         flags = [f"--{f.name}", *(f"--{old}" for old, new in OLD_NAMES.items() if new == f.name)]
-        if f.type in (bool, bool | None):
+        if set_type(f.type) is bool:
             group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"])
         else:
-            kind = {"int | None": int, "float | None": float, "str | None": str,
-                    "int | str": int_or_auto}.get(str(f.type), f.type)
+            kind = int_or_auto if f.type == int | str else set_type(f.type)
             group.add_argument(*flags, type=kind, default=default, choices=f.metadata["choices"],
                                help=f.metadata["help"])
+
+
+def set_type(field_type: type) -> type:
+    """The type of a flag's value when it is given: X for a field typed X | None (None is its default's)."""
+    types = [t for t in typing.get_args(field_type) if t is not type(None)]
+    return types[0] if len(types) == 1 else field_type
 
 
 def int_or_auto(text: str) -> int | str:
@@ -194,10 +200,8 @@ def load_recipe(path: str) -> dict:
         if key not in known:
             raise UserError(f"--config {path}: unknown setting {key!r}. A recipe sets the flags of "
                             "`python train_gpt2.py --help`, without the leading dashes.")
-        expected = {"int | None": int, "str | None": str, "bool | None": bool, "float": (float, int),
-                    "float | None": (float, int),
-                    "int | str": (int, str)}.get(
-            str(known[key].type), known[key].type)
+        value_type = set_type(known[key].type)
+        expected = {float: (float, int), int | str: (int, str)}.get(value_type, value_type)
         choices = known[key].metadata["choices"]
         if not isinstance(value, expected) or isinstance(value, bool) != (expected is bool) or \
                 (choices and value not in choices):

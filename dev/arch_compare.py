@@ -168,10 +168,9 @@ def heldout() -> None:
         for recipe in RECIPES:
             if (best := best_runs(shape, recipe)) is None:
                 continue
-            lr, _ = best
-            for path in sorted((ROOT / shape).glob(f"{recipe}_lr{lr:g}_s*")):
-                snapshots = sorted(path.glob("snapshot_*.pt"))
-                if "_steps" in path.name or not snapshots:
+            lr, paths = best
+            for path in paths:
+                if not (snapshots := sorted(path.glob("snapshot_*.pt"))):
                     continue
                 scores = []
                 for data_dir in texts.values():
