@@ -88,6 +88,13 @@ class Optimizers:
         if state.keys() != self.by_name.keys():
             raise ValueError(f"the optimizer state holds {sorted(state)}, this run has {sorted(self.by_name)}")
         for name, optimizer in self.by_name.items():
+            saved, mine = len(state[name]["param_groups"]), len(optimizer.param_groups)
+            if saved != mine:  # (torch would say only that the numbers differ)
+                raise ValueError(f"the snapshot's {name} state has {saved} parameter groups, this run's {mine}: it "
+                                 "was written by a version of this code that split the parameters differently "
+                                 "(--arch modern's token embedding has had a group of its own, at --embed_lr, since "
+                                 "2026-11-26). Start from its weights with --init_from (a fresh optimizer), or resume "
+                                 "it with the code that wrote it.")
             optimizer.load_state_dict(state[name])
 
 
