@@ -17,13 +17,12 @@ from test_model import generate_without_cache
 
 import evals
 import hf
-import optim
 from config import TrainConfig, model_config, parse_args, resolve_plan
 from conftest import ROOT, make_document_shards, make_shards, perturb_, save_tiny_model
 from errors import UserError
 from helpers_train import main_in_process, read_metrics, run_train
 from model import GPT, PRESETS, GPTConfig, rotate
-from optim import Optimizers, build_optimizers, split_for_muon
+from optim import Optimizers, adamw, build_optimizers, split_for_muon
 from snapshot import load_snapshot, read_model, snapshot_path
 from tools import export_hf
 from train_gpt2 import initial_model
@@ -215,7 +214,7 @@ def test_the_input_embedding_learns_at_embed_lr_by_default_ten_times_max_lr_on_t
 def test_a_snapshot_from_before_the_embedding_had_its_own_group_is_refused_naming_init_from():
     model = GPT(SMALL)
     # What build_optimizers made before --embed_lr: the embedding in AdamW's matrix group, two groups in all
-    before = Optimizers({"adamw": optim.adamw(list(model.parameters()), TrainConfig(), "cpu", fused=False)},
+    before = Optimizers({"adamw": adamw(list(model.parameters()), TrainConfig(), "cpu", fused=False)},
                         {"adamw": 1.0}).state_dict()
     optimizers = build_optimizers(model, TrainConfig(), "cpu")
     with pytest.raises(ValueError, match=r"the snapshot's adamw state has 2 parameter groups, this run's 3: .*"
