@@ -20,17 +20,18 @@ def gpt2_encoding() -> tiktoken.Encoding:
 
 def generate_text(model: GPT, prompt: str, num_samples: int = 4, max_new_tokens: int = 32,
                   temperature: float = 1.0, top_k: int | None = 50, seed: int = 42,
-                  top_p: float | None = None) -> list[str]:
+                  top_p: float | None = None, compile: bool = False) -> list[str]:
     """num_samples continuations of prompt, each returned with the prompt in front.
 
     Runs on the device the model's weights are on. The generator is private, so sampling neither reads nor
     advances the global RNG: calling this in the middle of training leaves the training run unchanged.
-    An empty prompt samples from <|endoftext|>, i.e. the start of a new document.
+    An empty prompt samples from <|endoftext|>, i.e. the start of a new document. compile: see GPT.generate.
     """
     enc = gpt2_encoding()
     prompt_tokens = enc.encode(prompt, allowed_special={"<|endoftext|>"}) or [enc.eot_token]
     device = next(model.parameters()).device
     idx = torch.tensor(prompt_tokens, dtype=torch.long, device=device).repeat(num_samples, 1)  # (B, T)
     generator = torch.Generator(device=device).manual_seed(seed)
-    out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+    out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator,
+                         compile=compile)
     return [prompt + enc.decode(row[len(prompt_tokens):].tolist()) for row in out]

@@ -250,6 +250,24 @@ def test_generate_keeps_no_cache_after_it_returns(tiny_model):
     assert not [obj for obj in gc.get_objects() if type(obj) is KVCache]
 
 
+@pytest.mark.slow  # torch.compile: about 10 s
+def test_a_compiled_decode_step_samples_the_same_tokens_compiles_once_and_keeps_no_cache(tiny_model):
+    from torch._dynamo.utils import counters
+    idx = random_tokens(TINY, B=2, T=5)  # 5 + 14 tokens: past block_size 16, so the refills run too
+
+    def sample(compile: bool) -> torch.Tensor:
+        return tiny_model.generate(idx, 14, top_k=5, generator=torch.Generator().manual_seed(0), compile=compile)
+
+    expected = sample(compile=False)
+    torch._dynamo.reset()
+    assert torch.equal(sample(compile=True), expected)
+    graphs = counters["stats"]["unique_graphs"]
+    assert torch.equal(sample(compile=True), expected)  # new caches, the same shapes: no second compilation
+    assert counters["stats"]["unique_graphs"] == graphs == 1
+    gc.collect()
+    assert not [obj for obj in gc.get_objects() if type(obj) is KVCache]  # compiled code holds no generation's caches
+
+
 def test_top_p_tiny_is_greedy_and_top_p_one_is_no_limit(tiny_model):
     idx = random_tokens(TINY, B=4, T=5)
     greedy = tiny_model.generate(idx, 12, temperature=0)

@@ -441,7 +441,7 @@ def bench_stage(report: Report, scale: Scale, args: argparse.Namespace) -> None:
                  scale)
     report.check("bench", f"{scale.model}: the loss's share of the step", bench_loss_share, comparison, scale)
     config = bench.PRESETS[scale.model]
-    generation = bench.time_generation(config, dist_env.device, min(256, config.block_size - 16))
+    generation = bench.time_generation(config, dist_env.device, min(256, config.block_size - 16), compile=scale.compile)
     report.details["generation"] = generation
     report.check("bench", f"{scale.model}: generation with the key/value cache", bench_generation, generation, scale)
     for model in scale.bench_larger:
@@ -564,11 +564,10 @@ def bench_loss_share(comparison: dict, scale: Scale) -> Result:
 
 def bench_generation(generation: dict, scale: Scale) -> Result:
     speed = generation["tokens_per_sec"]
-    return (f"{speed['with_cache']:,.0f} tokens/s with the cache ({generation['decode_tokens_per_sec']:,.0f} past the "
-            f"second token), {speed['without_cache']:,.0f} without ({generation['speedup']:.1f}×); same tokens: "
-            f"{generation['same_tokens']}",
-            f"≥ {scale.generation_floor:,.0f} tokens/s and ≥ without the cache",
-            speed["with_cache"] >= max(scale.generation_floor, speed["without_cache"]))
+    return (bench.format_generation(generation),
+            f"the faster cached run ≥ {scale.generation_floor:,.0f} tokens/s, each ≥ without the cache",
+            speed[generation["best_cached"]] >= scale.generation_floor
+            and min(speed[name] for name in generation["decode_tokens_per_sec"]) >= speed["without_cache"])
 
 
 # Compiled against eager, with room for noise only. Speed: each figure is the median of bench_steps steps, and two

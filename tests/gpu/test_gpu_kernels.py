@@ -241,11 +241,14 @@ def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "modern"])
-@pytest.mark.parametrize("dtype_name", ["fp32", "bf16"])
-def test_greedy_generation_with_the_kv_cache_is_the_argmax_of_full_forwards_token_for_token(gpu_device, dtype_name,
-                                                                                           arch):
+@pytest.mark.parametrize("dtype_name,compile", [("fp32", False), ("bf16", False), ("fp32", True)],
+                         ids=["fp32", "bf16", "fp32-compiled_step"])
+def test_greedy_generation_with_the_kv_cache_is_the_argmax_of_full_forwards_token_for_token(gpu_device, gpu_compile,
+                                                                                           dtype_name, compile, arch):
     # Past block_size the context window slides and the cache is refilled at every step: both paths are covered.
     # GPU: GPT-2's vocabulary and a 64-token window; CPU: a tiny model.
+    if compile and not gpu_compile:
+        pytest.skip("the compiled decode step: on CUDA, or on the CPU with GPU_TESTS_COMPILE=1")
     if gpu_device.type == "cuda":
         config, prompt_len, new_tokens = GPTConfig(block_size=64, n_layer=4, n_head=4, n_embd=256, arch=arch), 8, 80
     else:
@@ -256,7 +259,7 @@ def test_greedy_generation_with_the_kv_cache_is_the_argmax_of_full_forwards_toke
     prompt = torch.randint(0, config.vocab_size, (4, prompt_len), generator=torch.Generator().manual_seed(0))
     dtype, block = DTYPES[dtype_name], config.block_size
     with torch.no_grad(), autocast(gpu_device, dtype):
-        cached = model.generate(prompt.to(gpu_device), new_tokens, temperature=0)  # greedy, through the cache
+        cached = model.generate(prompt.to(gpu_device), new_tokens, temperature=0, compile=compile)  # greedy, cached
         # The reference, at each step: plain forward of the whole context the cache path had (its last block_size
         # tokens), and its last position's logits.
         full = torch.stack([model(cached[:, max(0, t - block):t])[0][:, -1].float()
@@ -266,9 +269,9 @@ def test_greedy_generation_with_the_kv_cache_is_the_argmax_of_full_forwards_toke
     best = full.max(dim=-1).values
     behind = best - full.gather(-1, chose.unsqueeze(-1)).squeeze(-1)  # 0 where the cache took the argmax
     differ = (full.argmax(dim=-1) != chose) & (behind > 0)  # (an exact tie counts as taken)
-    print(f"{dtype_name}: {differ.sum().item()} of {chose.numel()} tokens not the full forward's argmax, the "
-          f"furthest {behind.max().item():.4f} behind it (bf16 spacing at the top logit: "
-          f"{bf16_ulp(best).max().item():.4f})")
+    print(f"{dtype_name}{', compiled step' if compile else ''}: {differ.sum().item()} of {chose.numel()} tokens not "
+          f"the full forward's argmax, the furthest {behind.max().item():.4f} behind it (bf16 spacing at the top "
+          f"logit: {bf16_ulp(best).max().item():.4f})")
     if dtype_name == "fp32":
         # Every token the argmax of the full forward over the cache's own context: by induction, greedy generation
         # with full forwards gives the same tokens.
