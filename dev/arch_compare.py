@@ -48,6 +48,10 @@ RECIPES = {
     "modern_embed1x_muon_wsd": ("--muon_lr", MUON_LRS, ["--arch", "modern", "--optimizer", "muon", "--max_lr", "2e-3",
                                                         "--embed_lr", "2e-3", "--lr_schedule", "wsd",
                                                         "--warmdown_frac", "0.3"]),
+    # The tuning of Muon's AdamW part for modern (the output layer and norms at --max_lr, the input embedding at
+    # 10× it), at modern's best Muon LR; 2e-3 is modern_muon_wsd's run at that LR.
+    "modern_adamlr_muon_wsd": ("--max_lr", [4e-3, 8e-3], ["--arch", "modern", "--optimizer", "muon", "--muon_lr",
+                                                          "0.005", "--lr_schedule", "wsd", "--warmdown_frac", "0.3"]),
 }
 SEEDS = [1337, 42]
 SHARED_DATA = Path(os.environ.get("SHARED_DATA", "../shared/data"))
