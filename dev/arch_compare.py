@@ -1,6 +1,7 @@
 """Three recipes on real text (enwiki), each with its LR tuned: GPT-2 + AdamW + cosine (2019's), GPT-2 + Muon + WSD
 (today's best here) and --arch modern + Muon + WSD; same data, same tokens per step, same steps. A fourth, modern
-with its embedding at --max_lr instead of --embed_lr's default 10×, is the ablation of that part.
+with its embedding at --max_lr instead of --embed_lr's default 10×, is the ablation of that part; a fifth sweeps
+Muon's AdamW part (--max_lr) for modern at its best --muon_lr.
 
     python -m data.prepare --input ../shared/data/enwiki/enwiki.jsonl.gz \\
         --val_input ../shared/data/enwiki/enwiki_val.jsonl.gz --output_dir data/enwiki
