@@ -40,7 +40,7 @@ SHAPES = {"4x256": ["--model", "small"],  # 4 layers, 4 heads, width 256
 # (embeddings, output layer, norms) stays at --max_lr 2e-3 in both Muon recipes.
 MUON_LRS = [0.0025, 0.005, 0.01, 0.02, 0.04]  # (modern's best was at the low end of 0.01-0.04, so the sweep went down)
 RECIPES = {
-    "gpt2_adamw_cosine": ("--max_lr", [5e-4, 1e-3, 2e-3, 4e-3], ["--arch", "gpt2", "--optimizer", "adamw"]),
+    "gpt2_adamw_cosine": ("--max_lr", [2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3], ["--arch", "gpt2", "--optimizer", "adamw"]),
     "gpt2_muon_wsd": ("--muon_lr", MUON_LRS, ["--arch", "gpt2", "--optimizer", "muon", "--max_lr", "2e-3",
                                               "--lr_schedule", "wsd", "--warmdown_frac", "0.3"]),
     "modern_muon_wsd": ("--muon_lr", MUON_LRS, ["--arch", "modern", "--optimizer", "muon", "--max_lr", "2e-3",
