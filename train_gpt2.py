@@ -24,7 +24,7 @@ import evals
 import hf
 from config import HF_MODELS, Plan, TrainConfig, parse_args, resolve_plan
 from dataloader import DistributedDataLoader
-from distributed import Distributed, hangs_reported, setup_distributed, synchronize
+from distributed import Distributed, hangs_reported, setup_distributed, synchronize, teardown_distributed
 from divergence import DivergenceGuard, DivergenceResponse, StopRequest
 from errors import UserError, run_entry_point
 from memory import choose_micro_batch, keep_freed_memory
@@ -61,8 +61,7 @@ def main(argv: list[str] | None = None) -> None:
                 # Leave together: a rank that tears gloo down while rank 0 still writes the last snapshot can abort.
                 dist.barrier()
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        teardown_distributed()
 
 
 def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None) -> None:

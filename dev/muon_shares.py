@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 import optim
 from config import TrainConfig
-from distributed import setup_distributed, synchronize
+from distributed import setup_distributed, synchronize, teardown_distributed
 from model import GPT, PRESETS, GPTConfig
 from parallel import shard
 
@@ -94,7 +94,7 @@ def main() -> None:
               f"{dist_env.device} ({torch.get_num_threads()} thread(s) each), median of {args.steps} steps")
         for name, ms, per_rank in rows:
             print(f"{name:48s} {ms:10,.1f} ms   Newton–Schulz calls per rank: {per_rank}")
-    dist.destroy_process_group()
+    teardown_distributed()
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 
 import train_gpt2
 from conftest import ROOT
+from distributed import teardown_distributed
 
 TRAIN_SCRIPT = ROOT / "train_gpt2.py"
 
@@ -221,9 +222,10 @@ def _rank_main(rank: int, world_size: int, directory: str, worker, args: tuple) 
                             timeout=timedelta(minutes=2))
     try:
         (Path(directory) / f"rank{rank}.json").write_text(json.dumps(worker(rank, *args)))
-        dist.barrier()  # leave together: a rank tearing gloo down while its peer still talks can abort the peer
+        if dist.is_initialized():  # (unless the worker tore the group down itself)
+            dist.barrier()  # leave together: a rank tearing gloo down while its peer still talks can abort the peer
     finally:
-        dist.destroy_process_group()
+        teardown_distributed()
 
 
 def on_ranks(worker, directory: Path, *args, world_size: int = 2) -> list:

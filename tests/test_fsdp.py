@@ -19,12 +19,14 @@ import parallel
 from config import TrainConfig
 from conftest import make_shards
 from dataloader import DistributedDataLoader
-from distributed import Distributed
+from distributed import Distributed, teardown_distributed
 from errors import UserError
 from helpers_train import (
+    RandomBatches,
     TrainRun,
     launched,
     main_in_process,
+    on_ranks,
     read_metrics,
     records_so_far,
     run_train,
@@ -38,6 +40,7 @@ from training import train_step
 
 pytestmark = pytest.mark.slow  # torchrun and spawned process groups
 
+TASKS = Path("/proc/self/task")  # one directory per thread of this process, on Linux
 LAST_STEP = 7
 JOB = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "128", "--max_steps", str(LAST_STEP + 1),
        "--warmup_steps", "2", "--max_lr", "3e-3", "--dtype", "fp32", "--val_every", "2", "--val_steps", "2",
@@ -184,7 +187,7 @@ def fsdp_worker(rank: int, store: str, out_dir: str, sync_gate: bool) -> None:
                   "optimizer": local_bytes(moments) / (2 * full)}
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
     finally:
-        dist.destroy_process_group()
+        teardown_distributed()
 
 
 def spawn_fsdp(tmp_path, sync_gate: bool) -> list[dict]:
@@ -201,6 +204,26 @@ def test_reduce_scatters_happen_only_after_the_last_micro_step_and_each_rank_hol
             assert 0.45 < rank[kind] < 0.55, (kind, rank[kind])  # half, give or take the shards' padding
     control = spawn_fsdp(tmp_path / "control", sync_gate=False)
     assert control[0]["reduces_before_micro_step"] == [0, groups, 2 * groups]  # the test above can fail
+
+
+def threads_after_teardown(rank: int) -> list[str]:
+    """This process's threads by name, once an FSDP step is done and, as at the end of train_gpt2.main, the model is
+    gone and teardown_distributed has run."""
+    trainee = build_training_model(GPT(CONFIG), Distributed(rank, rank, 2, torch.device("cpu")), torch.float32,
+                                   TrainConfig(), compile=False, parallel="fsdp")
+    train_step(trainee.model, trainee.optimizer, trainee.scaler, RandomBatches(rank, CONFIG.vocab_size), 2, 1e-3, 1.0,
+               torch.device("cpu"), torch.float32)
+    del trainee
+    teardown_distributed()
+    return [(TASKS / task / "comm").read_text().strip() for task in os.listdir(TASKS)]
+
+
+@pytest.mark.skipif(not TASKS.is_dir(), reason="reads thread names from Linux's /proc")
+def test_teardown_after_fsdp_ends_the_gloo_threads_so_none_is_left_to_abort_the_exit(tmp_path):
+    # destroy_process_group alone left 'pt_gloo_runloop' ×2 and 'gloo_tcp_loop' running (DTensor's caches hold the
+    # group), and 1 finished 2-rank FSDP run in ~100 aborted at exit on them.
+    for rank, names in enumerate(on_ranks(threads_after_teardown, tmp_path)):
+        assert names and not [name for name in names if "gloo" in name], (rank, names)
 
 
 def test_fsdp_refuses_fp16_with_a_clear_error():

@@ -18,7 +18,7 @@ import precision
 import snapshot
 import train_gpt2
 from config import TrainConfig, parse_args
-from distributed import Distributed
+from distributed import Distributed, teardown_distributed
 from errors import UserError
 from model import GPT, PRESETS
 
@@ -298,7 +298,7 @@ def oom_on_rank_1_worker(rank: int, store: str, out_dir: str) -> None:
         dist.barrier()  # both ranks are still there: neither hung in the all-reduce
         (Path(out_dir) / f"rank{rank}.txt").write_text(outcome)
     finally:
-        dist.destroy_process_group()
+        teardown_distributed()
 
 
 @pytest.mark.slow  # two spawned processes
@@ -328,7 +328,7 @@ def fsdp_group_of_one():
     """The process group a 1-process `--parallel fsdp` run makes (distributed.setup_distributed)."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield Distributed(0, 0, 1, CPU)
-    dist.destroy_process_group()
+    teardown_distributed()
 
 
 def test_fsdp_full_model_is_the_gathered_weights_without_a_random_init(fsdp_group_of_one, monkeypatch):

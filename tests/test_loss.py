@@ -12,6 +12,7 @@ from torch.utils._pytree import tree_leaves
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import hf
+from distributed import teardown_distributed
 from model import GPT, GPTConfig, loss_chunk_tokens
 
 # vocab 97 is padded to 128 rows, so the padding rows' gradient is checked too.
@@ -272,7 +273,7 @@ def test_gradients_match_when_wrapped_in_ddp(tmp_path):
             loss.backward()
             ddp = gradients(model.module)
     finally:
-        dist.destroy_process_group()
+        teardown_distributed()
     plain = tiny_model()
     plain_loss(plain, idx, targets).backward()
     assert_close_relative(ddp, gradients(plain), rel=1e-5)

@@ -22,7 +22,7 @@ import optim
 import train_gpt2
 from config import TrainConfig
 from conftest import ROOT, make_shards
-from distributed import Distributed
+from distributed import Distributed, teardown_distributed
 from errors import UserError
 from helpers_train import (
     RandomBatches,
@@ -215,7 +215,7 @@ def test_muon_owners_give_each_matrix_one_rank_and_every_rank_a_fair_share_of_th
 def process_group_of_one():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
-    dist.destroy_process_group()
+    teardown_distributed()
 
 
 @pytest.mark.parametrize("adjust_lr", ["original", "match_rms_adamw"])

@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from config import TrainConfig, grad_accum_steps_for, model_config, parse_args, resolve_plan
 from conftest import make_shards
-from distributed import Distributed, average_across_ranks
+from distributed import Distributed, average_across_ranks, teardown_distributed
 from errors import UserError
 from helpers_train import run_train, write_text_shards
 from model import GPT, GPTConfig
@@ -135,7 +135,7 @@ def two_rank_worker(rank: int, store: str, out_dir: str) -> None:
                    "always_sync": accumulate_on_two_ranks(rank, AlwaysSyncDDP)}
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
-        dist.destroy_process_group()
+        teardown_distributed()
 
 
 @pytest.fixture(scope="module")

@@ -74,12 +74,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from config import HelpFormatter, Plan, TrainConfig, add_flags, resolve_plan
 from dataloader import DistributedDataLoader, write_shard
-from distributed import Distributed, setup_distributed, synchronize
+from distributed import Distributed, setup_distributed, synchronize, teardown_distributed
 from errors import run_entry_point
 from memory import (
     GiB,
@@ -539,8 +538,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         report = memory_plan(args.memory_gb, dist_env.device) if args.plan else benchmark(args, dist_env)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        teardown_distributed()
     if dist_env.is_master:
         print(json.dumps(report) if args.json else format_plan(report) if args.plan else format_report(report, args))
 

@@ -21,13 +21,12 @@ import sys
 from dataclasses import fields
 
 import torch
-import torch.distributed as dist
 
 import evals
 import hf
 from config import HelpFormatter, TrainConfig, add_flags, validation_steps
 from dataloader import DistributedDataLoader
-from distributed import Distributed, setup_distributed
+from distributed import Distributed, setup_distributed, teardown_distributed
 from errors import UserError, run_entry_point
 from model import GPT
 from precision import pick_dtype
@@ -67,8 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         results = evaluate(model, args, dist_env)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        teardown_distributed()
     if dist_env.is_master:
         results = {"model": args.snapshot or args.model, "step": step} | results
         if args.json:

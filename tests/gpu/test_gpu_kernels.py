@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from config import TrainConfig
 from conftest import make_shards, perturb_
 from dataloader import DistributedDataLoader, write_shard
-from distributed import Distributed
+from distributed import Distributed, teardown_distributed
 from model import GPT, PRESETS, GPTConfig
 from parallel import build_training_model
 from precision import DTYPES, autocast
@@ -184,7 +184,7 @@ def test_a_ddp_step_over_nccl_equals_the_plain_step(gpu_device, tmp_path):
         assert dist.get_backend() == ("nccl" if cuda else "gloo")
         ddp, _ = train_in_process(gpu_device, tmp_path, False, 4, config, B, T)
     finally:
-        dist.destroy_process_group()
+        teardown_distributed()
     worst = max(abs(a - b) / b for a, b in zip(ddp, plain))
     print(f"DDP over {'NCCL' if cuda else 'gloo'}: loss {ddp[0]:.4f} -> {ddp[-1]:.4f}, max relative difference to "
           f"the plain steps {worst:.2e}")
