@@ -1,7 +1,8 @@
 """Three recipes on real text (enwiki), each with its LR tuned: GPT-2 + AdamW + cosine (2019's), GPT-2 + Muon + WSD
 (today's best here) and --arch modern + Muon + WSD; same data, same tokens per step, same steps. A fourth, modern
 with its embedding at --max_lr instead of --embed_lr's default 10×, is the ablation of that part; a fifth sweeps
-Muon's AdamW part (--max_lr) for modern at its best --muon_lr.
+Muon's AdamW part (--max_lr) for modern at its best --muon_lr; the `modern_without_*` recipes take one of modern's
+parts out at a time (dev/modern_ablations.py).
 
     python -m data.prepare --input ../shared/data/enwiki/enwiki.jsonl.gz \\
         --val_input ../shared/data/enwiki/enwiki_val.jsonl.gz --output_dir data/enwiki
@@ -54,6 +55,11 @@ RECIPES = {
     "modern_adamlr_muon_wsd": ("--max_lr", [4e-3, 8e-3], ["--arch", "modern", "--optimizer", "muon", "--muon_lr",
                                                           "0.005", "--lr_schedule", "wsd", "--warmdown_frac", "0.3"]),
 }
+# The ablations: modern + Muon + WSD at its best LR with one part as GPT-2 had it (dev/modern_ablations.py).
+ABLATED_PARTS = ["rmsnorm", "qk_norm", "swiglu", "no_bias", "rotary"]
+RECIPES |= {f"modern_without_{part}_muon_wsd": ("--muon_lr", [0.005],
+                                                [*RECIPES["modern_muon_wsd"][2], "--without", part])
+            for part in ABLATED_PARTS}
 SEEDS = [1337, 42]
 SHARED_DATA = Path(os.environ.get("SHARED_DATA", "../shared/data"))
 HELDOUT = {"fineweb": "fineweb_sample/fineweb_20docs.jsonl", "lambada": "evals/lambada_openai.jsonl"}
@@ -86,10 +92,23 @@ def run(shapes: list[str], recipes: list[str], seeds: list[int], lrs: list[float
                     out.mkdir(parents=True, exist_ok=True)
                     print(f"{out} ...", flush=True)
                     with open(out / "stdout.txt", "w") as f:
-                        subprocess.run([sys.executable, "train_gpt2.py", *COMMON, "--max_steps", str(steps),
-                                        *SHAPES[shape], *flags, flag, str(lr), "--seed", str(seed), "--log_dir",
-                                        str(out)],
+                        subprocess.run([sys.executable, *entry_point([*COMMON, "--max_steps", str(steps),
+                                                                      *SHAPES[shape], *flags, flag, str(lr), "--seed",
+                                                                      str(seed), "--log_dir", str(out)])],
                                        stdout=f, stderr=subprocess.STDOUT, check=True)
+
+
+def is_ablation(recipe: str) -> bool:
+    return "--without" in RECIPES[recipe][2]
+
+
+def entry_point(flags: list[str]) -> list[str]:
+    """train_gpt2.py with these flags; an ablation's `--without PART` goes first to dev/modern_ablations.py, which
+    patches the model and then runs train_gpt2 with the rest."""
+    if "--without" not in flags:
+        return ["train_gpt2.py", *flags]
+    i = flags.index("--without")
+    return ["-m", "dev.modern_ablations", *flags[i:i + 2], *flags[:i], *flags[i + 2:]]
 
 
 def mean_curve(paths: list[Path], key: str) -> dict[int, float]:
@@ -140,6 +159,8 @@ def report(out: str = "docs/arch_compare.png") -> None:
                                    for reach in reached)
             rows.append(f"| {shape} | {recipe} | {lr:g} | {len(paths)} | {loss[STEPS - 1]:.4f} | "
                         f"{bpb.get(STEPS - 1, float('nan')):.4f} | {fractions} |")
+            if is_ablation(recipe):  # (in the table only: the plot keeps to the recipes)
+                continue
             steps = sorted(bpb)
             ax.plot(steps, [bpb[s] for s in steps], marker=".", color=f"C{i}", label=f"{recipe}, lr {lr:g}")
         ax.set(title=f"{shape}: enwiki val bpb, best LR of each recipe", xlabel="step (× 8,192 tokens)",
@@ -171,7 +192,8 @@ def heldout() -> None:
             "|---|---|---|---|---|" + "---|---|" * len(texts)]
     for shape in SHAPES:
         for recipe in RECIPES:
-            if (best := best_runs(shape, recipe)) is None:
+            # (an ablation's model is neither architecture, so tools.evaluate cannot read its snapshot)
+            if is_ablation(recipe) or (best := best_runs(shape, recipe)) is None:
                 continue
             lr, paths = best
             for path in paths:
