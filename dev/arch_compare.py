@@ -1,8 +1,8 @@
 """Three recipes on real text (enwiki), each with its LR tuned: GPT-2 + AdamW + cosine (2019's), GPT-2 + Muon + WSD
 (today's best here) and --arch modern + Muon + WSD; same data, same tokens per step, same steps. A fourth, modern
 with its embedding at --max_lr instead of --embed_lr's default 10×, is the ablation of that part; a fifth sweeps
-Muon's AdamW part (--max_lr) for modern at its best --muon_lr; the `modern_without_*` recipes take one of modern's
-parts out at a time (dev/modern_ablations.py).
+Muon's AdamW part (--max_lr) for modern at its best --muon_lr; the `modern_{part}_muon_wsd` recipes put one of
+GPT-2's parts back in modern at a time (dev/modern_ablations.py).
 
     python -m data.prepare --input ../shared/data/enwiki/enwiki.jsonl.gz \\
         --val_input ../shared/data/enwiki/enwiki_val.jsonl.gz --output_dir data/enwiki
@@ -55,11 +55,10 @@ RECIPES = {
     "modern_adamlr_muon_wsd": ("--max_lr", [4e-3, 8e-3], ["--arch", "modern", "--optimizer", "muon", "--muon_lr",
                                                           "0.005", "--lr_schedule", "wsd", "--warmdown_frac", "0.3"]),
 }
-# The ablations: modern + Muon + WSD at its best LR with one part as GPT-2 had it (dev/modern_ablations.py).
-ABLATED_PARTS = ["rmsnorm", "qk_norm", "swiglu", "no_bias", "rotary"]
-RECIPES |= {f"modern_without_{part}_muon_wsd": ("--muon_lr", [0.005],
-                                                [*RECIPES["modern_muon_wsd"][2], "--without", part])
-            for part in ABLATED_PARTS}
+# The ablations: modern + Muon + WSD at its best LR with one part as GPT-2 has it (dev/modern_ablations.py).
+GPT2_PARTS = ["layernorm", "no_qk_norm", "gelu_mlp", "biases", "attention_biases", "learned_positions"]
+RECIPES |= {f"modern_{part}_muon_wsd": ("--muon_lr", [0.005], [*RECIPES["modern_muon_wsd"][2], "--gpt2_part", part])
+            for part in GPT2_PARTS}
 SEEDS = [1337, 42]
 SHARED_DATA = Path(os.environ.get("SHARED_DATA", "../shared/data"))
 HELDOUT = {"fineweb": "fineweb_sample/fineweb_20docs.jsonl", "lambada": "evals/lambada_openai.jsonl"}
@@ -99,15 +98,15 @@ def run(shapes: list[str], recipes: list[str], seeds: list[int], lrs: list[float
 
 
 def is_ablation(recipe: str) -> bool:
-    return "--without" in RECIPES[recipe][2]
+    return "--gpt2_part" in RECIPES[recipe][2]
 
 
 def entry_point(flags: list[str]) -> list[str]:
-    """train_gpt2.py with these flags; an ablation's `--without PART` goes first to dev/modern_ablations.py, which
+    """train_gpt2.py with these flags; an ablation's `--gpt2_part PART` goes first to dev/modern_ablations.py, which
     patches the model and then runs train_gpt2 with the rest."""
-    if "--without" not in flags:
+    if "--gpt2_part" not in flags:
         return ["train_gpt2.py", *flags]
-    i = flags.index("--without")
+    i = flags.index("--gpt2_part")
     return ["-m", "dev.modern_ablations", *flags[i:i + 2], *flags[:i], *flags[i + 2:]]
 
 

@@ -1,17 +1,18 @@
-"""--arch modern with one of its parts put back as GPT-2 had it: the ablations of dev/arch_compare.py's recipes
-`modern_without_*` (README, "Architectures"). Each part is a patch of model.py in this process only; then
+"""--arch modern with one of its parts put back as GPT-2 has it: the ablations of dev/arch_compare.py's recipes
+`modern_{part}_muon_wsd` (README, "Architectures"). Each part is a patch of model.py in this process only; then
 train_gpt2.py runs with the other flags.
 
-    python -m dev.modern_ablations --without qk_norm --arch modern --optimizer muon ...   # any train_gpt2.py flags
+    python -m dev.modern_ablations --gpt2_part biases --arch modern --optimizer muon ...   # any train_gpt2.py flags
 
-    rmsnorm   LayerNorm (gain and bias) wherever modern has RMSNorm: in the blocks, at the end, and as QK-norm
-    qk_norm   no norm on each head's queries and keys
-    swiglu    GPT-2's MLP, GELU at 4× the width (no biases, the output projection zero at init, as modern's are)
-    no_bias   a bias on every linear layer of the blocks (zero at init), as GPT-2 has
-    rotary    GPT-2's learned position embedding added to the token embedding, and no rotation
+    layernorm          LayerNorm (gain and bias) wherever modern has RMSNorm: in the blocks, at the end, as QK-norm
+    no_qk_norm         no norm on each head's queries and keys
+    gelu_mlp           GPT-2's MLP, GELU at 4× the width (no biases, the output projection zero at init, as modern's)
+    biases             a bias on every linear layer of the blocks (zero at init)
+    attention_biases   a bias on attention's linear layers only (what Qwen3's attention_bias=True has)
+    learned_positions  GPT-2's learned position embedding added to the token embedding, and no rotation
 
-The patched model is modern's in everything else, so a snapshot of it does not load as either architecture: these
-runs are scored on their val loss only."""
+The patched model is modern's in everything else, so a snapshot of it loads as neither architecture: these runs are
+scored on their val loss only."""
 
 import sys
 
@@ -61,8 +62,8 @@ def after_init(extend) -> None:
     model.GPT.__init__ = init
 
 
-def add_biases(gpt: model.GPT) -> None:
-    for module in gpt.transformer.h.modules():
+def add_biases(modules: nn.Module) -> None:
+    for module in modules.modules():
         if isinstance(module, nn.Linear) and module.bias is None:
             module.bias = nn.Parameter(torch.zeros(module.out_features, device=module.weight.device))
 
@@ -75,14 +76,15 @@ def learned_positions(gpt: model.GPT) -> None:
         lambda module, args, out: out + wpe(torch.arange(out.size(1), device=out.device)))
 
 
-PATCHES = {"rmsnorm": layer_norm_everywhere, "qk_norm": no_qk_norm, "swiglu": gelu_mlp,
-           "no_bias": lambda: after_init(add_biases),
-           "rotary": lambda: (setattr(model, "rotate", lambda x, positions: x), after_init(learned_positions))}
-
+PATCHES = {"layernorm": layer_norm_everywhere, "no_qk_norm": no_qk_norm, "gelu_mlp": gelu_mlp,
+           "biases": lambda: after_init(lambda gpt: add_biases(gpt.transformer.h)),
+           "attention_biases": lambda: after_init(lambda gpt: [add_biases(block.attn) for block in gpt.transformer.h]),
+           "learned_positions": lambda: (setattr(model, "rotate", lambda x, positions: x),
+                                         after_init(learned_positions))}
 
 def main(argv: list[str]) -> None:
-    if len(argv) < 2 or argv[0] != "--without" or argv[1] not in PATCHES:
-        sys.exit(f"usage: python -m dev.modern_ablations --without {{{','.join(PATCHES)}}} <train_gpt2.py flags>")
+    if len(argv) < 2 or argv[0] != "--gpt2_part" or argv[1] not in PATCHES:
+        sys.exit(f"usage: python -m dev.modern_ablations --gpt2_part {{{','.join(PATCHES)}}} <train_gpt2.py flags>")
     PATCHES[argv[1]]()
     train_gpt2.main(argv[2:])
 
