@@ -55,9 +55,11 @@ RECIPES = {
     "modern_adamlr_muon_wsd": ("--max_lr", [4e-3, 8e-3], ["--arch", "modern", "--optimizer", "muon", "--muon_lr",
                                                           "0.005", "--lr_schedule", "wsd", "--warmdown_frac", "0.3"]),
 }
-# The ablations: modern + Muon + WSD at its best LR with one part as GPT-2 has it (dev/modern_ablations.py).
+# The ablations: modern + Muon + WSD at its best LR with one part as GPT-2 has it (dev/modern_ablations.py); the one
+# that ended lower, attention's biases, also at the LRs either side.
 GPT2_PARTS = ["layernorm", "no_qk_norm", "gelu_mlp", "biases", "attention_biases", "learned_positions"]
-RECIPES |= {f"modern_{part}_muon_wsd": ("--muon_lr", [0.005], [*RECIPES["modern_muon_wsd"][2], "--gpt2_part", part])
+RECIPES |= {f"modern_{part}_muon_wsd": ("--muon_lr", [0.0025, 0.005, 0.01] if part == "attention_biases" else [0.005],
+                                        [*RECIPES["modern_muon_wsd"][2], "--gpt2_part", part])
             for part in GPT2_PARTS}
 SEEDS = [1337, 42]
 SHARED_DATA = Path(os.environ.get("SHARED_DATA", "../shared/data"))
