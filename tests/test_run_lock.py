@@ -91,6 +91,9 @@ def paused_first_run(data: Path, logs: Path) -> Iterator[subprocess.Popen]:
             assert first.poll() is None and time.monotonic() < deadline, "the first run ended or never stepped"
             time.sleep(0.1)
         os.kill(first.pid, signal.SIGSTOP)
+        # The signal is not the stop: until waitpid reports it, the run can still be writing (a snapshot's temp
+        # file was seen growing after the kill, and the files compared against differed).
+        os.waitpid(first.pid, os.WUNTRACED)
         yield first
     finally:
         first.kill()  # a stopped process dies of SIGKILL too
