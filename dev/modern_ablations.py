@@ -82,6 +82,7 @@ PATCHES = {"layernorm": layer_norm_everywhere, "no_qk_norm": no_qk_norm, "gelu_m
            "learned_positions": lambda: (setattr(model, "rotate", lambda x, positions: x),
                                          after_init(learned_positions))}
 
+
 def main(argv: list[str]) -> None:
     if len(argv) < 2 or argv[0] != "--gpt2_part" or argv[1] not in PATCHES:
         sys.exit(f"usage: python -m dev.modern_ablations --gpt2_part {{{','.join(PATCHES)}}} <train_gpt2.py flags>")
