@@ -38,8 +38,11 @@ class TrainConfig:
                                        "modern, off for gpt2")
     # model
     arch: str | None = arg(None, "gpt2 (OpenAI's, exactly) | modern: rotary positions, RMSNorm, QK-norm, SwiGLU, "
-                                 "untied embeddings, no biases (model.py; exports as Qwen3). Default: gpt2, or the "
-                                 "--init_from weights'", choices=ARCHITECTURES)
+                                 "untied embeddings, biases on attention only (model.py; exports as Qwen3). Default: "
+                                 "gpt2, or the --init_from weights'", choices=ARCHITECTURES)
+    attention_bias: bool | None = arg(None, "--arch modern: biases on attention's q, k, v and output projections. "
+                                            "Default: on (--no-attention_bias is modern as it was before 2026-11-27, "
+                                            "and resumes its snapshots)")
     model: str | None = arg(None, f"size preset: {', '.join(PRESETS)} (default: gpt2; with --init_from: the "
                                   "shape of those weights)")
     init_from: str = arg("scratch", f"start from: scratch (random weights) | {' | '.join(HF_MODELS)} (OpenAI's, from "
@@ -252,6 +255,9 @@ def resolve_plan(cfg: TrainConfig, world_size: int) -> Plan:
     if cfg.embed_lr is not None and config.arch == "gpt2":
         raise UserError(f"--embed_lr {cfg.embed_lr}: gpt2's token embedding is also its output layer (tied), so it "
                         "learns at --max_lr. Leave --embed_lr out, or train --arch modern, whose embedding is its own.")
+    if cfg.attention_bias is not None and config.arch == "gpt2":
+        raise UserError(f"--{'' if cfg.attention_bias else 'no-'}attention_bias: gpt2 has biases on every layer, "
+                        "attention's included, as OpenAI's. Leave the flag out, or train --arch modern.")
     align_bos = cfg.align_bos if cfg.align_bos is not None else config.arch == "modern"
     return Plan(config, align_bos, seq_len, grad_accum_steps, val_steps, cfg.snapshot_dir or cfg.log_dir)
 
@@ -262,12 +268,15 @@ def model_config(cfg: TrainConfig) -> GPTConfig:
         raise UserError(f"--model {cfg.model!r} is not a known preset; choose one of {', '.join(PRESETS)}.")
     overrides = {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd", "block_size") if getattr(cfg, k)}
     if cfg.init_from == "scratch":
-        config = replace(PRESETS[cfg.model or "gpt2"], arch=cfg.arch or "gpt2", **overrides)
+        arch = cfg.arch or "gpt2"
+        attention_bias = arch == "modern" and cfg.attention_bias is not False
+        config = replace(PRESETS[cfg.model or "gpt2"], arch=arch, attention_bias=attention_bias, **overrides)
         if config.n_embd % config.n_head:
             raise UserError(f"--n_embd {config.n_embd} must be a multiple of --n_head {config.n_head}.")
         return config
     weights = init_weights_config(cfg.init_from)
-    asked = {k: v for k, v in overrides.items() if k != "block_size"} | ({"arch": cfg.arch} if cfg.arch else {})
+    asked = {k: v for k, v in overrides.items() if k != "block_size"} | ({"arch": cfg.arch} if cfg.arch else {}) | \
+        ({"attention_bias": cfg.attention_bias} if cfg.attention_bias is not None else {})
     if cfg.model is not None:  # a preset named on purpose must be the weights' shape
         preset = PRESETS[cfg.model]
         asked = {"n_layer": preset.n_layer, "n_head": preset.n_head, "n_embd": preset.n_embd} | asked

@@ -88,12 +88,17 @@ def qwen3_state_dict(model: GPT) -> dict[str, torch.Tensor]:
                      layer + "post_attention_layernorm.weight": ours[block + "ln_2.weight"],
                      layer + "mlp.gate_proj.weight": gate, layer + "mlp.up_proj.weight": up,
                      layer + "mlp.down_proj.weight": ours[block + "mlp.c_proj.weight"]}
+        if cfg.attention_bias:
+            q, k, v = ours[block + "attn.c_attn.bias"].split(cfg.n_embd)
+            hf_state |= {layer + "self_attn.q_proj.bias": q, layer + "self_attn.k_proj.bias": k,
+                         layer + "self_attn.v_proj.bias": v,
+                         layer + "self_attn.o_proj.bias": ours[block + "attn.c_proj.bias"]}
     return {name: tensor.contiguous().clone() for name, tensor in hf_state.items()}
 
 
 def to_qwen3(model: GPT):
     """A Qwen3ForCausalLM holding an arch="modern" model's weights: the same decoder (rotary positions paired half a
-    head apart, RMSNorm on each head's queries and keys, SwiGLU, untied embeddings, no biases)."""
+    head apart, RMSNorm on each head's queries and keys, SwiGLU, untied embeddings, biases on attention only)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     cfg = model.config
@@ -101,7 +106,8 @@ def to_qwen3(model: GPT):
         vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=model.transformer.h[0].mlp.hidden,
         num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head,
         head_dim=cfg.n_embd // cfg.n_head, max_position_embeddings=cfg.block_size, rms_norm_eps=NORM_EPS,
-        hidden_act="silu", tie_word_embeddings=False, attention_bias=False, bos_token_id=50256, eos_token_id=50256)
+        hidden_act="silu", tie_word_embeddings=False, attention_bias=cfg.attention_bias, bos_token_id=50256,
+        eos_token_id=50256)
     # The rotary base: a config field whose name changed between transformers versions (rope_theta, then
     # rope_parameters), with the same default as ours, checked here rather than set.
     theta = getattr(hf_config, "rope_parameters", None) or {"rope_theta": getattr(hf_config, "rope_theta", None)}

@@ -140,8 +140,9 @@ class Block(nn.Module):
 # ----------------------------------------------------------------------------------------------------------------
 # arch="modern": what decoders trained since GPT-2 changed (Llama, Qwen3, modded-nanogpt), each part a known gain:
 # rotary positions instead of learned ones, RMSNorm instead of LayerNorm, RMSNorm on each head's queries and keys
-# (QK-norm: attention logits cannot blow up, so higher learning rates stay stable), a SwiGLU MLP, no biases, the
-# blocks' output projections initialised to zero, and input and output embeddings untied. The layout is Qwen3's, so
+# (QK-norm: attention logits cannot blow up, so higher learning rates stay stable), a SwiGLU MLP, biases only on
+# attention's projections (Qwen3's attention_bias; they earned their place, the MLP's did not), the blocks' output
+# projections initialised to zero, and input and output embeddings untied. The layout is Qwen3's, so
 # that a trained model exports as a Qwen3ForCausalLM (hf.py) with the same logits.
 
 ROPE_THETA = 10_000.0  # rotary base: the wavelengths run from 2π to 2π·10,000 positions, plenty for 1,024
@@ -171,6 +172,10 @@ class ModernAttention(nn.Module):
         self.k_norm = norm(config, head_size)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
         self.c_proj.ZERO_INIT = True
+        if config.attention_bias:  # on q, k, v and the output. Zero at init, set here rather than drawn by nn.Linear
+            # and zeroed later, so that the weights' random draws are the same as without them.
+            for linear in (self.c_attn, self.c_proj):
+                linear.bias = nn.Parameter(torch.zeros(linear.out_features))
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None, positions: torch.Tensor | None = None,
                 visible: torch.Tensor | None = None) -> torch.Tensor:
@@ -310,6 +315,9 @@ class GPTConfig:
     n_head: int = 12
     n_embd: int = 768
     arch: str = "gpt2"  # or "modern" (see ModernAttention and SwiGLU)
+    # modern: biases on attention's projections, as train_gpt2.py builds it (False: modern before 2026-11-27, whose
+    # snapshots lack the field). gpt2 has biases everywhere and ignores it.
+    attention_bias: bool = False
 
     @property
     def padded_vocab_size(self) -> int:

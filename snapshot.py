@@ -255,10 +255,11 @@ class Snapshots:
     def _restore(self, path: str, state: dict, data_position: bool = True) -> None:
         """Restore everything `state` holds (the data loader's position only if data_position)."""
         t, dist_env = self.trainee, self.dist_env
-        if GPTConfig(**state["model_config"]) != t.raw.config:  # (snapshots from before --arch lack it: gpt2)
-            raise UserError(f"{path} holds a model {state['model_config']}, but this run builds "
-                            f"{asdict(t.raw.config)}. Pass the --arch/--model/--n_layer/--n_head/--n_embd/--block_size "
-                            "of the run that wrote it, or --resume never to start over.")
+        # (snapshots from before --arch lack it: gpt2; before --attention_bias, it: no biases)
+        if (written := GPTConfig(**state["model_config"])) != t.raw.config:
+            raise UserError(f"{path} holds a model {asdict(written)}, but this run builds {asdict(t.raw.config)}. Pass "
+                            "the --arch/--model/--n_layer/--n_head/--n_embd/--block_size/--[no-]attention_bias of the "
+                            "run that wrote it, or --resume never to start over.")
         written_with = state["config"].get("optimizer", "adamw")
         if written_with != self.run_config["optimizer"]:
             raise UserError(f"{path} was written by an --optimizer {written_with} run, and this run is --optimizer "

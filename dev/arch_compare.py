@@ -1,8 +1,8 @@
 """Three recipes on real text (enwiki), each with its LR tuned: GPT-2 + AdamW + cosine (2019's), GPT-2 + Muon + WSD
-(today's best here) and --arch modern + Muon + WSD; same data, same tokens per step, same steps. A fourth, modern
-with its embedding at --max_lr instead of --embed_lr's default 10×, is the ablation of that part; a fifth sweeps
-Muon's AdamW part (--max_lr) for modern at its best --muon_lr; the `modern_{part}_muon_wsd` recipes put one of
-GPT-2's parts back in modern at a time (dev/modern_ablations.py).
+(today's best here) and --arch modern + Muon + WSD; same data, same tokens per step, same steps. The others are
+ablations: modern as it was before 2026-11-27 (without attention's biases), and on that modern its embedding at
+--max_lr instead of --embed_lr's default 10×, a sweep of Muon's AdamW part (--max_lr) at its best --muon_lr, and the
+`modern_{part}_muon_wsd` recipes, one part changed at a time (dev/modern_ablations.py).
 
     python -m data.prepare --input ../shared/data/enwiki/enwiki.jsonl.gz \\
         --val_input ../shared/data/enwiki/enwiki_val.jsonl.gz --output_dir data/enwiki
@@ -46,21 +46,28 @@ RECIPES = {
                                               "--lr_schedule", "wsd", "--warmdown_frac", "0.3"]),
     "modern_muon_wsd": ("--muon_lr", MUON_LRS, ["--arch", "modern", "--optimizer", "muon", "--max_lr", "2e-3",
                                                 "--lr_schedule", "wsd", "--warmdown_frac", "0.3"]),  # embedding 2e-2
-    # The ablation: modern with its input embedding at --max_lr, as every other AdamW parameter, not 10× it.
-    "modern_embed1x_muon_wsd": ("--muon_lr", MUON_LRS, ["--arch", "modern", "--optimizer", "muon", "--max_lr", "2e-3",
-                                                        "--embed_lr", "2e-3", "--lr_schedule", "wsd",
-                                                        "--warmdown_frac", "0.3"]),
-    # The tuning of Muon's AdamW part for modern (the output layer and norms at --max_lr, the input embedding at
-    # 10× it), at modern's best Muon LR; 2e-3 is modern_muon_wsd's run at that LR.
-    "modern_adamlr_muon_wsd": ("--max_lr", [4e-3, 8e-3], ["--arch", "modern", "--optimizer", "muon", "--muon_lr",
-                                                          "0.005", "--lr_schedule", "wsd", "--warmdown_frac", "0.3"]),
+    # modern before 2026-11-27, without attention's biases: the model the ablations below changed one part of.
+    "modern_noattnbias_muon_wsd": ("--muon_lr", MUON_LRS, ["--arch", "modern", "--no-attention_bias", "--optimizer",
+                                                           "muon", "--max_lr", "2e-3", "--lr_schedule", "wsd",
+                                                           "--warmdown_frac", "0.3"]),
+    # The ablation: that modern with its input embedding at --max_lr, as every other AdamW parameter, not 10× it.
+    "modern_embed1x_muon_wsd": ("--muon_lr", MUON_LRS, ["--arch", "modern", "--no-attention_bias", "--optimizer",
+                                                        "muon", "--max_lr", "2e-3", "--embed_lr", "2e-3",
+                                                        "--lr_schedule", "wsd", "--warmdown_frac", "0.3"]),
+    # The tuning of Muon's AdamW part for that modern (the output layer and norms at --max_lr, the input embedding at
+    # 10× it), at its best Muon LR; 2e-3 is modern_noattnbias_muon_wsd's run at that LR.
+    "modern_adamlr_muon_wsd": ("--max_lr", [4e-3, 8e-3], ["--arch", "modern", "--no-attention_bias", "--optimizer",
+                                                          "muon", "--muon_lr", "0.005", "--lr_schedule", "wsd",
+                                                          "--warmdown_frac", "0.3"]),
 }
-# The ablations: modern + Muon + WSD at its best LR with one part as GPT-2 has it (dev/modern_ablations.py); the one
-# that ended lower, attention's biases, also at the LRs either side.
-GPT2_PARTS = ["layernorm", "no_qk_norm", "gelu_mlp", "biases", "attention_biases", "learned_positions"]
-RECIPES |= {f"modern_{part}_muon_wsd": ("--muon_lr", [0.0025, 0.005, 0.01] if part == "attention_biases" else [0.005],
-                                        [*RECIPES["modern_muon_wsd"][2], "--gpt2_part", part])
+# The ablations (dev/modern_ablations.py), each at its base's best LR: one part as GPT-2 has it, on the modern they
+# were measured on (without attention's biases); one part that modded-nanogpt has and Qwen3 has not, on modern.
+GPT2_PARTS = ["layernorm", "no_qk_norm", "gelu_mlp", "biases", "learned_positions"]
+RECIPES |= {f"modern_{part}_muon_wsd": ("--muon_lr", [0.005], [*RECIPES["modern_noattnbias_muon_wsd"][2], "--part",
+                                                               part])
             for part in GPT2_PARTS}
+RECIPES |= {f"modern_{part}_muon_wsd": ("--muon_lr", [0.005], [*RECIPES["modern_muon_wsd"][2], "--part", part])
+            for part in ["softcap", "relu2_mlp"]}
 SEEDS = [1337, 42]
 SHARED_DATA = Path(os.environ.get("SHARED_DATA", "../shared/data"))
 HELDOUT = {"fineweb": "fineweb_sample/fineweb_20docs.jsonl", "lambada": "evals/lambada_openai.jsonl"}
@@ -99,16 +106,19 @@ def run(shapes: list[str], recipes: list[str], seeds: list[int], lrs: list[float
                                        stdout=f, stderr=subprocess.STDOUT, check=True)
 
 
-def is_ablation(recipe: str) -> bool:
-    return "--gpt2_part" in RECIPES[recipe][2]
+COMPARED = ["gpt2_adamw_cosine", "gpt2_muon_wsd", "modern_muon_wsd"]  # the plot's; the others in the table only
+
+
+def is_patched(recipe: str) -> bool:
+    return "--part" in RECIPES[recipe][2]
 
 
 def entry_point(flags: list[str]) -> list[str]:
-    """train_gpt2.py with these flags; an ablation's `--gpt2_part PART` goes first to dev/modern_ablations.py, which
+    """train_gpt2.py with these flags; an ablation's `--part PART` goes first to dev/modern_ablations.py, which
     patches the model and then runs train_gpt2 with the rest."""
-    if "--gpt2_part" not in flags:
+    if "--part" not in flags:
         return ["train_gpt2.py", *flags]
-    i = flags.index("--gpt2_part")
+    i = flags.index("--part")
     return ["-m", "dev.modern_ablations", *flags[i:i + 2], *flags[:i], *flags[i + 2:]]
 
 
@@ -160,7 +170,7 @@ def report(out: str = "docs/arch_compare.png") -> None:
                                    for reach in reached)
             rows.append(f"| {shape} | {recipe} | {lr:g} | {len(paths)} | {loss[STEPS - 1]:.4f} | "
                         f"{bpb.get(STEPS - 1, float('nan')):.4f} | {fractions} |")
-            if is_ablation(recipe):  # (in the table only: the plot keeps to the recipes)
+            if recipe not in COMPARED:  # (an ablation: in the table only)
                 continue
             steps = sorted(bpb)
             ax.plot(steps, [bpb[s] for s in steps], marker=".", color=f"C{i}", label=f"{recipe}, lr {lr:g}")
@@ -180,8 +190,9 @@ def report(out: str = "docs/arch_compare.png") -> None:
     print(f"wrote {out}")
 
 
-def heldout() -> None:
-    """The val loss and bpb, on each held-out text, of every best-LR run that kept its final snapshot."""
+def heldout(recipes: list[str]) -> None:
+    """The val loss and bpb, on each held-out text, of every best-LR run of these recipes that kept its final
+    snapshot."""
     texts = {}
     for name, source in HELDOUT.items():  # each text whole as the val split (the train split is not read)
         texts[name] = Path("data") / f"heldout_{name}"
@@ -192,9 +203,9 @@ def heldout() -> None:
     rows = [f"| shape | recipe | LR | seed | enwiki val loss | {header} |",
             "|---|---|---|---|---|" + "---|---|" * len(texts)]
     for shape in SHAPES:
-        for recipe in RECIPES:
-            # (an ablation's model is neither architecture, so tools.evaluate cannot read its snapshot)
-            if is_ablation(recipe) or (best := best_runs(shape, recipe)) is None:
+        for recipe in recipes:
+            # (a patched model is neither architecture, so tools.evaluate cannot read its snapshot)
+            if is_patched(recipe) or (best := best_runs(shape, recipe)) is None:
                 continue
             lr, paths = best
             for path in paths:
@@ -225,7 +236,7 @@ def main() -> None:
     if args.command == "report":
         return report()
     if args.command == "heldout":
-        return heldout()
+        return heldout(args.recipes.split(","))
     run(args.shapes.split(","), args.recipes.split(","), [int(s) for s in args.seeds.split(",")],
         [float(x) for x in args.lrs.split(",")] if args.lrs else None, args.steps)
 

@@ -1,22 +1,28 @@
-"""--arch modern with one of its parts put back as GPT-2 has it: the ablations of dev/arch_compare.py's recipes
-`modern_{part}_muon_wsd` (README, "Architectures"). Each part is a patch of model.py in this process only; then
-train_gpt2.py runs with the other flags.
+"""--arch modern with one part changed: the ablations of dev/arch_compare.py's recipes `modern_{part}_muon_wsd`
+(README, "Architectures"). Each part is a patch of model.py in this process only; then train_gpt2.py runs with the
+other flags.
 
-    python -m dev.modern_ablations --gpt2_part biases --arch modern --optimizer muon ...   # any train_gpt2.py flags
+    python -m dev.modern_ablations --part biases --arch modern --no-attention_bias ...   # any train_gpt2.py flags
 
+Put back as GPT-2 has it (measured on modern without attention's biases, --no-attention_bias, as it was then):
     layernorm          LayerNorm (gain and bias) wherever modern has RMSNorm: in the blocks, at the end, as QK-norm
     no_qk_norm         no norm on each head's queries and keys
     gelu_mlp           GPT-2's MLP, GELU at 4× the width (no biases, the output projection zero at init, as modern's)
     biases             a bias on every linear layer of the blocks (zero at init)
-    attention_biases   a bias on attention's linear layers only (what Qwen3's attention_bias=True has)
     learned_positions  GPT-2's learned position embedding added to the token embedding, and no rotation
+Added as modded-nanogpt has it, though Qwen3 has not (measured on modern as it is):
+    softcap            the logits soft-capped at 15: 15·tanh(logits/15) (modded-nanogpt's; Gemma 2 caps at 30)
+    relu2_mlp          an MLP of ReLU² at 4× the width, not gated, instead of SwiGLU (modded-nanogpt's)
 
 The patched model is modern's in everything else, so a snapshot of it loads as neither architecture: these runs are
 scored on their val loss only."""
 
+import functools
 import sys
+from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import model
@@ -36,20 +42,38 @@ def no_qk_norm() -> None:
     model.ModernAttention.__init__ = init
 
 
-class GeluMLP(nn.Module):
-    def __init__(self, config: model.GPTConfig):
+class FourTimesMLP(nn.Module):
+    """GPT-2's MLP shape (4× wide, not gated) with another activation; no biases, the output projection zero at init,
+    as modern's."""
+
+    def __init__(self, config: model.GPTConfig, activation: Callable[[torch.Tensor], torch.Tensor]):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
-        self.gelu = nn.GELU(approximate="tanh")
+        self.activation = activation
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
         self.c_proj.ZERO_INIT = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(self.gelu(self.c_fc(x)))
+        return self.c_proj(self.activation(self.c_fc(x)))
 
 
-def gelu_mlp() -> None:
-    model.SwiGLU = GeluMLP
+def four_times_mlp(activation: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    model.SwiGLU = functools.partial(FourTimesMLP, activation=activation)
+
+
+SOFTCAP = 15.0  # modded-nanogpt's since it lowered 30 (Gemma 2's)
+
+
+def softcap_logits() -> None:
+    """Every logit through SOFTCAP·tanh(logit/SOFTCAP). The training loss then builds the whole (B·T, vocab) logits
+    (memory a small model can spare) instead of the chunked loss, whose backward is written for plain logits."""
+    def capped(logits: torch.Tensor) -> torch.Tensor:
+        return SOFTCAP * torch.tanh(logits / SOFTCAP)
+
+    plain_logits = model.GPT.logits
+    model.GPT.logits = lambda self, x: capped(plain_logits(self, x))
+    model.linear_cross_entropy = lambda x, weight, targets, vocab_size, chunk_tokens: F.cross_entropy(
+        capped(x @ weight.t())[:, :vocab_size].float(), targets)
 
 
 def after_init(extend) -> None:
@@ -76,16 +100,17 @@ def learned_positions(gpt: model.GPT) -> None:
         lambda module, args, out: out + wpe(torch.arange(out.size(1), device=out.device)))
 
 
-PATCHES = {"layernorm": layer_norm_everywhere, "no_qk_norm": no_qk_norm, "gelu_mlp": gelu_mlp,
+PATCHES = {"layernorm": layer_norm_everywhere, "no_qk_norm": no_qk_norm,
+           "gelu_mlp": lambda: four_times_mlp(functools.partial(F.gelu, approximate="tanh")),
            "biases": lambda: after_init(lambda gpt: add_biases(gpt.transformer.h)),
-           "attention_biases": lambda: after_init(lambda gpt: [add_biases(block.attn) for block in gpt.transformer.h]),
            "learned_positions": lambda: (setattr(model, "rotate", lambda x, positions: x),
-                                         after_init(learned_positions))}
+                                         after_init(learned_positions)),
+           "softcap": softcap_logits, "relu2_mlp": lambda: four_times_mlp(lambda x: F.relu(x).square())}
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) < 2 or argv[0] != "--gpt2_part" or argv[1] not in PATCHES:
-        sys.exit(f"usage: python -m dev.modern_ablations --gpt2_part {{{','.join(PATCHES)}}} <train_gpt2.py flags>")
+    if len(argv) < 2 or argv[0] != "--part" or argv[1] not in PATCHES:
+        sys.exit(f"usage: python -m dev.modern_ablations --part {{{','.join(PATCHES)}}} <train_gpt2.py flags>")
     PATCHES[argv[1]]()
     train_gpt2.main(argv[2:])
 

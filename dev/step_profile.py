@@ -19,7 +19,7 @@ from precision import autocast
 def profiled_micro_step(arch: str, args: argparse.Namespace) -> profile:
     torch.manual_seed(0)
     device = torch.device(args.device)
-    model = GPT(replace(PRESETS[args.model], arch=arch)).to(device)
+    model = GPT(replace(PRESETS[args.model], arch=arch, attention_bias=arch == "modern")).to(device)  # as trained
     step = torch.compile(model) if args.compile else model
     idx = torch.randint(0, model.config.vocab_size, (args.micro_batch_size, args.seq_len), device=device)
 

@@ -87,14 +87,15 @@ def perturb_(model: torch.nn.Module, scale: float, seed: int = 0) -> torch.nn.Mo
 
 
 def save_tiny_model(path: Path, block_size: int = 64, perturb: float = 0.0, arch: str = "gpt2") -> Path:
-    """A random `tiny` GPT (of the architecture arch) saved as just a snapshot's {"model", "model_config"}, as
-    snapshot.read_model reads it; perturb > 0 moves every weight away from its init."""
+    """A random `tiny` GPT (of the architecture arch, modern as train_gpt2.py builds it) saved as just a snapshot's
+    {"model", "model_config"}, as snapshot.read_model reads it; perturb > 0 moves every weight away from its init."""
     from dataclasses import replace
 
     from model import GPT, PRESETS
 
     torch.manual_seed(0)
-    model = perturb_(GPT(replace(PRESETS["tiny"], block_size=block_size, arch=arch)), perturb)
+    config = replace(PRESETS["tiny"], block_size=block_size, arch=arch, attention_bias=arch == "modern")
+    model = perturb_(GPT(config), perturb)
     torch.save({"model": model.state_dict(), "model_config": asdict(model.config)}, path)
     return path
 

@@ -1,9 +1,9 @@
 """--arch modern (model.py's ModernAttention, SwiGLU, RMSNorm, rotary positions, untied output layer): the
 same logits and greedy tokens as the Qwen3ForCausalLM it exports as, rotary's relative positions, cached
-generation, its parameters (no wpe, no biases, untied, zero-init projections) and their counts, the Muon split,
-the flags
-(--align_bos on by default, --init_from, recipes), and whole runs: 2 ranks, fsdp, a resume, fp16/bf16,
-activation checkpointing, and evals' scoring."""
+generation, its parameters (no wpe, biases on attention only, untied, zero-init projections) and their counts, the
+Muon split, the flags (--attention_bias and --align_bos on by default, --init_from, recipes), and whole runs: 2
+ranks, fsdp, a resume (and of a snapshot from before attention's biases), fp16/bf16, activation checkpointing, and
+evals' scoring."""
 
 import math
 from dataclasses import asdict, replace
@@ -30,10 +30,11 @@ from training import train_step
 
 CPU = torch.device("cpu")
 FP32_NEWTON_SCHULZ = ROOT / "tests" / "train_with_fp32_newton_schulz.py"
-# GPT-2's vocabulary (so that the padding rows 50,257 → 50,304 are dropped on export), 4 heads of 16.
-EXPORT = GPTConfig(block_size=64, vocab_size=50257, n_layer=2, n_head=4, n_embd=64, arch="modern")
+# GPT-2's vocabulary (so that the padding rows 50,257 → 50,304 are dropped on export), 4 heads of 16; modern as
+# train_gpt2.py builds it, with attention's biases.
+EXPORT = GPTConfig(block_size=64, vocab_size=50257, n_layer=2, n_head=4, n_embd=64, arch="modern", attention_bias=True)
 # A small vocabulary for the tests that only need a working model.
-SMALL = GPTConfig(block_size=16, vocab_size=97, n_layer=2, n_head=2, n_embd=32, arch="modern")
+SMALL = GPTConfig(block_size=16, vocab_size=97, n_layer=2, n_head=2, n_embd=32, arch="modern", attention_bias=True)
 BLOCK_MATRICES = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
 
@@ -62,12 +63,13 @@ def assert_same_logits(ours: GPT, qwen3, min_std: float = 0.5) -> None:
     assert (got - expected).abs().max().item() <= 1e-4
 
 
-def test_to_hf_gives_a_qwen3_with_our_logits_and_greedy_tokens():
+@pytest.mark.parametrize("attention_bias", [True, False])
+def test_to_hf_gives_a_qwen3_with_our_logits_and_greedy_tokens(attention_bias):
     from transformers import Qwen3ForCausalLM
 
-    ours = random_model(EXPORT)
+    ours = random_model(replace(EXPORT, attention_bias=attention_bias))
     qwen3 = hf.to_hf(ours)
-    assert isinstance(qwen3, Qwen3ForCausalLM)
+    assert isinstance(qwen3, Qwen3ForCausalLM) and qwen3.config.attention_bias is attention_bias
     assert_same_logits(ours, qwen3)
     prompt = random_tokens(EXPORT, B=2, T=8, seed=2)
     expected = ours.generate(prompt, 20, temperature=0)
@@ -117,10 +119,13 @@ def test_cached_generation_gives_the_uncached_tokens_within_and_past_block_size(
     assert torch.equal(got, expected)
 
 
-def test_modern_has_no_position_embedding_no_biases_rmsnorms_and_an_untied_output_layer():
+def test_modern_has_no_position_embedding_biases_on_attention_only_rmsnorms_and_an_untied_output_layer():
     model, gpt2 = GPT(SMALL), GPT(replace(SMALL, arch="gpt2"))
     names = set(model.state_dict())
-    assert not any(name.startswith("transformer.wpe") or name.endswith("bias") for name in names)
+    assert not any(name.startswith("transformer.wpe") for name in names)
+    assert {name for name in names if name.endswith("bias")} == {
+        f"transformer.h.{i}.attn.{linear}.bias" for i in range(SMALL.n_layer) for linear in ("c_attn", "c_proj")}
+    assert not any(name.endswith("bias") for name in GPT(replace(SMALL, attention_bias=False)).state_dict())
     assert "transformer.wpe.weight" in gpt2.state_dict() and any(name.endswith("bias") for name in gpt2.state_dict())
     assert {"transformer.h.0.attn.q_norm.weight", "transformer.h.0.attn.k_norm.weight"} <= names
     norms = [m for m in model.modules() if isinstance(m, (torch.nn.RMSNorm, torch.nn.LayerNorm))]
@@ -130,11 +135,11 @@ def test_modern_has_no_position_embedding_no_biases_rmsnorms_and_an_untied_outpu
     assert gpt2.lm_head.weight is gpt2.transformer.wte.weight  # gpt2 as it was
 
 
-def test_output_projections_start_at_zero_and_the_output_layer_random():
+def test_output_projections_and_attention_biases_start_at_zero_and_the_output_layer_random():
     torch.manual_seed(0)
     model = GPT(replace(SMALL, n_layer=4))
     for name, p in model.named_parameters():
-        if name.endswith("c_proj.weight"):
+        if name.endswith(("c_proj.weight", "bias")):
             assert torch.all(p == 0), name
         elif name.endswith(("wte.weight", "lm_head.weight", "c_attn.weight", "c_fc.weight")):
             assert p.std().item() == pytest.approx(0.02, rel=0.1), name
@@ -150,10 +155,26 @@ def test_output_projections_start_at_zero_and_the_output_layer_random():
     assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
 
 
-def test_num_params_counts_the_output_layer_but_not_the_input_embedding_and_flops_follow():
-    config = GPTConfig(block_size=8, vocab_size=100, n_layer=2, n_head=2, n_embd=16, arch="modern")  # 128 rows
+def test_attention_biases_leave_the_weights_random_draws_as_they_are_without_them():
+    """The biases are made zero, not drawn by nn.Linear and zeroed: the runs measured before and after they were
+    added start from the same weights (README, Architectures)."""
+    torch.manual_seed(0)
+    without = GPT(replace(SMALL, attention_bias=False)).state_dict()
+    torch.manual_seed(0)
+    with_biases = GPT(SMALL).state_dict()
+    assert set(with_biases) - set(without) == {f"transformer.h.{i}.attn.{linear}.bias"
+                                               for i in range(SMALL.n_layer) for linear in ("c_attn", "c_proj")}
+    assert all(torch.equal(tensor, with_biases[name]) for name, tensor in without.items())
+    assert without["transformer.h.1.attn.c_attn.weight"].std() > 0.01  # drawn, so the equality has teeth
+
+
+@pytest.mark.parametrize("attention_bias", [False, True])
+def test_num_params_counts_the_output_layer_but_not_the_input_embedding_and_flops_follow(attention_bias):
+    config = GPTConfig(block_size=8, vocab_size=100, n_layer=2, n_head=2, n_embd=16, arch="modern",
+                       attention_bias=attention_bias)  # 128 rows
     C, L, T, H = 16, 2, 8, 64  # H: SwiGLU's hidden width, 8/3·16 rounded up to a multiple of 64
     per_layer = (C  # ln_1's gain
+                 + attention_bias * 4 * C  # c_attn's and attn.c_proj's biases
                  + C * 3 * C  # c_attn
                  + 2 * (C // 2)  # q_norm and k_norm, per head
                  + C * C  # attn.c_proj
@@ -162,30 +183,31 @@ def test_num_params_counts_the_output_layer_but_not_the_input_embedding_and_flop
                  + H * C)  # mlp.c_proj: 4,144
     lm_head = 100 * C  # without its 28 padding rows
     n = L * per_layer + C + lm_head  # + ln_f
-    assert n == 9904
+    assert n == (10_032 if attention_bias else 9904)
     model = GPT(config)
     assert model.num_params() == n
     assert model.num_params(non_embedding=False) == n + 100 * C  # + wte, also without its padding rows
-    assert model.flops_per_token(T) == 6 * n + 12 * L * C * T == 62_496
+    assert model.flops_per_token(T) == 6 * n + 12 * L * C * T == (63_264 if attention_bias else 62_496)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # the optimizers
 
-def test_muon_takes_the_block_matrices_and_adamw_the_embeddings_output_layer_and_every_norm():
+def test_muon_takes_the_block_matrices_and_adamw_the_embeddings_output_layer_every_norm_and_the_biases():
     model = GPT(SMALL)
     names = {id(p): name for name, p in model.named_parameters()}
     matrices, rest = split_for_muon(model)
     assert sorted(names[id(p)] for p in matrices) == sorted(
         f"transformer.h.{i}.{m}.weight" for i in range(SMALL.n_layer) for m in BLOCK_MATRICES)
-    gains = ("ln_1", "attn.q_norm", "attn.k_norm", "ln_2")
+    gains, biases = ("ln_1", "attn.q_norm", "attn.k_norm", "ln_2"), ("attn.c_attn", "attn.c_proj")
     assert sorted(names[id(p)] for p in rest) == sorted(
         ["transformer.wte.weight", "lm_head.weight", "transformer.ln_f.weight"]
-        + [f"transformer.h.{i}.{g}.weight" for i in range(SMALL.n_layer) for g in gains])
+        + [f"transformer.h.{i}.{g}.weight" for i in range(SMALL.n_layer) for g in gains]
+        + [f"transformer.h.{i}.{b}.bias" for i in range(SMALL.n_layer) for b in biases])
     optimizers = build_optimizers(model, TrainConfig(optimizer="muon"), "cpu")
     decay, no_decay, embedding = optimizers.by_name["adamw"].param_groups
     assert [names[id(p)] for p in decay["params"]] == ["lm_head.weight"]
-    assert len(no_decay["params"]) == 1 + len(gains) * SMALL.n_layer
+    assert len(no_decay["params"]) == 1 + (len(gains) + len(biases)) * SMALL.n_layer
     assert [names[id(p)] for p in embedding["params"]] == ["transformer.wte.weight"]  # at --embed_lr (next test)
     assert embedding["weight_decay"] == decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert [id(p) for p in optimizers.by_name["muon"].param_groups[0]["params"]] == [id(p) for p in matrices]
@@ -247,6 +269,15 @@ def test_embed_lr_on_gpt2_whose_embedding_is_its_output_layer_is_an_error_naming
     assert plan("--arch", "modern", "--embed_lr", "0.01").model_config.arch == "modern"
 
 
+def test_attention_bias_is_on_for_modern_off_with_the_flag_and_an_error_naming_it_on_gpt2():
+    assert plan("--arch", "modern").model_config.attention_bias is True
+    assert plan("--arch", "modern", "--no-attention_bias").model_config.attention_bias is False
+    assert plan().model_config.attention_bias is False  # (gpt2's biases are its own, on every layer)
+    for flag in ("--attention_bias", "--no-attention_bias"):
+        with pytest.raises(UserError, match=f"{flag}: gpt2 has biases on every layer.*train --arch modern"):
+            plan(flag)
+
+
 def test_align_bos_is_on_by_default_for_modern_only_and_the_flag_wins():
     assert plan("--arch", "modern").align_bos is True
     assert plan("--arch", "modern", "--no-align_bos").align_bos is False
@@ -259,7 +290,7 @@ def test_init_from_a_modern_snapshot_builds_it_and_refuses_arch_gpt2(tmp_path):
     path = save_tiny_model(tmp_path / "model.pt", perturb=0.1, arch="modern")
     cfg = parse_args(["--init_from", str(path), "--block_size", "32", "--val_every", "0"])
     the_plan = resolve_plan(cfg, world_size=1)
-    assert the_plan.model_config == replace(PRESETS["tiny"], arch="modern", block_size=32)
+    assert the_plan.model_config == replace(PRESETS["tiny"], arch="modern", attention_bias=True, block_size=32)
     assert the_plan.align_bos is True
     model, saved = initial_model(cfg, the_plan), torch.load(path)["model"]
     assert model.config.arch == "modern" and model.config.block_size == 32
@@ -267,6 +298,8 @@ def test_init_from_a_modern_snapshot_builds_it_and_refuses_arch_gpt2(tmp_path):
     assert model_config(parse_args(["--init_from", str(path), "--arch", "modern"])).arch == "modern"
     with pytest.raises(UserError, match=r"--arch gpt2 \(the weights have modern\)"):
         model_config(parse_args(["--init_from", str(path), "--arch", "gpt2"]))
+    with pytest.raises(UserError, match=r"--attention_bias False \(the weights have True\)"):
+        model_config(parse_args(["--init_from", str(path), "--no-attention_bias"]))
 
 
 def test_a_recipe_sets_arch_and_turns_align_bos_off(tmp_path):
@@ -404,7 +437,7 @@ def test_a_modern_run_resumes_exactly_from_a_mid_epoch_aligned_snapshot(resumed_
     state = load_snapshot(snapshot_path(resumed_runs / "whole", 7))
     loader = state["loader"]  # mid-shard: 8 steps of 2 chunks
     assert loader["align_bos"] == 1 and [loader[k] for k in ("epoch", "shard_position", "chunk_position")] == [0, 0, 16]
-    assert state["model_config"] == asdict(replace(PRESETS["tiny"], arch="modern"))
+    assert state["model_config"] == asdict(replace(PRESETS["tiny"], arch="modern", attention_bias=True))
     whole, resumed = read_metrics(resumed_runs / "whole"), read_metrics(resumed_runs / "resumed")
     assert by_step(whole, "loss")[11] < by_step(whole, "loss")[0] - 1.0  # each step moves the model
     assert list(by_step(resumed, "loss")) == [8, 9, 10, 11]
@@ -421,3 +454,20 @@ def test_a_trained_modern_snapshot_exports_to_a_qwen3_with_its_logits(resumed_ru
     # trained away from the zero init
     assert ours.lm_head.weight.abs().max() > 0 and ours.transformer.h[0].attn.c_proj.weight.abs().max() > 0
     assert_same_logits(ours, Qwen3ForCausalLM.from_pretrained(tmp_path / "hf").eval(), min_std=0.1)
+
+
+@pytest.mark.slow  # two runs in this process
+def test_a_snapshot_of_modern_from_before_attention_biases_resumes_with_no_attention_bias_only(resumed_runs, tmp_path):
+    args = ["--arch", "modern", "--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "64",
+            "--warmup_steps", "1", "--val_every", "0", "--dtype", "fp32", "--data_dir", str(resumed_runs / "data"),
+            "--ckpt_every", "2", "--log_dir", str(tmp_path)]
+    main_in_process([*args, "--max_steps", "2", "--no-attention_bias"])
+    path = snapshot_path(tmp_path, 1)
+    state = torch.load(path, weights_only=True)
+    del state["model_config"]["attention_bias"]  # as a snapshot written before the field was
+    torch.save(state, path)
+    with pytest.raises(UserError, match=r"'attention_bias': False\}, but this run builds .*'attention_bias': True\}.*"
+                                         r"--\[no-\]attention_bias of the run that wrote it"):
+        main_in_process([*args, "--max_steps", "4"])
+    main_in_process([*args, "--max_steps", "4", "--no-attention_bias"])
+    assert list(by_step(read_metrics(tmp_path), "loss")) == [0, 1, 2, 3]

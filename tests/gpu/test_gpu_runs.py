@@ -208,8 +208,9 @@ def test_a_compiled_modern_muon_run_learns_and_resumes_with_the_uninterrupted_lo
     plain GPT-2 run's does, and a resume from its step-3 snapshot repeats steps 4-7 (rerun in the same process
     settings, so the compiled kernels are the same)."""
     dtype = "bf16" if job.device.type == "cuda" else "fp32"
-    # (--max_lr 1e-2 for the embeddings and output layer: without biases, modern needs a higher AdamW LR than the
-    # job's 3e-3 to learn the unigram distribution in 8 steps; at 3e-3 its loss fell by 0.12 on the CPU.)
+    # (--max_lr 1e-2 for the embeddings and output layer: modern, untied and with no bias on its output, needs a
+    # higher AdamW LR than the job's 3e-3 to learn the unigram distribution in 8 steps; at 3e-3 its loss fell by
+    # 0.12 on the CPU, before attention's biases.)
     args = [*job.args, "--arch", "modern", "--no-align_bos", "--optimizer", "muon", "--max_lr", "1e-2",
             "--dtype", dtype, *(["--compile"] if gpu_compile else [])]
     whole = run_train([*args, "--ckpt_every", "4", "--keep_last", "2"], tmp_path / "whole", timeout=600)
