@@ -19,7 +19,7 @@ from dataloader import find_shards, read_shard_header
 from errors import UserError
 from evals import parse_task_names
 from hf import gpt_config
-from model import ACTIVATION_CHECKPOINTING, ARCHITECTURES, PRESETS, GPTConfig
+from model import ACTIVATION_CHECKPOINTING, ARCHITECTURES, PRESETS, GPTConfig, with_arch
 
 HF_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 
@@ -268,9 +268,7 @@ def model_config(cfg: TrainConfig) -> GPTConfig:
         raise UserError(f"--model {cfg.model!r} is not a known preset; choose one of {', '.join(PRESETS)}.")
     overrides = {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd", "block_size") if getattr(cfg, k)}
     if cfg.init_from == "scratch":
-        arch = cfg.arch or "gpt2"
-        attention_bias = arch == "modern" and cfg.attention_bias is not False
-        config = replace(PRESETS[cfg.model or "gpt2"], arch=arch, attention_bias=attention_bias, **overrides)
+        config = replace(with_arch(PRESETS[cfg.model or "gpt2"], cfg.arch or "gpt2", cfg.attention_bias), **overrides)
         if config.n_embd % config.n_head:
             raise UserError(f"--n_embd {config.n_embd} must be a multiple of --n_head {config.n_head}.")
         return config

@@ -339,6 +339,12 @@ PRESETS: dict[str, GPTConfig] = {
 }
 
 
+def with_arch(config: GPTConfig, arch: str, attention_bias: bool | None = None) -> GPTConfig:
+    """config's shape built as `arch`, with that architecture's defaults: modern has attention's biases unless
+    attention_bias is False (modern as it was before 2026-11-27); gpt2 has its own biases, everywhere."""
+    return replace(config, arch=arch, attention_bias=arch == "modern" and attention_bias is not False)
+
+
 class GPT(nn.Module):
     loss_chunk_tokens: int | None = None  # tokens per chunk of the loss; None: loss_chunk_tokens(the device)
 

@@ -40,25 +40,20 @@ SHAPES = {"4x256": ["--model", "small"],  # 4 layers, 4 heads, width 256
 # The LR each recipe sweeps (--max_lr for AdamW, --muon_lr for Muon), and its fixed flags. Muon's AdamW part
 # (embeddings, output layer, norms) stays at --max_lr 2e-3 in both Muon recipes.
 MUON_LRS = [0.0025, 0.005, 0.01, 0.02, 0.04]  # (modern's best was at the low end of 0.01-0.04, so the sweep went down)
+MUON_WSD = ["--optimizer", "muon", "--lr_schedule", "wsd", "--warmdown_frac", "0.3"]
+# modern before 2026-11-27, without attention's biases: the model the ablations below changed one part of.
+MODERN_BEFORE = ["--arch", "modern", "--no-attention_bias"]
 RECIPES = {
     "gpt2_adamw_cosine": ("--max_lr", [2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3], ["--arch", "gpt2", "--optimizer", "adamw"]),
-    "gpt2_muon_wsd": ("--muon_lr", MUON_LRS, ["--arch", "gpt2", "--optimizer", "muon", "--max_lr", "2e-3",
-                                              "--lr_schedule", "wsd", "--warmdown_frac", "0.3"]),
-    "modern_muon_wsd": ("--muon_lr", MUON_LRS, ["--arch", "modern", "--optimizer", "muon", "--max_lr", "2e-3",
-                                                "--lr_schedule", "wsd", "--warmdown_frac", "0.3"]),  # embedding 2e-2
-    # modern before 2026-11-27, without attention's biases: the model the ablations below changed one part of.
-    "modern_noattnbias_muon_wsd": ("--muon_lr", MUON_LRS, ["--arch", "modern", "--no-attention_bias", "--optimizer",
-                                                           "muon", "--max_lr", "2e-3", "--lr_schedule", "wsd",
-                                                           "--warmdown_frac", "0.3"]),
+    "gpt2_muon_wsd": ("--muon_lr", MUON_LRS, ["--arch", "gpt2", *MUON_WSD, "--max_lr", "2e-3"]),
+    "modern_muon_wsd": ("--muon_lr", MUON_LRS, ["--arch", "modern", *MUON_WSD, "--max_lr", "2e-3"]),  # embedding 2e-2
+    "modern_noattnbias_muon_wsd": ("--muon_lr", MUON_LRS, [*MODERN_BEFORE, *MUON_WSD, "--max_lr", "2e-3"]),
     # The ablation: that modern with its input embedding at --max_lr, as every other AdamW parameter, not 10× it.
-    "modern_embed1x_muon_wsd": ("--muon_lr", MUON_LRS, ["--arch", "modern", "--no-attention_bias", "--optimizer",
-                                                        "muon", "--max_lr", "2e-3", "--embed_lr", "2e-3",
-                                                        "--lr_schedule", "wsd", "--warmdown_frac", "0.3"]),
+    "modern_embed1x_muon_wsd": ("--muon_lr", MUON_LRS, [*MODERN_BEFORE, *MUON_WSD, "--max_lr", "2e-3", "--embed_lr",
+                                                        "2e-3"]),
     # The tuning of Muon's AdamW part for that modern (the output layer and norms at --max_lr, the input embedding at
     # 10× it), at its best Muon LR; 2e-3 is modern_noattnbias_muon_wsd's run at that LR.
-    "modern_adamlr_muon_wsd": ("--max_lr", [4e-3, 8e-3], ["--arch", "modern", "--no-attention_bias", "--optimizer",
-                                                          "muon", "--muon_lr", "0.005", "--lr_schedule", "wsd",
-                                                          "--warmdown_frac", "0.3"]),
+    "modern_adamlr_muon_wsd": ("--max_lr", [4e-3, 8e-3], [*MODERN_BEFORE, *MUON_WSD, "--muon_lr", "0.005"]),
 }
 # The ablations (dev/modern_ablations.py), each at its base's best LR: one part as GPT-2 has it, on the modern they
 # were measured on (without attention's biases); one part that modded-nanogpt has and Qwen3 has not, on modern.

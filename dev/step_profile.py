@@ -7,19 +7,18 @@ measurement behind issue 26's step-time bound (modern took 1.21x gpt2's step on 
 """
 
 import argparse
-from dataclasses import replace
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from model import GPT, PRESETS
+from model import GPT, PRESETS, with_arch
 from precision import autocast
 
 
 def profiled_micro_step(arch: str, args: argparse.Namespace) -> profile:
     torch.manual_seed(0)
     device = torch.device(args.device)
-    model = GPT(replace(PRESETS[args.model], arch=arch, attention_bias=arch == "modern")).to(device)  # as trained
+    model = GPT(with_arch(PRESETS[args.model], arch)).to(device)  # as train_gpt2.py builds it
     step = torch.compile(model) if args.compile else model
     idx = torch.randint(0, model.config.vocab_size, (args.micro_batch_size, args.seq_len), device=device)
 

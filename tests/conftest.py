@@ -91,11 +91,10 @@ def save_tiny_model(path: Path, block_size: int = 64, perturb: float = 0.0, arch
     {"model", "model_config"}, as snapshot.read_model reads it; perturb > 0 moves every weight away from its init."""
     from dataclasses import replace
 
-    from model import GPT, PRESETS
+    from model import GPT, PRESETS, with_arch
 
     torch.manual_seed(0)
-    config = replace(PRESETS["tiny"], block_size=block_size, arch=arch, attention_bias=arch == "modern")
-    model = perturb_(GPT(config), perturb)
+    model = perturb_(GPT(with_arch(replace(PRESETS["tiny"], block_size=block_size), arch)), perturb)
     torch.save({"model": model.state_dict(), "model_config": asdict(model.config)}, path)
     return path
 

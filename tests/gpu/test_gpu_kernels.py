@@ -9,7 +9,6 @@ GPU_TESTS_DEVICE=cpu (gpu_check.py --cpu-smoke), where the same bodies run on th
 
 import gc
 import math
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -23,7 +22,7 @@ from config import TrainConfig
 from conftest import make_shards, perturb_
 from dataloader import DistributedDataLoader, write_shard
 from distributed import Distributed, teardown_distributed
-from model import GPT, PRESETS, GPTConfig
+from model import GPT, PRESETS, GPTConfig, with_arch
 from parallel import build_training_model
 from precision import DTYPES, autocast
 from training import train_step
@@ -255,7 +254,7 @@ def test_greedy_generation_with_the_kv_cache_is_the_argmax_of_full_forwards_toke
     else:
         config, prompt_len, new_tokens = GPTConfig(block_size=16, vocab_size=97, n_layer=2, n_head=2, n_embd=32,
                                                    arch=arch), 4, 24
-    config = replace(config, attention_bias=arch == "modern")  # modern as train_gpt2.py builds it
+    config = with_arch(config, arch)  # modern as train_gpt2.py builds it, with attention's biases
     torch.manual_seed(0)
     model = perturb_(GPT(config), 0.1).to(gpu_device).eval()  # sharp attention, so wrong keys or positions show
     prompt = torch.randint(0, config.vocab_size, (4, prompt_len), generator=torch.Generator().manual_seed(0))
