@@ -62,7 +62,14 @@ RECIPES |= {f"modern_{part}_muon_wsd": ("--muon_lr", [0.005], [*RECIPES["modern_
                                                                part])
             for part in GPT2_PARTS}
 RECIPES |= {f"modern_{part}_muon_wsd": ("--muon_lr", [0.005], [*RECIPES["modern_muon_wsd"][2], "--part", part])
-            for part in ["softcap", "relu2_mlp"]}
+            for part in ["softcap", "relu2_mlp", "qk_gain", "value_embeds"]}
+RECIPES |= {f"{arch}_split_muon_wsd": ("--muon_lr", [lr], [*RECIPES[f"{arch}_muon_wsd"][2], "--part", "split_muon"])
+            for arch, lr in [("gpt2", 0.01), ("modern", 0.005)]}
+# The shared recipe changed, for both Muon recipes: a shorter warmup than COMMON's 25 steps; no weight decay (AdamW's
+# 0.1 shrinks modern's embedding, at 10× --max_lr, by 2e-3 a step, to 0.61 of its size over a run without gradient).
+VARIANTS = {"warmup5": ["--warmup_steps", "5"], "wd0": ["--weight_decay", "0"]}
+RECIPES |= {f"{recipe}_{variant}": (RECIPES[recipe][0], RECIPES[recipe][1], [*RECIPES[recipe][2], *extra])
+            for recipe in ("gpt2_muon_wsd", "modern_muon_wsd") for variant, extra in VARIANTS.items()}
 SEEDS = [1337, 42]
 SHARED_DATA = Path(os.environ.get("SHARED_DATA", "../shared/data"))
 HELDOUT = {"fineweb": "fineweb_sample/fineweb_20docs.jsonl", "lambada": "evals/lambada_openai.jsonl"}

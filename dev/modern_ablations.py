@@ -13,6 +13,14 @@ Put back as GPT-2 has it (measured on modern without attention's biases, --no-at
 Added as modded-nanogpt has it, though Qwen3 has not (measured on modern as it is):
     softcap            the logits soft-capped at 15: 15·tanh(logits/15) (modded-nanogpt's; Gemma 2 caps at 30)
     relu2_mlp          an MLP of ReLU² at 4× the width, not gated, instead of SwiGLU (modded-nanogpt's)
+    qk_gain            QK-norm's gains start at √QK_GAIN instead of 1: attention logits QK_GAIN× as large at init, a
+                       sharper softmax (modded-nanogpt's scale 0.12 is 1.36× 1/√head_size at its head size of 128)
+    value_embeds       modded-nanogpt's value embeddings: tables of their own, looked up by token and added to
+                       attention's values, min(3, n_layer/2) tables used by the first layers and again by the last,
+                       each zero at init and trained as the token embedding is (AdamW at --embed_lr)
+Muon's treatment, on either architecture:
+    split_muon         Muon orthogonalises the queries', keys' and values' rows of c_attn each on their own, and
+                       SwiGLU's gate and up rows, as if each were a matrix of its own (modded-nanogpt's q, k, v are)
 
 The patched model is modern's in everything else, so a snapshot of it loads as neither architecture: these runs are
 scored on their val loss only."""
@@ -26,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import model
+import optim
 import train_gpt2
 
 
@@ -86,6 +95,62 @@ def after_init(extend) -> None:
     model.GPT.__init__ = init
 
 
+QK_GAIN = 2.0
+
+
+def sharper_attention(gpt: model.GPT) -> None:
+    for block in gpt.transformer.h:
+        for qk_norm in (block.attn.q_norm, block.attn.k_norm):
+            nn.init.constant_(qk_norm.weight, QK_GAIN ** 0.5)
+
+
+def value_embeddings(gpt: model.GPT) -> None:
+    config = gpt.config
+    tables = min(3, config.n_layer // 2)
+    gpt.value_embeds = nn.ModuleList(nn.Embedding(config.padded_vocab_size, config.n_embd) for _ in range(tables))
+    for table in gpt.value_embeds:
+        nn.init.zeros_(table.weight)
+        table.weight.VALUE_EMBED = True
+    order = [*range(tables), *[None] * (config.n_layer - 2 * tables), *range(tables)]
+    tokens = {}
+    gpt.transformer.wte.register_forward_pre_hook(lambda module, args: tokens.update(idx=args[0]))
+    def add_to_values(table: nn.Embedding, module, args, out: torch.Tensor) -> torch.Tensor:
+        # c_attn's output is (q, k, v) side by side: the table's rows go to v's part
+        return out + F.pad(table(tokens["idx"]).to(out.dtype), (2 * config.n_embd, 0))
+    for block, table in zip(gpt.transformer.h, order):
+        if table is not None:
+            block.attn.c_attn.register_forward_hook(functools.partial(add_to_values, gpt.value_embeds[table]))
+
+
+def adamw_with_value_embeddings() -> None:
+    """The value embeddings in a group of their own, at the token embedding's learning rate."""
+    plain_adamw = optim.adamw
+
+    def adamw(params, cfg, device_type, fused, embedding=None):
+        tables = [p for p in params if getattr(p, "VALUE_EMBED", False)]
+        adam = plain_adamw([p for p in params if not getattr(p, "VALUE_EMBED", False)], cfg, device_type, fused,
+                           embedding)
+        if tables:
+            ratio = next(group["lr_ratio"] for group in adam.param_groups if "lr_ratio" in group)
+            adam.add_param_group({"params": tables, "weight_decay": cfg.weight_decay, "lr_ratio": ratio})
+        return adam
+    optim.adamw = adamw
+
+
+def split_newton_schulz() -> None:
+    """optim.newton_schulz on each block of rows: 3 for c_attn's (3C, C) update, 2 for SwiGLU's (2·hidden, C), each
+    scaled as Muon scales a matrix of its own shape (so by 1/√blocks: Muon scales the whole by √(rows/C))."""
+    whole = optim.newton_schulz
+
+    def split(grad, *args):
+        rows, columns = grad.shape
+        blocks = 3 if rows == 3 * columns else 2 if rows == 2 * model.swiglu_hidden_size(columns) else 1
+        if blocks == 1:
+            return whole(grad, *args)
+        return torch.cat([whole(part, *args) for part in grad.chunk(blocks)]) / blocks ** 0.5
+    optim.newton_schulz = split
+
+
 def add_biases(modules: nn.Module) -> None:
     for module in modules.modules():
         if isinstance(module, nn.Linear) and module.bias is None:
@@ -105,7 +170,9 @@ PATCHES = {"layernorm": layer_norm_everywhere, "no_qk_norm": no_qk_norm,
            "biases": lambda: after_init(lambda gpt: add_biases(gpt.transformer.h)),
            "learned_positions": lambda: (setattr(model, "rotate", lambda x, positions: x),
                                          after_init(learned_positions)),
-           "softcap": softcap_logits, "relu2_mlp": lambda: four_times_mlp(lambda x: F.relu(x).square())}
+           "softcap": softcap_logits, "relu2_mlp": lambda: four_times_mlp(lambda x: F.relu(x).square()),
+           "qk_gain": lambda: after_init(sharper_attention), "split_muon": split_newton_schulz,
+           "value_embeds": lambda: (after_init(value_embeddings), adamw_with_value_embeddings())}
 
 
 def main(argv: list[str]) -> None:
