@@ -2,7 +2,9 @@
 (today's best here) and --arch modern + Muon + WSD; same data, same tokens per step, same steps. The others are
 ablations: modern as it was before 2026-11-27 (without attention's biases), and on that modern its embedding at
 --max_lr instead of --embed_lr's default 10×, a sweep of Muon's AdamW part (--max_lr) at its best --muon_lr, and the
-`modern_{part}_muon_wsd` recipes, one part changed at a time (dev/modern_ablations.py).
+`modern_{part}_muon_wsd` recipes, one part changed at a time (dev/modern_ablations.py; `a+b` changes two), and changes
+of what both Muon recipes share, each at its best LR: `{gpt2,modern}_muon_wsd_warmup5` (5 warmup steps, not 25),
+`modern_muon_wsd_wd0` (no weight decay), `{gpt2,modern}_split_muon_wsd` (Muon orthogonalising q, k, v apart).
 
     python -m data.prepare --input ../shared/data/enwiki/enwiki.jsonl.gz \\
         --val_input ../shared/data/enwiki/enwiki_val.jsonl.gz --output_dir data/enwiki
@@ -62,7 +64,8 @@ RECIPES |= {f"modern_{part}_muon_wsd": ("--muon_lr", [0.005], [*RECIPES["modern_
                                                                part])
             for part in GPT2_PARTS}
 RECIPES |= {f"modern_{part}_muon_wsd": ("--muon_lr", [0.005], [*RECIPES["modern_muon_wsd"][2], "--part", part])
-            for part in ["softcap", "relu2_mlp", "qk_gain", "value_embeds"]}
+            for part in ["softcap", "relu2_mlp", "qk_gain", "value_embeds", "softcap+value_embeds",
+                         "softcap+value_embeds+split_muon"]}
 RECIPES |= {f"{arch}_split_muon_wsd": ("--muon_lr", [lr], [*RECIPES[f"{arch}_muon_wsd"][2], "--part", "split_muon"])
             for arch, lr in [("gpt2", 0.01), ("modern", 0.005)]}
 # The shared recipe changed, for both Muon recipes: a shorter warmup than COMMON's 25 steps; no weight decay (AdamW's

@@ -3,6 +3,7 @@
 other flags.
 
     python -m dev.modern_ablations --part biases --arch modern --no-attention_bias ...   # any train_gpt2.py flags
+    python -m dev.modern_ablations --part softcap+value_embeds --arch modern ...         # several parts at once
 
 Put back as GPT-2 has it (measured on modern without attention's biases, --no-attention_bias, as it was then):
     layernorm          LayerNorm (gain and bias) wherever modern has RMSNorm: in the blocks, at the end, as QK-norm
@@ -176,9 +177,12 @@ PATCHES = {"layernorm": layer_norm_everywhere, "no_qk_norm": no_qk_norm,
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) < 2 or argv[0] != "--part" or argv[1] not in PATCHES:
-        sys.exit(f"usage: python -m dev.modern_ablations --part {{{','.join(PATCHES)}}} <train_gpt2.py flags>")
-    PATCHES[argv[1]]()
+    parts = argv[1].split("+") if len(argv) >= 2 and argv[0] == "--part" else []
+    if not parts or any(part not in PATCHES for part in parts):
+        sys.exit(f"usage: python -m dev.modern_ablations --part PART[+PART...] <train_gpt2.py flags>, each PART one of "
+                 f"{', '.join(PATCHES)}")
+    for part in parts:
+        PATCHES[part]()
     train_gpt2.main(argv[2:])
 
 
