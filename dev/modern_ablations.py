@@ -1,6 +1,6 @@
-"""--arch modern with one part changed: the ablations of dev/arch_compare.py's recipes `modern_{part}_muon_wsd`
-(README, "Architectures"). Each part is a patch of model.py in this process only; then train_gpt2.py runs with the
-other flags.
+"""--arch modern with one part changed (or several): the ablations of dev/arch_compare.py's recipes
+`modern_{part}_muon_wsd` (README, "Architectures"). Each part is a patch of model.py (split_muon: of optim.py) in this
+process only; then train_gpt2.py runs with the other flags.
 
     python -m dev.modern_ablations --part biases --arch modern --no-attention_bias ...   # any train_gpt2.py flags
     python -m dev.modern_ablations --part softcap+value_embeds --arch modern ...         # several parts at once
@@ -115,6 +115,7 @@ def value_embeddings(gpt: model.GPT) -> None:
     order = [*range(tables), *[None] * (config.n_layer - 2 * tables), *range(tables)]
     tokens = {}
     gpt.transformer.wte.register_forward_pre_hook(lambda module, args: tokens.update(idx=args[0]))
+
     def add_to_values(table: nn.Embedding, module, args, out: torch.Tensor) -> torch.Tensor:
         # c_attn's output is (q, k, v) side by side: the table's rows go to v's part
         return out + F.pad(table(tokens["idx"]).to(out.dtype), (2 * config.n_embd, 0))
