@@ -250,11 +250,10 @@ def test_greedy_generation_with_the_kv_cache_is_the_argmax_of_full_forwards_toke
     if compile and not gpu_compile:
         pytest.skip("the compiled decode step: on CUDA, or on the CPU with GPU_TESTS_COMPILE=1")
     if gpu_device.type == "cuda":
-        config, prompt_len, new_tokens = GPTConfig(block_size=64, n_layer=4, n_head=4, n_embd=256, arch=arch), 8, 80
+        config, prompt_len, new_tokens = GPTConfig(block_size=64, n_layer=4, n_head=4, n_embd=256), 8, 80
     else:
-        config, prompt_len, new_tokens = GPTConfig(block_size=16, vocab_size=97, n_layer=2, n_head=2, n_embd=32,
-                                                   arch=arch), 4, 24
-    config = with_arch(config, arch)  # modern as train_gpt2.py builds it, with attention's biases
+        config, prompt_len, new_tokens = GPTConfig(block_size=16, vocab_size=97, n_layer=2, n_head=2, n_embd=32), 4, 24
+    config = with_arch(config, arch)  # as train_gpt2.py builds it (modern with attention's biases)
     torch.manual_seed(0)
     model = perturb_(GPT(config), 0.1).to(gpu_device).eval()  # sharp attention, so wrong keys or positions show
     prompt = torch.randint(0, config.vocab_size, (4, prompt_len), generator=torch.Generator().manual_seed(0))
