@@ -11,6 +11,8 @@ Put back as GPT-2 has it (measured on modern without attention's biases, --no-at
     gelu_mlp           GPT-2's MLP, GELU at 4× the width (no biases, the output projection zero at init, as modern's)
     biases             a bias on every linear layer of the blocks (zero at init)
     learned_positions  GPT-2's learned position embedding added to the token embedding, and no rotation
+    tied_embeddings    one matrix as the token embedding and the output layer (measured on modern as it is; the
+                       tied matrix learns at --embed_lr, which the recipes set to GPT-2's 2e-3 or leave at 10×)
 Added as modded-nanogpt has it, though Qwen3 has not (measured on modern as it is):
     softcap            the logits soft-capped at 15: 15·tanh(logits/15) (modded-nanogpt's; Gemma 2 caps at 30)
     relu2_mlp          an MLP of ReLU² at 4× the width, not gated, instead of SwiGLU (modded-nanogpt's)
@@ -19,9 +21,12 @@ Added as modded-nanogpt has it, though Qwen3 has not (measured on modern as it i
     value_embeds       modded-nanogpt's value embeddings: tables of their own, looked up by token and added to
                        attention's values, min(3, n_layer/2) tables used by the first layers and again by the last,
                        each zero at init and trained as the token embedding is (AdamW at --embed_lr)
-Muon's treatment, on either architecture:
+The optimizers, on either architecture:
     split_muon         Muon orthogonalises the queries', keys' and values' rows of c_attn each on their own, and
                        SwiGLU's gate and up rows, as if each were a matrix of its own (modded-nanogpt's q, k, v are)
+    adam_betas         AdamW's betas (0.8, 0.95) instead of (0.9, 0.95): its momentum averages the last ~5 steps, not
+                       ~10 (modded-nanogpt's, for its embeddings, output layer and gains)
+    head_lr            the untied output layer in an AdamW group of its own at HEAD_LR_RATIO × --max_lr
 
 The patched model is modern's in everything else, so a snapshot of it loads as neither architecture: these runs are
 scored on their val loss only."""
@@ -124,17 +129,37 @@ def value_embeddings(gpt: model.GPT) -> None:
             block.attn.c_attn.register_forward_hook(functools.partial(add_to_values, gpt.value_embeds[table]))
 
 
-def adamw_with_value_embeddings() -> None:
-    """The value embeddings in a group of their own, at the token embedding's learning rate."""
+def adamw_group(tag: str, lr_ratio: Callable[[torch.optim.AdamW], float]) -> None:
+    """The parameters marked with the attribute tag in an AdamW group of their own, at lr_ratio(adamw) × --max_lr."""
     plain_adamw = optim.adamw
 
     def adamw(params, cfg, device_type, fused, embedding=None):
-        tables = [p for p in params if getattr(p, "VALUE_EMBED", False)]
-        adam = plain_adamw([p for p in params if not getattr(p, "VALUE_EMBED", False)], cfg, device_type, fused,
-                           embedding)
-        if tables:
-            ratio = next(group["lr_ratio"] for group in adam.param_groups if "lr_ratio" in group)
-            adam.add_param_group({"params": tables, "weight_decay": cfg.weight_decay, "lr_ratio": ratio})
+        tagged = [p for p in params if getattr(p, tag, False)]
+        adam = plain_adamw([p for p in params if not getattr(p, tag, False)], cfg, device_type, fused, embedding)
+        if tagged:
+            adam.add_param_group({"params": tagged, "weight_decay": cfg.weight_decay, "lr_ratio": lr_ratio(adam)})
+        return adam
+    optim.adamw = adamw
+
+
+def embedding_lr_ratio(adam: torch.optim.AdamW) -> float:
+    return next(group["lr_ratio"] for group in adam.param_groups if "lr_ratio" in group)
+
+
+HEAD_LR_RATIO = 3.0
+
+
+def tag_output_layer(gpt: model.GPT) -> None:
+    gpt.lm_head.weight.OUTPUT_LAYER = True
+
+
+def adam_betas() -> None:
+    plain_adamw = optim.adamw
+
+    def adamw(*args, **kwargs):
+        adam = plain_adamw(*args, **kwargs)
+        for group in adam.param_groups:
+            group["betas"] = (0.8, 0.95)
         return adam
     optim.adamw = adamw
 
@@ -159,6 +184,10 @@ def add_biases(modules: nn.Module) -> None:
             module.bias = nn.Parameter(torch.zeros(module.out_features, device=module.weight.device))
 
 
+def tied_embeddings() -> None:
+    model.GPT.tie_weights = lambda self: setattr(self.lm_head, "weight", self.transformer.wte.weight)
+
+
 def learned_positions(gpt: model.GPT) -> None:
     wpe = gpt.transformer.wpe = nn.Embedding(gpt.config.block_size, gpt.config.n_embd)
     nn.init.normal_(wpe.weight, mean=0.0, std=0.02)
@@ -172,9 +201,12 @@ PATCHES = {"layernorm": layer_norm_everywhere, "no_qk_norm": no_qk_norm,
            "biases": lambda: after_init(lambda gpt: add_biases(gpt.transformer.h)),
            "learned_positions": lambda: (setattr(model, "rotate", lambda x, positions: x),
                                          after_init(learned_positions)),
+           "tied_embeddings": tied_embeddings,
            "softcap": softcap_logits, "relu2_mlp": lambda: four_times_mlp(lambda x: F.relu(x).square()),
            "qk_gain": lambda: after_init(sharper_attention), "split_muon": split_newton_schulz,
-           "value_embeds": lambda: (after_init(value_embeddings), adamw_with_value_embeddings())}
+           "value_embeds": lambda: (after_init(value_embeddings), adamw_group("VALUE_EMBED", embedding_lr_ratio)),
+           "adam_betas": adam_betas,
+           "head_lr": lambda: (after_init(tag_output_layer), adamw_group("OUTPUT_LAYER", lambda adam: HEAD_LR_RATIO))}
 
 
 def main(argv: list[str]) -> None:
