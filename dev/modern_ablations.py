@@ -1,6 +1,6 @@
 """--arch modern with one part changed (or several): the ablations of dev/arch_compare.py's recipes
-`modern_{part}_muon_wsd` (README, "Architectures"). Each part is a patch of model.py (split_muon: of optim.py) in this
-process only; then train_gpt2.py runs with the other flags.
+`modern_{part}_muon_wsd` (README, "Architectures"). Each part is a patch of model.py (split_muon, adam_betas, head_lr:
+of optim.py) in this process only; then train_gpt2.py runs with the other flags.
 
     python -m dev.modern_ablations --part biases --arch modern --no-attention_bias ...   # any train_gpt2.py flags
     python -m dev.modern_ablations --part softcap+value_embeds --arch modern ...         # several parts at once
@@ -21,12 +21,12 @@ Added as modded-nanogpt has it, though Qwen3 has not (measured on modern as it i
     value_embeds       modded-nanogpt's value embeddings: tables of their own, looked up by token and added to
                        attention's values, min(3, n_layer/2) tables used by the first layers and again by the last,
                        each zero at init and trained as the token embedding is (AdamW at --embed_lr)
-The optimizers, on either architecture:
+The optimizers (split_muon and adam_betas on either architecture):
     split_muon         Muon orthogonalises the queries', keys' and values' rows of c_attn each on their own, and
                        SwiGLU's gate and up rows, as if each were a matrix of its own (modded-nanogpt's q, k, v are)
     adam_betas         AdamW's betas (0.8, 0.95) instead of (0.9, 0.95): its momentum averages the last ~5 steps, not
                        ~10 (modded-nanogpt's, for its embeddings, output layer and gains)
-    head_lr            the untied output layer in an AdamW group of its own at HEAD_LR_RATIO × --max_lr
+    head_lr            modern's untied output layer in an AdamW group of its own, at HEAD_LR_RATIO × --max_lr
 
 The patched model is modern's in everything else, so a snapshot of it loads as neither architecture: these runs are
 scored on their val loss only."""
