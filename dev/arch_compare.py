@@ -4,7 +4,9 @@ ablations: modern as it was before 2026-11-27 (without attention's biases), and 
 --max_lr instead of --embed_lr's default 10×, a sweep of Muon's AdamW part (--max_lr) at its best --muon_lr, and the
 `modern_{part}_muon_wsd` recipes, one part changed at a time (dev/modern_ablations.py; `a+b` changes two), and changes
 of what both Muon recipes share, each at its best LR: `{gpt2,modern}_muon_wsd_warmup5` (5 warmup steps, not 25),
-`modern_muon_wsd_wd0` (no weight decay), `{gpt2,modern}_split_muon_wsd` (Muon orthogonalising q, k, v apart).
+`modern_muon_wsd_wd0` (no weight decay), `{gpt2,modern}_muon_wsd_warmdown50` (the LR decaying over the last half),
+`{gpt2,modern}_split_muon_wsd` (Muon orthogonalising q, k, v apart), `{gpt2,modern}_adam_betas_muon_wsd` (AdamW's betas
+(0.8, 0.95)); and `modern_tied_embeddings{,_embed1x}_muon_wsd`, GPT-2's tied embeddings on modern.
 
     python -m data.prepare --input ../shared/data/enwiki/enwiki.jsonl.gz \\
         --val_input ../shared/data/enwiki/enwiki_val.jsonl.gz --output_dir data/enwiki
