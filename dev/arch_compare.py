@@ -67,14 +67,19 @@ RECIPES |= {f"modern_{part}_muon_wsd": ("--muon_lr", [0.005], [*RECIPES["modern_
             for part in GPT2_PARTS}
 RECIPES |= {f"modern_{part}_muon_wsd": ("--muon_lr", [0.005], [*RECIPES["modern_muon_wsd"][2], "--part", part])
             for part in ["softcap", "relu2_mlp", "qk_gain", "value_embeds", "softcap+value_embeds",
-                         "softcap+value_embeds+split_muon", "head_lr"]}
+                         "softcap+value_embeds+split_muon", "head_lr", "embed_std1"]}
+# The embedding at std 1 with nanochat's ratio of learning rates (its embedding at 50× its output layer's), and no
+# weight decay (at that LR AdamW's 0.1 would shrink it 2 % a step).
+RECIPES["modern_embed_std1_lr100x_muon_wsd"] = ("--muon_lr", [0.005], [*RECIPES["modern_embed_std1_muon_wsd"][2],
+                                                                       "--embed_lr", "0.2", "--weight_decay", "0"])
 # GPT-2's tied embeddings put back on modern as it is: the one matrix at modern's embedding LR (10× --max_lr), and at
 # GPT-2's (--max_lr, as GPT-2 + Muon's tied matrix learns).
 RECIPES |= {f"modern_tied_embeddings{suffix}_muon_wsd": ("--muon_lr", [0.005], [*RECIPES["modern_muon_wsd"][2], *extra,
                                                                                  "--part", "tied_embeddings"])
             for suffix, extra in [("", []), ("_embed1x", ["--embed_lr", "2e-3"])]}
 RECIPES |= {f"{arch}_{part}_muon_wsd": ("--muon_lr", [lr], [*RECIPES[f"{arch}_muon_wsd"][2], "--part", part])
-            for arch, lr in [("gpt2", 0.01), ("modern", 0.005)] for part in ("split_muon", "adam_betas")}
+            for arch, lr in [("gpt2", 0.01), ("modern", 0.005)]
+            for part in ("split_muon", "adam_betas", "momentum_warmup")}
 # The shared recipe changed, for both Muon recipes: a shorter warmup than COMMON's 25 steps; no weight decay (AdamW's
 # 0.1 shrinks modern's embedding, at 10× --max_lr, by 2e-3 a step, to 0.61 of its size over a run without gradient);
 # the LR decaying over the last half of the run instead of 30 %.

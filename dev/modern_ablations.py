@@ -27,6 +27,10 @@ The optimizers (split_muon and adam_betas on either architecture):
     adam_betas         AdamW's betas (0.8, 0.95) instead of (0.9, 0.95): its momentum averages the last ~5 steps, not
                        ~10 (modded-nanogpt's, for its embeddings, output layer and gains)
     head_lr            modern's untied output layer in an AdamW group of its own, at HEAD_LR_RATIO × --max_lr
+    momentum_warmup    Muon's momentum from 0.85 up to --muon_momentum over the first MOMENTUM_WARMUP_STEPS steps
+                       (modded-nanogpt's, over its first 300)
+The initialisation:
+    embed_std1         the token embedding drawn at std 1 instead of 0.02 (nanochat's and modded-nanogpt's)
 
 The patched model is modern's in everything else, so a snapshot of it loads as neither architecture: these runs are
 scored on their val loss only."""
@@ -164,6 +168,23 @@ def adam_betas() -> None:
     optim.adamw = adamw
 
 
+MOMENTUM_WARMUP_STEPS = 100
+
+
+def momentum_warmup() -> None:
+    """set_lr is called once a step, before the step (a resumed run would start the count again: these runs do not
+    resume)."""
+    plain_set_lr = optim.Optimizers.set_lr
+    steps = iter(range(10**9))
+
+    def set_lr(self, lr: float) -> None:
+        plain_set_lr(self, lr)
+        done = min(next(steps) / MOMENTUM_WARMUP_STEPS, 1.0)
+        for group in getattr(self.by_name.get("muon"), "param_groups", []):
+            group["momentum"] = 0.85 + done * (self.run_settings["muon"][0]["momentum"] - 0.85)
+    optim.Optimizers.set_lr = set_lr
+
+
 def split_newton_schulz() -> None:
     """optim.newton_schulz on each block of rows: 3 for c_attn's (3C, C) update, 2 for SwiGLU's (2·hidden, C), each
     scaled as Muon scales a matrix of its own shape (so by 1/√blocks: Muon scales the whole by √(rows/C))."""
@@ -196,6 +217,10 @@ def learned_positions(gpt: model.GPT) -> None:
         lambda module, args, out: out + wpe(torch.arange(out.size(1), device=out.device)))
 
 
+def embedding_at_std1(gpt: model.GPT) -> None:
+    nn.init.normal_(gpt.transformer.wte.weight, mean=0.0, std=1.0)
+
+
 PATCHES = {"layernorm": layer_norm_everywhere, "no_qk_norm": no_qk_norm,
            "gelu_mlp": lambda: four_times_mlp(functools.partial(F.gelu, approximate="tanh")),
            "biases": lambda: after_init(lambda gpt: add_biases(gpt.transformer.h)),
@@ -205,7 +230,8 @@ PATCHES = {"layernorm": layer_norm_everywhere, "no_qk_norm": no_qk_norm,
            "softcap": softcap_logits, "relu2_mlp": lambda: four_times_mlp(lambda x: F.relu(x).square()),
            "qk_gain": lambda: after_init(sharper_attention), "split_muon": split_newton_schulz,
            "value_embeds": lambda: (after_init(value_embeddings), adamw_group("VALUE_EMBED", embedding_lr_ratio)),
-           "adam_betas": adam_betas,
+           "adam_betas": adam_betas, "momentum_warmup": momentum_warmup,
+           "embed_std1": lambda: after_init(embedding_at_std1),
            "head_lr": lambda: (after_init(tag_output_layer), adamw_group("OUTPUT_LAYER", lambda adam: HEAD_LR_RATIO))}
 
 
