@@ -67,7 +67,8 @@ RECIPES |= {f"modern_{part}_muon_wsd": ("--muon_lr", [0.005], [*RECIPES["modern_
             for part in GPT2_PARTS}
 RECIPES |= {f"modern_{part}_muon_wsd": ("--muon_lr", [0.005], [*RECIPES["modern_muon_wsd"][2], "--part", part])
             for part in ["softcap", "relu2_mlp", "qk_gain", "value_embeds", "softcap+value_embeds",
-                         "softcap+value_embeds+split_muon", "head_lr", "embed_std1"]}
+                         "softcap+value_embeds+split_muon", "head_lr", "embed_std1",
+                         "rope_base1k"]}
 # The embedding at std 1 with nanochat's ratio of learning rates (its embedding at 50× its output layer's), and no
 # weight decay (at that LR AdamW's 0.1 would shrink it 2 % a step).
 RECIPES["modern_embed_std1_lr100x_muon_wsd"] = ("--muon_lr", [0.005], [*RECIPES["modern_embed_std1_muon_wsd"][2],

@@ -29,8 +29,10 @@ The optimizers (split_muon and adam_betas on either architecture):
     head_lr            modern's untied output layer in an AdamW group of its own, at HEAD_LR_RATIO × --max_lr
     momentum_warmup    Muon's momentum from 0.85 up to --muon_momentum over the first MOMENTUM_WARMUP_STEPS steps
                        (modded-nanogpt's, over its first 300)
-The initialisation:
+The initialisation, and the rotary base (Qwen3 has both as settings):
     embed_std1         the token embedding drawn at std 1 instead of 0.02 (nanochat's and modded-nanogpt's)
+    rope_base1k        rotary base θ = 1,000 instead of 10,000 (modded-nanogpt's 1,024): at T = 256 the slowest of the
+                       64-wide heads' 32 rotations turns 0.32 rad over a row, not 0.03 (a Qwen3Config's rope_theta)
 
 The patched model is modern's in everything else, so a snapshot of it loads as neither architecture: these runs are
 scored on their val loss only."""
@@ -232,6 +234,7 @@ PATCHES = {"layernorm": layer_norm_everywhere, "no_qk_norm": no_qk_norm,
            "value_embeds": lambda: (after_init(value_embeddings), adamw_group("VALUE_EMBED", embedding_lr_ratio)),
            "adam_betas": adam_betas, "momentum_warmup": momentum_warmup,
            "embed_std1": lambda: after_init(embedding_at_std1),
+           "rope_base1k": lambda: setattr(model, "ROPE_THETA", 1000.0),
            "head_lr": lambda: (after_init(tag_output_layer), adamw_group("OUTPUT_LAYER", lambda adam: HEAD_LR_RATIO))}
 
 
