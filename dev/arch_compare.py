@@ -80,7 +80,7 @@ RECIPES |= {f"modern_tied_embeddings{suffix}_muon_wsd": ("--muon_lr", [0.005], [
             for suffix, extra in [("", []), ("_embed1x", ["--embed_lr", "2e-3"])]}
 RECIPES |= {f"{arch}_{part}_muon_wsd": ("--muon_lr", [lr], [*RECIPES[f"{arch}_muon_wsd"][2], "--part", part])
             for arch, lr in [("gpt2", 0.01), ("modern", 0.005)]
-            for part in ("split_muon", "adam_betas", "momentum_warmup")}
+            for part in ("split_muon", "adam_betas", "momentum_warmup", "short_rows")}
 # The shared recipe changed, for both Muon recipes: a shorter warmup than COMMON's 25 steps; no weight decay (AdamW's
 # 0.1 shrinks modern's embedding, at 10× --max_lr, by 2e-3 a step, to 0.61 of its size over a run without gradient);
 # the LR decaying over the last half of the run instead of 30 %.

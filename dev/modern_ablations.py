@@ -29,6 +29,9 @@ The optimizers (split_muon and adam_betas on either architecture):
     head_lr            modern's untied output layer in an AdamW group of its own, at HEAD_LR_RATIO × --max_lr
     momentum_warmup    Muon's momentum from 0.85 up to --muon_momentum over the first MOMENTUM_WARMUP_STEPS steps
                        (modded-nanogpt's, over its first 300)
+The data (either architecture):
+    short_rows         a sequence-length schedule: the training rows cut into rows of 64 tokens for the first 50 steps,
+                       of 128 until step 100, then the whole 256 (the same tokens in every step, in the same order)
 The initialisation, and the rotary base (Qwen3 has both as settings):
     embed_std1         the token embedding drawn at std 1 instead of 0.02 (nanochat's and modded-nanogpt's)
     rope_base1k        rotary base θ = 1,000 instead of 10,000 (modded-nanogpt's 1,024): at T = 256 the slowest of the
@@ -45,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import dataloader
 import model
 import optim
 import train_gpt2
@@ -219,6 +223,21 @@ def learned_positions(gpt: model.GPT) -> None:
         lambda module, args, out: out + wpe(torch.arange(out.size(1), device=out.device)))
 
 
+SHORT_ROWS = [(50, 64), (100, 128)]  # (until which micro-step, the training rows' length): one micro-step a step here
+
+
+class ShortRowsLoader(dataloader.DistributedDataLoader):
+    def __init__(self, data_dir, split: str, *args, **kwargs):
+        super().__init__(data_dir, split, *args, **kwargs)
+        self.schedule, self.batches = SHORT_ROWS if split == "train" else [], 0  # (validation reads whole rows)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = super().next_batch()
+        row_len = next((length for until, length in self.schedule if self.batches < until), x.size(1))
+        self.batches += 1
+        return x.reshape(-1, row_len), y.reshape(-1, row_len)
+
+
 def embedding_at_std1(gpt: model.GPT) -> None:
     nn.init.normal_(gpt.transformer.wte.weight, mean=0.0, std=1.0)
 
@@ -233,6 +252,7 @@ PATCHES = {"layernorm": layer_norm_everywhere, "no_qk_norm": no_qk_norm,
            "qk_gain": lambda: after_init(sharper_attention), "split_muon": split_newton_schulz,
            "value_embeds": lambda: (after_init(value_embeddings), adamw_group("VALUE_EMBED", embedding_lr_ratio)),
            "adam_betas": adam_betas, "momentum_warmup": momentum_warmup,
+           "short_rows": lambda: setattr(train_gpt2, "DistributedDataLoader", ShortRowsLoader),
            "embed_std1": lambda: after_init(embedding_at_std1),
            "rope_base1k": lambda: setattr(model, "ROPE_THETA", 1000.0),
            "head_lr": lambda: (after_init(tag_output_layer), adamw_group("OUTPUT_LAYER", lambda adam: HEAD_LR_RATIO))}
