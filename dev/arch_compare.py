@@ -88,6 +88,11 @@ VARIANTS = {"warmup5": ["--warmup_steps", "5"], "wd0": ["--weight_decay", "0"],
             "warmdown50": ["--warmdown_frac", "0.5"]}
 RECIPES |= {f"{recipe}_{variant}": (RECIPES[recipe][0], RECIPES[recipe][1], [*RECIPES[recipe][2], *extra])
             for recipe in ("gpt2_muon_wsd", "modern_muon_wsd") for variant, extra in VARIANTS.items()}
+# Every change to the shared recipe that gained on its own, together, for both Muon recipes.
+COMBINED = "adam_betas+split_muon+momentum_warmup+short_rows"
+RECIPES |= {f"{arch}_combined_muon_wsd": ("--muon_lr", [lr], [*RECIPES[f"{arch}_muon_wsd"][2], *VARIANTS["warmup5"],
+                                                             "--part", COMBINED])
+            for arch, lr in [("gpt2", 0.01), ("modern", 0.005)]}
 SEEDS = [1337, 42]
 SHARED_DATA = Path(os.environ.get("SHARED_DATA", "../shared/data"))
 HELDOUT = {"fineweb": "fineweb_sample/fineweb_20docs.jsonl", "lambada": "evals/lambada_openai.jsonl"}
