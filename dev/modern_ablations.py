@@ -31,7 +31,8 @@ The optimizers (split_muon and adam_betas on either architecture):
                        (modded-nanogpt's, over its first 300)
 The data (either architecture):
     short_rows         a sequence-length schedule: the training rows cut into rows of 64 tokens for the first 50 steps,
-                       of 128 until step 100, then the whole 256 (the same tokens in every step, in the same order)
+                       of 128 until step 100, then the whole 256 (the same tokens in every step, in the same order);
+                       in a run of other than 245 steps (--max_steps), at the same fractions of it
 The initialisation, and the rotary base (Qwen3 has both as settings):
     embed_std1         the token embedding drawn at std 1 instead of 0.02 (nanochat's and modded-nanogpt's)
     rope_base1k        rotary base θ = 1,000 instead of 10,000 (modded-nanogpt's 1,024): at T = 256 the slowest of the
@@ -227,9 +228,12 @@ SHORT_ROWS = [(50, 64), (100, 128)]  # (until which micro-step, the training row
 
 
 class ShortRowsLoader(dataloader.DistributedDataLoader):
+    run_steps = 245  # the steps SHORT_ROWS is written for (dev/arch_compare.py's); main sets this run's
+
     def __init__(self, data_dir, split: str, *args, **kwargs):
         super().__init__(data_dir, split, *args, **kwargs)
-        self.schedule, self.batches = SHORT_ROWS if split == "train" else [], 0  # (validation reads whole rows)
+        scaled = [(round(until * ShortRowsLoader.run_steps / 245), length) for until, length in SHORT_ROWS]
+        self.schedule, self.batches = scaled if split == "train" else [], 0  # (validation reads whole rows)
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = super().next_batch()
@@ -263,6 +267,8 @@ def main(argv: list[str]) -> None:
     if not parts or any(part not in PATCHES for part in parts):
         sys.exit(f"usage: python -m dev.modern_ablations --part PART[+PART...] <train_gpt2.py flags>, each PART one of "
                  f"{', '.join(PATCHES)}")
+    if "--max_steps" in argv:
+        ShortRowsLoader.run_steps = int(argv[argv.index("--max_steps") + 1])
     for part in parts:
         PATCHES[part]()
     train_gpt2.main(argv[2:])
