@@ -27,12 +27,13 @@ The optimizers (split_muon and adam_betas on either architecture):
     adam_betas         AdamW's betas (0.8, 0.95) instead of (0.9, 0.95): its momentum averages the last ~5 steps, not
                        ~10 (modded-nanogpt's, for its embeddings, output layer and gains)
     head_lr            modern's untied output layer in an AdamW group of its own, at HEAD_LR_RATIO × --max_lr
-    momentum_warmup    Muon's momentum from 0.85 up to --muon_momentum over the first MOMENTUM_WARMUP_STEPS steps
-                       (modded-nanogpt's, over its first 300)
+    momentum_warmup    Muon's momentum from 0.85 up to --muon_momentum over the first 100 steps (modded-nanogpt's,
+                       over its first 300)
 The data (either architecture):
     short_rows         a sequence-length schedule: the training rows cut into rows of 64 tokens for the first 50 steps,
-                       of 128 until step 100, then the whole 256 (the same tokens in every step, in the same order);
-                       in a run of other than 245 steps (--max_steps), at the same fractions of it
+                       of 128 until step 100, then the whole 256 (the same tokens in every step, in the same order)
+The two schedules are written for dev/arch_compare.py's 245 steps; a run of other --max_steps has them at the same
+fractions of it.
 The initialisation, and the rotary base (Qwen3 has both as settings):
     embed_std1         the token embedding drawn at std 1 instead of 0.02 (nanochat's and modded-nanogpt's)
     rope_base1k        rotary base θ = 1,000 instead of 10,000 (modded-nanogpt's 1,024): at T = 256 the slowest of the
@@ -175,6 +176,14 @@ def adam_betas() -> None:
     optim.adamw = adamw
 
 
+PLANNED_STEPS = 245  # the steps the schedules below are written for
+run_steps = PLANNED_STEPS  # this run's --max_steps (main sets it): the schedules keep their fractions of it
+
+
+def at_this_length(step: int) -> int:
+    return round(step * run_steps / PLANNED_STEPS)
+
+
 MOMENTUM_WARMUP_STEPS = 100
 
 
@@ -186,7 +195,7 @@ def momentum_warmup() -> None:
 
     def set_lr(self, lr: float) -> None:
         plain_set_lr(self, lr)
-        done = min(next(steps) / MOMENTUM_WARMUP_STEPS, 1.0)
+        done = min(next(steps) / at_this_length(MOMENTUM_WARMUP_STEPS), 1.0)
         for group in getattr(self.by_name.get("muon"), "param_groups", []):
             group["momentum"] = 0.85 + done * (self.run_settings["muon"][0]["momentum"] - 0.85)
     optim.Optimizers.set_lr = set_lr
@@ -228,11 +237,9 @@ SHORT_ROWS = [(50, 64), (100, 128)]  # (until which micro-step, the training row
 
 
 class ShortRowsLoader(dataloader.DistributedDataLoader):
-    run_steps = 245  # the steps SHORT_ROWS is written for (dev/arch_compare.py's); main sets this run's
-
     def __init__(self, data_dir, split: str, *args, **kwargs):
         super().__init__(data_dir, split, *args, **kwargs)
-        scaled = [(round(until * ShortRowsLoader.run_steps / 245), length) for until, length in SHORT_ROWS]
+        scaled = [(at_this_length(until), length) for until, length in SHORT_ROWS]
         self.schedule, self.batches = scaled if split == "train" else [], 0  # (validation reads whole rows)
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -267,8 +274,9 @@ def main(argv: list[str]) -> None:
     if not parts or any(part not in PATCHES for part in parts):
         sys.exit(f"usage: python -m dev.modern_ablations --part PART[+PART...] <train_gpt2.py flags>, each PART one of "
                  f"{', '.join(PATCHES)}")
+    global run_steps
     if "--max_steps" in argv:
-        ShortRowsLoader.run_steps = int(argv[argv.index("--max_steps") + 1])
+        run_steps = int(argv[argv.index("--max_steps") + 1])
     for part in parts:
         PATCHES[part]()
     train_gpt2.main(argv[2:])
