@@ -134,8 +134,13 @@ def run(shapes: list[str], recipes: list[str], seeds: list[int], lrs: list[float
 COMPARED = ["gpt2_adamw_cosine", "gpt2_muon_wsd", "modern_muon_wsd"]  # the plot's; the others in the table only
 
 
-def is_patched(recipe: str) -> bool:
-    return "--part" in RECIPES[recipe][2]
+# The parts that change only the optimizer or the data: a run of them snapshots an unpatched model.
+TRAINING_PARTS = {"split_muon", "adam_betas", "momentum_warmup", "short_rows", "head_lr"}
+
+
+def patches_model(recipe: str) -> bool:
+    flags = RECIPES[recipe][2]
+    return "--part" in flags and not set(flags[flags.index("--part") + 1].split("+")) <= TRAINING_PARTS
 
 
 def entry_point(flags: list[str]) -> list[str]:
@@ -230,7 +235,7 @@ def heldout(recipes: list[str]) -> None:
     for shape in SHAPES:
         for recipe in recipes:
             # (a patched model is neither architecture, so tools.evaluate cannot read its snapshot)
-            if is_patched(recipe) or (best := best_runs(shape, recipe)) is None:
+            if patches_model(recipe) or (best := best_runs(shape, recipe)) is None:
                 continue
             lr, paths = best
             for path in paths:
