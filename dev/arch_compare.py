@@ -7,7 +7,7 @@ of what both Muon recipes share, each at its best LR: `{gpt2,modern}_muon_wsd_wa
 `modern_muon_wsd_wd0` (no weight decay), `{gpt2,modern}_muon_wsd_warmdown50` (the LR decaying over the last half),
 `{gpt2,modern}_split_muon_wsd` (Muon orthogonalising q, k, v apart), `{gpt2,modern}_adam_betas_muon_wsd` (AdamW's betas
 (0.8, 0.95)), `{gpt2,modern}_momentum_warmup_muon_wsd` (Muon's momentum from 0.85), `{gpt2,modern}_short_rows_muon_wsd`
-(a sequence-length schedule), and `{gpt2,modern}_combined_muon_wsd`, those five together; and
+(a sequence-length schedule), and `{gpt2,modern}_combined_muon_wsd`: those four, and 5 warmup steps; and
 `modern_tied_embeddings{,_embed1x}_muon_wsd`, GPT-2's tied embeddings on modern, `modern_embed_std1{,_lr100x}_muon_wsd`,
 the embedding drawn at std 1, and `modern_rope_base1k_muon_wsd`, rotary base 1,000.
 
