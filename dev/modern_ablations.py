@@ -1,6 +1,7 @@
 """--arch modern with one part changed (or several): the ablations of dev/arch_compare.py's recipes
-`modern_{part}_muon_wsd` (README, "Architectures"). Each part is a patch of model.py (split_muon, adam_betas, head_lr:
-of optim.py) in this process only; then train_gpt2.py runs with the other flags.
+`modern_{part}_muon_wsd` (README, "Architectures"). Each part is a patch of model.py (split_muon, adam_betas, head_lr,
+momentum_warmup: of optim.py; short_rows: of train_gpt2.py's data loader) in this process only; then train_gpt2.py runs
+with the other flags.
 
     python -m dev.modern_ablations --part biases --arch modern --no-attention_bias ...   # any train_gpt2.py flags
     python -m dev.modern_ablations --part softcap+value_embeds --arch modern ...         # several parts at once
@@ -21,7 +22,7 @@ Added as modded-nanogpt has it, though Qwen3 has not (measured on modern as it i
     value_embeds       modded-nanogpt's value embeddings: tables of their own, looked up by token and added to
                        attention's values, min(3, n_layer/2) tables used by the first layers and again by the last,
                        each zero at init and trained as the token embedding is (AdamW at --embed_lr)
-The optimizers (split_muon and adam_betas on either architecture):
+The optimizers (split_muon, adam_betas and momentum_warmup on either architecture):
     split_muon         Muon orthogonalises the queries', keys' and values' rows of c_attn each on their own, and
                        SwiGLU's gate and up rows, as if each were a matrix of its own (modded-nanogpt's q, k, v are)
     adam_betas         AdamW's betas (0.8, 0.95) instead of (0.9, 0.95): its momentum averages the last ~5 steps, not
@@ -39,10 +40,12 @@ The initialisation, and the rotary base (Qwen3 has both as settings):
     rope_base1k        rotary base θ = 1,000 instead of 10,000 (modded-nanogpt's 1,024): at T = 256 the slowest of the
                        64-wide heads' 32 rotations turns 0.32 rad over a row, not 0.03 (a Qwen3Config's rope_theta)
 
-The patched model is modern's in everything else, so a snapshot of it loads as neither architecture: these runs are
-scored on their val loss only."""
+A model patched is modern's in everything else, so a snapshot of it loads as neither architecture: those runs are
+scored on their val loss only. The parts of the optimizers and the data leave the model as it is (dev/arch_compare.py's
+`heldout` scores their snapshots)."""
 
 import functools
+import itertools
 import sys
 from collections.abc import Callable
 
@@ -191,7 +194,7 @@ def momentum_warmup() -> None:
     """set_lr is called once a step, before the step (a resumed run would start the count again: these runs do not
     resume)."""
     plain_set_lr = optim.Optimizers.set_lr
-    steps = iter(range(10**9))
+    steps = itertools.count()
 
     def set_lr(self, lr: float) -> None:
         plain_set_lr(self, lr)
