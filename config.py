@@ -53,6 +53,10 @@ class TrainConfig:
     block_size: int | None = arg(None, "override the preset's context length (with --init_from: crop it)")
     # batch: total_batch_size tokens per optimizer step = micro_batch_size·seq_len·world_size·grad_accum_steps
     seq_len: int | None = arg(None, "training sequence length T (≤ block_size; default: block_size)")
+    short_rows: str = arg("", "a sequence-length schedule, LENGTH:UNTIL_STEP pairs: '64:50,128:100' cuts each "
+                              "training row into rows of 64 tokens before step 50, of 128 before step 100, then "
+                              "trains on whole --seq_len rows (the same tokens per step, in the same order; each "
+                              "LENGTH divides --seq_len). Empty: whole rows throughout")
     micro_batch_size: int | str = arg(64, "sequences per rank per micro-step B; lower it if you run out of memory, "
                                           "or 'auto': the largest that fits this device's memory")
     total_batch_size: int = arg(524288, "tokens per optimizer step (GPT-2 used ~0.5M)")
@@ -62,6 +66,8 @@ class TrainConfig:
     max_lr: float = arg(6e-4, "peak learning rate")
     min_lr_ratio: float = arg(0.1, "final learning rate as a fraction of max_lr")
     weight_decay: float = arg(0.1, "AdamW weight decay on matrices")
+    adam_beta1: float = arg(0.9, "AdamW's first-moment decay (its second is 0.95); 0.8, modded-nanogpt's, averages "
+                                 "the last ~5 gradients instead of ~10")
     lr_schedule: str = arg("cosine", "after the warmup: cosine decay to min_lr_ratio·max_lr | wsd: hold max_lr, then "
                                      "decay linearly over the last --warmdown_frac of the steps (a run can be extended "
                                      "from a snapshot taken before the decay)", choices=("cosine", "wsd"))
@@ -74,6 +80,8 @@ class TrainConfig:
     muon_lr: float = arg(0.01, "muon: peak learning rate of the Muon-updated matrices (follows the same schedule; "
                                "0.01 was best of 0.005-0.04 on two small models, see the README)")
     muon_momentum: float = arg(0.95, "muon: Nesterov momentum")
+    muon_momentum_warmup: int = arg(0, "muon: the momentum rises linearly from 0.85 to --muon_momentum over the first "
+                                       "N steps (modded-nanogpt's; 0: --muon_momentum from the first step)")
     muon_weight_decay: float = arg(0.0, "muon: decoupled weight decay, applied as muon_lr·decay per step")
     muon_adjust_lr: str = arg("original", "muon: per-shape LR scaling: original (√max(1, out/in), Keller Jordan's; "
                                           "tune --muon_lr) | match_rms_adamw (0.2·√max(out, in), Moonshot's: updates "
@@ -221,6 +229,7 @@ class Plan:
     model_config: GPTConfig
     align_bos: bool  # --align_bos, or its default for the architecture
     seq_len: int
+    short_rows: tuple[tuple[int, int], ...]  # --short_rows: (row length, until which step), the steps increasing
     grad_accum_steps: int
     val_steps: int  # validation micro-batches per rank (0: no validation)
     snapshot_dir: str
@@ -236,6 +245,7 @@ def resolve_plan(cfg: TrainConfig, world_size: int) -> Plan:
     if seq_len > config.block_size:
         raise UserError(f"--seq_len {seq_len} exceeds the model's --block_size {config.block_size}; lower --seq_len "
                         "or raise --block_size.")
+    short_rows = parse_short_rows(cfg.short_rows, seq_len)
     if cfg.lr_schedule == "wsd" and not 0 < cfg.warmdown_frac <= 1:
         raise UserError(f"--warmdown_frac {cfg.warmdown_frac}: the decay takes this fraction of --max_steps, so it "
                         "must be above 0 and at most 1 (0.2 is common).")
@@ -259,7 +269,32 @@ def resolve_plan(cfg: TrainConfig, world_size: int) -> Plan:
         raise UserError(f"--{'' if cfg.attention_bias else 'no-'}attention_bias: gpt2 has biases on every layer, "
                         "attention's included, as OpenAI's. Leave the flag out, or train --arch modern.")
     align_bos = cfg.align_bos if cfg.align_bos is not None else config.arch == "modern"
-    return Plan(config, align_bos, seq_len, grad_accum_steps, val_steps, cfg.snapshot_dir or cfg.log_dir)
+    return Plan(config, align_bos, seq_len, short_rows, grad_accum_steps, val_steps, cfg.snapshot_dir or cfg.log_dir)
+
+
+def parse_short_rows(schedule: str, seq_len: int) -> tuple[tuple[int, int], ...]:
+    """--short_rows '64:50,128:100' as ((64, 50), (128, 100)), checked against --seq_len."""
+    try:
+        pairs = tuple(tuple(int(number) for number in pair.split(":", 1)) for pair in schedule.split(",")) \
+            if schedule else ()
+        ok = all(len(pair) == 2 for pair in pairs)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise UserError(f"--short_rows {schedule!r}: pass LENGTH:UNTIL_STEP pairs separated by commas, e.g. "
+                        "'64:50,128:100' (rows of 64 tokens before step 50, of 128 before step 100, then whole rows).")
+    lengths, steps = [length for length, _ in pairs], [step for _, step in pairs]
+    if any(length < 1 or seq_len % length for length in lengths) or steps != sorted(set(steps)) or \
+            any(step < 1 for step in steps):
+        raise UserError(f"--short_rows {schedule!r}: each LENGTH must divide --seq_len {seq_len} (a row is cut into "
+                        "shorter ones), and the UNTIL_STEPs must rise, from 1 on: e.g. '64:50,128:100' for --seq_len "
+                        "256 or 1024.")
+    return pairs
+
+
+def row_length(step: int, plan: Plan) -> int:
+    """The length of the rows the model trains on at `step` (--short_rows), a divisor of --seq_len."""
+    return next((length for length, until in plan.short_rows if step < until), plan.seq_len)
 
 
 def model_config(cfg: TrainConfig) -> GPTConfig:

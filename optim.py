@@ -27,14 +27,16 @@ from precision import pick_dtype
 
 # A relative change of the learning rate at a resume beyond this is a jump worth a warning.
 LR_JUMP_TOLERANCE = 0.03
-# The flag behind each optimizer setting that one sets (the rest, such as AdamW's betas, are set in this file).
+# The flag behind each optimizer setting that one sets (the rest, such as AdamW's eps, are set in this file).
 SETTING_FLAGS = {("adamw", "weight_decay"): "--weight_decay", ("muon", "weight_decay"): "--muon_weight_decay",
                  ("muon", "momentum"): "--muon_momentum", ("muon", "adjust_lr_fn"): "--muon_adjust_lr",
-                 ("adamw", "lr_ratio"): "--embed_lr (as a ratio to --max_lr)"}
+                 ("adamw", "lr_ratio"): "--embed_lr (as a ratio to --max_lr)", ("adamw", "betas"): "--adam_beta1"}
 # modern's untied input embedding learns at this multiple of --max_lr unless --embed_lr says otherwise: a row is
 # updated only where its token occurs. On enwiki 10× ended 0.125 lower in val loss than 1×, and 30× another 0.011
 # (within seed noise), so 10× (README, Architectures).
 EMBED_LR_RATIO = 10.0
+# --muon_momentum_warmup starts Muon's momentum here: early gradients change fast, and a shorter average follows them.
+MUON_MOMENTUM_START = 0.85
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -45,12 +47,15 @@ class Optimizers:
     Iterating gives the real torch optimizers, one by one: the GradScaler unscales and steps each of them, and
     fsdp's get_state_dict takes them as a list."""
 
-    def __init__(self, optimizers: dict[str, torch.optim.Optimizer], lr_ratios: dict[str, float]):
+    def __init__(self, optimizers: dict[str, torch.optim.Optimizer], lr_ratios: dict[str, float],
+                 scheduled_momentum: bool = False):
         self.by_name, self.lr_ratios = optimizers, lr_ratios
         # A loaded state brings the settings of the run that saved it (weight decay, betas, momentum, ...) in its
         # param_groups; this run's flags win, and what they replaced is kept for the resume to say: {flag: (saved,
-        # this run's)}. The learning rate is set_lr's, and the schedule's change is told apart (schedule_change).
-        self.run_settings = {name: [{k: v for k, v in group.items() if k not in ("params", "lr")}
+        # this run's)}. The learning rate is set_lr's, and the schedule's change is told apart (schedule_change);
+        # so is Muon's momentum under --muon_momentum_warmup (set_muon_momentum's, a snapshot holds that step's).
+        scheduled = ("params", "lr", "momentum") if scheduled_momentum else ("params", "lr")
+        self.run_settings = {name: [{k: v for k, v in group.items() if k not in scheduled}
                                     for group in optimizer.param_groups] for name, optimizer in optimizers.items()}
         self.replaced_settings: dict[str, tuple] = {}
         for name, optimizer in optimizers.items():
@@ -67,6 +72,10 @@ class Optimizers:
         for name, optimizer in self.by_name.items():
             for group in optimizer.param_groups:
                 group["lr"] = lr * self.lr_ratios[name] * group.get("lr_ratio", 1.0)
+
+    def set_muon_momentum(self, momentum: float) -> None:
+        for group in getattr(self.by_name.get("muon"), "param_groups", []):
+            group["momentum"] = momentum
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for optimizer in self:
@@ -114,7 +123,7 @@ def build_optimizers(model: torch.nn.Module, cfg: TrainConfig, device_type: str,
     muon = (ShardedMuon if shared else torch.optim.Muon)(matrices, lr=cfg.muon_lr, weight_decay=cfg.muon_weight_decay,
                                                          momentum=cfg.muon_momentum, adjust_lr_fn=cfg.muon_adjust_lr)
     return Optimizers({"muon": muon, "adamw": adamw(rest, cfg, device_type, fused, embedding)},
-                      {"muon": cfg.muon_lr / cfg.max_lr, "adamw": 1.0})
+                      {"muon": cfg.muon_lr / cfg.max_lr, "adamw": 1.0}, scheduled_momentum=cfg.muon_momentum_warmup > 0)
 
 
 def split_for_muon(model: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
@@ -137,7 +146,7 @@ def adamw(params: list[torch.nn.Parameter], cfg: TrainConfig, device_type: str, 
     # The fused kernel does the whole update in one pass per tensor instead of a dozen; on a CPU that is
     # 12 ms instead of 70 ms per step for the small preset. fused=False is the plain loop (bench.py's baseline).
     fused = fused and device_type in ("cuda", "mps", "cpu")
-    return torch.optim.AdamW(groups, lr=cfg.max_lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+    return torch.optim.AdamW(groups, lr=cfg.max_lr, betas=(cfg.adam_beta1, 0.95), eps=1e-8, fused=fused)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -341,6 +350,13 @@ def get_lr(step: int, cfg: TrainConfig) -> float:
         return min_lr + min(1.0, steps_left / warmdown_steps) * (cfg.max_lr - min_lr)
     progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - 1 - cfg.warmup_steps)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.max_lr - min_lr)
+
+
+def get_muon_momentum(step: int, cfg: TrainConfig) -> float:
+    """Muon's momentum at `step`: from MUON_MOMENTUM_START up to --muon_momentum over --muon_momentum_warmup steps."""
+    if step >= cfg.muon_momentum_warmup:
+        return cfg.muon_momentum
+    return MUON_MOMENTUM_START + step / cfg.muon_momentum_warmup * (cfg.muon_momentum - MUON_MOMENTUM_START)
 
 
 def schedule_change(step: int, snapshot_config: dict, cfg: TrainConfig) -> tuple[str, bool] | None:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import evals
 import hf
-from config import HF_MODELS, Plan, TrainConfig, parse_args, resolve_plan
+from config import HF_MODELS, Plan, TrainConfig, parse_args, resolve_plan, row_length
 from dataloader import DistributedDataLoader
 from distributed import Distributed, hangs_reported, setup_distributed, synchronize, teardown_distributed
 from divergence import DivergenceGuard, DivergenceResponse, StopRequest
@@ -30,7 +30,7 @@ from errors import UserError, run_entry_point
 from memory import choose_micro_batch, keep_freed_memory
 from mfu import Peak, peak_flops
 from model import GPT
-from optim import get_lr, schedule_change
+from optim import get_lr, get_muon_momentum, schedule_change
 from parallel import TrainingModel, build_training_model
 from precision import dtype_name, pick_dtype, set_deterministic
 from run_lock import lock_run_directories
@@ -139,7 +139,8 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None
             t0 = time.perf_counter()
             lr = get_lr(step, cfg)
             result = train_step(trainee.model, trainee.optimizer, trainee.scaler, train_loader,
-                                plan.grad_accum_steps, lr, cfg.grad_clip, device, dtype, guard)
+                                plan.grad_accum_steps, lr, cfg.grad_clip, device, dtype, guard,
+                                muon_momentum=get_muon_momentum(step, cfg), row_length=row_length(step, plan))
             synchronize(device)
             log_step(step, result, lr, speed.measure(time.perf_counter() - t0), metrics)
             if guard.skips_in_a_row >= cfg.max_skips:  # the same on every rank: they all stop or roll back
@@ -251,6 +252,7 @@ def log_setup(cfg: TrainConfig, plan: Plan, model: GPT, dist_env: Distributed, d
           f"{cfg.compile} | peak {peak.flops / 1e12:,.1f} TFLOP/s per device ({peak.source})\n"
           f"batch: {cfg.total_batch_size:,} tokens = {cfg.micro_batch_size} × {plan.seq_len} × "
           f"{dist_env.world_size} ranks × {plan.grad_accum_steps} accumulation steps"
+          + "".join(f", rows of {length} tokens before step {until}" for length, until in plan.short_rows)
           + (f"\nvalidation: {plan.val_steps} × {tokens_per_micro_step:,} tokens" if plan.val_steps else ""))
 
 

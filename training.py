@@ -29,17 +29,23 @@ class StepResult:
 
 def train_step(model: torch.nn.Module, optimizer: Optimizers, scaler: torch.amp.GradScaler,
                loader: DistributedDataLoader, grad_accum_steps: int, lr: float, grad_clip: float,
-               device: torch.device, dtype: torch.dtype, guard: DivergenceGuard | None = None) -> StepResult:
+               device: torch.device, dtype: torch.dtype, guard: DivergenceGuard | None = None,
+               muon_momentum: float | None = None, row_length: int | None = None) -> StepResult:
     """One optimizer update on total_batch_size tokens, accumulated over grad_accum_steps micro-steps; not applied
-    if the loss or gradient norm is non-finite, or if `guard` says it is a spike."""
+    if the loss or gradient norm is non-finite, or if `guard` says it is a spike. muon_momentum: this step's, if
+    scheduled; row_length: the loader's rows are cut into rows of this many tokens (--short_rows)."""
     model.train()
     optimizer.set_lr(lr)
+    if muon_momentum is not None:
+        optimizer.set_muon_momentum(muon_momentum)
     optimizer.zero_grad(set_to_none=True)
     loss_sum = torch.zeros((), device=device)
     data_seconds = 0.0
     for micro_step in range(grad_accum_steps):
         t0 = time.perf_counter()
         x, y = to_device(*loader.next_batch(), device)
+        if row_length is not None:
+            x, y = x.reshape(-1, row_length), y.reshape(-1, row_length)
         data_seconds += time.perf_counter() - t0
         # Gradients are reduced across ranks only after the last micro-step: the earlier backward passes just add
         # into .grad locally.

@@ -7,9 +7,11 @@ of what both Muon recipes share, each at its best LR: `{gpt2,modern}_muon_wsd_wa
 `modern_muon_wsd_wd0` (no weight decay), `{gpt2,modern}_muon_wsd_warmdown50` (the LR decaying over the last half),
 `{gpt2,modern}_split_muon_wsd` (Muon orthogonalising q, k, v apart), `{gpt2,modern}_adam_betas_muon_wsd` (AdamW's betas
 (0.8, 0.95)), `{gpt2,modern}_momentum_warmup_muon_wsd` (Muon's momentum from 0.85), `{gpt2,modern}_short_rows_muon_wsd`
-(a sequence-length schedule), and `{gpt2,modern}_combined_muon_wsd`: those four, and 5 warmup steps; and
+(a sequence-length schedule), and `{gpt2,modern}_combined_muon_wsd`: those four, and 5 warmup steps
+(`{gpt2,modern}_combined_flags_muon_wsd`: the same but for split Muon, as train_gpt2.py's flags); and
 `modern_tied_embeddings{,_embed1x}_muon_wsd`, GPT-2's tied embeddings on modern, `modern_embed_std1{,_lr100x}_muon_wsd`,
-the embedding drawn at std 1, and `modern_rope_base1k_muon_wsd`, rotary base 1,000.
+the embedding drawn at std 1, `modern_rope_base1k_muon_wsd`, rotary base 1,000, `modern_embed_norm_muon_wsd`, an
+RMSNorm on the token embedding, and `modern_heads2_muon_wsd`, two heads of 128 instead of four of 64.
 
     python -m data.prepare --input ../shared/data/enwiki/enwiki.jsonl.gz \\
         --val_input ../shared/data/enwiki/enwiki_val.jsonl.gz --output_dir data/enwiki
@@ -71,7 +73,9 @@ RECIPES |= {f"modern_{part}_muon_wsd": ("--muon_lr", [0.005], [*RECIPES["modern_
 RECIPES |= {f"modern_{part}_muon_wsd": ("--muon_lr", [0.005], [*RECIPES["modern_muon_wsd"][2], "--part", part])
             for part in ["softcap", "relu2_mlp", "qk_gain", "value_embeds", "softcap+value_embeds",
                          "softcap+value_embeds+split_muon", "head_lr", "embed_std1",
-                         "rope_base1k"]}
+                         "rope_base1k", "embed_norm"]}
+# Modern with two heads of 128 (modded-nanogpt's head size) instead of four of 64: the same weights.
+RECIPES["modern_heads2_muon_wsd"] = ("--muon_lr", [0.005], [*RECIPES["modern_muon_wsd"][2], "--n_head", "2"])
 # The embedding at std 1 with nanochat's ratio of learning rates (its embedding at 50× its output layer's), and no
 # weight decay (at that LR AdamW's 0.1 would shrink it 2 % a step).
 RECIPES["modern_embed_std1_lr100x_muon_wsd"] = ("--muon_lr", [0.005], [*RECIPES["modern_embed_std1_muon_wsd"][2],
@@ -95,6 +99,11 @@ RECIPES |= {f"{recipe}_{variant}": (RECIPES[recipe][0], RECIPES[recipe][1], [*RE
 COMBINED = "adam_betas+split_muon+momentum_warmup+short_rows"
 RECIPES |= {f"{arch}_combined_muon_wsd": ("--muon_lr", [lr], [*RECIPES[f"{arch}_muon_wsd"][2], *VARIANTS["warmup5"],
                                                              "--part", COMBINED])
+            for arch, lr in [("gpt2", 0.01), ("modern", 0.005)]}
+# The same but for split Muon, with train_gpt2.py's flags instead of dev/modern_ablations.py's patches.
+COMBINED_FLAGS = ["--adam_beta1", "0.8", "--muon_momentum_warmup", "100", "--short_rows", "64:50,128:100"]
+RECIPES |= {f"{arch}_combined_flags_muon_wsd": ("--muon_lr", [lr], [*RECIPES[f"{arch}_muon_wsd"][2],
+                                                                   *VARIANTS["warmup5"], *COMBINED_FLAGS])
             for arch, lr in [("gpt2", 0.01), ("modern", 0.005)]}
 SEEDS = [1337, 42]
 SHARED_DATA = Path(os.environ.get("SHARED_DATA", "../shared/data"))

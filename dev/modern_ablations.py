@@ -39,6 +39,8 @@ The initialisation, and the rotary base (Qwen3 has both as settings):
     embed_std1         the token embedding drawn at std 1 instead of 0.02 (nanochat's and modded-nanogpt's)
     rope_base1k        rotary base θ = 1,000 instead of 10,000 (modded-nanogpt's 1,024): at T = 256 the slowest of the
                        64-wide heads' 32 rotations turns 0.32 rad over a row, not 0.03 (a Qwen3Config's rope_theta)
+    embed_norm         an RMSNorm (with its gain) on the token embedding's output, as nanochat and modded-nanogpt norm
+                       it (an export could fold it into the table: each row's norm depends on that row alone)
 
 A model patched is modern's in everything else, so a snapshot of it loads as neither architecture: those runs are
 scored on their val loss only. The parts of the optimizers and the data leave the model as it is (dev/arch_compare.py's
@@ -252,6 +254,11 @@ class ShortRowsLoader(dataloader.DistributedDataLoader):
         return x.reshape(-1, row_len), y.reshape(-1, row_len)
 
 
+def normed_embedding(gpt: model.GPT) -> None:
+    gpt.embed_norm = model.norm(gpt.config, gpt.config.n_embd)
+    gpt.transformer.wte.register_forward_hook(lambda module, args, out: gpt.embed_norm(out))
+
+
 def embedding_at_std1(gpt: model.GPT) -> None:
     nn.init.normal_(gpt.transformer.wte.weight, mean=0.0, std=1.0)
 
@@ -269,6 +276,7 @@ PATCHES = {"layernorm": layer_norm_everywhere, "no_qk_norm": no_qk_norm,
            "short_rows": lambda: setattr(train_gpt2, "DistributedDataLoader", ShortRowsLoader),
            "embed_std1": lambda: after_init(embedding_at_std1),
            "rope_base1k": lambda: setattr(model, "ROPE_THETA", 1000.0),
+           "embed_norm": lambda: after_init(normed_embedding),
            "head_lr": lambda: (after_init(tag_output_layer), adamw_group("OUTPUT_LAYER", lambda adam: HEAD_LR_RATIO))}
 
 

@@ -340,7 +340,7 @@ def test_a_loaded_state_keeps_this_runs_optimizer_flags_and_says_which_it_replac
     # What the state held instead, to be said at the resume.
     muon_changes = {"--muon_momentum": (0.95, 0.8), "--muon_weight_decay": (0.0, 0.05),
                     "--muon_adjust_lr": ("original", "match_rms_adamw")}
-    assert resumed.replaced_settings == {"--weight_decay": (0.1, 0.5), "adamw betas": ((0.8, 0.9), (0.9, 0.95))} | (
+    assert resumed.replaced_settings == {"--weight_decay": (0.1, 0.5), "--adam_beta1": ((0.8, 0.9), (0.9, 0.95))} | (
         muon_changes if optimizer == "muon" else {})
 
 

@@ -451,3 +451,24 @@ def test_align_bos_run_resumes_exactly_from_a_mid_epoch_snapshot(tmp_path):
     assert after_resume(resumed)[0]["step"] == 8
     assert list(by_step(resumed, "loss")) == [8, 9, 10, 11]
     assert by_step(resumed, "loss") == {s: loss for s, loss in by_step(whole, "loss").items() if s >= 8}
+
+
+@pytest.mark.slow  # two runs in this process: about 3 s
+def test_a_run_resumes_exactly_in_the_middle_of_its_momentum_warmup_and_short_rows(tmp_path):
+    make_shards(tmp_path / "data", "train", [300, 300], seed=0)
+    make_shards(tmp_path / "data", "val", [200], seed=1)
+    args = [*JOB, "--data_dir", str(tmp_path / "data"), "--optimizer", "muon", "--muon_momentum_warmup", "10",
+            "--short_rows", "4:5,8:9", "--adam_beta1", "0.8", "--ckpt_every", "4"]
+    main_in_process([*args, "--log_dir", str(tmp_path / "whole")])
+    state = load_snapshot(snapshot_path(tmp_path / "whole", 7))
+    assert state["optimizer"]["muon"]["param_groups"][0]["momentum"] == pytest.approx(0.92)  # step 7's, of 0.85-0.95
+    main_in_process([*args, "--log_dir", str(tmp_path / "resumed"), "--resume",
+                     str(snapshot_path(tmp_path / "whole", 7))])
+    whole, resumed = read_metrics(tmp_path / "whole"), read_metrics(tmp_path / "resumed")
+    resume, after = after_resume(resumed)
+    assert resume["step"] == 8 and "optimizer_settings" not in resume  # (the warmup's momentum is no change of flag)
+    assert by_step(after, "loss") == {s: loss for s, loss in by_step(whole, "loss").items() if s >= 8}
+    # The flags took effect: the same job without them has other losses from the first step.
+    main_in_process([*JOB, "--data_dir", str(tmp_path / "data"), "--optimizer", "muon", "--ckpt_every", "4",
+                     "--log_dir", str(tmp_path / "plain")])
+    assert all(loss != by_step(whole, "loss")[s] for s, loss in by_step(read_metrics(tmp_path / "plain"), "loss").items())

@@ -301,6 +301,26 @@ def test_seq_len_longer_than_block_size_is_rejected(tmp_path):
         resolve_plan(cfg, world_size=1)
 
 
+@pytest.mark.parametrize("schedule", ["64", "4:a", "3:10", "4:9,8:5", "4:0,8:5", "32:4"])
+def test_a_bad_short_rows_schedule_names_the_flag_and_an_example(tmp_path, schedule):
+    cfg = parse_args(["--model", "tiny", "--seq_len", "16", "--short_rows", schedule, "--data_dir", str(tmp_path)])
+    with pytest.raises(UserError, match=f"--short_rows '{schedule}': .* e.g. '64:50,128:100'"):
+        resolve_plan(cfg, world_size=1)
+
+
+def test_short_rows_train_on_the_same_tokens_cut_into_shorter_rows():
+    model, optimizer = new_model_and_optimizer()
+    batches = micro_batches(2)
+    reference = copy.deepcopy(model)  # independently: each (B, T) micro-batch as (4B, T/4) rows of 4 tokens
+    mean = torch.stack([F.cross_entropy(reference(x.reshape(-1, 4))[0].flatten(0, 1), y.flatten())
+                        for x, y in batches]).mean()
+    whole_rows = torch.stack([F.cross_entropy(reference(x)[0].flatten(0, 1), y.flatten()) for x, y in batches]).mean()
+    result = train_step(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), ListLoader(batches), 2,
+                        lr=1e-3, grad_clip=0.0, device=CPU, dtype=torch.float32, row_length=4)
+    assert result.loss == pytest.approx(mean.item(), rel=1e-6)
+    assert abs(mean.item() - whole_rows.item()) > 1e-3  # (so the rows were really cut)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # whole runs of train_gpt2.py
 
@@ -408,3 +428,32 @@ def test_every_update_of_a_real_run_uses_the_scheduled_learning_rate(tmp_path, m
     assert len(seen) == 8
     for lrs, expected in zip([s["lrs"] for s in seen], schedule):
         assert lrs == [pytest.approx(expected, rel=1e-12)] * 2  # both groups: decayed and not
+
+
+def record_calls(monkeypatch, cls: type, method: str, record) -> None:
+    """Call record(self, *args) before every call of cls.method."""
+    real = getattr(cls, method)
+
+    def spied(self, *args, **kwargs):
+        record(self, *args)
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(cls, method, spied)
+
+
+def test_a_real_run_follows_the_momentum_warmup_the_short_rows_and_adams_beta1(tmp_path, monkeypatch):
+    momenta, adam_betas, rows = [], [], []
+    record_calls(monkeypatch, torch.optim.Muon, "step", lambda muon: momenta.append(muon.param_groups[0]["momentum"]))
+    record_calls(monkeypatch, torch.optim.AdamW, "step",
+                 lambda adam: adam_betas.append({group["betas"] for group in adam.param_groups}))
+    record_calls(monkeypatch, GPT, "forward", lambda gpt, idx, *args: rows.append(tuple(idx.shape)))
+    make_shards(tmp_path / "data", "train", [2000])
+    cfg = parse_args(["--model", "tiny", "--device", "cpu", "--data_dir", str(tmp_path / "data"), "--log_dir",
+                      str(tmp_path / "logs"), "--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size",
+                      "32", "--max_steps", "8", "--warmup_steps", "3", "--val_every", "0", "--eval_every", "0",
+                      "--sample_every", "0", "--snapshot_every", "0", "--dtype", "fp32", "--optimizer", "muon",
+                      "--muon_momentum_warmup", "4", "--short_rows", "4:2,8:5", "--adam_beta1", "0.8"])
+    run(cfg, Distributed(0, 0, 1, CPU))
+    # From 0.85 up to --muon_momentum's 0.95 in 4 steps; rows of 4 tokens in steps 0-1, of 8 in 2-4, then 16.
+    assert momenta == pytest.approx([0.85, 0.875, 0.9, 0.925, 0.95, 0.95, 0.95, 0.95], abs=1e-12)
+    assert rows == [(8, 4)] * 2 + [(4, 8)] * 3 + [(2, 16)] * 3
+    assert adam_betas == [{(0.8, 0.95)}] * 8
