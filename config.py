@@ -249,13 +249,13 @@ def resolve_plan(cfg: TrainConfig, world_size: int) -> Plan:
     if cfg.lr_schedule == "wsd" and not 0 < cfg.warmdown_frac <= 1:
         raise UserError(f"--warmdown_frac {cfg.warmdown_frac}: the decay takes this fraction of --max_steps, so it "
                         "must be above 0 and at most 1 (0.2 is common).")
+    if not 0 <= cfg.adam_beta1 < 1:
+        raise UserError(f"--adam_beta1 {cfg.adam_beta1}: AdamW's first-moment decay is at least 0 and below 1 (0.9 is "
+                        "GPT-2's, 0.8 modded-nanogpt's).")
     grad_accum_steps = grad_accum_steps_for(cfg, seq_len, world_size)
     val_steps = validation_steps(cfg, seq_len, world_size) if cfg.val_every else 0
     if cfg.eval_every:
         parse_task_names(cfg.eval_tasks, "--eval_tasks")
-    if not 0 <= cfg.adam_beta1 < 1:
-        raise UserError(f"--adam_beta1 {cfg.adam_beta1}: AdamW's first-moment decay is at least 0 and below 1 (0.9 is "
-                        "GPT-2's, 0.8 modded-nanogpt's).")
     if cfg.skip_zscore < 0:
         raise UserError(f"--skip_zscore {cfg.skip_zscore}: a number of standard deviations above the mean, so "
                         "positive (5 or 6 skips only real spikes), or 0 to turn the spike guard off.")
