@@ -5,10 +5,11 @@ ablations: modern as it was before 2026-11-27 (without attention's biases), and 
 `modern_{part}_muon_wsd` recipes, one part changed at a time (dev/modern_ablations.py; `a+b` changes two), and changes
 of what both Muon recipes share, each at its best LR: `{gpt2,modern}_muon_wsd_warmup5` (5 warmup steps, not 25),
 `modern_muon_wsd_wd0` (no weight decay), `{gpt2,modern}_muon_wsd_warmdown50` (the LR decaying over the last half),
-`{gpt2,modern}_split_muon_wsd` (Muon orthogonalising q, k, v apart), `{gpt2,modern}_adam_betas_muon_wsd` (AdamW's betas
-(0.8, 0.95)), `{gpt2,modern}_momentum_warmup_muon_wsd` (Muon's momentum from 0.85), `{gpt2,modern}_short_rows_muon_wsd`
-(a sequence-length schedule), and `{gpt2,modern}_combined_muon_wsd`: those four, and 5 warmup steps
-(`{gpt2,modern}_combined_flags_muon_wsd`: the same but for split Muon, as train_gpt2.py's flags); and
+`{gpt2,modern}_split_muon_wsd` (Muon orthogonalising q, k, v apart, a patch), and train_gpt2.py's flags
+`{gpt2,modern}_adam_betas_muon_wsd` (AdamW's betas (0.8, 0.95)), `{gpt2,modern}_momentum_warmup_muon_wsd` (Muon's
+momentum from 0.85), `{gpt2,modern}_short_rows_muon_wsd` (a sequence-length schedule), and
+`{gpt2,modern}_combined_muon_wsd`: those four, and 5 warmup steps (`{gpt2,modern}_combined_flags_muon_wsd`: the same
+but for split Muon, train_gpt2.py's flags alone); and
 `modern_tied_embeddings{,_embed1x}_muon_wsd`, GPT-2's tied embeddings on modern, `modern_embed_std1{,_lr100x}_muon_wsd`,
 the embedding drawn at std 1, `modern_rope_base1k_muon_wsd`, rotary base 1,000, `modern_embed_norm_muon_wsd`, an
 RMSNorm on the token embedding, and `modern_heads2_muon_wsd`, two heads of 128 instead of four of 64.
@@ -36,14 +37,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+from config import parse_short_rows
 from dev.muon_vs_adamw import steps_to_reach
 from tools.plot import read_metrics
 
 ROOT = Path(os.environ.get("SWEEP_ROOT", "logs/arch_sweep"))
 STEPS = 245  # × 8,192 tokens = 2,007,040
-COMMON = ["--data_dir", "data/enwiki", "--seq_len", "256", "--micro_batch_size", "32", "--total_batch_size", "8192",
-          "--warmup_steps", "25", "--val_every", "20", "--val_tokens", "65536", "--eval_every", "0",
-          "--sample_every", "0", "--snapshot_every", "1000000", "--resume", "never"]  # (only the last step's)
+SEQ_LEN = 256
+COMMON = ["--data_dir", "data/enwiki", "--seq_len", str(SEQ_LEN), "--micro_batch_size", "32",
+          "--total_batch_size", "8192", "--warmup_steps", "25", "--val_every", "20", "--val_tokens", "65536",
+          "--eval_every", "0", "--sample_every", "0", "--snapshot_every", "1000000",
+          "--resume", "never"]  # (only the last step's)
 SHAPES = {"4x256": ["--model", "small"],  # 4 layers, 4 heads, width 256
           "6x384": ["--model", "small", "--n_layer", "6", "--n_head", "6", "--n_embd", "384"]}
 # The LR each recipe sweeps (--max_lr for AdamW, --muon_lr for Muon), and its fixed flags. Muon's AdamW part
@@ -85,9 +89,12 @@ RECIPES["modern_embed_std1_lr100x_muon_wsd"] = ("--muon_lr", [0.005], [*RECIPES[
 RECIPES |= {f"modern_tied_embeddings{suffix}_muon_wsd": ("--muon_lr", [0.005], [*RECIPES["modern_muon_wsd"][2], *extra,
                                                                                  "--part", "tied_embeddings"])
             for suffix, extra in [("", []), ("_embed1x", ["--embed_lr", "2e-3"])]}
-RECIPES |= {f"{arch}_{part}_muon_wsd": ("--muon_lr", [lr], [*RECIPES[f"{arch}_muon_wsd"][2], "--part", part])
-            for arch, lr in [("gpt2", 0.01), ("modern", 0.005)]
-            for part in ("split_muon", "adam_betas", "momentum_warmup", "short_rows")}
+# Changes of the shared recipe, for both Muon recipes: train_gpt2.py's flags (the two schedules are written for STEPS
+# steps; a shorter run has them at the same fractions of its steps), and Muon orthogonalising q, k and v apart, a patch.
+RECIPE_FLAGS = {"adam_betas": ["--adam_beta1", "0.8"], "momentum_warmup": ["--muon_momentum_warmup", "100"],
+                "short_rows": ["--short_rows", "64:50,128:100"], "split": ["--part", "split_muon"]}
+RECIPES |= {f"{arch}_{change}_muon_wsd": ("--muon_lr", [lr], [*RECIPES[f"{arch}_muon_wsd"][2], *flags])
+            for arch, lr in [("gpt2", 0.01), ("modern", 0.005)] for change, flags in RECIPE_FLAGS.items()}
 # The shared recipe changed, for both Muon recipes: a shorter warmup than COMMON's 25 steps; no weight decay (AdamW's
 # 0.1 shrinks modern's embedding, at 10× --max_lr, by 2e-3 a step, to 0.61 of its size over a run without gradient);
 # the LR decaying over the last half of the run instead of 30 %.
@@ -95,16 +102,13 @@ VARIANTS = {"warmup5": ["--warmup_steps", "5"], "wd0": ["--weight_decay", "0"],
             "warmdown50": ["--warmdown_frac", "0.5"]}
 RECIPES |= {f"{recipe}_{variant}": (RECIPES[recipe][0], RECIPES[recipe][1], [*RECIPES[recipe][2], *extra])
             for recipe in ("gpt2_muon_wsd", "modern_muon_wsd") for variant, extra in VARIANTS.items()}
-# Every change to the shared recipe that gained on its own, together, for both Muon recipes.
-COMBINED = "adam_betas+split_muon+momentum_warmup+short_rows"
-RECIPES |= {f"{arch}_combined_muon_wsd": ("--muon_lr", [lr], [*RECIPES[f"{arch}_muon_wsd"][2], *VARIANTS["warmup5"],
-                                                             "--part", COMBINED])
-            for arch, lr in [("gpt2", 0.01), ("modern", 0.005)]}
-# The same but for split Muon, with train_gpt2.py's flags instead of dev/modern_ablations.py's patches.
-COMBINED_FLAGS = ["--adam_beta1", "0.8", "--muon_momentum_warmup", "100", "--short_rows", "64:50,128:100"]
-RECIPES |= {f"{arch}_combined_flags_muon_wsd": ("--muon_lr", [lr], [*RECIPES[f"{arch}_muon_wsd"][2],
-                                                                   *VARIANTS["warmup5"], *COMBINED_FLAGS])
-            for arch, lr in [("gpt2", 0.01), ("modern", 0.005)]}
+# Every change to the shared recipe that gained on its own, together, for both Muon recipes (`combined`), and the same
+# but for split Muon, with train_gpt2.py's flags only (`combined_flags`).
+PRODUCT_FLAGS = [*VARIANTS["warmup5"], *(flag for change in ("adam_betas", "momentum_warmup", "short_rows")
+                                         for flag in RECIPE_FLAGS[change])]
+RECIPES |= {f"{arch}_{name}_muon_wsd": ("--muon_lr", [lr], [*RECIPES[f"{arch}_muon_wsd"][2], *PRODUCT_FLAGS, *extra])
+            for arch, lr in [("gpt2", 0.01), ("modern", 0.005)]
+            for name, extra in [("combined", RECIPE_FLAGS["split"]), ("combined_flags", [])]}
 SEEDS = [1337, 42]
 SHARED_DATA = Path(os.environ.get("SHARED_DATA", "../shared/data"))
 HELDOUT = {"fineweb": "fineweb_sample/fineweb_20docs.jsonl", "lambada": "evals/lambada_openai.jsonl"}
@@ -138,16 +142,32 @@ def run(shapes: list[str], recipes: list[str], seeds: list[int], lrs: list[float
                     print(f"{out} ...", flush=True)
                     with open(out / "stdout.txt", "w") as f:
                         subprocess.run([sys.executable, *entry_point([*COMMON, "--max_steps", str(steps),
-                                                                      *SHAPES[shape], *flags, flag, str(lr), "--seed",
-                                                                      str(seed), "--log_dir", str(out)])],
+                                                                      *SHAPES[shape], *scaled(flags, steps), flag,
+                                                                      str(lr), "--seed", str(seed), "--log_dir",
+                                                                      str(out)])],
                                        stdout=f, stderr=subprocess.STDOUT, check=True)
+
+
+def scaled(flags: list[str], steps: int) -> list[str]:
+    """The flags with the steps of the momentum warmup and the short rows at the same fractions of `steps` as of
+    STEPS (the LR schedule already follows --max_steps)."""
+    def at(step: int) -> int:
+        return round(step * steps / STEPS)
+    flags = list(flags)
+    for i, flag in enumerate(flags[:-1]):
+        if flag == "--muon_momentum_warmup":
+            flags[i + 1] = str(at(int(flags[i + 1])))
+        elif flag == "--short_rows":
+            rows = parse_short_rows(flags[i + 1], SEQ_LEN)
+            flags[i + 1] = ",".join(f"{length}:{at(until)}" for length, until in rows)
+    return flags
 
 
 COMPARED = ["gpt2_adamw_cosine", "gpt2_muon_wsd", "modern_muon_wsd"]  # the plot's; the others in the table only
 
 
-# The parts that change only the optimizer or the data: a run of them snapshots an unpatched model.
-TRAINING_PARTS = {"split_muon", "adam_betas", "momentum_warmup", "short_rows", "head_lr"}
+# The parts that change only the optimizer: a run of them snapshots an unpatched model.
+TRAINING_PARTS = {"split_muon", "head_lr"}
 
 
 def patches_model(recipe: str) -> bool:
@@ -273,7 +293,7 @@ def main() -> None:
     parser.add_argument("--recipes", default=",".join(RECIPES))
     parser.add_argument("--seeds", default=",".join(map(str, SEEDS)))
     parser.add_argument("--lrs", help="only these LRs (comma-separated), instead of each recipe's sweep")
-    parser.add_argument("--steps", type=int, default=STEPS, help="a shorter run (the LR schedule shortened with it)")
+    parser.add_argument("--steps", type=int, default=STEPS, help="a shorter run (its schedules shortened with it)")
     args = parser.parse_args()
     if args.command == "report":
         return report()

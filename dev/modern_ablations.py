@@ -1,7 +1,6 @@
 """--arch modern with one part changed (or several): the ablations of dev/arch_compare.py's recipes
-`modern_{part}_muon_wsd` (README, "Architectures"). Each part is a patch of model.py (split_muon, adam_betas, head_lr,
-momentum_warmup: of optim.py; short_rows: of train_gpt2.py's data loader) in this process only; then train_gpt2.py runs
-with the other flags.
+`modern_{part}_muon_wsd` (README, "Architectures"). Each part is a patch of model.py (split_muon and head_lr: of
+optim.py) in this process only; then train_gpt2.py runs with the other flags.
 
     python -m dev.modern_ablations --part biases --arch modern --no-attention_bias ...   # any train_gpt2.py flags
     python -m dev.modern_ablations --part softcap+value_embeds --arch modern ...         # several parts at once
@@ -22,19 +21,12 @@ Added as modded-nanogpt has it, though Qwen3 has not (measured on modern as it i
     value_embeds       modded-nanogpt's value embeddings: tables of their own, looked up by token and added to
                        attention's values, min(3, n_layer/2) tables used by the first layers and again by the last,
                        each zero at init and trained as the token embedding is (AdamW at --embed_lr)
-The optimizers (split_muon, adam_betas and momentum_warmup on either architecture):
+The optimizers (split_muon on either architecture; AdamW's betas and Muon's momentum warmup, measured here as patches
+first, are train_gpt2.py's flags --adam_beta1 and --muon_momentum_warmup, as the sequence-length schedule is
+--short_rows):
     split_muon         Muon orthogonalises the queries', keys' and values' rows of c_attn each on their own, and
                        SwiGLU's gate and up rows, as if each were a matrix of its own (modded-nanogpt's q, k, v are)
-    adam_betas         AdamW's betas (0.8, 0.95) instead of (0.9, 0.95): its momentum averages the last ~5 steps, not
-                       ~10 (modded-nanogpt's, for its embeddings, output layer and gains)
     head_lr            modern's untied output layer in an AdamW group of its own, at HEAD_LR_RATIO × --max_lr
-    momentum_warmup    Muon's momentum from 0.85 up to --muon_momentum over the first 100 steps (modded-nanogpt's,
-                       over its first 300)
-The data (either architecture):
-    short_rows         a sequence-length schedule: the training rows cut into rows of 64 tokens for the first 50 steps,
-                       of 128 until step 100, then the whole 256 (the same tokens in every step, in the same order)
-The two schedules are written for dev/arch_compare.py's 245 steps; a run of other --max_steps has them at the same
-fractions of it.
 The initialisation, and the rotary base (Qwen3 has both as settings):
     embed_std1         the token embedding drawn at std 1 instead of 0.02 (nanochat's and modded-nanogpt's)
     rope_base1k        rotary base θ = 1,000 instead of 10,000 (modded-nanogpt's 1,024): at T = 256 the slowest of the
@@ -43,11 +35,10 @@ The initialisation, and the rotary base (Qwen3 has both as settings):
                        it (an export could fold it into the table: each row's norm depends on that row alone)
 
 A model patched is modern's in everything else, so a snapshot of it loads as neither architecture: those runs are
-scored on their val loss only. The parts of the optimizers and the data leave the model as it is (dev/arch_compare.py's
+scored on their val loss only. The parts of the optimizers leave the model as it is (dev/arch_compare.py's
 `heldout` scores their snapshots)."""
 
 import functools
-import itertools
 import sys
 from collections.abc import Callable
 
@@ -55,7 +46,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import dataloader
 import model
 import optim
 import train_gpt2
@@ -170,42 +160,6 @@ def tag_output_layer(gpt: model.GPT) -> None:
     gpt.lm_head.weight.OUTPUT_LAYER = True
 
 
-def adam_betas() -> None:
-    plain_adamw = optim.adamw
-
-    def adamw(*args, **kwargs):
-        adam = plain_adamw(*args, **kwargs)
-        for group in adam.param_groups:
-            group["betas"] = (0.8, 0.95)
-        return adam
-    optim.adamw = adamw
-
-
-PLANNED_STEPS = 245  # the steps the schedules below are written for
-run_steps = PLANNED_STEPS  # this run's --max_steps (main sets it): the schedules keep their fractions of it
-
-
-def at_this_length(step: int) -> int:
-    return round(step * run_steps / PLANNED_STEPS)
-
-
-MOMENTUM_WARMUP_STEPS = 100
-
-
-def momentum_warmup() -> None:
-    """set_lr is called once a step, before the step (a resumed run would start the count again: these runs do not
-    resume)."""
-    plain_set_lr = optim.Optimizers.set_lr
-    steps = itertools.count()
-
-    def set_lr(self, lr: float) -> None:
-        plain_set_lr(self, lr)
-        done = min(next(steps) / at_this_length(MOMENTUM_WARMUP_STEPS), 1.0)
-        for group in getattr(self.by_name.get("muon"), "param_groups", []):
-            group["momentum"] = 0.85 + done * (self.run_settings["muon"][0]["momentum"] - 0.85)
-    optim.Optimizers.set_lr = set_lr
-
-
 def split_newton_schulz() -> None:
     """optim.newton_schulz on each block of rows: 3 for c_attn's (3C, C) update, 2 for SwiGLU's (2·hidden, C), each
     scaled as Muon scales a matrix of its own shape (so by 1/√blocks: Muon scales the whole by √(rows/C))."""
@@ -238,22 +192,6 @@ def learned_positions(gpt: model.GPT) -> None:
         lambda module, args, out: out + wpe(torch.arange(out.size(1), device=out.device)))
 
 
-SHORT_ROWS = [(50, 64), (100, 128)]  # (until which micro-step, the training rows' length): one micro-step a step here
-
-
-class ShortRowsLoader(dataloader.DistributedDataLoader):
-    def __init__(self, data_dir, split: str, *args, **kwargs):
-        super().__init__(data_dir, split, *args, **kwargs)
-        scaled = [(at_this_length(until), length) for until, length in SHORT_ROWS]
-        self.schedule, self.batches = scaled if split == "train" else [], 0  # (validation reads whole rows)
-
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = super().next_batch()
-        row_len = next((length for until, length in self.schedule if self.batches < until), x.size(1))
-        self.batches += 1
-        return x.reshape(-1, row_len), y.reshape(-1, row_len)
-
-
 def normed_embedding(gpt: model.GPT) -> None:
     gpt.embed_norm = model.norm(gpt.config, gpt.config.n_embd)
     gpt.transformer.wte.register_forward_hook(lambda module, args, out: gpt.embed_norm(out))
@@ -272,8 +210,6 @@ PATCHES = {"layernorm": layer_norm_everywhere, "no_qk_norm": no_qk_norm,
            "softcap": softcap_logits, "relu2_mlp": lambda: four_times_mlp(lambda x: F.relu(x).square()),
            "qk_gain": lambda: after_init(sharper_attention), "split_muon": split_newton_schulz,
            "value_embeds": lambda: (after_init(value_embeddings), adamw_group("VALUE_EMBED", embedding_lr_ratio)),
-           "adam_betas": adam_betas, "momentum_warmup": momentum_warmup,
-           "short_rows": lambda: setattr(train_gpt2, "DistributedDataLoader", ShortRowsLoader),
            "embed_std1": lambda: after_init(embedding_at_std1),
            "rope_base1k": lambda: setattr(model, "ROPE_THETA", 1000.0),
            "embed_norm": lambda: after_init(normed_embedding),
@@ -285,9 +221,6 @@ def main(argv: list[str]) -> None:
     if not parts or any(part not in PATCHES for part in parts):
         sys.exit(f"usage: python -m dev.modern_ablations --part PART[+PART...] <train_gpt2.py flags>, each PART one of "
                  f"{', '.join(PATCHES)}")
-    global run_steps
-    if "--max_steps" in argv:
-        run_steps = int(argv[argv.index("--max_steps") + 1])
     for part in parts:
         PATCHES[part]()
     train_gpt2.main(argv[2:])

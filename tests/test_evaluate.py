@@ -141,6 +141,7 @@ def test_bad_paths_and_mismatched_shards_are_clear_errors(trained, argv, message
     assert err.startswith("error: ") and message in err and "Traceback" not in err
 
 
+@pytest.mark.slow  # a few seconds: keeps `-m 'not slow'` under 90 s
 def test_an_fsdp_snapshot_directory_gets_the_val_loss_and_task_scores_its_run_logged(trained, tmp_path, capsys):
     fsdp_job = [*JOB, "--max_steps", "2", "--ckpt_every", "1", "--eval_tasks", "piqa", "--parallel", "fsdp"]
     main_in_process([*fsdp_job, "--data_dir", str(trained / "data"), "--log_dir", str(tmp_path)])

@@ -282,6 +282,7 @@ def test_an_fp16_run_saves_its_loss_scale_and_a_resume_carries_it_on(job, tmp_pa
     assert scale_in(snapshot_path(tmp_path / "scaled", 3)) == 1024.0
 
 
+@pytest.mark.slow  # a few seconds: keeps `-m 'not slow'` under 90 s
 @pytest.mark.parametrize("written, resumed", [("fp32", "fp16"), ("bf16", "fp16"), ("fp16", "bf16")])
 def test_a_snapshot_resumes_in_another_dtype(job, tmp_path, capsys, written, resumed):
     """An A100's bf16 run continued on a V100 in fp16, and back: the loss scale starts fresh or is dropped."""
@@ -363,6 +364,7 @@ def small_tmpfs(directory: Path, megabytes: int):
         subprocess.run(["umount", str(directory)], check=True)
 
 
+@pytest.mark.slow  # a few seconds: keeps `-m 'not slow'` under 90 s
 def test_a_full_snapshot_disk_keeps_the_older_snapshots_and_only_a_lost_last_one_fails_the_run(job, tmp_path,
                                                                                                capsys):
     # Room for 1.5 snapshots: step 3's fits, step 7's does not (a warning; training goes on), nor the last, step 11's.
@@ -396,6 +398,7 @@ def test_a_failing_snapshot_write_is_retried_at_the_next_one_and_the_run_finishe
     assert_continues_exactly(read_metrics(tmp_path), job.one_rank_run, from_step=0, tol=1e-6)
 
 
+@pytest.mark.slow  # a few seconds: keeps `-m 'not slow'` under 90 s
 def test_a_full_log_disk_warns_once_and_training_goes_on(job, tmp_path, capsys):
     log_dir = tmp_path / "small_disk"
     with small_tmpfs(log_dir, 1):

@@ -109,6 +109,7 @@ snapshot.save_snapshot(fake_snapshot(4), snapshot.snapshot_path(sys.argv[1], 4))
 """
 
 
+@pytest.mark.slow  # a few seconds: keeps `-m 'not slow'` under 90 s
 def test_killed_write_leaves_previous_snapshot_and_the_next_save_removes_its_temp_file(tmp_path):
     save_snapshot(fake_snapshot(3), snapshot_path(tmp_path, 3))
     env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
