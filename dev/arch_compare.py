@@ -46,8 +46,8 @@ STEPS = 245  # × 8,192 tokens = 2,007,040
 SEQ_LEN = 256
 COMMON = ["--data_dir", "data/enwiki", "--seq_len", str(SEQ_LEN), "--micro_batch_size", "32",
           "--total_batch_size", "8192", "--warmup_steps", "25", "--val_every", "20", "--val_tokens", "65536",
-          "--eval_every", "0", "--sample_every", "0", "--snapshot_every", "1000000",
-          "--resume", "never"]  # (only the last step's)
+          "--eval_every", "0", "--sample_every", "0", "--resume", "never",
+          "--snapshot_every", "1000000"]  # (only the last step's)
 SHAPES = {"4x256": ["--model", "small"],  # 4 layers, 4 heads, width 256
           "6x384": ["--model", "small", "--n_layer", "6", "--n_head", "6", "--n_embd", "384"]}
 # The LR each recipe sweeps (--max_lr for AdamW, --muon_lr for Muon), and its fixed flags. Muon's AdamW part
