@@ -12,7 +12,8 @@ momentum from 0.85), `{gpt2,modern}_short_rows_muon_wsd` (a sequence-length sche
 but for split Muon, train_gpt2.py's flags alone); and
 `modern_tied_embeddings{,_embed1x}_muon_wsd`, GPT-2's tied embeddings on modern, `modern_embed_std1{,_lr100x}_muon_wsd`,
 the embedding drawn at std 1, `modern_rope_base1k_muon_wsd`, rotary base 1,000, `modern_embed_norm_muon_wsd`, an
-RMSNorm on the token embedding, and `modern_heads2_muon_wsd`, two heads of 128 instead of four of 64.
+RMSNorm on the token embedding, `modern_heads2_muon_wsd`, two heads of 128 instead of four of 64, and
+`modern_value_embeds_short_rows_muon_wsd`, value embeddings with the short rows.
 
     python -m data.prepare --input ../shared/data/enwiki/enwiki.jsonl.gz \\
         --val_input ../shared/data/enwiki/enwiki_val.jsonl.gz --output_dir data/enwiki
@@ -77,7 +78,7 @@ RECIPES |= {f"modern_{part}_muon_wsd": ("--muon_lr", [0.005], [*RECIPES["modern_
 RECIPES |= {f"modern_{part}_muon_wsd": ("--muon_lr", [0.005], [*RECIPES["modern_muon_wsd"][2], "--part", part])
             for part in ["softcap", "relu2_mlp", "qk_gain", "value_embeds", "softcap+value_embeds",
                          "softcap+value_embeds+split_muon", "head_lr", "embed_std1",
-                         "rope_base1k", "embed_norm"]}
+                         "rope_base1k", "embed_norm", "gated_attn", "x0_mix", "unet"]}
 # Modern with two heads of 128 (modded-nanogpt's head size) instead of four of 64: the same weights.
 RECIPES["modern_heads2_muon_wsd"] = ("--muon_lr", [0.005], [*RECIPES["modern_muon_wsd"][2], "--n_head", "2"])
 # The embedding at std 1 with nanochat's ratio of learning rates (its embedding at 50× its output layer's), and no
@@ -95,6 +96,10 @@ RECIPE_FLAGS = {"adam_betas": ["--adam_beta1", "0.8"], "momentum_warmup": ["--mu
                 "short_rows": ["--short_rows", "64:50,128:100"], "split": ["--part", "split_muon"]}
 RECIPES |= {f"{arch}_{change}_muon_wsd": ("--muon_lr", [lr], [*RECIPES[f"{arch}_muon_wsd"][2], *flags])
             for arch, lr in [("gpt2", 0.01), ("modern", 0.005)] for change, flags in RECIPE_FLAGS.items()}
+# What favours modern most, together: value embeddings (the part that gained most) and the short rows (the one change
+# of the shared recipe that helps modern more than GPT-2 + Muon).
+RECIPES["modern_value_embeds_short_rows_muon_wsd"] = (
+    "--muon_lr", [0.005], [*RECIPES["modern_value_embeds_muon_wsd"][2], *RECIPE_FLAGS["short_rows"]])
 # The shared recipe changed, for both Muon recipes: a shorter warmup than COMMON's 25 steps; no weight decay (AdamW's
 # 0.1 shrinks modern's embedding, at 10× --max_lr, by 2e-3 a step, to 0.61 of its size over a run without gradient);
 # the LR decaying over the last half of the run instead of 30 %.

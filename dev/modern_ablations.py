@@ -18,6 +18,8 @@ Added as modded-nanogpt has it, though Qwen3 has not (measured on modern as it i
     relu2_mlp          an MLP of ReLU² at 4× the width, not gated, instead of SwiGLU (modded-nanogpt's)
     qk_gain            QK-norm's gains start at √QK_GAIN instead of 1: attention logits QK_GAIN× as large at init, a
                        sharper softmax (modded-nanogpt's scale 0.12 is 1.36× 1/√head_size at its head size of 128)
+    x0_mix             each block's input λ·x + μ·x0, x0 the token embedding's output, (λ, μ) learned from (1, 0)
+    unet               the first half's block outputs added to the last half's inputs, mirrored, with learned weights
     value_embeds       modded-nanogpt's value embeddings: tables of their own, looked up by token and added to
                        attention's values, min(3, n_layer/2) tables used by the first layers and again by the last,
                        each zero at init and trained as the token embedding is (AdamW at --embed_lr)
@@ -33,6 +35,9 @@ The initialisation, and the rotary base (Qwen3 has both as settings):
                        64-wide heads' 32 rotations turns 0.32 rad over a row, not 0.03 (a Qwen3Config's rope_theta)
     embed_norm         an RMSNorm (with its gain) on the token embedding's output, as nanochat and modded-nanogpt norm
                        it (an export could fold it into the table: each row's norm depends on that row alone)
+Added as Qwen3-Next has it (a transformers class of its own, Qwen3NextForCausalLM):
+    gated_attn         each attention output times a sigmoid gate of the block's normed input (a matrix of its own,
+                       Muon's, with a bias where attention has them), before the output projection
 
 A model patched is modern's in everything else, so a snapshot of it loads as neither architecture: those runs are
 scored on their val loss only. The parts of the optimizers leave the model as it is (dev/arch_compare.py's
@@ -136,7 +141,49 @@ def value_embeddings(gpt: model.GPT) -> None:
             block.attn.c_attn.register_forward_hook(functools.partial(add_to_values, gpt.value_embeds[table]))
 
 
-def adamw_group(tag: str, lr_ratio: Callable[[torch.optim.AdamW], float]) -> None:
+def gated_attention() -> None:
+    """Each attention output element times a sigmoid gate of the block's normed input, before the output projection
+    (Qwen3-Next's full-attention layers; Qiu et al. 2025, "Gated Attention for Large Language Models")."""
+    modern_init = model.ModernAttention.__init__
+
+    def init(self, config):
+        modern_init(self, config)
+        self.c_gate = nn.Linear(config.n_embd, config.n_embd, bias=config.attention_bias)  # (Qwen3-Next: q_proj's)
+        gates = {}
+        self.register_forward_pre_hook(lambda module, args: gates.update(gate=torch.sigmoid(module.c_gate(args[0]))))
+        self.c_proj.register_forward_pre_hook(lambda module, args: (args[0] * gates.pop("gate"),))
+    model.ModernAttention.__init__ = init
+
+
+def residual_mixing(gpt: model.GPT) -> None:
+    """Each block's input a learned mix of the residual stream and the token embedding's output x0, λ·x + μ·x0, with
+    (λ, μ) a block's own, from (1, 0) (modded-nanogpt's: every layer can read the tokens themselves again)."""
+    gpt.x0_lambdas = nn.Parameter(torch.tensor([[1.0, 0.0]] * gpt.config.n_layer))
+    gpt.x0_lambdas.SCALAR = True
+    x0 = {}
+    gpt.transformer.wte.register_forward_hook(lambda module, args, out: x0.update(x=out))
+    for i, block in enumerate(gpt.transformer.h):
+        block.register_forward_pre_hook(
+            lambda module, args, i=i: (gpt.x0_lambdas[i, 0] * args[0] + gpt.x0_lambdas[i, 1] * x0["x"], *args[1:]))
+
+
+def unet_skips(gpt: model.GPT) -> None:
+    """The first half's block outputs added, weighted, to the last half's block inputs in reverse order (the last
+    block reads the first one's), U-net fashion, each weight learned from 1 (modded-nanogpt's skip connections)."""
+    blocks = gpt.transformer.h
+    half = len(blocks) // 2
+    gpt.skip_weights = nn.Parameter(torch.ones(half))
+    gpt.skip_weights.SCALAR = True
+    outputs = []
+    gpt.transformer.wte.register_forward_hook(lambda module, args, out: outputs.clear())
+    for block in blocks[:half]:
+        block.register_forward_hook(lambda module, args, out: outputs.append(out))
+    for j, block in enumerate(blocks[len(blocks) - half:]):
+        block.register_forward_pre_hook(
+            lambda module, args, j=j: (args[0] + gpt.skip_weights[j] * outputs.pop(), *args[1:]))
+
+
+def adamw_group(tag: str, lr_ratio: Callable[[torch.optim.AdamW], float], weight_decay: bool = True) -> None:
     """The parameters marked with the attribute tag in an AdamW group of their own, at lr_ratio(adamw) × --max_lr."""
     plain_adamw = optim.adamw
 
@@ -144,13 +191,21 @@ def adamw_group(tag: str, lr_ratio: Callable[[torch.optim.AdamW], float]) -> Non
         tagged = [p for p in params if getattr(p, tag, False)]
         adam = plain_adamw([p for p in params if not getattr(p, tag, False)], cfg, device_type, fused, embedding)
         if tagged:
-            adam.add_param_group({"params": tagged, "weight_decay": cfg.weight_decay, "lr_ratio": lr_ratio(adam)})
+            adam.add_param_group({"params": tagged, "weight_decay": cfg.weight_decay if weight_decay else 0.0,
+                                  "lr_ratio": lr_ratio(adam)})
         return adam
     optim.adamw = adamw
 
 
 def embedding_lr_ratio(adam: torch.optim.AdamW) -> float:
     return next(group["lr_ratio"] for group in adam.param_groups if "lr_ratio" in group)
+
+
+def learned_scalars(extend) -> None:
+    """extend(gpt) at the end of its construction; the scalars it adds (marked SCALAR) learn as the token embedding
+    does, without weight decay, which would pull them to 0."""
+    after_init(extend)
+    adamw_group("SCALAR", embedding_lr_ratio, weight_decay=False)
 
 
 HEAD_LR_RATIO = 3.0
@@ -212,7 +267,8 @@ PATCHES = {"layernorm": layer_norm_everywhere, "no_qk_norm": no_qk_norm,
            "value_embeds": lambda: (after_init(value_embeddings), adamw_group("VALUE_EMBED", embedding_lr_ratio)),
            "embed_std1": lambda: after_init(embedding_at_std1),
            "rope_base1k": lambda: setattr(model, "ROPE_THETA", 1000.0),
-           "embed_norm": lambda: after_init(normed_embedding),
+           "embed_norm": lambda: after_init(normed_embedding), "gated_attn": gated_attention,
+           "x0_mix": lambda: learned_scalars(residual_mixing), "unet": lambda: learned_scalars(unet_skips),
            "head_lr": lambda: (after_init(tag_output_layer), adamw_group("OUTPUT_LAYER", lambda adam: HEAD_LR_RATIO))}
 
 
