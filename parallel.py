@@ -70,7 +70,9 @@ def build_training_model(raw_model: torch.nn.Module, dist_env: Distributed, dtyp
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     model = torch.compile(raw_model) if compile else raw_model
     if dist_env.world_size > 1 and parallel == "ddp":
-        model = DDP(model, device_ids=[dist_env.local_rank] if device.type == "cuda" else None)
+        # (No buffers to send every step: the only ones, modern's rotation tables, are the same constants everywhere.)
+        model = DDP(model, device_ids=[dist_env.local_rank] if device.type == "cuda" else None,
+                    broadcast_buffers=False)
     return TrainingModel(raw_model, model, optimizer, scaler, parallel)
 
 

@@ -78,7 +78,7 @@ RECIPES |= {f"modern_{part}_muon_wsd": ("--muon_lr", [0.005], [*RECIPES["modern_
 RECIPES |= {f"modern_{part}_muon_wsd": ("--muon_lr", [0.005], [*RECIPES["modern_muon_wsd"][2], "--part", part])
             for part in ["softcap", "relu2_mlp", "qk_gain", "value_embeds", "softcap+value_embeds",
                          "softcap+value_embeds+split_muon", "head_lr", "embed_std1",
-                         "rope_base1k", "embed_norm", "gated_attn", "x0_mix", "unet"]}
+                         "rope_base1k", "embed_norm", "gated_attn", "x0_mix", "unet", "partial_rope"]}
 # Modern with two heads of 128 (modded-nanogpt's head size) instead of four of 64: the same weights.
 RECIPES["modern_heads2_muon_wsd"] = ("--muon_lr", [0.005], [*RECIPES["modern_muon_wsd"][2], "--n_head", "2"])
 # The embedding at std 1 with nanochat's ratio of learning rates (its embedding at 50× its output layer's), and no

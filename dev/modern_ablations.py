@@ -38,6 +38,8 @@ The initialisation, and the rotary base (Qwen3 has both as settings):
 Added as Qwen3-Next has it (a transformers class of its own, Qwen3NextForCausalLM):
     gated_attn         each attention output times a sigmoid gate of the block's normed input (a matrix of its own,
                        Muon's, with a bias where attention has them), before the output projection
+    partial_rope       only the first ROTATED_FRACTION of each head's channels rotated (by the frequencies of a head
+                       that wide), the rest left as they are: position-free channels (partial_rotary_factor)
 
 A model patched is modern's in everything else, so a snapshot of it loads as neither architecture: those runs are
 scored on their val loss only. The parts of the optimizers leave the model as it is (dev/arch_compare.py's
@@ -139,6 +141,19 @@ def value_embeddings(gpt: model.GPT) -> None:
     for block, table in zip(gpt.transformer.h, order):
         if table is not None:
             block.attn.c_attn.register_forward_hook(functools.partial(add_to_values, gpt.value_embeds[table]))
+
+
+ROTATED_FRACTION = 0.5  # Qwen3-Next's default is 0.25; modded-nanogpt leaves half of each head unrotated
+
+
+def partial_rotation() -> None:
+    whole_table, whole_rotate = model.rotation_table, model.rotate
+
+    def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+        rotated = rotation.size(-1)
+        return torch.cat((whole_rotate(x[..., :rotated], rotation), x[..., rotated:]), dim=-1)
+    model.rotation_table = lambda max_len, head_size: whole_table(max_len, int(head_size * ROTATED_FRACTION))
+    model.rotate = rotate
 
 
 def gated_attention() -> None:
@@ -259,7 +274,7 @@ def embedding_at_std1(gpt: model.GPT) -> None:
 PATCHES = {"layernorm": layer_norm_everywhere, "no_qk_norm": no_qk_norm,
            "gelu_mlp": lambda: four_times_mlp(functools.partial(F.gelu, approximate="tanh")),
            "biases": lambda: after_init(lambda gpt: add_biases(gpt.transformer.h)),
-           "learned_positions": lambda: (setattr(model, "rotate", lambda x, positions: x),
+           "learned_positions": lambda: (setattr(model, "rotate", lambda x, rotation: x),
                                          after_init(learned_positions)),
            "tied_embeddings": tied_embeddings,
            "softcap": softcap_logits, "relu2_mlp": lambda: four_times_mlp(lambda x: F.relu(x).square()),
@@ -268,6 +283,7 @@ PATCHES = {"layernorm": layer_norm_everywhere, "no_qk_norm": no_qk_norm,
            "embed_std1": lambda: after_init(embedding_at_std1),
            "rope_base1k": lambda: setattr(model, "ROPE_THETA", 1000.0),
            "embed_norm": lambda: after_init(normed_embedding), "gated_attn": gated_attention,
+           "partial_rope": partial_rotation,
            "x0_mix": lambda: learned_scalars(residual_mixing), "unet": lambda: learned_scalars(unet_skips),
            "head_lr": lambda: (after_init(tag_output_layer), adamw_group("OUTPUT_LAYER", lambda adam: HEAD_LR_RATIO))}
 

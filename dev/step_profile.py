@@ -1,21 +1,25 @@
-"""Where a compiled training micro-step's time goes: torch.profiler over one forward + backward of --arch gpt2 and
-modern (GPT-2 124M's size, B=64, T=1024, bf16), the kernels that take the most device time, side by side. The
-measurement behind issue 26's step-time bound (modern took 1.21x gpt2's step on an H100) and issue 30's loss.
+"""Where a compiled training micro-step's time goes, for --arch gpt2 and modern side by side (GPT-2 124M's size,
+B=64, T=1024, bf16): each one's forward + backward timed (the median of --repeats, after 3 warm-ups) and their
+ratio, then torch.profiler over one micro-step, the kernels that take the most device time. The measurement behind
+issue 26's step-time bound (on an H100: 1.156x before the rotation's table, 1.011x with it) and issue 30's loss.
 
     python -m dev.step_profile                        # one CUDA GPU: both architectures, compiled
     python -m dev.step_profile --device cpu --model small --micro_batch_size 4 --seq_len 256 --no-compile
 """
 
 import argparse
+import statistics
+import time
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from model import GPT, PRESETS, with_arch
 from precision import autocast
 
 
-def profiled_micro_step(arch: str, args: argparse.Namespace) -> profile:
+def timed_and_profiled_micro_step(arch: str, args: argparse.Namespace) -> tuple[float, profile]:
     torch.manual_seed(0)
     device = torch.device(args.device)
     model = GPT(with_arch(PRESETS[args.model], arch)).to(device)  # as train_gpt2.py builds it
@@ -29,12 +33,32 @@ def profiled_micro_step(arch: str, args: argparse.Namespace) -> profile:
 
     for _ in range(3):  # compiles, loads the kernels, makes the gradients: the steady state
         micro_step()
+    milliseconds = statistics.median(time_ms(micro_step, device) for _ in range(args.repeats))
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         micro_step()
         if device.type == "cuda":
             torch.cuda.synchronize()
-    return prof
+    return milliseconds, prof
+
+
+def time_ms(run, device: torch.device) -> float:
+    """run()'s time in ms: on a GPU between CUDA events around its kernels, elsewhere by the wall clock."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        run()
+        return 1000 * (time.perf_counter() - start)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def device_ms(events) -> float:
+    """The kernels' time: the sum over device events only (an operator's row repeats its kernels' time)."""
+    return sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / 1000
 
 
 def main() -> None:
@@ -45,17 +69,20 @@ def main() -> None:
     parser.add_argument("--seq_len", type=int, default=1024)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--rows", type=int, default=15, help="kernels listed per architecture")
+    parser.add_argument("--repeats", type=int, default=20, help="micro-steps timed per architecture")
     args = parser.parse_args()
     torch.set_float32_matmul_precision("high")
-    sort_by = "self_device_time_total" if args.device == "cuda" else "self_cpu_time_total"
+    cuda = args.device == "cuda"
+    sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
+    shape = f"B={args.micro_batch_size}, T={args.seq_len}, {'compiled' if args.compile else 'eager'}"
+    milliseconds = {}
     for arch in ("gpt2", "modern"):
-        events = profiled_micro_step(arch, args).key_averages()
-        total_ms = sum(getattr(e, sort_by) for e in events) / 1000
-        print(f"== {arch}: {total_ms:,.1f} ms of {'device' if args.device == 'cuda' else 'CPU'} time in one "
-              f"micro-step (B={args.micro_batch_size}, T={args.seq_len}, "
-              f"{'compiled' if args.compile else 'eager'})")
+        milliseconds[arch], prof = timed_and_profiled_micro_step(arch, args)
+        events = prof.key_averages()
+        busy = f", {device_ms(events):,.1f} ms of it in kernels" if cuda else ""
+        print(f"== {arch}: {milliseconds[arch]:,.1f} ms a micro-step ({shape}; the median of {args.repeats}){busy}")
         print(events.table(sort_by=sort_by, row_limit=args.rows, max_name_column_width=70))
-
+    print(f"modern's micro-step: {milliseconds['modern'] / milliseconds['gpt2']:.3f}x gpt2's")
 
 if __name__ == "__main__":
     main()

@@ -21,7 +21,7 @@ from config import TrainConfig, model_config, parse_args, resolve_plan
 from conftest import ROOT, make_document_shards, make_shards, perturb_, save_tiny_model
 from errors import UserError
 from helpers_train import main_in_process, read_metrics, run_train
-from model import GPT, PRESETS, GPTConfig, rotate
+from model import GPT, PRESETS, GPTConfig, rotate, rotation_table
 from optim import Optimizers, adamw, build_optimizers, split_for_muon
 from snapshot import load_snapshot, read_model, snapshot_path
 from tools import export_hf
@@ -95,16 +95,17 @@ def test_export_hf_writes_a_directory_that_qwen3_loads_with_our_logits(tmp_path)
 
 def test_rotary_dot_products_depend_only_on_the_distance_between_positions():
     q, k = torch.randn(2, 1, 1, 1, 16, generator=torch.Generator().manual_seed(0))  # (B, nh, T, hs) each
+    table = rotation_table(400, 16)
 
     def score(p: int, distance: int) -> float:
-        return (rotate(q, torch.tensor([p])) * rotate(k, torch.tensor([p + distance]))).sum().item()
+        return (rotate(q, table[:, [p]]) * rotate(k, table[:, [p + distance]])).sum().item()
 
     for distance in (0, 1, 5, 40):  # (the angles are fp32: a few 1e-7 apart)
         assert [score(p, distance) for p in (1, 7, 60, 300)] == pytest.approx([score(0, distance)] * 4, rel=1e-5)
     scores = [score(3, d) for d in (0, 1, 5, 40)]
     assert min(abs(a - b) for i, a in enumerate(scores) for b in scores[i + 1:]) > 0.1  # and on the distance it does
-    assert torch.equal(rotate(q, torch.tensor([0])), q)  # position 0: no rotation
-    rotated = rotate(q, torch.tensor([123]))
+    assert torch.equal(rotate(q, table[:, [0]]), q)  # position 0: no rotation
+    rotated = rotate(q, table[:, [123]])
     assert rotated.norm().item() == pytest.approx(q.norm().item(), rel=1e-6) and not torch.allclose(rotated, q)
 
 
