@@ -109,6 +109,18 @@ def test_rotary_dot_products_depend_only_on_the_distance_between_positions():
     assert rotated.norm().item() == pytest.approx(q.norm().item(), rel=1e-6) and not torch.allclose(rotated, q)
 
 
+def test_the_rotation_table_holds_each_positions_angles_and_stays_out_of_snapshots():
+    gpt = GPT(GPTConfig(arch="modern", block_size=64, n_layer=2, n_head=2, n_embd=32))  # head size 16
+    table = gpt.transformer.h[1].attn.rotation
+    assert table.shape == (2, 64, 16) and table.dtype == torch.float32
+    pair, position = 3, 37  # channels 3 and 3 + 8 turn by the angle position · θ^(−2·3/16)
+    angle = position * 10_000.0 ** (-2 * pair / 16)
+    for channel in (pair, pair + 8):
+        assert table[:, position, channel].tolist() == pytest.approx([math.cos(angle), math.sin(angle)], abs=1e-6)
+    # Constants computed at construction: snapshots and the Hugging Face export hold the weights alone, as before.
+    assert not any("rotation" in name for name in gpt.state_dict())
+
+
 @pytest.mark.parametrize("temperature, top_k", [(0.0, None), (1.0, 10)])
 def test_cached_generation_gives_the_uncached_tokens_within_and_past_block_size(temperature, top_k):
     model = random_model(SMALL, scale=0.3)
