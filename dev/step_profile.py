@@ -72,7 +72,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20, help="micro-steps timed per architecture")
     args = parser.parse_args()
     torch.set_float32_matmul_precision("high")
-    cuda = args.device == "cuda"
+    cuda = torch.device(args.device).type == "cuda"
     sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
     shape = f"B={args.micro_batch_size}, T={args.seq_len}, {'compiled' if args.compile else 'eager'}"
     milliseconds = {}
