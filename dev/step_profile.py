@@ -15,6 +15,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from distributed import synchronize
 from model import GPT, PRESETS, with_arch
 from precision import autocast
 
@@ -37,23 +38,17 @@ def timed_and_profiled_micro_step(arch: str, args: argparse.Namespace) -> tuple[
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         micro_step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        synchronize(device)
     return milliseconds, prof
 
 
 def time_ms(run, device: torch.device) -> float:
-    """run()'s time in ms: on a GPU between CUDA events around its kernels, elsewhere by the wall clock."""
-    if device.type != "cuda":
-        start = time.perf_counter()
-        run()
-        return 1000 * (time.perf_counter() - start)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+    """run()'s time in ms, the device's queued work included."""
+    synchronize(device)
+    start = time.perf_counter()
     run()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
+    synchronize(device)
+    return 1000 * (time.perf_counter() - start)
 
 
 def device_ms(events) -> float:
