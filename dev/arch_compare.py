@@ -20,15 +20,15 @@ RMSNorm on the token embedding, `modern_heads2_muon_wsd`, two heads of 128 inste
     python -m dev.arch_compare run                       # every run not yet finished, in turn (GPU: minutes)
     python -m dev.arch_compare run --shapes 4x256 --recipes gpt2_muon_wsd,modern_muon_wsd --seeds 1337 --lrs 0.02
     python -m dev.arch_compare run --recipes modern_muon_wsd --lrs 0.02 --steps 147   # a shorter run, its own schedule
-    python -m dev.arch_compare report                    # the table for the README and docs/arch_compare.png
+    python -m dev.arch_compare report                    # the tables of docs/arch_compare.md, and its plot
     python -m dev.arch_compare heldout                   # the best runs' final models on text nobody tuned on
 
-Each run is train_gpt2.py on the auto device and dtype: 245 steps of 8,192 tokens (32 rows of 256), 2.0M tokens,
-past the unigram phase (val loss well under 7). Validation every 20 steps on the same 65,536 val tokens for every
-run. A run whose metrics show its last val loss is not run again, so a sweep can be stopped and continued. Each run
-keeps its last step's snapshot, so that `heldout` can score its model on other text: web pages (FineWeb's 20 rows
-in ../shared/data) and novels (LAMBADA's passages, from BookCorpus), neither of which any recipe was tuned on.
-"""
+Each run is train_gpt2.py in fp32 (or SWEEP_DTYPE) on the auto device: 245 steps of 8,192 tokens (32 rows of 256),
+2.0M tokens, past the unigram phase (val loss well under 7). Validation every 20 steps on the same 65,536 val tokens
+for every run. A run whose metrics show its last val loss is not run again, so a sweep can be stopped and continued.
+Each run keeps its last step's snapshot, so that `heldout` can score its model on other text: web pages (FineWeb's
+20 rows in ../shared/data) and novels (LAMBADA's passages, from BookCorpus), neither of which any recipe was tuned
+on."""
 
 import argparse
 import json
@@ -45,7 +45,10 @@ from tools.plot import read_metrics
 ROOT = Path(os.environ.get("SWEEP_ROOT", "logs/arch_sweep"))
 STEPS = 245  # × 8,192 tokens = 2,007,040
 SEQ_LEN = 256
-COMMON = ["--data_dir", "data/enwiki", "--seq_len", str(SEQ_LEN), "--micro_batch_size", "32",
+# fp32 unless SWEEP_DTYPE says otherwise: the tables' runs are fp32, and `auto` would pick bf16 on a GPU or on a CPU
+# with AVX512-BF16 or AMX. Runs in another dtype go to a SWEEP_ROOT of their own.
+DTYPE = os.environ.get("SWEEP_DTYPE", "fp32")
+COMMON = ["--dtype", DTYPE, "--data_dir", "data/enwiki", "--seq_len", str(SEQ_LEN), "--micro_batch_size", "32",
           "--total_batch_size", "8192", "--warmup_steps", "25", "--val_every", "20", "--val_tokens", "65536",
           "--eval_every", "0", "--sample_every", "0", "--resume", "never",
           "--snapshot_every", "1000000"]  # (only the last step's)
@@ -77,8 +80,9 @@ RECIPES |= {f"modern_{part}_muon_wsd": ("--muon_lr", [0.005], [*RECIPES["modern_
             for part in GPT2_PARTS}
 RECIPES |= {f"modern_{part}_muon_wsd": ("--muon_lr", [0.005], [*RECIPES["modern_muon_wsd"][2], "--part", part])
             for part in ["softcap", "relu2_mlp", "qk_gain", "value_embeds", "softcap+value_embeds",
-                         "softcap+value_embeds+split_muon", "head_lr", "embed_std1",
-                         "rope_base1k", "embed_norm", "gated_attn", "x0_mix", "unet", "partial_rope"]}
+                         "softcap+value_embeds+split_muon", "head_lr", "embed_std1", "rope_base1k", "embed_norm",
+                         "gated_attn", "x0_mix", "unet", "partial_rope", "zero_head", "proj_init",
+                         "slow_head"]}
 # Modern with two heads of 128 (modded-nanogpt's head size) instead of four of 64: the same weights.
 RECIPES["modern_heads2_muon_wsd"] = ("--muon_lr", [0.005], [*RECIPES["modern_muon_wsd"][2], "--n_head", "2"])
 # The embedding at std 1 with nanochat's ratio of learning rates (its embedding at 50× its output layer's), and no
@@ -172,7 +176,7 @@ COMPARED = ["gpt2_adamw_cosine", "gpt2_muon_wsd", "modern_muon_wsd"]  # the plot
 
 
 # The parts that change only the optimizer: a run of them snapshots an unpatched model.
-TRAINING_PARTS = {"split_muon", "head_lr"}
+TRAINING_PARTS = {"split_muon", "head_lr", "slow_head"}
 
 
 def patches_model(recipe: str) -> bool:

@@ -1,6 +1,6 @@
 """--arch modern with one part changed (or several): the ablations of dev/arch_compare.py's recipes
-`modern_{part}_muon_wsd` (README, "Architectures"). Each part is a patch of model.py (split_muon and head_lr: of
-optim.py) in this process only; then train_gpt2.py runs with the other flags.
+`modern_{part}_muon_wsd` (docs/arch_compare.md). Each part is a patch of model.py (split_muon, head_lr and
+slow_head: of optim.py) in this process only; then train_gpt2.py runs with the other flags.
 
     python -m dev.modern_ablations --part biases --arch modern --no-attention_bias ...   # any train_gpt2.py flags
     python -m dev.modern_ablations --part softcap+value_embeds --arch modern ...         # several parts at once
@@ -28,11 +28,15 @@ first, are train_gpt2.py's flags --adam_beta1 and --muon_momentum_warmup, as the
 --short_rows):
     split_muon         Muon orthogonalises the queries', keys' and values' rows of c_attn each on their own, and
                        SwiGLU's gate and up rows, as if each were a matrix of its own (modded-nanogpt's q, k, v are)
-    head_lr            modern's untied output layer in an AdamW group of its own, at HEAD_LR_RATIO × --max_lr
+    head_lr            modern's untied output layer in an AdamW group of its own, at 3 × --max_lr
+    slow_head          the same at --max_lr / 3 (the embedding at 30× the output layer's LR, nearer nanochat's 50×)
 The initialisation, and the rotary base (Qwen3 has both as settings):
     embed_std1         the token embedding drawn at std 1 instead of 0.02 (nanochat's and modded-nanogpt's)
     rope_base1k        rotary base θ = 1,000 instead of 10,000 (modded-nanogpt's 1,024): at T = 256 the slowest of the
                        64-wide heads' 32 rotations turns 0.32 rad over a row, not 0.03 (a Qwen3Config's rope_theta)
+    proj_init          the blocks' output projections drawn as GPT-2's (std 0.02 / √(2 · n_layer)) instead of zero
+    zero_head          the untied output layer zero at init instead of random at std 0.02 (modded-nanogpt's): the
+                       first logits are all equal, and the blocks get no gradient until the output layer has learned
     embed_norm         an RMSNorm (with its gain) on the token embedding's output, as nanochat and modded-nanogpt norm
                        it (an export could fold it into the table: each row's norm depends on that row alone)
 Added as Qwen3-Next has it (a transformers class of its own, Qwen3NextForCausalLM):
@@ -223,11 +227,13 @@ def learned_scalars(extend) -> None:
     adamw_group("SCALAR", embedding_lr_ratio, weight_decay=False)
 
 
-HEAD_LR_RATIO = 3.0
-
-
 def tag_output_layer(gpt: model.GPT) -> None:
     gpt.lm_head.weight.OUTPUT_LAYER = True
+
+
+def output_layer_lr(ratio: float) -> None:
+    after_init(tag_output_layer)
+    adamw_group("OUTPUT_LAYER", lambda adam: ratio)
 
 
 def split_newton_schulz() -> None:
@@ -271,6 +277,16 @@ def embedding_at_std1(gpt: model.GPT) -> None:
     nn.init.normal_(gpt.transformer.wte.weight, mean=0.0, std=1.0)
 
 
+def output_projections_as_gpt2s(gpt: model.GPT) -> None:
+    for block in gpt.transformer.h:
+        for projection in (block.attn.c_proj, block.mlp.c_proj):
+            nn.init.normal_(projection.weight, mean=0.0, std=0.02 * (2 * gpt.config.n_layer) ** -0.5)
+
+
+def zero_output_layer(gpt: model.GPT) -> None:
+    nn.init.zeros_(gpt.lm_head.weight)  # (after its random draw, so every other weight is drawn as in modern)
+
+
 PATCHES = {"layernorm": layer_norm_everywhere, "no_qk_norm": no_qk_norm,
            "gelu_mlp": lambda: four_times_mlp(functools.partial(F.gelu, approximate="tanh")),
            "biases": lambda: after_init(lambda gpt: add_biases(gpt.transformer.h)),
@@ -280,12 +296,13 @@ PATCHES = {"layernorm": layer_norm_everywhere, "no_qk_norm": no_qk_norm,
            "softcap": softcap_logits, "relu2_mlp": lambda: four_times_mlp(lambda x: F.relu(x).square()),
            "qk_gain": lambda: after_init(sharper_attention), "split_muon": split_newton_schulz,
            "value_embeds": lambda: (after_init(value_embeddings), adamw_group("VALUE_EMBED", embedding_lr_ratio)),
-           "embed_std1": lambda: after_init(embedding_at_std1),
+           "embed_std1": lambda: after_init(embedding_at_std1), "zero_head": lambda: after_init(zero_output_layer),
+           "proj_init": lambda: after_init(output_projections_as_gpt2s),
            "rope_base1k": lambda: setattr(model, "ROPE_THETA", 1000.0),
            "embed_norm": lambda: after_init(normed_embedding), "gated_attn": gated_attention,
            "partial_rope": partial_rotation,
            "x0_mix": lambda: learned_scalars(residual_mixing), "unet": lambda: learned_scalars(unet_skips),
-           "head_lr": lambda: (after_init(tag_output_layer), adamw_group("OUTPUT_LAYER", lambda adam: HEAD_LR_RATIO))}
+           "head_lr": lambda: output_layer_lr(3.0), "slow_head": lambda: output_layer_lr(1 / 3)}
 
 
 def main(argv: list[str]) -> None:
