@@ -370,8 +370,8 @@ class GPT(nn.Module):
             self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)  # position embedding
         self.transformer.h = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
         self.transformer.ln_f = norm(config, config.n_embd)
-        # (modern's untied output layer starts random, as GPT-2's tied one: zero at init, as in modded-nanogpt, it was
-        # 0.10 behind in val loss after 600k tokens at our AdamW LR; README, "Architectures")
+        # (modern's untied output layer starts random, as GPT-2's tied one: zero at init, as in modded-nanogpt, it ended
+        # 0.07 higher in val loss after 2M tokens of enwiki with Muon; docs/arch_compare.md)
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
         self.tie_weights()
         self.apply(self._init_weights)
@@ -385,7 +385,8 @@ class GPT(nn.Module):
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear) and getattr(module, "ZERO_INIT", False):
             # modern's output projections: each block starts as the identity and grows from there (modded-nanogpt
-            # does so; Muon's first update of a zero matrix is as large as of any other).
+            # does so; Muon's first update of a zero matrix is as large as of any other). Drawn as GPT-2's, they
+            # were behind at every evaluation (docs/arch_compare.md).
             nn.init.zeros_(module.weight)
         elif isinstance(module, nn.Linear):
             std = 0.02

@@ -36,7 +36,7 @@ The initialisation, and the rotary base (Qwen3 has both as settings):
                        64-wide heads' 32 rotations turns 0.32 rad over a row, not 0.03 (a Qwen3Config's rope_theta)
     proj_init          the blocks' output projections drawn as GPT-2's (std 0.02 / √(2 · n_layer)) instead of zero
     zero_head          the untied output layer zero at init instead of random at std 0.02 (modded-nanogpt's): the
-                       first logits are all equal, and the blocks get no gradient until the output layer has learned
+                       first logits are all equal, and the blocks get no gradient at the first step
     embed_norm         an RMSNorm (with its gain) on the token embedding's output, as nanochat and modded-nanogpt norm
                        it (an export could fold it into the table: each row's norm depends on that row alone)
 Added as Qwen3-Next has it (a transformers class of its own, Qwen3NextForCausalLM):
