@@ -386,7 +386,7 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and getattr(module, "ZERO_INIT", False):
             # modern's output projections: each block starts as the identity and grows from there (modded-nanogpt
             # does so; Muon's first update of a zero matrix is as large as of any other). Drawn as GPT-2's, they
-            # were behind at every evaluation (docs/arch_compare.md).
+            # were behind early and level at the end (docs/arch_compare.md).
             nn.init.zeros_(module.weight)
         elif isinstance(module, nn.Linear):
             std = 0.02
