@@ -280,7 +280,8 @@ def embedding_at_std1(gpt: model.GPT) -> None:
 def output_projections_as_gpt2s(gpt: model.GPT) -> None:
     for block in gpt.transformer.h:
         for projection in (block.attn.c_proj, block.mlp.c_proj):
-            nn.init.normal_(projection.weight, mean=0.0, std=0.02 * (2 * gpt.config.n_layer) ** -0.5)
+            projection.ZERO_INIT, projection.RESIDUAL_SCALED_INIT = False, True  # marked as GPT-2's are
+            gpt._init_weights(projection)
 
 
 def zero_output_layer(gpt: model.GPT) -> None:
