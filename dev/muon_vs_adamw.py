@@ -4,6 +4,7 @@
     OMP_NUM_THREADS=1 python -m dev.muon_vs_adamw run     # trains every configuration not yet finished, in turn
     SWEEP_SHAPES=narrow6 python -m dev.muon_vs_adamw run  # one shape (run two shapes side by side on 2 cores)
     python -m dev.muon_vs_adamw report                    # best of each, the steps Muon needs, the PNG
+    SWEEP_DTYPE=fp32 SWEEP_ROOT=logs/sweep_fp32 python -m dev.muon_vs_adamw run   # fp32, where bf16 is emulated
 
 Muon's AdamW part (embeddings, biases, LayerNorms) runs at the --max_lr that the AdamW sweep of the same shape found
 best, so the Muon sweep varies --muon_lr alone: four LRs each. The README's "Optimizers" section has the results.
@@ -18,9 +19,12 @@ from tools.plot import read_metrics
 
 ROOT = Path(os.environ.get("SWEEP_ROOT", "logs/sweep"))
 STEPS = {"small": 120, "narrow6": 120}
-COMMON = ["--data_dir", "data/shakespeare", "--total_batch_size", "1024", "--min_lr_ratio", "0.1", "--val_every", "20",
-          "--val_tokens", "8192", "--hellaswag_every", "0", "--sample_every", "0", "--snapshot_every", "0",
-          "--resume", "never", "--seed", "1337"]
+# bf16 autocast, as the README's tables were measured (a CPU with AMX), unless SWEEP_DTYPE says otherwise: `auto`
+# would pick fp32 on a CPU without native bf16, where bf16 is emulated and slow.
+DTYPE = os.environ.get("SWEEP_DTYPE", "bf16")
+COMMON = ["--dtype", DTYPE, "--data_dir", "data/shakespeare", "--total_batch_size", "1024", "--min_lr_ratio", "0.1",
+          "--val_every", "20", "--val_tokens", "8192", "--hellaswag_every", "0", "--sample_every", "0",
+          "--snapshot_every", "0", "--resume", "never", "--seed", "1337"]
 SHAPES = {
     "small": ["--model", "small", "--micro_batch_size", "4", "--seq_len", "256"],  # the quickstart model
     "narrow6": ["--model", "small", "--n_layer", "6", "--n_embd", "128", "--n_head", "4", "--block_size", "128",
