@@ -20,6 +20,7 @@ RMSNorm on the token embedding, `modern_heads2_muon_wsd`, two heads of 128 inste
     python -m dev.arch_compare run                       # every run not yet finished, in turn (GPU: minutes)
     python -m dev.arch_compare run --shapes 4x256 --recipes gpt2_muon_wsd,modern_muon_wsd --seeds 1337 --lrs 0.02
     python -m dev.arch_compare run --recipes modern_muon_wsd --lrs 0.02 --steps 147   # a shorter run, its own schedule
+    python -m dev.arch_compare run --shapes 4x256 --recipes gpt2_muon_wsd --lrs 0.01 --steps 489   # twice as long
     python -m dev.arch_compare report                    # the tables of docs/arch_compare.md, and its plot
     python -m dev.arch_compare heldout                   # the best runs' final models on text nobody tuned on
 
@@ -193,9 +194,9 @@ def entry_point(flags: list[str]) -> list[str]:
     return ["-m", "dev.modern_ablations", *flags[i:i + 2], *flags[:i], *flags[i + 2:]]
 
 
-def mean_curve(paths: list[Path], key: str) -> dict[int, float]:
+def mean_curve(paths: list[Path], key: str = "val_loss", steps: int = STEPS) -> dict[int, float]:
     """The val curve averaged over seeds (the steps every run logged)."""
-    curves = [val_curve(p, key) for p in paths]
+    curves = [val_curve(p, key, steps) for p in paths]
     return {s: statistics.fmean(c[s] for c in curves) for s in sorted(set.intersection(*(set(c) for c in curves)))}
 
 
@@ -251,14 +252,45 @@ def report(out: str = "docs/arch_compare.png") -> None:
         ax.legend()
         for path in sorted((ROOT / shape).glob("*_steps*")):  # shorter runs, each with its whole schedule
             steps = int(path.name.rsplit("_steps", 1)[1])
-            if (val := val_curve(path, steps=steps)) is not None and target is not None:
+            if steps < STEPS and (val := val_curve(path, steps=steps)) is not None and target is not None:
                 verdict = "reaches" if val[steps - 1] <= target else "does not reach"
                 print(f"  {path.name}: {steps} steps ({(steps - 1) / (STEPS - 1):.2f} of the updates), final val loss "
                       f"{val[steps - 1]:.4f}: {verdict} today's best final {target:.4f}")
+        longer_horizons(shape)
     print("\n".join(rows))
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     print(f"wrote {out}")
+
+
+def longer_horizons(shape: str) -> None:
+    """Runs longer than STEPS (`run --steps N`, N > STEPS): the fraction of GPT-2 + Muon's steps at which modern
+    reaches its final val loss, both at the LRs they ran at, each curve and their seeds' mean; and whether modern's
+    runs of STEPS at that LR, each planned with its whole schedule, reach it."""
+    horizons = {}
+    for path in (ROOT / shape).glob("*_muon_wsd_lr*_s*_steps*"):
+        steps = int(path.name.rsplit("_steps", 1)[1])
+        if steps > STEPS and val_curve(path, steps=steps) is not None:
+            horizons.setdefault(steps, {}).setdefault(path.name.split("_lr")[0], []).append(path)
+    for steps, runs in sorted(horizons.items()):
+        if not {"gpt2_muon_wsd", "modern_muon_wsd"} <= set(runs):
+            continue
+        target = mean_curve(runs["gpt2_muon_wsd"], steps=steps)[steps - 1]
+        print(f"  {steps} steps: today's best recipe's final val loss {target:.4f} "
+              f"({', '.join(p.name for p in sorted(runs['gpt2_muon_wsd']))})")
+        modern = sorted(runs["modern_muon_wsd"])
+        for name, curve in [(p.name, val_curve(p, steps=steps)) for p in modern] + [
+                ("modern's seeds' mean", mean_curve(modern, steps=steps))]:
+            reach = steps_to_reach(curve, target)
+            fraction = "not reached" if reach is None else f"{reach:.0f} ({reach / (steps - 1):.2f})"
+            print(f"    {name}: final val loss {curve[steps - 1]:.4f}, steps to today's best final {fraction}")
+        # The direct check: modern's runs of STEPS at the same LR, each with its whole schedule.
+        lr = modern[0].name.split("_lr")[1].split("_s")[0]
+        if planned := [p for p in (ROOT / shape).glob(f"modern_muon_wsd_lr{lr}_s*")
+                       if "_steps" not in p.name and val_curve(p) is not None]:
+            final = statistics.fmean(val_curve(p)[STEPS - 1] for p in planned)
+            print(f"    modern planned for {STEPS} steps ({(STEPS - 1) / (steps - 1):.2f} of the updates), its seeds' "
+                  f"mean: final val loss {final:.4f}: {'reaches' if final <= target else 'does not reach'} it")
 
 
 def heldout(recipes: list[str]) -> None:
@@ -302,7 +334,8 @@ def main() -> None:
     parser.add_argument("--recipes", default=",".join(RECIPES))
     parser.add_argument("--seeds", default=",".join(map(str, SEEDS)))
     parser.add_argument("--lrs", help="only these LRs (comma-separated), instead of each recipe's sweep")
-    parser.add_argument("--steps", type=int, default=STEPS, help="a shorter run (its schedules shortened with it)")
+    parser.add_argument("--steps", type=int, default=STEPS,
+                        help="a shorter or longer run (its schedules scaled with it)")
     args = parser.parse_args()
     if args.command == "report":
         return report()
