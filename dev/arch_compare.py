@@ -265,8 +265,8 @@ def report(out: str = "docs/arch_compare.png") -> None:
 
 def longer_horizons(shape: str) -> None:
     """Runs longer than STEPS (`run --steps N`, N > STEPS): the fraction of GPT-2 + Muon's steps at which modern
-    reaches its final val loss, both at the LRs they ran at, each curve and their seeds' mean; and whether modern's
-    runs of STEPS at that LR, each planned with its whole schedule, reach it."""
+    reaches its final val loss, both at the LRs they ran at, each curve and their seeds' mean; and whether the same
+    modern runs of STEPS, each planned with its whole schedule, reach it."""
     horizons = {}
     for path in (ROOT / shape).glob("*_muon_wsd_lr*_s*_steps*"):
         steps = int(path.name.rsplit("_steps", 1)[1])
@@ -284,10 +284,9 @@ def longer_horizons(shape: str) -> None:
             reach = steps_to_reach(curve, target)
             fraction = "not reached" if reach is None else f"{reach:.0f} ({reach / (steps - 1):.2f})"
             print(f"    {name}: final val loss {curve[steps - 1]:.4f}, steps to today's best final {fraction}")
-        # The direct check: modern's runs of STEPS at the same LR, each with its whole schedule.
-        lr = modern[0].name.split("_lr")[1].split("_s")[0]
-        if planned := [p for p in (ROOT / shape).glob(f"modern_muon_wsd_lr{lr}_s*")
-                       if "_steps" not in p.name and val_curve(p) is not None]:
+        # The direct check: the same modern runs (LR, seed) of STEPS, each with its whole schedule.
+        twins = [p.with_name(p.name.removesuffix(f"_steps{steps}")) for p in modern]
+        if planned := [p for p in twins if val_curve(p) is not None]:
             final = statistics.fmean(val_curve(p)[STEPS - 1] for p in planned)
             print(f"    modern planned for {STEPS} steps ({(STEPS - 1) / (steps - 1):.2f} of the updates), its seeds' "
                   f"mean: final val loss {final:.4f}: {'reaches' if final <= target else 'does not reach'} it")
