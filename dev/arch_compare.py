@@ -21,15 +21,16 @@ RMSNorm on the token embedding, `modern_heads2_muon_wsd`, two heads of 128 inste
     python -m dev.arch_compare run --shapes 4x256 --recipes gpt2_muon_wsd,modern_muon_wsd --seeds 1337 --lrs 0.02
     python -m dev.arch_compare run --recipes modern_muon_wsd --lrs 0.02 --steps 147   # a shorter run, its own schedule
     python -m dev.arch_compare run --shapes 4x256 --recipes gpt2_muon_wsd --lrs 0.01 --steps 489   # twice as long
+    python -m dev.arch_compare run --shapes 4x256_T1024 --recipes gpt2_muon_wsd --seeds 1337   # rows of 1,024
     python -m dev.arch_compare report                    # the tables of docs/arch_compare.md, and its plot
     python -m dev.arch_compare heldout                   # the best runs' final models on text nobody tuned on
 
-Each run is train_gpt2.py in fp32 (or SWEEP_DTYPE) on the auto device: 245 steps of 8,192 tokens (32 rows of 256),
-2.0M tokens, past the unigram phase (val loss well under 7). Validation every 20 steps on the same 65,536 val tokens
-for every run. A run whose metrics show its last val loss is not run again, so a sweep can be stopped and continued.
-Each run keeps its last step's snapshot, so that `heldout` can score its model on other text: web pages (FineWeb's
-20 rows in ../shared/data) and novels (LAMBADA's passages, from BookCorpus), neither of which any recipe was tuned
-on."""
+Each run is train_gpt2.py in fp32 (or SWEEP_DTYPE) on the auto device: 245 steps of 8,192 tokens (32 rows of 256; 8 rows
+of 1,024 at the shape 4x256_T1024, the 124M recipe's row length), 2.0M tokens, past the unigram phase (val loss well
+under 7). Validation every 20 steps on the same 65,536 val tokens for every run. A run whose metrics show its last val
+loss is not run again, so a sweep can be stopped and continued. Each run keeps its last step's snapshot, so that
+`heldout` can score its model on other text: web pages (FineWeb's 20 rows in ../shared/data) and novels (LAMBADA's
+passages, from BookCorpus), neither of which any recipe was tuned on."""
 
 import argparse
 import json
@@ -54,7 +55,10 @@ COMMON = ["--dtype", DTYPE, "--data_dir", "data/enwiki", "--seq_len", str(SEQ_LE
           "--eval_every", "0", "--sample_every", "0", "--resume", "never",
           "--snapshot_every", "1000000"]  # (only the last step's)
 SHAPES = {"4x256": ["--model", "small"],  # 4 layers, 4 heads, width 256
-          "6x384": ["--model", "small", "--n_layer", "6", "--n_head", "6", "--n_embd", "384"]}
+          "6x384": ["--model", "small", "--n_layer", "6", "--n_head", "6", "--n_embd", "384"],
+          # 4x256 with rows of 1,024 tokens, the 124M recipe's (8 rows a step, the same 8,192 tokens); flags given
+          # twice take the last value, so these replace COMMON's rows of 256.
+          "4x256_T1024": ["--model", "small", "--block_size", "1024", "--seq_len", "1024", "--micro_batch_size", "8"]}
 # The LR each recipe sweeps (--max_lr for AdamW, --muon_lr for Muon), and its fixed flags. Muon's AdamW part
 # (embeddings, output layer, norms) stays at --max_lr 2e-3 in both Muon recipes.
 MUON_LRS = [0.0025, 0.005, 0.01, 0.02, 0.04]  # (modern's best was at the low end of 0.01-0.04, so the sweep went down)
