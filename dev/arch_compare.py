@@ -199,8 +199,11 @@ def entry_point(flags: list[str]) -> list[str]:
 
 
 def mean_curve(paths: list[Path], key: str = "val_loss", steps: int = STEPS) -> dict[int, float]:
-    """The val curve averaged over seeds (the steps every run logged)."""
+    """The val curve averaged over seeds (the steps every run logged); empty if a run logged none of `key` (val_bpb
+    needs the tokenizer's files)."""
     curves = [val_curve(p, key, steps) for p in paths]
+    if None in curves:
+        return {}
     return {s: statistics.fmean(c[s] for c in curves) for s in sorted(set.intersection(*(set(c) for c in curves)))}
 
 
@@ -242,8 +245,9 @@ def report(out: str = "docs/arch_compare.png") -> None:
         for i, (recipe, (lr, paths)) in enumerate(best.items()):
             loss, bpb = mean_curve(paths, "val_loss"), mean_curve(paths, "val_bpb")
             reached = [steps_to_reach(loss, final) if final is not None else None for final in finals]
-            fractions = " | ".join("not reached" if reach is None else f"{reach:.0f} ({reach / (STEPS - 1):.2f})"
-                                   for reach in reached)
+            fractions = " | ".join("recipe not run" if final is None else "not reached" if reach is None
+                                   else f"{reach:.0f} ({reach / (STEPS - 1):.2f})"
+                                   for final, reach in zip(finals, reached))
             rows.append(f"| {shape} | {recipe} | {lr:g} | {len(paths)} | {loss[STEPS - 1]:.4f} | "
                         f"{bpb.get(STEPS - 1, float('nan')):.4f} | {fractions} |")
             if recipe not in COMPARED:  # (an ablation: in the table only)
