@@ -207,6 +207,12 @@ def mean_curve(paths: list[Path], key: str = "val_loss", steps: int = STEPS) -> 
     return {s: statistics.fmean(c[s] for c in curves) for s in sorted(set.intersection(*(set(c) for c in curves)))}
 
 
+def steps_and_fraction(curve: dict[int, float], target: float, steps: int = STEPS) -> str:
+    """When a val curve first reaches target, as '131 (0.54)': the step and its fraction of the run's updates."""
+    reach = steps_to_reach(curve, target)
+    return "not reached" if reach is None else f"{reach:.0f} ({reach / (steps - 1):.2f})"
+
+
 def best_runs(shape: str, recipe: str) -> tuple[float, list[Path]] | None:
     """The LR whose final val loss, averaged over the seeds finished at every LR, is lowest; and all its runs (a
     second seed is run at the best LR only)."""
@@ -244,10 +250,8 @@ def report(out: str = "docs/arch_compare.png") -> None:
         target = finals[0]
         for i, (recipe, (lr, paths)) in enumerate(best.items()):
             loss, bpb = mean_curve(paths, "val_loss"), mean_curve(paths, "val_bpb")
-            reached = [steps_to_reach(loss, final) if final is not None else None for final in finals]
-            fractions = " | ".join("recipe not run" if final is None else "not reached" if reach is None
-                                   else f"{reach:.0f} ({reach / (STEPS - 1):.2f})"
-                                   for final, reach in zip(finals, reached))
+            fractions = " | ".join("recipe not run" if final is None else steps_and_fraction(loss, final)
+                                   for final in finals)
             rows.append(f"| {shape} | {recipe} | {lr:g} | {len(paths)} | {loss[STEPS - 1]:.4f} | "
                         f"{bpb.get(STEPS - 1, float('nan')):.4f} | {fractions} |")
             if recipe not in COMPARED:  # (an ablation: in the table only)
@@ -289,9 +293,8 @@ def longer_horizons(shape: str) -> None:
         modern = sorted(runs["modern_muon_wsd"])
         for name, curve in [(p.name, val_curve(p, steps=steps)) for p in modern] + [
                 ("modern's seeds' mean", mean_curve(modern, steps=steps))]:
-            reach = steps_to_reach(curve, target)
-            fraction = "not reached" if reach is None else f"{reach:.0f} ({reach / (steps - 1):.2f})"
-            print(f"    {name}: final val loss {curve[steps - 1]:.4f}, steps to today's best final {fraction}")
+            print(f"    {name}: final val loss {curve[steps - 1]:.4f}, steps to today's best final "
+                  f"{steps_and_fraction(curve, target, steps)}")
         # The direct check: the same modern runs (LR, seed) of STEPS, each with its whole schedule.
         twins = [p.with_name(p.name.removesuffix(f"_steps{steps}")) for p in modern]
         if planned := [p for p in twins if val_curve(p) is not None]:
