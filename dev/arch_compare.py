@@ -7,7 +7,8 @@ of what both Muon recipes share, each at its best LR: `{gpt2,modern}_muon_wsd_wa
 `modern_muon_wsd_wd0` (no weight decay), `{gpt2,modern}_muon_wsd_warmdown50` (the LR decaying over the last half),
 `{gpt2,modern}_split_muon_wsd` (Muon orthogonalising q, k, v apart, a patch), and train_gpt2.py's flags
 `{gpt2,modern}_adam_betas_muon_wsd` (AdamW's betas (0.8, 0.95)), `{gpt2,modern}_momentum_warmup_muon_wsd` (Muon's
-momentum from 0.85), `{gpt2,modern}_short_rows_muon_wsd` (a sequence-length schedule), and
+momentum from 0.85), `{gpt2,modern}_short_rows_muon_wsd` (a sequence-length schedule; `_short_rows1024_` the
+same fractions of rows of 1,024), and
 `{gpt2,modern}_combined_muon_wsd`: those four, and 5 warmup steps (`{gpt2,modern}_combined_flags_muon_wsd`: the same
 but for split Muon, train_gpt2.py's flags alone); and
 `modern_tied_embeddings{,_embed1x}_muon_wsd`, GPT-2's tied embeddings on modern, `modern_embed_std1{,_lr100x}_muon_wsd`,
@@ -102,7 +103,9 @@ RECIPES |= {f"modern_tied_embeddings{suffix}_muon_wsd": ("--muon_lr", [0.005], [
 # Changes of the shared recipe, for both Muon recipes: train_gpt2.py's flags (the two schedules are written for STEPS
 # steps; a shorter run has them at the same fractions of its steps), and Muon orthogonalising q, k and v apart, a patch.
 RECIPE_FLAGS = {"adam_betas": ["--adam_beta1", "0.8"], "momentum_warmup": ["--muon_momentum_warmup", "100"],
-                "short_rows": ["--short_rows", "64:50,128:100"], "split": ["--part", "split_muon"]}
+                "short_rows": ["--short_rows", "64:50,128:100"], "split": ["--part", "split_muon"],
+                # the same fractions of rows of 1,024 as short_rows' are of 256: a quarter, then a half
+                "short_rows1024": ["--short_rows", "256:50,512:100"]}
 RECIPES |= {f"{arch}_{change}_muon_wsd": ("--muon_lr", [lr], [*RECIPES[f"{arch}_muon_wsd"][2], *flags])
             for arch, lr in [("gpt2", 0.01), ("modern", 0.005)] for change, flags in RECIPE_FLAGS.items()}
 # What favours modern most, together: value embeddings (the part that gained most) and the short rows (the one change
@@ -154,17 +157,18 @@ def run(shapes: list[str], recipes: list[str], seeds: list[int], lrs: list[float
                         continue
                     out.mkdir(parents=True, exist_ok=True)
                     print(f"{out} ...", flush=True)
+                    args = [*COMMON, "--max_steps", str(steps), *SHAPES[shape], *scaled(flags, steps, shape), flag,
+                            str(lr), "--seed", str(seed), "--log_dir", str(out)]
                     with open(out / "stdout.txt", "w") as f:
-                        subprocess.run([sys.executable, *entry_point([*COMMON, "--max_steps", str(steps),
-                                                                      *SHAPES[shape], *scaled(flags, steps), flag,
-                                                                      str(lr), "--seed", str(seed), "--log_dir",
-                                                                      str(out)])],
-                                       stdout=f, stderr=subprocess.STDOUT, check=True)
+                        subprocess.run([sys.executable, *entry_point(args)], stdout=f, stderr=subprocess.STDOUT,
+                                       check=True)
 
 
-def scaled(flags: list[str], steps: int) -> list[str]:
+def scaled(flags: list[str], steps: int, shape: str) -> list[str]:
     """The flags with the steps of the momentum warmup and the short rows at the same fractions of `steps` as of
     STEPS (the LR schedule already follows --max_steps)."""
+    shape_flags = [*COMMON, *SHAPES[shape]]
+    seq_len = int(shape_flags[max(i for i, flag in enumerate(shape_flags) if flag == "--seq_len") + 1])  # (the last)
     def at(step: int) -> int:
         return round(step * steps / STEPS)
     flags = list(flags)
@@ -172,7 +176,7 @@ def scaled(flags: list[str], steps: int) -> list[str]:
         if flag == "--muon_momentum_warmup":
             flags[i + 1] = str(at(int(flags[i + 1])))
         elif flag == "--short_rows":
-            rows = parse_short_rows(flags[i + 1], SEQ_LEN)
+            rows = parse_short_rows(flags[i + 1], seq_len)
             flags[i + 1] = ",".join(f"{length}:{at(until)}" for length, until in rows)
     return flags
 
@@ -262,17 +266,36 @@ def report(out: str = "docs/arch_compare.png") -> None:
                ylabel="val bits per byte", ylim=(ax.get_ylim()[0], 2.6))  # (from 3.4 at step 0: the ends apart)
         ax.grid(alpha=0.3)
         ax.legend()
-        for path in sorted((ROOT / shape).glob("*_steps*")):  # shorter runs, each with its whole schedule
-            steps = int(path.name.rsplit("_steps", 1)[1])
-            if steps < STEPS and (val := val_curve(path, steps=steps)) is not None and target is not None:
-                verdict = "reaches" if val[steps - 1] <= target else "does not reach"
-                print(f"  {path.name}: {steps} steps ({(steps - 1) / (STEPS - 1):.2f} of the updates), final val loss "
-                      f"{val[steps - 1]:.4f}: {verdict} today's best final {target:.4f}")
+        if target is not None:
+            shorter_runs(shape, "*_steps*", target, "today's best final")
+        with_short_rows(shape, best)
         longer_horizons(shape)
     print("\n".join(rows))
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     print(f"wrote {out}")
+
+
+def shorter_runs(shape: str, pattern: str, target: float, name: str) -> None:
+    """Runs of fewer than STEPS steps, each planned with its whole schedule: whether each reaches `target`."""
+    for path in sorted((ROOT / shape).glob(pattern)):
+        steps = int(path.name.rsplit("_steps", 1)[1])
+        if steps < STEPS and (val := val_curve(path, steps=steps)) is not None:
+            verdict = "reaches" if val[steps - 1] <= target else "does not reach"
+            print(f"  {path.name}: {steps} steps ({(steps - 1) / (STEPS - 1):.2f} of the updates), final val loss "
+                  f"{val[steps - 1]:.4f}: {verdict} {name} {target:.4f}")
+
+
+def with_short_rows(shape: str, best: dict[str, tuple[float, list[Path]]]) -> None:
+    """Where both Muon recipes ran with the sequence-length schedule (--short_rows): the steps modern with it needs
+    to reach GPT-2 + Muon's final with it, and whether modern's shorter runs with it reach that."""
+    if not {"gpt2_short_rows_muon_wsd", "modern_short_rows_muon_wsd"} <= set(best):
+        return
+    target = mean_curve(best["gpt2_short_rows_muon_wsd"][1])[STEPS - 1]
+    modern = mean_curve(best["modern_short_rows_muon_wsd"][1])
+    print(f"  with the short rows: GPT-2 + Muon's final val loss {target:.4f}, modern's {modern[STEPS - 1]:.4f}, "
+          f"modern's steps to GPT-2's {steps_and_fraction(modern, target)}")
+    shorter_runs(shape, "modern_short_rows_muon_wsd_*_steps*", target, "GPT-2 + Muon's final with the short rows")
 
 
 def longer_horizons(shape: str) -> None:
