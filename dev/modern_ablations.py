@@ -238,15 +238,16 @@ def output_layer_lr(ratio: float) -> None:
 
 def split_newton_schulz() -> None:
     """optim.newton_schulz on each block of rows: 3 for c_attn's (3C, C) update, 2 for SwiGLU's (2·hidden, C), each
-    scaled as Muon scales a matrix of its own shape (so by 1/√blocks: Muon scales the whole by √(rows/C))."""
+    scaled as Muon scales a matrix of its own shape (so by 1/√blocks: Muon scales the whole by √(rows/C)). Muon
+    hands it stacks of these matrices transposed (wide), so the blocks are of columns there."""
     whole = optim.newton_schulz
 
-    def split(grad, *args):
-        rows, columns = grad.shape
-        blocks = 3 if rows == 3 * columns else 2 if rows == 2 * model.swiglu_hidden_size(columns) else 1
+    def split(stack, *args):
+        rows, columns = stack.shape[-2:]
+        blocks = 3 if columns == 3 * rows else 2 if columns == 2 * model.swiglu_hidden_size(rows) else 1
         if blocks == 1:
-            return whole(grad, *args)
-        return torch.cat([whole(part, *args) for part in grad.chunk(blocks)]) / blocks ** 0.5
+            return whole(stack, *args)
+        return torch.cat([whole(part, *args) for part in stack.chunk(blocks, dim=-1)], dim=-1) / blocks ** 0.5
     optim.newton_schulz = split
 
 

@@ -1,5 +1,5 @@
-"""Muon's optimizer step on several ranks: every rank orthogonalising every block matrix (torch.optim.Muon under ddp,
-as before issue 27) against each rank its share (optim.ShardedMuon, under ddp and under fsdp).
+"""Muon's optimizer step on several ranks: every rank orthogonalising every block matrix (under ddp, as before
+issue 27) against each rank its share (optim.Muon shared, under ddp and under fsdp).
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 -m dev.muon_shares --model gpt2 --steps 3
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=8 -m dev.muon_shares --n_layer 4 --variant 1
@@ -13,7 +13,6 @@ RAM, --n_layer keeps 124M's shapes with fewer of them, and --variant runs one va
 """
 import argparse
 import statistics
-import sys
 import time
 from dataclasses import replace
 
@@ -28,9 +27,9 @@ from distributed import setup_distributed, synchronize, teardown_distributed
 from model import GPT, PRESETS, GPTConfig
 from parallel import shard
 
-VARIANTS = {"every rank all matrices (torch.optim.Muon, ddp)": ("ddp", False),
-            "each rank its share (ShardedMuon, ddp)": ("ddp", True),
-            "each rank its share (ShardedMuon, fsdp)": ("fsdp", True)}
+VARIANTS = {"every rank all matrices (ddp)": ("ddp", False),
+            "each rank its share (ddp)": ("ddp", True),
+            "each rank its share (fsdp)": ("fsdp", True)}
 
 
 def time_muon_step(config: GPTConfig, parallel: str, shared: bool, steps: int, device: torch.device) -> tuple:
@@ -48,13 +47,11 @@ def time_muon_step(config: GPTConfig, parallel: str, shared: bool, steps: int, d
         p.grad = distribute_tensor(grad, p.device_mesh, p.placements) if isinstance(p, DTensor) else grad
     calls, real = [0], optim.newton_schulz
 
-    def counted(*args):
-        calls[0] += 1
-        return real(*args)
+    def counted(stack, *args):  # a stack of one shape's matrices
+        calls[0] += stack.size(0)
+        return real(stack, *args)
 
-    # Where ShardedMuon looks it up, and where torch.optim.Muon does (build_optimizers put optim's there).
-    torch_muon = sys.modules[optim.TORCH_MUON_MODULE]
-    optim.newton_schulz = torch_muon._zeropower_via_newtonschulz = counted
+    optim.newton_schulz = counted
     try:
         milliseconds = []
         for _ in range(steps + 1):
@@ -65,7 +62,7 @@ def time_muon_step(config: GPTConfig, parallel: str, shared: bool, steps: int, d
             synchronize(device)
             milliseconds.append(1000 * (time.perf_counter() - t0))
     finally:
-        optim.newton_schulz = torch_muon._zeropower_via_newtonschulz = real
+        optim.newton_schulz = real
     return statistics.median(milliseconds[1:]), calls[0] // (steps + 1)
 
 

@@ -22,7 +22,7 @@ from distributed import Distributed, average_across_ranks, teardown_distributed
 from errors import UserError
 from helpers_train import run_train, write_text_shards
 from model import GPT, GPTConfig
-from optim import build_optimizers
+from optim import Muon, build_optimizers
 from train_gpt2 import run
 from training import train_step
 
@@ -449,7 +449,7 @@ def record_calls(monkeypatch, cls: type, method: str, record) -> None:
 
 def test_a_real_run_follows_the_momentum_warmup_the_short_rows_and_adams_beta1(tmp_path, monkeypatch):
     momenta, adam_betas, rows = [], [], []
-    record_calls(monkeypatch, torch.optim.Muon, "step", lambda muon: momenta.append(muon.param_groups[0]["momentum"]))
+    record_calls(monkeypatch, Muon, "step", lambda muon: momenta.append(muon.param_groups[0]["momentum"]))
     record_calls(monkeypatch, torch.optim.AdamW, "step",
                  lambda adam: adam_betas.append({group["betas"] for group in adam.param_groups}))
     record_calls(monkeypatch, GPT, "forward", lambda gpt, idx, *args: rows.append(tuple(idx.shape)))
