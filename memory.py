@@ -18,7 +18,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from config import TrainConfig, resolve_plan
 from distributed import Distributed
 from errors import UserError
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, loss_chunk_tokens
 
 ADAMW_BYTES_PER_PARAM = 8  # two fp32 moments (exp_avg, exp_avg_sq) per parameter, whatever the parameter's dtype
 MiB = 2**20
@@ -181,13 +181,25 @@ def fixed_bytes(config: GPTConfig, world_size: int, parallel: str, dtype: torch.
     return state // world_size + gathered + accumulated_grads
 
 
+def compiled_loss_bytes_per_sequence(config: GPTConfig, seq_len: int, dtype: torch.dtype, chunk_tokens: int) -> int:
+    """What a compiled training step on a GPU holds beyond eager's activations, per sequence: the loss's logits of
+    every chunk (at the padded width, in the matmuls' dtype) and every chunk's partial weight gradient, all at once,
+    where eager frees each with its chunk. Measured on an H200 (torch 2.11, GPT-2 124M, T=1024, bf16, chunks of 4,096
+    tokens): compiled peaked 103 and 105 MiB a sequence above eager at B=128 and 256 while it saved less for backward
+    (`dev/compiled_memory.py`); this count gives 117. Why Inductor's CUDA schedule holds them is not read yet."""
+    itemsize = dtype.itemsize
+    vocab = config.padded_vocab_size
+    return seq_len * vocab * itemsize + seq_len * vocab * config.n_embd * itemsize // chunk_tokens
+
+
 def auto_micro_batch(config: GPTConfig, seq_len: int, total_batch_size: int, world_size: int, device: torch.device,
                      dtype: torch.dtype, ranks_on_node: int, parallel: str = "ddp",
-                     activation_checkpointing: str = "none") -> MicroBatch:
+                     activation_checkpointing: str = "none", compile: bool = False) -> MicroBatch:
     """--micro_batch_size auto: measure this model's activations per sequence on the device (on MPS: on the CPU,
     whose figure is the same model's), with the run's --activation_checkpointing, and fit as many sequences as divide
     this rank's share of the batch, next to what the rank holds anyway (fixed_bytes: the whole model state under ddp,
-    a shard of it under fsdp)."""
+    a shard of it under fsdp). Compiled on a GPU, each sequence also costs what the compiled loss holds
+    (compiled_loss_bytes_per_sequence)."""
     rank_tokens, remainder = divmod(total_batch_size, world_size * seq_len)
     if remainder:
         raise ValueError(f"--total_batch_size {total_batch_size} is not a whole number of sequences per rank "
@@ -197,6 +209,8 @@ def auto_micro_batch(config: GPTConfig, seq_len: int, total_batch_size: int, wor
                                                          activation_checkpointing=activation_checkpointing)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the probe's memory back to the device, so that it counts as free
+        if compile:
+            per_sequence += compiled_loss_bytes_per_sequence(config, seq_len, dtype, loss_chunk_tokens(device))
     fixed = fixed_bytes(config, world_size, parallel, dtype)
     return largest_micro_batch(available_bytes(device, ranks_on_node), fixed, per_sequence, rank_tokens)
 
@@ -211,7 +225,7 @@ def choose_micro_batch(cfg: TrainConfig, dist_env: Distributed, dtype: torch.dty
     try:
         choice, failure = auto_micro_batch(plan.model_config, plan.seq_len, cfg.total_batch_size, dist_env.world_size,
                                            dist_env.device, dtype, int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-                                           cfg.parallel, cfg.activation_checkpointing), None
+                                           cfg.parallel, cfg.activation_checkpointing, cfg.compile), None
     except ValueError as e:
         choice, failure = None, str(e)
     except torch.OutOfMemoryError as e:

@@ -236,6 +236,22 @@ def test_a_deterministic_run_trains_validates_and_samples_in_strict_mode(tmp_pat
     assert [r["step"] for r in records if "loss" in r] == [0, 1] and len([r for r in records if "val_loss" in r]) == 2
 
 
+def test_auto_micro_batch_counts_the_compiled_losss_chunks_on_a_gpu(monkeypatch):
+    """Compiled on a GPU a sequence costs eager's activations plus its share of the loss's chunks, which the compiled
+    step holds at once (117 MiB at 124M, T=1024, bf16): on a card with 100 GiB free, 256 sequences fit eager's count
+    but not compiled's, where the H200's compiled step at B=256 peaked at 113 GiB."""
+    from memory import GiB, MiB, auto_micro_batch
+    monkeypatch.setattr(memory, "available_bytes", lambda device, ranks_on_node: 100 * GiB)
+    monkeypatch.setattr(memory, "measure_activation_bytes_per_sequence", lambda *args, **kwargs: 320 * MiB)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    sizes = {compile: auto_micro_batch(PRESETS["gpt2"], 1024, 524_288, 1, torch.device("cuda", 0), torch.bfloat16, 1,
+                                       compile=compile) for compile in (False, True)}
+    assert sizes[False].size == 256 and sizes[True].size == 128, sizes
+    assert "× 437 MiB" in sizes[True].reason, sizes[True].reason
+    cpu = auto_micro_batch(PRESETS["tiny"], 64, 64 * 64, 1, torch.device("cpu"), torch.float32, 1, compile=True)
+    assert "× 320 MiB" in cpu.reason  # on a CPU, where no compiled step was measured to hold more: eager's count
+
+
 def test_auto_micro_batch_counts_a_ranks_shard_under_fsdp_gpt2_xl_fits_8_24gb_gpus(monkeypatch):
     from memory import GiB, MiB, auto_micro_batch, fixed_bytes
     config, cuda, world_size = PRESETS["gpt2-xl"], torch.device("cuda", 0), 8
