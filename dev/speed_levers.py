@@ -9,7 +9,6 @@ to the device from pageable or pinned memory.
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -18,7 +17,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import optim
-from distributed import synchronize
+from dev.step_profile import time_ms
 from model import GPT, PRESETS
 
 NS_ARGS = ((3.4445, -4.7750, 2.0315), 5, 1e-7)  # torch.optim.Muon's coefficients, steps and eps
@@ -27,14 +26,7 @@ NS_ARGS = ((3.4445, -4.7750, 2.0315), 5, 1e-7)  # torch.optim.Muon's coefficient
 def median_ms(run: Callable[[], object], device: torch.device, repeats: int, warmup: int = 2) -> float:
     for _ in range(warmup):
         run()
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        t0 = time.perf_counter()
-        run()
-        synchronize(device)
-        times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
+    return statistics.median(time_ms(run, device) for _ in range(repeats))
 
 
 def attention_backends(device: torch.device, batch: int, heads: int, seq_len: int, head_dim: int,

@@ -587,9 +587,9 @@ def bench_compiled_vs_eager(eager: dict | None, compiled: dict | None, scale: Sc
     speedup = compiled["tokens_per_sec"] / eager["tokens_per_sec"]
     memory = compiled["peak_memory_mib"] / eager["peak_memory_mib"]  # of the timed steps, after compilation
     warmup = compiled["warmup_peak_memory_mib"] / eager["warmup_peak_memory_mib"]
+    device = torch.device(scale.device)
     loss_chunks = compiled["micro_batch_size"] * compiled_loss_bytes_per_sequence(
-        bench.PRESETS[scale.model], scale.seq_len, pick_dtype(scale.dtype, torch.device(scale.device)),
-        loss_chunk_tokens(torch.device(scale.device))) / MiB
+        bench.PRESETS[scale.model], scale.seq_len, pick_dtype(scale.dtype, device), loss_chunk_tokens(device)) / MiB
     bound = COMPILED_MAX_MEMORY * eager["peak_memory_mib"] + loss_chunks
     return (f"{speedup:.2f}× the tokens/s, {memory:.2f}× the peak memory ({warmup:.2f}× in the warm-up steps, where "
             f"compiling and autotuning allocate too): {compiled['peak_memory_mib'] / 1024:,.1f} GiB against "
