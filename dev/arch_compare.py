@@ -39,6 +39,7 @@ import os
 import statistics
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from config import parse_short_rows
@@ -127,6 +128,29 @@ RECIPES |= {f"{arch}_{name}_muon_wsd": ("--muon_lr", [lr], [*RECIPES[f"{arch}_mu
             for arch, lr in [("gpt2", 0.01), ("modern", 0.005)]
             for name, extra in [("combined", RECIPE_FLAGS["split"]), ("combined_flags", [])]}
 SEEDS = [1337, 42]
+
+# The fair comparison (`fair`): the two Muon recipes on rows of 1,024 with --align_bos on for both. The runs above left
+# it at each architecture's default, on for modern and off for GPT-2, so the arms trained on differently packed rows.
+# GPT-2 + Muon's two LRs are swept again with it (seed 1337): --muon_lr, then its AdamW part's --max_lr at the best of
+# those (modern's were swept before: its Muon LR at rows of 1,024, its AdamW part at rows of 256); then three seeds of
+# each arm, with and without the sequence-length schedule, and modern planned for half the steps (the direct check).
+FAIR_SHAPE = "4x256_T1024"
+FAIR_SEEDS = [1337, 42, 7]
+FAIR_MUON_LRS = [0.005, 0.01, 0.02]
+FAIR_ADAM_LRS = [1e-3, 2e-3, 4e-3]  # extended by halving or doubling while the best is at an edge
+FAIR_HALF = 123  # steps of the direct check: 122 updates, 0.50 of 244
+BOS = ["--align_bos"]
+for schedule, extra in [("", []), ("_short_rows", RECIPE_FLAGS["short_rows"])]:
+    RECIPES[f"modern_bos{schedule}_muon_wsd"] = ("--muon_lr", [0.005], [*RECIPES["modern_muon_wsd"][2], *BOS, *extra])
+    RECIPES[f"gpt2_bos{schedule}_muon_wsd"] = ("--muon_lr", FAIR_MUON_LRS, [*RECIPES["gpt2_muon_wsd"][2], *BOS, *extra])
+
+
+def gpt2_bos_recipe(adam_lr: float, schedule: str = "") -> str:
+    """GPT-2 + Muon with --align_bos and its AdamW part at adam_lr (2e-3: the plain recipe), registered in RECIPES."""
+    name = f"gpt2_bos{schedule}_adam{adam_lr:g}_muon_wsd" if adam_lr != 2e-3 else f"gpt2_bos{schedule}_muon_wsd"
+    RECIPES.setdefault(name, ("--muon_lr", FAIR_MUON_LRS, [*RECIPES[f"gpt2_bos{schedule}_muon_wsd"][2], "--max_lr",
+                                                             f"{adam_lr:g}"]))
+    return name
 SHARED_DATA = Path(os.environ.get("SHARED_DATA", "../shared/data"))
 HELDOUT = {"fineweb": "fineweb_sample/fineweb_20docs.jsonl", "lambada": "evals/lambada_openai.jsonl"}
 HELDOUT_TOKENS = 131_072  # of each text, at most (FineWeb's 20 rows hold 18,454; LAMBADA's 435,383)
@@ -146,22 +170,28 @@ def val_curve(path: Path, key: str = "val_loss", steps: int = STEPS) -> dict[int
     return val if steps - 1 in val else None
 
 
-def run(shapes: list[str], recipes: list[str], seeds: list[int], lrs: list[float] | None, steps: int = STEPS) -> None:
-    for shape in shapes:
-        for recipe in recipes:
-            flag, recipe_lrs, flags = RECIPES[recipe]
-            for lr in lrs or recipe_lrs:
-                for seed in seeds:
-                    out = run_dir(shape, recipe, lr, seed, steps)
-                    if val_curve(out, steps=steps) is not None:
-                        continue
-                    out.mkdir(parents=True, exist_ok=True)
-                    print(f"{out} ...", flush=True)
-                    args = [*COMMON, "--max_steps", str(steps), *SHAPES[shape], *scaled(flags, steps, shape), flag,
-                            str(lr), "--seed", str(seed), "--log_dir", str(out)]
-                    with open(out / "stdout.txt", "w") as f:
-                        subprocess.run([sys.executable, *entry_point(args)], stdout=f, stderr=subprocess.STDOUT,
-                                       check=True)
+def run(shapes: list[str], recipes: list[str], seeds: list[int], lrs: list[float] | None, steps: int = STEPS,
+        jobs: int = 1) -> None:
+    """Every run of these not yet finished, `jobs` at a time."""
+    runs = [(shape, recipe, lr, seed, steps) for shape in shapes for recipe in recipes
+            for lr in lrs or RECIPES[recipe][1] for seed in seeds]
+    with ThreadPoolExecutor(jobs) as pool:
+        list(pool.map(lambda each: train(*each), runs))  # (list: a failed run raises here)
+
+
+def train(shape: str, recipe: str, lr: float, seed: int, steps: int = STEPS) -> Path:
+    """One run of the comparison, unless it has finished already; its directory."""
+    out = run_dir(shape, recipe, lr, seed, steps)
+    if val_curve(out, steps=steps) is not None:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"{out} ...", flush=True)
+    flag, _, flags = RECIPES[recipe]
+    args = [*COMMON, "--max_steps", str(steps), *SHAPES[shape], *scaled(flags, steps, shape), flag, str(lr),
+            "--seed", str(seed), "--log_dir", str(out)]
+    with open(out / "stdout.txt", "w") as f:
+        subprocess.run([sys.executable, *entry_point(args)], stdout=f, stderr=subprocess.STDOUT, check=True)
+    return out
 
 
 def scaled(flags: list[str], steps: int, shape: str) -> list[str]:
@@ -326,6 +356,87 @@ def longer_horizons(shape: str) -> None:
                   f"mean: final val loss {final:.4f}: {'reaches' if final <= target else 'does not reach'} it")
 
 
+def fair(jobs: int) -> None:
+    """The fair comparison, every run not yet finished (`jobs` at a time), then its tables: see FAIR_SHAPE."""
+    shape, seed = FAIR_SHAPE, FAIR_SEEDS[0]
+
+    def final(recipe: str, lr: float, seeds: list[int] = FAIR_SEEDS[:1], steps: int = STEPS) -> float:
+        return statistics.fmean(val_curve(run_dir(shape, recipe, lr, s, steps), steps=steps)[steps - 1] for s in seeds)
+
+    def train_all(runs: list[tuple[str, float, int] | tuple[str, float, int, int]]) -> None:
+        with ThreadPoolExecutor(jobs) as pool:
+            list(pool.map(lambda each: train(shape, *each), runs))
+
+    # 1. GPT-2 + Muon's Muon LR; modern's runs alongside, as they need no sweep
+    modern_runs = [(f"modern_bos{schedule}_muon_wsd", 0.005, s) for schedule in ("", "_short_rows") for s in FAIR_SEEDS]
+    train_all([("gpt2_bos_muon_wsd", lr, seed) for lr in FAIR_MUON_LRS] + modern_runs)
+    muon_lr = min(FAIR_MUON_LRS, key=lambda lr: final("gpt2_bos_muon_wsd", lr))
+    # 2. its AdamW part at that Muon LR
+    adam_lrs = list(FAIR_ADAM_LRS)
+    while True:
+        train_all([(gpt2_bos_recipe(lr), muon_lr, seed) for lr in adam_lrs])
+        adam_lr = min(adam_lrs, key=lambda lr: final(gpt2_bos_recipe(lr), muon_lr))
+        if adam_lr not in (adam_lrs[0], adam_lrs[-1]):
+            break
+        adam_lrs = [adam_lr / 2, *adam_lrs] if adam_lr == adam_lrs[0] else [*adam_lrs, adam_lr * 2]
+    # 3. three seeds of GPT-2 + Muon at its best LRs, with and without the schedule; 4. the direct checks
+    arms = {"GPT-2 + Muon": (gpt2_bos_recipe(adam_lr), muon_lr),
+            "GPT-2 + Muon, short rows": (gpt2_bos_recipe(adam_lr, "_short_rows"), muon_lr),
+            "modern": ("modern_bos_muon_wsd", 0.005), "modern, short rows": ("modern_bos_short_rows_muon_wsd", 0.005)}
+    train_all([(*arms[arm], s) for arm in ("GPT-2 + Muon", "GPT-2 + Muon, short rows") for s in FAIR_SEEDS])
+    train_all([(*arms[arm], s, FAIR_HALF) for arm in ("modern", "modern, short rows") for s in FAIR_SEEDS])
+    fair_report(arms, muon_lr, adam_lrs, adam_lr)
+
+
+def fair_report(arms: dict[str, tuple[str, float]], muon_lr: float, adam_lrs: list[float], adam_lr: float) -> None:
+    """The fair comparison's tables (docs/architectures.md): the sweep, each seed's finals and fractions, the
+    architecture's fraction with and without the schedule, and the schedule's gain on each arm."""
+    shape, sweep_seed = FAIR_SHAPE, FAIR_SEEDS[0]
+
+    def curve(arm: str, seed: int, steps: int = STEPS) -> dict[int, float]:
+        return val_curve(run_dir(shape, *arms[arm], seed, steps), steps=steps)
+
+    print(f"== the fair comparison: {shape}, --align_bos on for both arms, {STEPS} steps of 8,192 tokens, bf16 unless "
+          f"SWEEP_DTYPE says otherwise ({DTYPE})")
+    print(f"GPT-2 + Muon, seed {sweep_seed}: --muon_lr at --max_lr 2e-3: " + " · ".join(
+        f"{lr:g}: {val_curve(run_dir(shape, 'gpt2_bos_muon_wsd', lr, sweep_seed))[STEPS - 1]:.4f}"
+        for lr in FAIR_MUON_LRS) + f"; --max_lr at --muon_lr {muon_lr:g}: " + " · ".join(
+        f"{lr:g}: {val_curve(run_dir(shape, gpt2_bos_recipe(lr), muon_lr, sweep_seed))[STEPS - 1]:.4f}"
+        for lr in adam_lrs) + f"; best --muon_lr {muon_lr:g}, --max_lr {adam_lr:g}")
+    names = list(arms)
+    rows = ["| seed | " + " | ".join(names) + " | modern's steps to GPT-2 + Muon's final (fraction of 244) | with "
+            "the schedule, both arms | modern, short rows, to GPT-2 + Muon's final without it |",
+            "|---|" + "---|" * (len(names) + 3)]
+    curves = {arm: {seed: curve(arm, seed) for seed in FAIR_SEEDS} for arm in names}
+    means = {arm: {s: statistics.fmean(c[s] for c in by_seed.values()) for s in next(iter(by_seed.values()))}
+             for arm, by_seed in curves.items()}
+    for seed, by_arm in [*((seed, {arm: curves[arm][seed] for arm in names}) for seed in FAIR_SEEDS),
+                         ("mean", means)]:
+        finals = [by_arm[arm][STEPS - 1] for arm in names]
+        rows.append(f"| {seed} | " + " | ".join(f"{f:.4f}" for f in finals) + " | " + " | ".join(
+            steps_and_fraction(by_arm[modern], by_arm[gpt2][STEPS - 1]) for modern, gpt2 in [
+                ("modern", "GPT-2 + Muon"), ("modern, short rows", "GPT-2 + Muon, short rows"),
+                ("modern, short rows", "GPT-2 + Muon")]) + " |")
+    print("\n".join(rows))
+    print("Against the seeds' mean final (the headline's reading): " + "; ".join(
+        f"{modern} to {gpt2}: " + ", ".join(
+            f"seed {seed} {steps_and_fraction(curves[modern][seed], means[gpt2][STEPS - 1])}" for seed in FAIR_SEEDS)
+        for modern, gpt2 in [("modern", "GPT-2 + Muon"), ("modern, short rows", "GPT-2 + Muon, short rows")]))
+    gain = {arch: [curves[arch][s][STEPS - 1] - curves[f"{arch}, short rows"][s][STEPS - 1] for s in FAIR_SEEDS]
+            for arch in ("GPT-2 + Muon", "modern")}
+    print("The schedule's gain in final val loss, by seed: " + "; ".join(
+        f"{arch} " + ", ".join(f"{g:+.4f}" for g in gains) + f" (mean {statistics.fmean(gains):+.4f})"
+        for arch, gains in gain.items()) + "; the interaction (modern's gain less GPT-2's): "
+        f"{statistics.fmean(gain['modern']) - statistics.fmean(gain['GPT-2 + Muon']):+.4f}")
+    for arm, gpt2 in [("modern", "GPT-2 + Muon"), ("modern, short rows", "GPT-2 + Muon, short rows")]:
+        target = means[gpt2][STEPS - 1]
+        halves = [curve(arm, seed, FAIR_HALF)[FAIR_HALF - 1] for seed in FAIR_SEEDS]
+        print(f"The direct check: {arm} planned for {FAIR_HALF} steps ends at " + ", ".join(
+            f"{h:.4f}" for h in halves) + f" (seeds {', '.join(map(str, FAIR_SEEDS))}; mean "
+            f"{statistics.fmean(halves):.4f}) against {gpt2}'s mean final {target:.4f}: "
+            + ", ".join("reaches" if h <= target else "does not reach" for h in halves))
+
+
 def heldout(recipes: list[str]) -> None:
     """The val loss and bpb, on each held-out text, of every best-LR run of these recipes that kept its final
     snapshot."""
@@ -362,20 +473,23 @@ def heldout(recipes: list[str]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=("run", "report", "heldout"))
+    parser.add_argument("command", choices=("run", "report", "heldout", "fair"))
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--recipes", default=",".join(RECIPES))
     parser.add_argument("--seeds", default=",".join(map(str, SEEDS)))
     parser.add_argument("--lrs", help="only these LRs (comma-separated), instead of each recipe's sweep")
     parser.add_argument("--steps", type=int, default=STEPS,
                         help="a shorter or longer run (its schedules scaled with it)")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at a time (one thread each)")
     args = parser.parse_args()
+    if args.command == "fair":
+        return fair(args.jobs)
     if args.command == "report":
         return report()
     if args.command == "heldout":
         return heldout(args.recipes.split(","))
     run(args.shapes.split(","), args.recipes.split(","), [int(s) for s in args.seeds.split(",")],
-        [float(x) for x in args.lrs.split(",")] if args.lrs else None, args.steps)
+        [float(x) for x in args.lrs.split(",")] if args.lrs else None, args.steps, args.jobs)
 
 
 if __name__ == "__main__":
