@@ -20,6 +20,7 @@ from errors import UserError
 from evals import parse_task_names
 from hf import gpt_config
 from model import ACTIVATION_CHECKPOINTING, ARCHITECTURES, PRESETS, GPTConfig, with_arch
+from snapshot import is_snapshot_directory, read_model_config
 
 HF_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 
@@ -333,8 +334,6 @@ def init_weights_config(init_from: str) -> GPTConfig:
     """The shape of the weights --init_from names, read without loading them."""
     if init_from in HF_MODELS:
         return PRESETS[init_from]  # OpenAI's GPT-2 sizes are our presets of the same names
-    from snapshot import is_snapshot_directory, read_model_config  # (not at the top: snapshot.py imports this module)
-
     path = Path(init_from)
     if path.is_file() or is_snapshot_directory(path):  # a snapshot of ours (a file, or an fsdp run's directory)
         try:

@@ -18,7 +18,7 @@ from dataloader import DistributedDataLoader
 from distributed import any_rank
 from errors import UserError
 from run_logger import RunLogger
-from snapshot import Snapshots
+from snapshot_store import Snapshots
 
 
 def nonfinite_reason(loss: float, grad_norm: float, fp16: bool) -> str | None:
@@ -123,7 +123,8 @@ class DivergenceResponse:
                           "data_position": position, "healthy_snapshot": healthy})
         self.metrics.finish()
         after = f"after {rollbacks} rollback(s) (--max_rollbacks {cfg.max_rollbacks}), " if rollbacks else ""
-        restart = (f"The newest healthy snapshot is {healthy}: restart from it with --resume {healthy} and "
+        restart = (f"The newest healthy snapshot is {healthy}: restart from it with --resume {healthy} "
+                   "--snapshot_dir NEW_DIR (a branch: its snapshots apart from this run's later ones) and "
                    if healthy else "There is no healthy snapshot to restart from: start again with ")
         raise UserError(
             f"training diverged: {after}{cfg.max_skips} updates in a row were skipped up to step {step} (the last "

@@ -35,7 +35,8 @@ from parallel import TrainingModel, build_training_model
 from precision import dtype_name, pick_dtype, set_deterministic
 from run_lock import lock_run_directories
 from run_logger import RunLogger
-from snapshot import Snapshots, read_model
+from snapshot import read_model
+from snapshot_store import Snapshots
 from tokenizer import generate_text
 from training import StepResult, train_step
 from validation import validation_loss
@@ -97,9 +98,10 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None
     if start_step >= cfg.max_steps:
         print0(f"{resumed_from} is from step {start_step - 1}, the last of --max_steps {cfg.max_steps}: the run is "
                "already finished, nothing to do. To train on, raise --max_steps and resume from a snapshot taken "
-               "before the LR decayed (--resume PATH): with --lr_schedule wsd, one from the stable phase continues "
-               "with no LR jump; with cosine, or from this last snapshot, the LR jumps back up (a warning says by how "
-               "much). Or --resume never to start over.")
+               "before the LR decayed (--resume PATH --snapshot_dir NEW_DIR: a branch writes its snapshots apart from "
+               "the later ones of this run): with --lr_schedule wsd, one from the stable phase continues with no LR "
+               "jump; with cosine, or from this last snapshot (no new directory needed), the LR jumps back up (a "
+               "warning says by how much). Or --resume never to start over.")
         return
     metrics = RunLogger(cfg.log_dir, enabled=master)
     if resumed_from:

@@ -107,7 +107,7 @@ def tiny_snapshots(data: Path, snapshot_dir: Path, log=print, guard=None, every:
     from distributed import Distributed
     from model import GPT
     from parallel import build_training_model
-    from snapshot import Snapshots
+    from snapshot_store import Snapshots
 
     cfg = TrainConfig(data_dir=str(data), model="tiny", micro_batch_size=2, seq_len=16, total_batch_size=32,
                       dtype="fp32", device="cpu", val_every=0)

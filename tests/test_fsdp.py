@@ -35,7 +35,8 @@ from helpers_train import (
 )
 from model import GPT, GPTConfig
 from parallel import build_training_model
-from snapshot import find_latest_snapshot, list_snapshots, load_snapshot, read_model, snapshot_path
+from snapshot import list_snapshots, load_snapshot, read_model, snapshot_path
+from timeline import find_latest_snapshot
 from training import train_step
 
 pytestmark = pytest.mark.slow  # torchrun and spawned process groups

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import divergence
-import snapshot
+import snapshot_store
 import train_gpt2
 from config import TrainConfig, parse_args
 from conftest import flip_a_byte_in_tensor_data, make_shards, tiny_snapshots
@@ -32,15 +32,11 @@ from errors import UserError
 from helpers_train import TINY_ARGS, read_metrics, run_train
 from model import GPT
 from run_logger import RunLogger
-from snapshot import (
-    is_healthy,
-    list_snapshots,
-    load_snapshot,
-    newest_healthy_snapshot,
-    prune_snapshots,
-    save_snapshot,
-    snapshot_path,
-)
+from snapshot import list_snapshots, load_snapshot, save_snapshot, snapshot_path
+from snapshot_store import is_healthy, newest_healthy_snapshot, prune_snapshots
+from timeline import Timeline
+
+TIMELINE = Timeline("guardtests", [])  # the fake snapshots' timeline
 
 CPU = torch.device("cpu")
 B, T, ACCUM = 2, 16, 2  # 2 micro-steps of 2 × 16 tokens per step
@@ -177,7 +173,8 @@ def test_the_spike_windows_hold_the_last_spike_window_steps_also_after_a_load():
 
 def fake_snapshot(step: int, healthy: bool) -> dict:
     from snapshot import REQUIRED_KEYS
-    return {key: {} for key in REQUIRED_KEYS} | {"step": step, "rng": [], "wandb_id": "x", "healthy": healthy}
+    return {key: {} for key in REQUIRED_KEYS} | {"step": step, "rng": [], "wandb_id": "x", "healthy": healthy,
+                                                 "timeline": {"run": TIMELINE.run, "branched_from": []}}
 
 
 def test_a_snapshot_from_before_the_guard_counts_as_healthy(tmp_path):
@@ -185,8 +182,8 @@ def test_a_snapshot_from_before_the_guard_counts_as_healthy(tmp_path):
     del older["healthy"]  # written before the guard existed: never checked, trusted as before
     save_snapshot(older, snapshot_path(tmp_path, 4))
     save_snapshot(fake_snapshot(9, False), snapshot_path(tmp_path, 9))
-    assert newest_healthy_snapshot(tmp_path) == snapshot_path(tmp_path, 4)
-    prune_snapshots(tmp_path, keep_last=1)
+    assert newest_healthy_snapshot(tmp_path, TIMELINE) == snapshot_path(tmp_path, 4)
+    prune_snapshots(tmp_path, keep_last=1, timeline=TIMELINE)
     assert list_snapshots(tmp_path) == [snapshot_path(tmp_path, 9), snapshot_path(tmp_path, 4)]
 
 
@@ -194,15 +191,15 @@ def test_a_corrupt_healthy_snapshot_is_neither_rolled_back_to_nor_kept_by_prunin
     for step, healthy in ((4, True), (9, True), (14, False), (19, False)):
         save_snapshot(fake_snapshot(step, healthy) | {"model": {"w": torch.randn(256)}}, snapshot_path(tmp_path, step))
     flip_a_byte_in_tensor_data(snapshot_path(tmp_path, 9))  # healthy by its flag, but its bytes changed
-    assert newest_healthy_snapshot(tmp_path) == snapshot_path(tmp_path, 4)
-    prune_snapshots(tmp_path, keep_last=2)
+    assert newest_healthy_snapshot(tmp_path, TIMELINE) == snapshot_path(tmp_path, 4)
+    prune_snapshots(tmp_path, keep_last=2, timeline=TIMELINE)
     assert list_snapshots(tmp_path) == [snapshot_path(tmp_path, step) for step in (19, 14, 4)]
 
 
 def test_pruning_keeps_the_newest_healthy_snapshot_beyond_keep_last(tmp_path):
     for step, healthy in ((4, True), (9, True), (14, False), (19, False)):
         save_snapshot(fake_snapshot(step, healthy), snapshot_path(tmp_path, step))
-    prune_snapshots(tmp_path, keep_last=2)
+    prune_snapshots(tmp_path, keep_last=2, timeline=TIMELINE)
     assert [p.name for p in list_snapshots(tmp_path)] == ["snapshot_0000019.pt", "snapshot_0000014.pt",
                                                           "snapshot_0000009.pt"]
 
@@ -225,9 +222,9 @@ def test_a_snapshot_whose_health_a_read_error_hides_is_kept_by_pruning(tmp_path,
 
     with monkeypatch.context() as patch:
         patch.setattr(builtins, "open", open_but_not_9)
-        prune_snapshots(tmp_path, keep_last=2)
+        prune_snapshots(tmp_path, keep_last=2, timeline=TIMELINE)
     assert list_snapshots(tmp_path) == [snapshot_path(tmp_path, step) for step in kept]
-    assert newest_healthy_snapshot(tmp_path) == unreadable  # once it reads again
+    assert newest_healthy_snapshot(tmp_path, TIMELINE) == unreadable  # once it reads again
 
 
 def test_no_snapshot_is_written_from_nan_weights(data, tmp_path):
@@ -237,7 +234,7 @@ def test_no_snapshot_is_written_from_nan_weights(data, tmp_path):
     with torch.no_grad():
         snapshots.trainee.raw.transformer.h[1].mlp.c_fc.weight[3, 5] = math.nan
     assert snapshots.save_if_due(1, 10, False) is None
-    assert [p.name for p in tmp_path.iterdir()] == ["snapshot_0000000.pt"]
+    assert list_snapshots(tmp_path) == [snapshot_path(tmp_path, 0)]
     assert "no snapshot after step 1: the weights or optimizer state hold NaN or inf" in messages[-1]
 
 
@@ -297,13 +294,13 @@ def test_rollback_reloads_the_newest_healthy_snapshot_and_skips_the_bad_data(dat
     plant(monkeypatch, data, [6, 7, 8], math.nan)  # bad data at steps 6-8: 3 skips in a row, then a rollback
     args = ["--max_steps", "14", "--ckpt_every", "5", "--keep_last", "3", "--max_skips", "3",
             "--on_divergence", "rollback"]
-    rollback, before_rollback = snapshot.Snapshots.rollback, snapshot_path(tmp_path, 4)
+    rollback, before_rollback = snapshot_store.Snapshots.rollback, snapshot_path(tmp_path, 4)
 
     def copy_then_rollback(self):  # (the rollback writes its own state over the snapshot it restores)
         shutil.copy(snapshot_path(tmp_path / "run", 4), before_rollback)
         return rollback(self)
 
-    monkeypatch.setattr(snapshot.Snapshots, "rollback", copy_then_rollback)
+    monkeypatch.setattr(snapshot_store.Snapshots, "rollback", copy_then_rollback)
     records = run_in_process(data, tmp_path / "run", *args)
 
     assert skipped(records) == {6: "non-finite loss", 7: "non-finite loss", 8: "non-finite loss"}
@@ -334,7 +331,7 @@ def test_a_rollback_removes_the_unhealthy_snapshots_of_the_abandoned_timeline(da
     plant(monkeypatch, data, [8, 9, 10], math.nan)
     run_dir = tmp_path / "run"
     on_disk_after_rollback = []
-    commit_rollback = snapshot.Snapshots.commit_rollback
+    commit_rollback = snapshot_store.Snapshots.commit_rollback
 
     def spied_rollback(self, step, path):
         assert [p.name for p in list_snapshots(run_dir)] == ["snapshot_0000009.pt", "snapshot_0000004.pt"]
@@ -342,7 +339,7 @@ def test_a_rollback_removes_the_unhealthy_snapshots_of_the_abandoned_timeline(da
         commit_rollback(self, step, path)
         on_disk_after_rollback.extend(p.name for p in list_snapshots(run_dir))
 
-    monkeypatch.setattr(snapshot.Snapshots, "commit_rollback", spied_rollback)
+    monkeypatch.setattr(snapshot_store.Snapshots, "commit_rollback", spied_rollback)
     records = run_in_process(data, run_dir, "--max_steps", "12", "--ckpt_every", "5", "--keep_last", "3",
                              "--max_skips", "3", "--on_divergence", "rollback")
     assert on_disk_after_rollback == ["snapshot_0000004.pt"]

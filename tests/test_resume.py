@@ -379,7 +379,8 @@ def test_a_full_snapshot_disk_keeps_the_older_snapshots_and_only_a_lost_last_one
         warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("WARNING")]
         assert len(warnings) == 1 and "the snapshot of step 7 could not be written" in warnings[0]
         assert by_step(read_metrics(tmp_path), "loss").keys() == set(range(LAST_STEP + 1))  # every step trained
-        assert sorted(p.name for p in ckpt_dir.iterdir()) == ["run.lock", "snapshot_0000003.pt"]  # no temp file
+        assert sorted(p.name for p in ckpt_dir.iterdir()) == ["run.lock", "snapshot_0000003.pt",
+                                                              "timeline.json"]  # no temp file
         shutil.copy(snapshot_path(ckpt_dir, 3), tmp_path)
     # Rerun where there is room: it resumes after step 3 and finishes as if nothing had happened.
     main_in_process(args)

@@ -36,22 +36,24 @@ from conftest import (
 )
 from errors import UserError
 from helpers_train import main_in_process, read_metrics
-from model import GPT
+from model import GPT, GPTConfig
 from run_lock import LOCK_FILE
 from snapshot import (
     REQUIRED_KEYS,
     capture_rng_state,
     file_crc32,
-    find_latest_snapshot,
     list_snapshots,
     load_snapshot,
-    prune_snapshots,
     read_model,
     restore_rng_state,
     save_snapshot,
     snapshot_path,
     torch_save,
 )
+from snapshot_store import prune_snapshots
+from timeline import TIMELINE_FILE, Timeline, find_latest_snapshot, read_timeline
+
+TIMELINE = Timeline("snapshottests", [])  # the fake snapshots' timeline
 
 CPU = torch.device("cpu")
 
@@ -61,7 +63,8 @@ def fake_snapshot(step: int) -> dict:
     state = {key: {} for key in REQUIRED_KEYS}
     model = torch.nn.Linear(4, 4)
     torch.nn.init.constant_(model.weight, float(step))
-    state.update(model=model.state_dict(), step=step, rng=[capture_rng_state(CPU)], wandb_id="abc123")
+    state.update(model=model.state_dict(), step=step, rng=[capture_rng_state(CPU)], wandb_id="abc123",
+                 timeline={"run": TIMELINE.run, "branched_from": []})
     return state
 
 
@@ -123,7 +126,7 @@ def test_killed_write_leaves_previous_snapshot_and_the_next_save_removes_its_tem
     assert path == snapshot_path(tmp_path, 3) and state["step"] == 3
 
     save_snapshot(fake_snapshot(5), snapshot_path(tmp_path, 5))
-    prune_snapshots(tmp_path, keep_last=2)
+    prune_snapshots(tmp_path, keep_last=2, timeline=TIMELINE)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["snapshot_0000003.pt", "snapshot_0000005.pt"]
 
 
@@ -219,7 +222,7 @@ def test_snapshots_are_ordered_by_step_and_pruned_to_keep_last(tmp_path):
         save_snapshot(fake_snapshot(step), snapshot_path(tmp_path, step))
     (tmp_path / "notes.txt").write_text("not a snapshot")
     assert list_snapshots(tmp_path) == [snapshot_path(tmp_path, s) for s in reversed(steps)]
-    prune_snapshots(tmp_path, keep_last=2)
+    prune_snapshots(tmp_path, keep_last=2, timeline=TIMELINE)
     assert list_snapshots(tmp_path) == [snapshot_path(tmp_path, 10_000_000), snapshot_path(tmp_path, 99)]
     assert (tmp_path / "notes.txt").exists()
 
@@ -438,7 +441,7 @@ def test_pruning_and_cleaning_delete_only_what_this_code_wrote(tmp_path):
     (tmp_path / "snapshot_0000014.tmp").mkdir()
     (tmp_path / "snapshot_0000014.tmp" / "__0_0.distcp").write_bytes(b"\0" * 100)
 
-    prune_snapshots(tmp_path, keep_last=1)
+    prune_snapshots(tmp_path, keep_last=1, timeline=TIMELINE)
     assert files_under(tmp_path) == before | {"snapshot_0000012.pt": whole}
     with pytest.raises(FileExistsError, match="snapshot_0000005.pt"):  # nor is one overwritten by a snapshot
         save_snapshot(fake_snapshot(5), snapshot_path(tmp_path, 5))
@@ -447,15 +450,16 @@ def test_pruning_and_cleaning_delete_only_what_this_code_wrote(tmp_path):
 
 def test_the_directory_snapshots_of_a_real_fsdp_run_are_pruned_as_this_codes(fsdp_run, tmp_path):
     shutil.copytree(fsdp_run / "run", tmp_path, dirs_exist_ok=True)
-    prune_snapshots(tmp_path, keep_last=1)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", LOCK_FILE, "snapshot_0000002"]
+    prune_snapshots(tmp_path, keep_last=1, timeline=read_timeline(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", LOCK_FILE, "snapshot_0000002",
+                                                          TIMELINE_FILE]
 
 
 def test_a_run_with_keep_last_1_leaves_foreign_files_alone_and_says_which_it_ignored(fsdp_run, tmp_path, capsys):
     plant(tmp_path, ISSUE_24_ENTRIES)
     main_in_process(run_args(fsdp_run, tmp_path, "--keep_last", "1"))
     after = files_under(tmp_path)
-    assert after.keys() == ISSUE_24_ENTRIES.keys() | {"metrics.jsonl", LOCK_FILE, "snapshot_0000002.pt"}
+    assert after.keys() == ISSUE_24_ENTRIES.keys() | {"metrics.jsonl", LOCK_FILE, TIMELINE_FILE, "snapshot_0000002.pt"}
     assert {name: after[name] for name in ISSUE_24_ENTRIES} == ISSUE_24_ENTRIES
     warning = capsys.readouterr().err
     assert f"--resume auto ignores in {tmp_path}: snapshot_1.pt, snapshot_2023, snapshot_draft.tmp, " \
@@ -475,3 +479,82 @@ def test_resume_auto_among_snapshots_that_all_fail_to_load_exits_naming_them_and
     assert "--resume never" in message
     after = files_under(tmp_path)
     assert after.pop(LOCK_FILE).startswith(b"pid ") and after == before  # (but the run's own lock file)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# files from elsewhere (issue 50, items 8, 9, 10, 13)
+
+def trap_outside_shard(snapshot: Path, marker: Path, outside: str = "absolute") -> str:
+    """The .metadata names a shard file outside the directory (an absolute path, or one through ..), which holds the
+    weights that would be read instead: a copy of the real shard, so that torch's own reader loads it quietly."""
+    metadata = pickle.loads((snapshot / ".metadata").read_bytes())
+    elsewhere = snapshot.parent / "elsewhere.distcp"
+    shutil.copy(snapshot / "__0_0.distcp", elsewhere)
+    name = str(elsewhere) if outside == "absolute" else f"../{elsewhere.name}"
+    metadata.storage_data = {index: _StorageInfo(name, info.offset, info.length, info.transform_descriptors)
+                             for index, info in metadata.storage_data.items()}
+    (snapshot / ".metadata").write_bytes(pickle.dumps(metadata))
+    return name
+
+
+@pytest.mark.parametrize("outside", ["absolute", "parent"])
+@pytest.mark.parametrize("entry", ["read_model", "--resume PATH", "--init_from"])
+def test_a_snapshot_directory_whose_metadata_names_a_file_outside_it_is_refused(fsdp_run, tmp_path, entry, outside):
+    snapshot, named = booby_trapped(fsdp_run, tmp_path / "logs", lambda s, m: trap_outside_shard(s, m, outside))
+    model_config = GPTConfig(**torch.load(snapshot / "meta.pt", weights_only=True)["model_config"])
+    dcp.load({"model": GPT(model_config).state_dict()}, checkpoint_id=snapshot,
+             no_dist=True)  # torch's reader follows the path (today's read_model did too)
+    with pytest.raises((ValueError, UserError)) as refused:
+        ENTRY_POINTS[entry](fsdp_run, snapshot)
+    assert f"it names {named} as shard files" in str(refused.value)
+
+
+def payload_snapshot(path: Path, marker: Path) -> Path:
+    """A snapshot file with every key, one of them a payload that runs code when unpickled."""
+    torch.save(fake_snapshot(1) | {"scaler": RunsCode(marker)}, path)
+    return path
+
+
+@pytest.mark.parametrize("entry", ["read_model", "sample.py", "evaluate.py", "--resume PATH", "--resume auto",
+                                   "--init_from"])
+def test_a_snapshot_file_that_would_run_code_is_refused_and_nobody_advises_loading_it_anyway(fsdp_run, tmp_path,
+                                                                                           capsys, entry):
+    (tmp_path / "logs").mkdir()
+    snapshot = payload_snapshot(snapshot_path(tmp_path / "logs", 1), tmp_path / "code_ran")
+    with pytest.raises((ValueError, UserError, SystemExit)) as refused:
+        ENTRY_POINTS[entry](fsdp_run, snapshot)
+    message = f"{refused.value} {capsys.readouterr().err}"
+    assert not (tmp_path / "code_ran").exists()
+    assert f"{snapshot} was refused: its pickle holds the global exec, which is not plain data" in message
+    assert "could run code, so it will not be loaded" in message and "weights_only" not in message
+
+
+def test_a_fifo_or_device_given_as_a_snapshot_is_refused_at_once(fsdp_run, tmp_path):
+    fifo = tmp_path / "snapshot_0000001.pt"
+    os.mkfifo(fifo)  # reading it would block until a writer comes: SIGTERM could not stop that run
+    for path in (fifo, Path("/dev/zero")):
+        with pytest.raises(ValueError, match=f"{path} could not be read as a snapshot: it is not a regular file"):
+            read_model(path)
+    with pytest.raises(UserError, match="it is not a regular file"):
+        main_in_process(run_args(fsdp_run, tmp_path / "run", "--resume", str(fifo)))
+
+
+@pytest.mark.parametrize("change, named", [
+    (lambda s: s["model_config"].update(rotary=True), "its model_config is {"),
+    (lambda s: s["model_config"].pop("n_layer"), "its model_config is {"),
+    (lambda s: s["model_config"].update(n_head=-4), "its model_config is {"),
+    (lambda s: s["loader"].pop("epoch"), "holds a data position this code does not read"),
+])
+def test_a_snapshot_with_a_model_config_or_loader_this_code_does_not_write_is_refused(fsdp_run, tmp_path, change,
+                                                                                     named):
+    main_in_process(run_args(fsdp_run, tmp_path / "run", "--max_steps", "1"))
+    path = snapshot_path(tmp_path / "run", 0)
+    state = torch.load(path, weights_only=True)
+    change(state)
+    save_snapshot(state, path)
+    with pytest.raises(UserError, match=re.escape(named)):
+        main_in_process(run_args(fsdp_run, tmp_path / "run", "--max_steps", "2"))
+    if "model_config" in named:
+        with pytest.raises(SystemExit) as exited:  # tools.sample: exit 2, no traceback
+            tools.sample.main(["--ckpt", str(path), "--device", "cpu"])
+        assert exited.value.code == 2

@@ -27,7 +27,8 @@ from dataloader import DistributedDataLoader
 from helpers_train import TrainRun, run_train, train_env
 from model import GPT, GPTConfig
 from optim import bf16_matmul_is_slow
-from snapshot import find_latest_snapshot, load_snapshot, save_snapshot, snapshot_path
+from snapshot import load_snapshot, save_snapshot, snapshot_path
+from timeline import find_latest_snapshot
 from tools.gpu_check import SAMPLE_PROMPT, printed_samples
 
 pytestmark = pytest.mark.gpu
