@@ -23,8 +23,9 @@ RMSNorm on the token embedding, `modern_heads2_muon_wsd`, two heads of 128 inste
     python -m dev.arch_compare run --recipes modern_muon_wsd --lrs 0.02 --steps 147   # a shorter run, its own schedule
     python -m dev.arch_compare run --shapes 4x256 --recipes gpt2_muon_wsd --lrs 0.01 --steps 489   # twice as long
     python -m dev.arch_compare run --shapes 4x256_T1024 --recipes gpt2_muon_wsd --seeds 1337   # rows of 1,024
-    python -m dev.arch_compare report                    # the tables of docs/arch_compare.md, and its plot
+    python -m dev.arch_compare report                    # the tables of docs/architectures.md, and its plot
     python -m dev.arch_compare heldout                   # the best runs' final models on text nobody tuned on
+    python -m dev.arch_compare fair --jobs 2             # the fair comparison (--align_bos on for both): runs, tables
 
 Each run is train_gpt2.py in fp32 (or SWEEP_DTYPE) on the auto device: 245 steps of 8,192 tokens (32 rows of 256; 8 rows
 of 1,024 at the shape 4x256_T1024, the 124M recipe's row length), 2.0M tokens, past the unigram phase (val loss well
