@@ -44,7 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from config import parse_short_rows
-from dev.muon_vs_adamw import steps_to_reach
+from dev.curves import steps_to_reach
 from tools.plot import read_metrics
 
 ROOT = Path(os.environ.get("SWEEP_ROOT", "logs/arch_sweep"))

@@ -50,8 +50,10 @@ scored on their val loss only. The parts of the optimizers leave the model as it
 `heldout` scores their snapshots)."""
 
 import functools
+import runpy
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -59,7 +61,8 @@ from torch import nn
 
 import model
 import optim
-import train_gpt2
+
+TRAIN_SCRIPT = str(Path(__file__).resolve().parent.parent / "train_gpt2.py")
 
 
 def layer_norm_everywhere() -> None:
@@ -314,7 +317,9 @@ def main(argv: list[str]) -> None:
                  f"{', '.join(PATCHES)}")
     for part in parts:
         PATCHES[part]()
-    train_gpt2.main(argv[2:])
+    # The training command as it is, in this process: it builds its model from the patched module.
+    sys.argv = [TRAIN_SCRIPT, *argv[2:]]
+    runpy.run_path(TRAIN_SCRIPT, run_name="__main__")
 
 
 if __name__ == "__main__":

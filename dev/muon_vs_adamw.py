@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dev.curves import steps_to_reach
 from tools.plot import read_metrics
 
 ROOT = Path(os.environ.get("SWEEP_ROOT", "logs/sweep"))
@@ -74,15 +75,6 @@ def run():
         adamw_lr = best(shape, "adamw").removeprefix("adamw_lr")
         for lr in MUON_LRS:
             train(shape, f"muon_lr{lr:g}", ["--optimizer", "muon", "--muon_lr", str(lr), "--max_lr", adamw_lr])
-
-
-def steps_to_reach(val: dict[int, float], target: float) -> float | None:
-    """The first step at which the val curve (linearly interpolated between evaluations) is at or below target."""
-    points = sorted(val.items())
-    for (s0, v0), (s1, v1) in zip(points, points[1:]):
-        if v1 <= target:
-            return s0 + (v0 - target) / (v0 - v1) * (s1 - s0) if v0 > target else s0
-    return None
 
 
 def median_step_ms(shape, name):
