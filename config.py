@@ -8,7 +8,6 @@ happens there, before any process group, model or data loader exists.
 """
 
 import argparse
-import json
 import typing
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -18,7 +17,7 @@ import tomllib
 from dataloader import find_shards, read_shard_header
 from errors import UserError
 from evals import parse_task_names
-from hf import gpt_config
+from hf import local_config
 from model import ACTIVATION_CHECKPOINTING, ARCHITECTURES, PRESETS, GPTConfig, with_arch
 
 HF_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -345,17 +344,8 @@ def init_weights_config(init_from: str) -> GPTConfig:
             raise UserError(f"--init_from {init_from} is not a snapshot of this codebase ({type(e).__name__}: "
                             f"{str(e).splitlines()[0] if str(e) else ''}). Pass a snapshot_*.pt written by "
                             "train_gpt2.py, a Hugging Face model directory, or gpt2 / gpt2-medium / ...") from e
-    if path.is_dir():
-        config_file = path / "config.json"
-        if not config_file.is_file():
-            raise UserError(f"--init_from {init_from}: the directory has no config.json, so it is not a Hugging Face "
-                            "model directory (save_pretrained writes one). Pass gpt2, gpt2-medium, gpt2-large, "
-                            "gpt2-xl, a model directory or a snapshot_*.pt.")
-        hf = json.loads(config_file.read_text())
-        if hf.get("model_type") != "gpt2":
-            raise UserError(f"--init_from {init_from}: config.json says model_type {hf.get('model_type')!r}; only "
-                            "GPT-2 (model_type 'gpt2') weights fit this model.")
-        return gpt_config(hf)
+    if path.is_dir():  # a Hugging Face model directory: its config.json, checked against its weight file
+        return local_config(path)
     raise UserError(f"--init_from {init_from}: no such file or directory, and not one of scratch, "
                     f"{', '.join(HF_MODELS)}. Pass a Hugging Face model directory or a snapshot_*.pt.")
 

@@ -67,3 +67,15 @@ def test_foreign_snapshot_is_refused_clearly(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--ckpt", str(path)])
     assert "is not a snapshot of this codebase" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # a fresh Python: a few seconds
+def test_a_model_directory_that_is_none_exits_2_with_one_paragraph(tmp_path):
+    # hf.from_pretrained checks a directory's files first and raises a UserError, which the entry point reports.
+    result = subprocess.run([sys.executable, "-m", "tools.sample", "--model", str(tmp_path), "--device", "cpu"],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == (f"error: {tmp_path} has no config.json, so it is not a Hugging Face model directory "
+                             "(save_pretrained writes one). Pass a directory that transformers' save_pretrained wrote "
+                             "for a GPT2LMHeadModel, or gpt2, gpt2-medium, gpt2-large or gpt2-xl (downloaded on first "
+                             "use).\n")

@@ -84,12 +84,7 @@ def load_model(snapshot: str | None, hf_name: str | None) -> tuple[GPT, dict, in
     """The model on the CPU, with the flags and the last trained step of the run that wrote it (a snapshot of
     ours; {} and None for OpenAI's weights or a file with just a model)."""
     if hf_name is not None:
-        try:
-            return hf.from_pretrained(hf_name), {}, None
-        except OSError as e:  # what transformers raises for no network, an unknown name or missing weight files
-            raise UserError(f"--model {hf_name}: the Hugging Face weights could not be loaded "
-                            f"({str(e).strip().splitlines()[0]}). Pass gpt2, gpt2-medium, gpt2-large or gpt2-xl "
-                            "(downloaded on first use) or a directory written by save_pretrained.") from e
+        return hf.from_pretrained(hf_name), {}, None
     try:
         model = read_model(snapshot)
     except (FileNotFoundError, ValueError) as e:  # the message names the file and what to pass instead

@@ -8,9 +8,11 @@ torch.Generator differs between CPU, CUDA and MPS, and GPU kernels may differ be
 """
 
 import argparse
+import sys
 
 import hf
 from distributed import default_device
+from errors import run_entry_point
 from snapshot import read_model
 from tokenizer import generate_text
 
@@ -54,4 +56,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_entry_point(lambda: main(sys.argv[1:]))
