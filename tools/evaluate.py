@@ -24,7 +24,7 @@ import torch
 
 import evals
 import hf
-from config import HelpFormatter, TrainConfig, add_flags, validation_steps
+from config import HelpFormatter, TrainConfig, add_flags, check_flag_ranges, validation_steps
 from dataloader import DistributedDataLoader
 from distributed import Distributed, setup_distributed, teardown_distributed
 from errors import UserError, run_entry_point
@@ -100,6 +100,7 @@ def evaluate(model: GPT, args: argparse.Namespace, dist_env: Distributed) -> dic
     dtype = pick_dtype(args.dtype, device)
     model.to(device)
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if f.name in RUN_FLAGS})
+    check_flag_ranges(cfg)
     if not isinstance(cfg.micro_batch_size, int):
         raise UserError("--micro_batch_size auto is for training; pass a number of sequences (a snapshot passes the "
                         "one its run used).")
