@@ -51,6 +51,8 @@ def test_the_gpt2_recipe_spells_out_the_defaults():
     ("max_steps = \"5\"\n", "max_steps = '5' is not a valid value for --max_steps"),
     ("dtype = \"fp8\"\n", "one of auto, bf16, fp16, fp32"),
     ("compile = 1\n", "compile = 1 is not a valid value"),
+    ("wandb_mode = \"onlin\"\n", r"wandb_mode = 'onlin' is not a valid value for --wandb_mode \(one of online, "
+     r"offline, disabled\)"),
     ("max_steps = \n", r"is not valid TOML \(Invalid value \(at line 1, column 13\)\)"),
     (b'data_dir = "caf\xe9"\n', r"is not UTF-8 text \(byte 0xe9 at offset 15\)"),
     ("x = " + "[" * 100_000 + "]" * 100_000 + "\n", "is nested too deeply to be read"),  # tomllib's RecursionError
