@@ -1,9 +1,10 @@
 """Hugging Face's GPT-2 and ours: the same parameters under the same names (transformer.h.0.attn.c_attn, ...), but for
 the Conv1D layers, whose weights are nn.Linear's transposed, and our vocabulary padded to a multiple of 128. Import
 (from_pretrained: a hub name or a save_pretrained directory) and export (to_hf: a GPT2LMHeadModel, which
-save_pretrained writes as safetensors) both go through this mapping. An arch="modern" model exports as a
-Qwen3ForCausalLM, the standard class with the same parts (qwen3_state_dict). transformers is imported where it is
-used, so training from scratch does not need it.
+save_pretrained writes as safetensors) both go through this mapping. A local directory's files are checked before
+transformers reads them (local_config): transformers starts a weight missing from the file from random numbers, with a
+warning, and goes on. An arch="modern" model exports as a Qwen3ForCausalLM, the standard class with the same parts
+(qwen3_state_dict). transformers is imported where it is used, so training from scratch does not need it.
 """
 
 import json
@@ -82,9 +83,8 @@ def local_config(directory: Path) -> GPTConfig:
 
 def check_weight_file(directory: Path, config: GPTConfig) -> None:
     """UserError naming the weight file unless it holds every weight of `config`'s GPT-2, of its shape, and no other
-    (the causal-mask buffers of older files aside): transformers starts a weight missing from the file from random
-    numbers, with a warning, and goes on. Names are GPT2LMHeadModel's or, as in OpenAI's files, its transformer's;
-    lm_head.weight, tied to the token embedding, may be left out."""
+    (the causal-mask buffers of older files aside). Names are GPT2LMHeadModel's or, as in OpenAI's files, its
+    transformer's; lm_head.weight, tied to the token embedding, may be left out."""
     path, found = weight_shapes(directory)
     with torch.device("meta"):  # the shapes alone: no memory, however large the model
         expected = {name: tuple(tensor.shape) for name, tensor in hf_state_dict(GPT(config)).items()}
@@ -150,8 +150,8 @@ def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 
 def torch_file_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """A pytorch_model.bin's tensors, loaded as torch.load(weights_only=True) loads them, but as meta tensors: no
-    data is read, and no code is run."""
+    """A pytorch_model.bin's tensors, loaded as torch.load(weights_only=True) loads them, so that no code is run, but
+    as meta tensors, which take no memory."""
     try:
         state = torch.load(path, map_location="meta", weights_only=True)
     except pickle.UnpicklingError as e:
