@@ -8,7 +8,7 @@ happens there, before any process group, model or data loader exists.
 """
 
 import argparse
-import json
+import math
 import typing
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -18,8 +18,9 @@ import tomllib
 from dataloader import find_shards, read_shard_header
 from errors import UserError
 from evals import parse_task_names
-from hf import gpt_config
+from hf import local_config
 from model import ACTIVATION_CHECKPOINTING, ARCHITECTURES, PRESETS, GPTConfig, with_arch
+from parsing import PARSE_ERRORS, parse_problem
 from snapshot import is_snapshot_directory, read_model_config
 
 HF_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -118,7 +119,8 @@ class TrainConfig:
     sample_every: int = arg(250, "rank 0 prints sampled text every N steps (0 = never)")
     log_dir: str = arg("logs", "metrics.jsonl (and, by default, snapshots) go here")
     wandb_project: str | None = arg(None, "wandb project; logging to wandb is on when this is set")
-    wandb_mode: str | None = arg(None, "online|offline|disabled (default: online with a project, else disabled)")
+    wandb_mode: str | None = arg(None, "online|offline|disabled (default: online with a project, else disabled)",
+                                 choices=("online", "offline", "disabled"))
     wandb_run_name: str | None = arg(None, "wandb run name")
     # fault tolerance
     snapshot_dir: str | None = arg(None, "snapshot directory (default: --log_dir)")
@@ -145,6 +147,43 @@ FLAG_GROUPS = {"data_dir": "data", "arch": "model", "seq_len": "batch", "max_ste
 # Flags by their old names, still accepted on the command line and in recipes.
 OLD_NAMES = {"ckpt_dir": "snapshot_dir", "ckpt_every": "snapshot_every", "hellaswag_every": "eval_every",
              "hellaswag_limit": "eval_limit"}
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a number flag takes: finite, from low to high, either end left out where it is open."""
+    low: float
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        above_low = value > self.low if self.low_open else value >= self.low
+        below_high = value < self.high if self.high_open else value <= self.high
+        return (isinstance(value, int) or math.isfinite(value)) and above_low and below_high  # (NaN fails both)
+
+    def __str__(self) -> str:
+        low = f"above {self.low}" if self.low_open else f"at least {self.low}"
+        return low + ("" if self.high == math.inf else f" and {'below' if self.high_open else 'at most'} {self.high}")
+
+
+AT_LEAST_0, AT_LEAST_1, ABOVE_0 = Range(0), Range(1), Range(0, low_open=True)
+BELOW_1 = Range(0, 1, high_open=True)
+SEEDS = Range(0, 2**64, high_open=True)  # numpy's generators take no negative seed, torch's none of 2**64 or more
+# The values of each number flag (None, a flag's "not set", is not checked). Outside them a run crashed part way,
+# or went on meaning something else: --val_every -1 validated at every step, --grad_clip nan clipped nothing.
+# (--keep_last: snapshot.Snapshots checks it, where it deletes snapshots.)
+FLAG_RANGES = {
+    "n_layer": AT_LEAST_1, "n_head": AT_LEAST_1, "n_embd": AT_LEAST_1, "block_size": AT_LEAST_1, "seq_len": AT_LEAST_1,
+    "micro_batch_size": AT_LEAST_1, "total_batch_size": AT_LEAST_1, "max_steps": AT_LEAST_1,
+    "warmup_steps": AT_LEAST_0, "max_lr": ABOVE_0, "min_lr_ratio": Range(0, 1), "weight_decay": AT_LEAST_0,
+    "adam_beta1": BELOW_1, "warmdown_frac": Range(0, 1, low_open=True), "embed_lr": ABOVE_0, "muon_lr": ABOVE_0,
+    "muon_momentum": BELOW_1, "muon_momentum_warmup": AT_LEAST_0, "muon_weight_decay": AT_LEAST_0,
+    "grad_clip": AT_LEAST_0, "seed": SEEDS, "val_every": AT_LEAST_0, "val_tokens": AT_LEAST_1,
+    "val_steps": AT_LEAST_1, "eval_every": AT_LEAST_0, "eval_limit": AT_LEAST_1, "sample_every": AT_LEAST_0,
+    "snapshot_every": AT_LEAST_0, "dist_timeout": AT_LEAST_1, "skip_zscore": AT_LEAST_0, "max_skips": AT_LEAST_1,
+    "max_rollbacks": AT_LEAST_0,
+}
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -203,8 +242,11 @@ def load_recipe(path: str) -> dict:
     except FileNotFoundError as e:
         raise UserError(f"--config {path}: no such file. Pass a recipe such as "
                         "recipes/gpt2_124m_fineweb_edu.toml.") from e
-    except tomllib.TOMLDecodeError as e:
-        raise UserError(f"--config {path} is not valid TOML ({e}). Each line is `flag = value`, e.g. "
+    except OSError as e:  # a directory, no permission to read it
+        raise UserError(f"--config {path} could not be read ({e.strerror}). Pass a recipe file such as "
+                        "recipes/gpt2_124m_fineweb_edu.toml.") from e
+    except PARSE_ERRORS as e:
+        raise UserError(f"--config {path} is {parse_problem(e)}. Each line is `flag = value`, e.g. "
                         "`max_steps = 100` or `data_dir = \"data/shakespeare\"`.") from e
     known = {f.name: f for f in fields(TrainConfig)}
     recipe = {OLD_NAMES.get(key, key): value for key, value in recipe.items()}
@@ -238,8 +280,9 @@ class Plan:
 
 def resolve_plan(cfg: TrainConfig, world_size: int) -> Plan:
     """Everything the flags imply, checked: the first bad flag raises a UserError naming it and the fix."""
+    check_flag_ranges(cfg)
     config = model_config(cfg)
-    if not isinstance(cfg.micro_batch_size, int) or cfg.micro_batch_size < 1:
+    if not isinstance(cfg.micro_batch_size, int):  # (a number's range: check_flag_ranges)
         raise UserError(f"--micro_batch_size {cfg.micro_batch_size!r}: pass a number of sequences (1 or more) or "
                         "'auto'.")
     seq_len = cfg.seq_len or config.block_size
@@ -247,22 +290,10 @@ def resolve_plan(cfg: TrainConfig, world_size: int) -> Plan:
         raise UserError(f"--seq_len {seq_len} exceeds the model's --block_size {config.block_size}; lower --seq_len "
                         "or raise --block_size.")
     short_rows = parse_short_rows(cfg.short_rows, seq_len)
-    if cfg.lr_schedule == "wsd" and not 0 < cfg.warmdown_frac <= 1:
-        raise UserError(f"--warmdown_frac {cfg.warmdown_frac}: the decay takes this fraction of --max_steps, so it "
-                        "must be above 0 and at most 1 (0.2 is common).")
-    if not 0 <= cfg.adam_beta1 < 1:
-        raise UserError(f"--adam_beta1 {cfg.adam_beta1}: AdamW's first-moment decay is at least 0 and below 1 (0.9 is "
-                        "GPT-2's, 0.8 modded-nanogpt's).")
     grad_accum_steps = grad_accum_steps_for(cfg, seq_len, world_size)
     val_steps = validation_steps(cfg, seq_len, world_size) if cfg.val_every else 0
     if cfg.eval_every:
         parse_task_names(cfg.eval_tasks, "--eval_tasks")
-    if cfg.skip_zscore < 0:
-        raise UserError(f"--skip_zscore {cfg.skip_zscore}: a number of standard deviations above the mean, so "
-                        "positive (5 or 6 skips only real spikes), or 0 to turn the spike guard off.")
-    if cfg.max_skips < 1:
-        raise UserError(f"--max_skips {cfg.max_skips}: a divergence is at least 1 skipped update; pass 1 or more "
-                        "(the default 10 outlasts the GradScaler's start-up overflows in fp16).")
     if cfg.on_divergence == "rollback" and not cfg.snapshot_every:
         raise UserError("--on_divergence rollback reloads the newest healthy snapshot, and --snapshot_every 0 writes "
                         "none. Pass --snapshot_every N (e.g. 500), or --on_divergence stop.")
@@ -274,6 +305,23 @@ def resolve_plan(cfg: TrainConfig, world_size: int) -> Plan:
                         "attention's included, as OpenAI's. Leave the flag out, or train --arch modern.")
     align_bos = cfg.align_bos if cfg.align_bos is not None else config.arch == "modern"
     return Plan(config, align_bos, seq_len, short_rows, grad_accum_steps, val_steps, cfg.snapshot_dir or cfg.log_dir)
+
+
+def check_flag_ranges(cfg: TrainConfig) -> None:
+    """A UserError naming the first number flag outside its FLAG_RANGES, quoting its --help. Not the flags left
+    unset (None) or 'auto' (--micro_batch_size)."""
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name in FLAG_RANGES and isinstance(value, int | float):
+            check_range(f.name, value, FLAG_RANGES[f.name], f.metadata["help"])
+
+
+def check_range(flag: str, value: float, allowed: Range, help: str | None = None) -> None:
+    """A UserError naming --flag (and quoting its --help, if given) unless value is in the allowed range."""
+    if value not in allowed:
+        finite = "finite " if isinstance(value, float) and not math.isfinite(value) else ""
+        raise UserError(f"--{flag} {value}: pass a {finite}number {allowed}" + (f' (--help: "{help}")' if help else "")
+                        + ".")
 
 
 def parse_short_rows(schedule: str, seq_len: int) -> tuple[tuple[int, int], ...]:
@@ -344,17 +392,8 @@ def init_weights_config(init_from: str) -> GPTConfig:
             raise UserError(f"--init_from {init_from} is not a snapshot of this codebase ({type(e).__name__}: "
                             f"{str(e).splitlines()[0] if str(e) else ''}). Pass a snapshot_*.pt written by "
                             "train_gpt2.py, a Hugging Face model directory, or gpt2 / gpt2-medium / ...") from e
-    if path.is_dir():
-        config_file = path / "config.json"
-        if not config_file.is_file():
-            raise UserError(f"--init_from {init_from}: the directory has no config.json, so it is not a Hugging Face "
-                            "model directory (save_pretrained writes one). Pass gpt2, gpt2-medium, gpt2-large, "
-                            "gpt2-xl, a model directory or a snapshot_*.pt.")
-        hf = json.loads(config_file.read_text())
-        if hf.get("model_type") != "gpt2":
-            raise UserError(f"--init_from {init_from}: config.json says model_type {hf.get('model_type')!r}; only "
-                            "GPT-2 (model_type 'gpt2') weights fit this model.")
-        return gpt_config(hf)
+    if path.is_dir():  # a Hugging Face model directory: its config.json, checked against its weight file
+        return local_config(path)
     raise UserError(f"--init_from {init_from}: no such file or directory, and not one of scratch, "
                     f"{', '.join(HF_MODELS)}. Pass a Hugging Face model directory or a snapshot_*.pt.")
 

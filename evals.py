@@ -40,6 +40,7 @@ from tqdm import tqdm
 from distributed import any_rank
 from errors import UserError
 from files import atomic_write
+from parsing import PARSE_ERRORS, parse_problem
 from precision import autocast
 from tokenizer import gpt2_encoding
 
@@ -235,15 +236,14 @@ def load_docs(name: str, path: Path, limit: int | None = None) -> list[Doc]:
         for number, line in enumerate(f, start=1):
             if limit is not None and len(docs) == limit:
                 break
-            if not line.strip():
+            line = line.strip()
+            if not line:
                 continue
             doc, problem = None, None
             try:
                 row = json.loads(line)
-            except json.JSONDecodeError as e:
-                problem = f"not JSON ({e.msg} at column {e.colno})"
-            except UnicodeDecodeError:
-                problem = "not UTF-8 text"
+            except PARSE_ERRORS as e:
+                problem = parse_problem(e)
             else:
                 problem = wrong_fields(row, task)
                 if problem is None:

@@ -10,12 +10,21 @@ import functools
 import tiktoken
 import torch
 
+from errors import UserError
 from model import GPT
 
 
 @functools.cache  # one per process: data/tokenize_shards.py's pool workers build their own on first use
 def gpt2_encoding() -> tiktoken.Encoding:
-    return tiktoken.get_encoding("gpt2")
+    try:
+        return tiktoken.get_encoding("gpt2")
+    except Exception as e:  # tiktoken downloads the files on first use: anything from DNS to HTTP errors
+        reason = (str(e).strip().splitlines() or [""])[0]
+        raise UserError(f"the GPT-2 tokenizer could not be loaded ({type(e).__name__}: {reason}): tiktoken "
+                        "downloads its two files on first use into its cache. On a node without network, set "
+                        "TIKTOKEN_CACHE_DIR to a copy of that cache (README, \"tiktoken without network\"; "
+                        "../shared/data/gpt2_tokenizer/tiktoken_cache holds one), or run once where there is "
+                        "network.") from e
 
 
 def generate_text(model: GPT, prompt: str, num_samples: int = 4, max_new_tokens: int = 32,

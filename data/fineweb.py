@@ -26,11 +26,13 @@ from collections.abc import Callable, Iterator
 from itertools import islice
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from data.tokenize_shards import (
     ShardWriter,
     check_input_files,
+    check_output_dir,
     is_jsonl,
     jsonl_texts,
     shard_paths,
@@ -40,47 +42,70 @@ from data.tokenize_shards import (
 from dataloader import read_shard_header
 from errors import UserError, run_entry_point
 from files import atomic_write
+from parsing import PARSE_ERRORS, parse_problem
 
 DATASETS = {"edu": ("HuggingFaceFW/fineweb-edu", "fineweb_edu"), "classic": ("HuggingFaceFW/fineweb", "fineweb")}
 DATA_DIR = Path(__file__).resolve().parent
+PROGRESS_KEYS = {"source", "shard_size", "shards", "documents", "offset", "complete"}  # what save_progress writes
 
 
 def hub_texts(repo: str, config: str) -> Iterator[str]:
     from datasets import load_dataset  # imported here: slow to import, and not needed for --input
-    # Streaming reads the dataset's parquet files in a fixed order, which resuming relies on.
-    for row in load_dataset(repo, name=config, split="train", streaming=True).select_columns(["text"]):
-        yield row["text"]
+    try:
+        # Streaming reads the dataset's parquet files in a fixed order, which resuming relies on.
+        for row in load_dataset(repo, name=config, split="train", streaming=True).select_columns(["text"]):
+            yield row["text"]
+    except Exception as e:  # datasets raises many kinds: no network, offline mode, HTTP errors, no such dataset
+        reason = (str(e).strip().splitlines() or [""])[0]
+        raise UserError(f"could not stream {repo} {config} from the Hugging Face hub ({type(e).__name__}: {reason}). "
+                        "On a node without network, download its parquet files where there is one and pass them "
+                        "with --input; run the same command again to resume after a network error.") from e
 
 
 def file_texts(paths: list[Path]) -> Iterator[str]:
     """The `text` of each row of parquet or JSON-lines files, in order."""
     for path in paths:
         if path.suffix == ".parquet":
-            parquet = pq.ParquetFile(path)
-            if "text" not in parquet.schema_arrow.names:
-                raise SystemExit(f"{path} has no `text` column (it has {parquet.schema_arrow.names}); "
-                                 "--input files need one, holding each document's text.")
-            for batch in parquet.iter_batches(columns=["text"]):
-                yield from batch.column("text").to_pylist()
+            yield from parquet_texts(path)
         else:
             yield from jsonl_texts(path)
+
+
+def parquet_texts(path: Path) -> Iterator[str]:
+    try:
+        parquet = pq.ParquetFile(path)
+        if "text" not in parquet.schema_arrow.names:
+            raise UserError(f"{path} has no `text` column (it has {parquet.schema_arrow.names}); --input files need "
+                            "one, holding each document's text.")
+        for batch in parquet.iter_batches(columns=["text"]):
+            yield from batch.column("text").to_pylist()
+    except (pa.ArrowException, OSError) as e:  # not parquet, truncated, corrupt
+        raise UserError(f"{path} could not be read as a parquet file ({type(e).__name__}: {e}); it is truncated, "
+                        "corrupt or not parquet. Copy or download it again.") from e
 
 
 def load_progress(path: Path, source: str | list[str], shard_size: int, shard_path: Callable[[int], Path]) -> dict:
     """The position saved by an earlier run of the same command, checked against the shards it lists as finished."""
     if not path.exists():
         return {"shards": 0, "documents": 0, "offset": 0, "complete": False}
-    progress = json.loads(path.read_text())
+    try:
+        progress = json.loads(path.read_bytes())
+        problem = None if isinstance(progress, dict) and PROGRESS_KEYS <= progress.keys() else \
+            f"not what this script writes (an object with {', '.join(sorted(PROGRESS_KEYS))})"
+    except PARSE_ERRORS as e:
+        problem = parse_problem(e)
+    if problem:
+        raise UserError(f"{path} is {problem}. Delete it to write all shards of {path.parent} again.")
     if progress["source"] != source or progress["shard_size"] != shard_size:
-        raise SystemExit(f"{path.parent} already holds shards of {progress['source']} with --shard_size "
-                         f"{progress['shard_size']} (see {path}), not of {source} with --shard_size {shard_size}. "
-                         f"Pass another --output_dir, or delete {path.parent} to start over.")
+        raise UserError(f"{path.parent} already holds shards of {progress['source']} with --shard_size "
+                        f"{progress['shard_size']} (see {path}), not of {source} with --shard_size {shard_size}. "
+                        f"Pass another --output_dir, or delete {path.parent} to start over.")
     for i in range(progress["shards"]):
         try:
             read_shard_header(shard_path(i))
         except (OSError, UserError) as e:
-            raise SystemExit(f"{e}\n{path} lists this shard as finished. Delete {path} to write all shards "
-                             "again.") from None
+            raise UserError(f"{e} {path} lists this shard as finished. Delete {path} to write all shards "
+                            "again.") from e
     return progress
 
 
@@ -113,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         config = f"sample-{args.size}T"
         source = f"{repo} {config}"
         output_dir = args.output_dir or DATA_DIR / f"{name}{args.size}"
-    output_dir.mkdir(parents=True, exist_ok=True)
+    check_output_dir(parser, output_dir)
 
     progress_path = output_dir / "progress.json"
     paths = shard_paths(output_dir)

@@ -30,14 +30,16 @@ from pathlib import Path
 from data.tokenize_shards import (
     ShardWriter,
     check_input_files,
+    check_output_dir,
     is_jsonl,
     jsonl_texts,
     shard_paths,
     summary,
     tokenize_documents,
 )
-from errors import run_entry_point
+from errors import UserError, run_entry_point
 from files import atomic_write
+from parsing import parse_problem
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 DATA_DIR = Path(__file__).resolve().parent
@@ -50,14 +52,20 @@ def download_shakespeare(path: Path) -> None:
         with urllib.request.urlopen(SHAKESPEARE_URL, timeout=60) as response:
             data = response.read()
     except OSError as e:  # URLError, timeouts and connection errors are all OSErrors
-        raise SystemExit(f"could not download Tiny Shakespeare from {SHAKESPEARE_URL} ({e}). If this machine is "
-                         "offline, copy input.txt here from elsewhere and pass it with --input "
-                         "path/to/input.txt.") from None
+        raise UserError(f"could not download Tiny Shakespeare from {SHAKESPEARE_URL} ({e}). If this machine is "
+                        "offline, copy input.txt here from elsewhere and pass it with --input "
+                        "path/to/input.txt.") from e
     atomic_write(path, lambda f: f.write(data))
 
 
 def read_documents(path: Path) -> list[str]:
-    return list(jsonl_texts(path)) if is_jsonl(path) else [path.read_text(encoding="utf-8")]
+    if is_jsonl(path):
+        return list(jsonl_texts(path))
+    try:
+        return [path.read_text(encoding="utf-8")]
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path} is {parse_problem(e)}: a text file is read as UTF-8. Convert it (e.g. with "
+                        "`iconv -t utf-8`) and pass the converted copy.") from e
 
 
 def split_val(documents: list[str], text_file: bool, val_fraction: float) -> tuple[list[str], list[str]]:
@@ -99,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--source shakespeare reads one file, a copy of input.txt; for several files of your own leave "
                      "out --source (each file is then a document, preceded by <|endoftext|>)")
     output_dir = args.output_dir or DATA_DIR / "shakespeare"
-    output_dir.mkdir(parents=True, exist_ok=True)
+    check_output_dir(parser, output_dir)
     if args.input:
         check_input_files(parser, args.input + (args.val_input or []))
         inputs = args.input
@@ -129,8 +137,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{desc}: {writer.tokens_added:,} tokens in {writer.shards} shard(s)")
         tokens, shards = tokens + writer.tokens_added, shards + writer.shards
     if args.val_fraction == 0 and not args.val_input and shards < 2:
-        raise SystemExit(f"all {tokens:,} tokens fit in the val shard, leaving no train shard. Use --val_fraction "
-                         "(e.g. 0.1) or a smaller --shard_size.")
+        raise UserError(f"all {tokens:,} tokens fit in the val shard, leaving no train shard. Use --val_fraction "
+                        "(e.g. 0.1) or a smaller --shard_size.")
     documents = sum(map(len, files)) + (len(streams["val"][1]) if args.val_input else 0)
     print(summary(documents, tokens, shards, time.time() - t0, output_dir))
 

@@ -12,6 +12,7 @@ import gzip
 import json
 import multiprocessing
 import signal
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from tqdm import tqdm
 
 from dataloader import write_shard
 from errors import UserError
+from parsing import PARSE_ERRORS, parse_problem
 from tokenizer import gpt2_encoding
 
 
@@ -33,6 +35,7 @@ def tokenize(text: str, eot: bool = True) -> np.ndarray:
 def tokenize_documents(texts: Iterable[str], num_proc: int = 1, eot: bool = True) -> Iterator[np.ndarray]:
     """tokenize() of each text, in input order whatever num_proc is (ordered imap), so shards don't depend on it."""
     tokenize_one = functools.partial(tokenize, eot=eot)  # a partial of a module function pickles into the workers
+    gpt2_encoding()  # a tokenizer that cannot be loaded fails here, once, not in every worker
     if num_proc == 1:
         yield from map(tokenize_one, texts)
         return
@@ -110,31 +113,44 @@ def is_jsonl(path: Path) -> bool:
 def jsonl_texts(path: Path) -> Iterator[str]:
     """The "text" of each line of a JSON-lines file (gzip-compressed if its name ends in .gz), in order. Blank lines
     are skipped (a trailing one is common); any other line must be a JSON object with a string "text"."""
-    with (gzip.open if path.suffix == ".gz" else open)(path, "rt", encoding="utf-8") as f:
-        for line_number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                problem = f"is not valid JSON ({e})"
-            else:
-                if not isinstance(row, dict) or "text" not in row:
-                    problem = f'has no "text" field (it starts {line[:60]!r})'
-                elif not isinstance(row["text"], str):
-                    problem = f'has a "text" that is {type(row["text"]).__name__}, not a string'
-                else:
-                    yield row["text"]
+    try:
+        with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
+            for line_number, line in enumerate(f, 1):
+                if not line.strip():
                     continue
-            raise UserError(f'{path}, line {line_number} {problem}. Each line of a JSON-lines file must be one JSON '
-                            'object whose "text" field holds a document, e.g. {"text": "Anarchism is ..."}; fix or '
-                            'delete that line and run the same command again.')
+                try:
+                    row = json.loads(line.strip())  # (stripped: an error's column is the line's own)
+                except PARSE_ERRORS as e:
+                    problem = f"is {parse_problem(e)}"
+                else:
+                    if not isinstance(row, dict) or "text" not in row:
+                        problem = f'has no "text" field (it starts {line[:60].decode(errors="replace")!r})'
+                    elif not isinstance(row["text"], str):
+                        problem = f'has a "text" that is {type(row["text"]).__name__}, not a string'
+                    else:
+                        yield row["text"]
+                        continue
+                raise UserError(f'{path}, line {line_number} {problem}. Each line of a JSON-lines file must be one '
+                                'JSON object whose "text" field holds a document, e.g. {"text": "Anarchism is ..."}; '
+                                'fix or delete that line and run the same command again.')
+    except (OSError, EOFError, zlib.error) as e:  # gzip's errors for a file that is not gzip, or is cut short
+        raise UserError(f"{path} could not be read ({type(e).__name__}: {e}): a truncated or corrupt file, or, for "
+                        "a name ending in .gz, not gzip-compressed. Copy or download it again.") from e
 
 
 def check_input_files(parser: argparse.ArgumentParser, paths: list[Path]) -> None:
     for path in paths:
         if not path.is_file():
             parser.error(f"--input {path}: no such file (relative paths start at {Path.cwd()}). Check the path.")
+
+
+def check_output_dir(parser: argparse.ArgumentParser, output_dir: Path) -> None:
+    """Create --output_dir, or exit naming it if it cannot be a directory of shards."""
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file of that name (or above it), no permission
+        parser.error(f"--output_dir {output_dir}: not a directory, and none can be created there ({e.strerror}). "
+                     "Pass a directory, or a path where one can be created.")
 
 
 def summary(documents: int, tokens: int, shards: int, seconds: float, output_dir: Path) -> str:

@@ -16,13 +16,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
+from transformers import GPT2Config
 
 import evals
 from conftest import ROOT, make_shards
 from dataloader import write_shard
 from helpers_train import TrainRun, run_train, train_env
 
-pytestmark = pytest.mark.slow  # 20 launches of a fresh Python: about a minute
+pytestmark = pytest.mark.slow  # 25 launches of a fresh Python: about a minute
 
 RUN = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "32", "--max_steps", "1", "--val_every",
        "0", "--ckpt_every", "1", "--dtype", "fp32"]
@@ -59,9 +61,22 @@ EXPECTED = {
     "token id outside the vocabulary": ["test_val_000000.bin", "token id 50257 at position 123",
                                         "vocabulary of 50,257", "data/prepare.py"],
     "directory named like a shard": ["test_train_000001.bin", "is a directory", "move it out"],
-    "hellaswag line not JSON": ["bad.jsonl, line 2: not JSON", "--hellaswag_path", "--eval_every 0"],
+    "hellaswag line not JSON": ["bad.jsonl, line 2: not valid JSON", "--hellaswag_path", "--eval_every 0"],
     "unknown eval task": ["--eval_tasks 'hellaswag,pica'", "unknown task pica", "or all"],
+    # issue 50's
+    "config a directory": ["--config", "could not be read (Is a directory)", "recipes/gpt2_124m_fineweb_edu.toml"],
+    "max_steps negative": ["--max_steps -3: pass a number at least 1", "--help: \"optimizer steps"],  # exit 0 before
+    "init_from hf without gpt2's weights": ["hf_foreign/model.safetensors does not hold the GPT-2 weights",
+                                            "28 of its 28 weights missing", "it does not have: foo.weight"],
+    "init_from hf with a pickled payload": ["hf_payload/pytorch_model.bin holds pickled Python objects",
+                                            "could run code, so it will not be loaded", "model.safetensors"],
+    "hellaswag line nested too deeply": ["nested.jsonl, line 1: nested too deeply to be read", "--hellaswag_path"],
 }
+
+
+class Payload:
+    def __reduce__(self):  # what a hostile file holds: a call, run by any unpickler that allows it
+        return print, ("the payload ran",)
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +145,11 @@ def runs(data, tmp_path_factory) -> dict[str, TrainRun | BaseException]:
     other_vocabulary = copy_of(data, root / "other_vocabulary")
     write_shard(other_vocabulary / "test_val_000000.bin", np.where(np.arange(200) == 123, 50257, 0))
     (copy_of(data, root / "shard_directory") / "test_train_000001.bin").mkdir()
+    (root / "nested.jsonl").write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    for name in ("hf_foreign", "hf_payload"):  # GPT-2 directories with other weight files: what transformers warned of
+        GPT2Config(vocab_size=50257, n_positions=64, n_embd=64, n_layer=2, n_head=2).save_pretrained(root / name)
+    save_file({"foo.weight": torch.zeros(3)}, root / "hf_foreign" / "model.safetensors")
+    torch.save({"transformer.wte.weight": torch.zeros(3), "x": Payload()}, root / "hf_payload" / "pytorch_model.bin")
     good = ["--data_dir", str(data), *RUN]
     cases = {
         "missing data dir": (["--data_dir", str(root / "nowhere"), *RUN], None),
@@ -152,6 +172,12 @@ def runs(data, tmp_path_factory) -> dict[str, TrainRun | BaseException]:
         "hellaswag line not JSON": ([*good, "--hellaswag_every", "1", "--hellaswag_path", str(root / "bad.jsonl")],
                                     None),  # (--hellaswag_every: the old name of --eval_every)
         "unknown eval task": ([*good, "--eval_every", "1", "--eval_tasks", "hellaswag,pica"], None),
+        "config a directory": ([*good, "--config", str(root)], None),
+        "max_steps negative": ([*good, "--max_steps", "-3"], None),
+        "init_from hf without gpt2's weights": ([*good, "--init_from", str(root / "hf_foreign")], None),
+        "init_from hf with a pickled payload": ([*good, "--init_from", str(root / "hf_payload")], None),
+        "hellaswag line nested too deeply": ([*good, "--eval_every", "1", "--hellaswag_path",
+                                              str(root / "nested.jsonl")], None),
     }
     if HELLASWAG_CACHED:
         del cases["hellaswag offline"]
@@ -194,9 +220,11 @@ def error_paragraph(run: TrainRun) -> str:
 def test_a_bad_input_exits_2_with_one_paragraph_naming_it_and_the_fix(runs, case):
     if case == "hellaswag offline" and HELLASWAG_CACHED:
         pytest.skip(f"{HELLASWAG_CACHE} is cached, so a run without --eval_dir never downloads it")
-    error = error_paragraph(result(runs, case))
+    run = result(runs, case)
+    error = error_paragraph(run)
     missing = [words for words in EXPECTED[case] if words not in error]
     assert not missing, f"{missing} not in: {error}"
+    assert "weights_only=False" not in run.output and "the payload ran" not in run.output
 
 
 def test_hellaswag_offline_fails_at_start_up_and_leaves_no_cache_file(runs):

@@ -338,7 +338,11 @@ GOOD_PIQA = {"goal": "g", "sol1": "a", "sol2": "b", "label": 1}
 
 
 @pytest.mark.parametrize("task, line, problem", [
-    ("piqa", "{not json", "not JSON"),
+    ("piqa", "{not json", "not valid JSON (column 2: Expecting property name enclosed in double quotes)"),
+    ("piqa", b'{"goal": "caf\xe9"}', "not UTF-8 text (byte 0xe9 at offset 13)"),
+    ("piqa", "[" * 100_000 + "]" * 100_000, "nested too deeply to be read"),  # json's RecursionError
+    ("piqa", json.dumps(GOOD_PIQA)[:-1] + ', "n": ' + "9" * 5001 + "}",  # past Python's limit for parsing an int
+     "not readable (Exceeds the limit (4300 digits) for integer string conversion: value has 5001 digits)"),
     ("piqa", "[1, 2]", "not a JSON object"),
     ("piqa", json.dumps({"goal": "g", "sol1": "a", "label": 0}), "no field 'sol2'"),
     ("piqa", json.dumps(GOOD_PIQA | {"label": "1"}), "label is str, not int"),
@@ -351,7 +355,8 @@ GOOD_PIQA = {"goal": "g", "sol1": "a", "sol2": "b", "label": 1}
 def test_a_line_that_is_no_document_of_the_task_names_the_file_line_and_fix(tmp_path, task, line, problem):
     path = tmp_path / f"{task}.jsonl"
     good = json.dumps(GOOD_PIQA) if task == "piqa" else (FIXTURES / "arc_easy.jsonl").read_text().splitlines()[0]
-    path.write_text((good + "\n" if task != "winogrande" else "") + line + "\n")
+    path.write_bytes((good + "\n" if task != "winogrande" else "").encode() + (line if isinstance(line, bytes)
+                                                                             else line.encode()) + b"\n")
     with pytest.raises(UserError) as raised:
         evals.load_docs(task, path)
     message = str(raised.value)

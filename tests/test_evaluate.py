@@ -127,6 +127,11 @@ def test_hugging_face_weights_get_hugging_faces_own_loss(tmp_path, capsys, share
     (["--ckpt", "{logs}/snapshot_0000001.pt", "--tasks", "copa", "--limit", "0"], "--limit 0: the number of"),
     (["--ckpt", "{logs}/snapshot_0000001.pt", "--data_dir", "{logs}/../other_vocabulary"],
      "test_val_000000.bin: token id 50257 at position 0 is not in the model's vocabulary"),
+    # Flags outside their ranges (config.FLAG_RANGES): tracebacks before
+    (["--ckpt", "{logs}/snapshot_0000001.pt", "--val_steps", "-1"], "--val_steps -1: pass a number at least 1"),
+    (["--ckpt", "{logs}/snapshot_0000001.pt", "--micro_batch_size", "0"], "--micro_batch_size 0: pass a number at "
+                                                                          "least 1"),
+    (["--ckpt", "{logs}/snapshot_0000001.pt", "--seq_len", "-4"], "--seq_len -4: pass a number at least 1"),
 ])
 def test_bad_paths_and_mismatched_shards_are_clear_errors(trained, argv, message, capsys):
     argv, message = [a.format(logs=trained / "logs") for a in argv], message.format(logs=trained / "logs")

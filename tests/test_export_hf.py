@@ -57,3 +57,12 @@ def test_missing_or_foreign_snapshot_is_refused_clearly(tmp_path, capsys):
         main([str(foreign), str(tmp_path / "hf")])
     assert "is not a snapshot of this codebase" in capsys.readouterr().err
     assert not (tmp_path / "hf").exists()
+
+
+def test_an_out_dir_that_is_a_file_is_refused_clearly(perturbed_ckpt, tmp_path, capsys):
+    (tmp_path / "taken").write_text("a file")
+    with pytest.raises(SystemExit) as exit_info:  # a FileExistsError traceback before
+        main([str(perturbed_ckpt), str(tmp_path / "taken")])
+    assert exit_info.value.code == 2
+    assert f"{tmp_path / 'taken'} is a file; pass a directory" in capsys.readouterr().err
+    assert (tmp_path / "taken").read_text() == "a file"

@@ -17,6 +17,7 @@ import pytest
 from data import fineweb
 from data.tokenize_shards import ShardWriter, shard_paths
 from dataloader import HEADER_BYTES, TOKEN_DTYPE, read_shard_header
+from errors import UserError
 
 SHARD_SIZE = 1000  # small, so a corpus of a few thousand tokens makes several shards
 
@@ -193,8 +194,41 @@ def test_hub_source_streams_the_sample_into_its_default_directory(flags, repo, c
 
 def test_changed_shard_size_is_refused_naming_the_progress_file(corpus, tmp_path):
     run(corpus["jsonl"], tmp_path / "out", "--max_shards", 1)
-    with pytest.raises(SystemExit, match="progress.json"):
+    with pytest.raises(UserError, match="progress.json"):  # (SystemExit before: exit status 1)
         run(corpus["jsonl"], tmp_path / "out", "--shard_size", 500)
+
+
+@pytest.mark.parametrize("text, problem", [
+    ('{"source": ', "is not valid JSON (column 12: Expecting value)"),
+    ("[1]", "is not what this script writes (an object with complete, documents, offset, shard_size, shards, source)"),
+    ('{"source": "x"}', "is not what this script writes (an object with complete, documents, offset, shard_size, "
+                        "shards, source)"),
+])
+def test_a_damaged_progress_file_is_named_with_the_fix(corpus, tmp_path, text, problem):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "progress.json").write_text(text)
+    with pytest.raises(UserError) as raised:  # a traceback before: JSONDecodeError, TypeError, KeyError
+        run(corpus["jsonl"], tmp_path / "out")
+    assert str(raised.value) == (f"{tmp_path / 'out' / 'progress.json'} {problem}. Delete it to write all shards of "
+                                 f"{tmp_path / 'out'} again.")
+
+
+def test_a_file_that_is_not_parquet_is_named(gpt2_encoding, tmp_path):
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1 and then nothing parquet")
+    with pytest.raises(UserError, match=rf"^{tmp_path / 'bad.parquet'} could not be read as a parquet file "
+                                        r"\(ArrowInvalid: .*\); it is truncated, corrupt or not parquet"):
+        run(tmp_path / "bad.parquet", tmp_path / "out")
+
+
+def test_a_hub_that_cannot_be_reached_is_one_paragraph(gpt2_encoding, tmp_path, monkeypatch):
+    def load_dataset(path, name, split, streaming):
+        raise ConnectionError("Couldn't reach 'HuggingFaceFW/fineweb-edu' on the Hub (OfflineModeIsEnabled)")
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    with pytest.raises(UserError, match=r"^could not stream HuggingFaceFW/fineweb-edu sample-10BT from the Hugging "
+                                        r"Face hub \(ConnectionError: Couldn't reach .*\)\. On a node without "
+                                        "network, download its parquet files"):
+        fineweb.main(["--output_dir", str(tmp_path / "out"), "--num_proc", "1", "--max_shards", "1"])
 
 
 def test_missing_input_file_is_named_in_the_error(tmp_path, capsys):

@@ -255,8 +255,9 @@ def test_a_rollback_adds_one_to_the_runs_count_whatever_the_snapshot_holds(data,
 
 @pytest.mark.parametrize("flags, message", [
     (["--on_divergence", "rollback"], "--on_divergence rollback reloads .* --snapshot_every 0"),
-    (["--skip_zscore", "-3"], "--skip_zscore -3.0: .* positive"),
-    (["--max_skips", "0"], "--max_skips 0: .* 1 or more")])
+    (["--skip_zscore", "-3"], r"--skip_zscore -3.0: pass a number at least 0 \(--help: \"also skip an update"),
+    (["--skip_zscore", "nan"], r"--skip_zscore nan: pass a finite number at least 0"),
+    (["--max_skips", "0"], r"--max_skips 0: pass a number at least 1 \(--help: \"skipped updates in a row")])
 def test_guard_flags_that_cannot_work_are_refused(data, tmp_path, flags, message):
     with pytest.raises(UserError, match=message):
         run_in_process(data, tmp_path, "--max_steps", "2", *flags)

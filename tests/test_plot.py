@@ -33,7 +33,8 @@ def write_crashed_and_resumed_run(path) -> None:
 def test_later_line_for_a_step_wins_after_a_resume(tmp_path):
     path = tmp_path / "run_a" / "metrics.jsonl"
     write_crashed_and_resumed_run(path)
-    series = read_metrics(path)
+    series, skipped = read_metrics(path)
+    assert not skipped
     assert sorted(series["loss"]) == list(range(200))  # each step once, although 100..129 were logged twice
     assert series["loss"][110] == pytest.approx(3.0 + 8.0 * math.exp(-110 / 30))  # the resumed run's value
     assert series["loss"][99] == pytest.approx(4.0 + 8.0 * math.exp(-99 / 30))  # before the snapshot: one line
@@ -59,23 +60,62 @@ def test_label_is_the_folder_for_metrics_jsonl_and_the_stem_otherwise(tmp_path):
     assert run_label(tmp_path / "baseline.jsonl") == "baseline"
 
 
-def test_malformed_line_names_the_file_and_line(tmp_path, capsys):
+def test_broken_lines_are_skipped_and_counted_once_and_the_rest_is_plotted(tmp_path, capsys):
+    path = tmp_path / "run" / "metrics.jsonl"
+    path.parent.mkdir()
+    broken = [b'{"step": "2", "loss": 9.0}', b'{"step": [3], "loss": 9.0}', b'{"step": 4, "loss": "9.0"}',
+              b'{"step": 5, "loss": [9.0]}', b'{"step": true, "loss": 9.0}', b'{"step": 6, "lr": 1e-3, "loss": 9.0',
+              b'{"step": 7, "loss": 9.0, "note": "caf\xe9"}', b"[" * 100_000 + b"]" * 100_000,
+              b'{"step": 8, "loss": ' + b"9" * 5001 + b"}"]
+    good = [json.dumps(training_line(step, 11.0 - step)).encode() for step in (0, 1, 9)]
+    # A crash mid-write leaves half of the last line, without its newline.
+    path.write_bytes(b"\n".join(good[:2] + broken[:-3] + [good[2]] + broken[-3:] + [b'{"step": 10, "lo']))
+    series, skipped = read_metrics(path)
+    assert series["loss"] == {0: 11.0, 1: 10.0, 9: 2.0}
+    assert skipped == ["line 3: step '2' is not a whole number", "line 4: step [3] is not a whole number",
+                       "line 5: loss '9.0' is not a number", "line 6: loss [9.0] is not a number",
+                       "line 7: step True is not a whole number",
+                       "line 8: not valid JSON (column 36: Expecting ',' delimiter)",
+                       "line 10: not UTF-8 text (byte 0xe9 at offset 37)", "line 11: nested too deeply to be read",
+                       "line 12: not readable (Exceeds the limit (4300 digits) for integer string conversion: value "
+                       "has 5001 digits)", "line 13: not valid JSON (column 14: Unterminated string starting at)"]
+    main([str(path), "--out", str(tmp_path / "plot.png")])
+    assert (tmp_path / "plot.png").read_bytes().startswith(PNG_MAGIC)
+    captured = capsys.readouterr()
+    assert "run: 3 train steps" in captured.out
+    assert captured.err == (f"{path}: skipped 10 broken line(s), the first line 3: step '2' is not a whole number "
+                            "(a run killed mid-write leaves half a line)\n")
+
+
+@pytest.mark.parametrize("text", ['{"step": 0, "loss": 11.0\n', '{"event": "init", "step": 0}\n', ""])
+def test_a_file_with_no_metrics_left_exits_2_naming_it(tmp_path, capsys, text):
     path = tmp_path / "metrics.jsonl"
-    path.write_text(json.dumps(training_line(0, 11.0)) + "\n" + json.dumps(training_line(1, 10.0)) + "\n"
-                    + '{"step": 2, "loss": 9.8, "lr"\n')
-    with pytest.raises(ValueError, match=r"metrics\.jsonl, line 3: not valid JSON"):
-        read_metrics(path)
-    with pytest.raises(SystemExit):
+    path.write_text(text)
+    with pytest.raises(SystemExit) as exit_info:
         main([str(path), "--out", str(tmp_path / "x.png")])
-    assert "line 3" in capsys.readouterr().err
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: {path} holds no metrics to plot" in err and "Pass the metrics.jsonl" in err
+    assert ("1 broken line(s), the first line 1: not valid JSON" in err) == text.startswith('{"step"')
     assert not (tmp_path / "x.png").exists()
+
+
+def test_an_out_path_in_a_missing_directory_exits_2(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    write_crashed_and_resumed_run(path)
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(path), "--out", str(tmp_path / "nowhere" / "x.png")])
+    assert exit_info.value.code == 2
+    assert f"--out {tmp_path / 'nowhere' / 'x.png'}: no directory" in capsys.readouterr().err
 
 
 def test_a_skipped_steps_null_loss_is_left_out(tmp_path):
     path = tmp_path / "metrics.jsonl"
     lines = [training_line(0, 5.0), training_line(1, 4.0) | {"loss": None, "skipped": True}, training_line(2, 3.0)]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    assert read_metrics(path)["loss"] == {0: 5.0, 2: 3.0}
+    assert read_metrics(path) == ({"loss": {0: 5.0, 2: 3.0}, "lr": {0: lines[0]["lr"], 1: lines[1]["lr"],
+                                                                2: lines[2]["lr"]}} | dict.fromkeys(
+        ["val_loss", "val_bpb", "hellaswag/acc_norm", "hellaswag_acc", "eval_score"], {}), [])
     main([str(path), "--out", str(tmp_path / "plot.png")])
     assert (tmp_path / "plot.png").read_bytes().startswith(PNG_MAGIC)
 
@@ -90,9 +130,9 @@ def test_zero_shot_keys_and_the_completion_style_hellaswag_of_older_runs_are_bot
                                  "eval_score": 0.12}]))
     old = tmp_path / "old" / "metrics.jsonl"
     write_crashed_and_resumed_run(old)
-    series = read_metrics(new)
+    series = read_metrics(new)[0]
     assert series["hellaswag/acc_norm"] == {0: 0.26, 1: 0.31} and series["eval_score"] == {0: 0.01, 1: 0.12}
-    assert not series["hellaswag_acc"] and not read_metrics(old)["hellaswag/acc_norm"]
+    assert not series["hellaswag_acc"] and not read_metrics(old)[0]["hellaswag/acc_norm"]
     main([str(new), str(old), "--out", str(tmp_path / "both.png")])
     printed = capsys.readouterr().out
     assert "new: 2 train steps, max HellaSwag acc_norm 0.3100, max eval_score 0.1200" in printed

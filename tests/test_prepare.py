@@ -95,7 +95,7 @@ def test_failed_download_tells_user_to_pass_input(tmp_path, monkeypatch):
     def offline(*args, **kwargs):
         raise urllib.error.URLError("Name or service not known")
     monkeypatch.setattr(urllib.request, "urlopen", offline)
-    with pytest.raises(SystemExit, match="pass it with --input path/to/input.txt"):
+    with pytest.raises(UserError, match="pass it with --input path/to/input.txt"):  # (SystemExit: exit status 1)
         prepare.main(["--source", "shakespeare", "--output_dir", str(tmp_path)])
     assert not (tmp_path / "input.txt").exists()  # nothing half-downloaded to be mistaken for the data later
 
@@ -104,9 +104,9 @@ DOCS = ["First article.\nIts second paragraph.", "Zweites Dokument: ünïcode �
         "Third mentions <|endoftext|>.", "Fourth, short.", "Fifth and last."]
 
 
-def write_jsonl(path: Path, lines: list[str]) -> Path:
-    with (gzip.open if path.suffix == ".gz" else open)(path, "wt", encoding="utf-8") as f:
-        f.writelines(line + "\n" for line in lines)
+def write_jsonl(path: Path, lines: list[str | bytes]) -> Path:
+    with (gzip.open if path.suffix == ".gz" else open)(path, "wb") as f:
+        f.writelines((line if isinstance(line, bytes) else line.encode()) + b"\n" for line in lines)
     return path
 
 
@@ -137,10 +137,14 @@ def test_val_input_is_val_and_text_files_mix_with_jsonl(gpt2_encoding, tmp_path)
 
 
 @pytest.mark.parametrize(("line", "problem"), [
-    ('{"text": "fine"', "line 2 is not valid JSON"),
+    ('{"text": "fine"', "line 2 is not valid JSON (column 16: Expecting ',' delimiter)"),
     ('{"title": "no text"}', 'line 2 has no "text" field'),
     ('["a", "list"]', 'line 2 has no "text" field'),
     ('{"text": null}', 'line 2 has a "text" that is NoneType, not a string'),
+    # tracebacks before: a UnicodeDecodeError, a RecursionError, Python's limit on the digits of an int
+    (b'{"text": "caf\xe9"}', "line 2 is not UTF-8 text (byte 0xe9 at offset 13)"),
+    ("[" * 100_000 + "]" * 100_000, "line 2 is nested too deeply to be read"),
+    ('{"text": "a", "n": ' + "9" * 5001 + "}", "line 2 is not readable (Exceeds the limit (4300 digits)"),
 ])
 def test_bad_jsonl_line_is_named_in_one_paragraph(tmp_path, line, problem):
     path = write_jsonl(tmp_path / "bad.jsonl.gz", ['{"text": "a good first line"}', line, '{"text": "unread"}'])
@@ -149,6 +153,57 @@ def test_bad_jsonl_line_is_named_in_one_paragraph(tmp_path, line, problem):
     assert str(error.value).startswith(f"{path}, line 2 ") and problem in str(error.value)
     assert "\n" not in str(error.value) and "fix or delete that line" in str(error.value)
     assert not list((tmp_path / "out").glob("*.bin"))  # nothing written from a file that could not be read
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda data: b"not gzip at all", r"could not be read \(BadGzipFile: Not a gzipped file \(b'no'\)\): a truncated "
+     r"or corrupt file, or, for a name ending in \.gz, not gzip-compressed\. Copy or download it again\."),
+    (lambda data: data[: len(data) // 2], r"could not be read \(EOFError: Compressed file ended before the "
+     r"end-of-stream marker was reached\)"),
+])
+def test_a_jsonl_gz_that_is_not_whole_gzip_is_named_in_one_paragraph(tmp_path, damage, message):
+    path = write_jsonl(tmp_path / "docs.jsonl.gz", [json.dumps({"text": t}) for t in DOCS * 200])
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(UserError, match=rf"^{path} {message}"):
+        prepare.main(["--input", str(path), "--output_dir", str(tmp_path / "out")])
+
+
+def test_a_text_file_that_is_not_utf8_is_named_in_one_paragraph(tmp_path):
+    (tmp_path / "latin1.txt").write_bytes("café au lait\n".encode("latin-1"))
+    with pytest.raises(UserError, match=rf"^{tmp_path / 'latin1.txt'} is not UTF-8 text \(byte 0xe9 at offset 3\): "
+                                        "a text file is read as UTF-8"):
+        prepare.main(["--input", str(tmp_path / "latin1.txt"), "--output_dir", str(tmp_path / "out")])
+
+
+def test_an_output_dir_that_is_a_file_is_named(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("hello")
+    (tmp_path / "out").write_text("a file")
+    with pytest.raises(SystemExit) as exit_info:
+        prepare.main(["--input", str(tmp_path / "a.txt"), "--output_dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert (f"--output_dir {tmp_path / 'out'}: not a directory, and none can be created there (File exists)"
+            in capsys.readouterr().err)
+
+
+def test_no_tokenizer_is_one_paragraph_saying_to_set_tiktoken_cache_dir(tmp_path, monkeypatch):
+    import requests
+    import tiktoken
+
+    import tokenizer
+
+    def offline(name):
+        raise requests.exceptions.ConnectionError("Failed to resolve 'openaipublic.blob.core.windows.net'")
+
+    (tmp_path / "a.txt").write_text("hello")
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    tokenizer.gpt2_encoding.cache_clear()
+    try:
+        with pytest.raises(UserError, match=r"^the GPT-2 tokenizer could not be loaded \(ConnectionError: Failed to "
+                                            r"resolve .*\): tiktoken downloads .* set TIKTOKEN_CACHE_DIR to a copy"):
+            prepare.main(["--input", str(tmp_path / "a.txt"), "--output_dir", str(tmp_path / "out")])
+    finally:
+        tokenizer.gpt2_encoding.cache_clear()  # the next caller loads the real one again
+    assert not list((tmp_path / "out").glob("*.bin"))
 
 
 @pytest.mark.slow  # a fresh interpreter importing torch: about 4 s

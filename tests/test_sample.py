@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from conftest import ROOT, save_tiny_model
+from errors import run_entry_point
 from snapshot import read_model
 from tokenizer import generate_text
 from tools.sample import main
@@ -67,3 +68,31 @@ def test_foreign_snapshot_is_refused_clearly(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--ckpt", str(path)])
     assert "is not a snapshot of this codebase" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # a fresh Python: a few seconds
+def test_a_model_directory_that_is_none_exits_2_with_one_paragraph(tmp_path):
+    # hf.from_pretrained checks a directory's files first and raises a UserError, which the entry point reports.
+    result = subprocess.run([sys.executable, "-m", "tools.sample", "--model", str(tmp_path), "--device", "cpu"],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == (f"error: {tmp_path} has no config.json, so it is not a Hugging Face model directory "
+                             "(save_pretrained writes one). Pass a directory that transformers' save_pretrained wrote "
+                             "for a GPT2LMHeadModel, or gpt2, gpt2-medium, gpt2-large or gpt2-xl (downloaded on first "
+                             "use).\n")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num_samples", "-1"], "--num_samples -1: pass a number at least 1."),  # a traceback from torch before
+    (["--max_new_tokens", "-1"], "--max_new_tokens -1: pass a number at least 0."),  # printed the prompt alone
+    (["--temperature", "nan"], "--temperature nan: pass a finite number at least 0."),  # a traceback from torch
+    (["--temperature", "-1"], "--temperature -1.0: pass a number at least 0."),  # sampled the least likely tokens
+    (["--top_k", "-1"], "--top_k -1: pass a number at least 0."),  # a traceback from torch
+    (["--top_p", "0"], "--top_p 0.0: pass a number above 0 and at most 1."),
+    (["--device", "gpu"], "--device gpu: not a device torch knows; pass cuda, mps or cpu (or cuda:N)."),
+])
+def test_a_sampling_flag_outside_its_range_exits_2_naming_it(capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_info:  # (the flags are checked before the snapshot is read)
+        run_entry_point(lambda: main(["--ckpt", "never_read.pt", "--device", "cpu", *flags]))
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == f"error: {message}\n"

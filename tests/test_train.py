@@ -311,7 +311,8 @@ def test_a_bad_short_rows_schedule_names_the_flag_and_an_example(tmp_path, sched
 @pytest.mark.parametrize("beta1", ["1.0", "-0.1"])
 def test_an_adam_beta1_outside_0_to_1_names_the_flag(tmp_path, beta1):
     cfg = parse_args(["--model", "tiny", "--adam_beta1", beta1, "--data_dir", str(tmp_path)])
-    with pytest.raises(UserError, match=f"--adam_beta1 {beta1}: AdamW's first-moment decay is at least 0 and below 1"):
+    with pytest.raises(UserError, match=f"--adam_beta1 {beta1}: pass a number at least 0 and below 1 \\(--help: "
+                                        "\"AdamW's first-moment decay"):
         resolve_plan(cfg, world_size=1)
 
 

@@ -24,7 +24,7 @@ import torch
 
 import evals
 import hf
-from config import HelpFormatter, TrainConfig, add_flags, validation_steps
+from config import HelpFormatter, TrainConfig, add_flags, check_flag_ranges, validation_steps
 from dataloader import DistributedDataLoader
 from distributed import Distributed, setup_distributed, teardown_distributed
 from errors import UserError, run_entry_point
@@ -84,12 +84,7 @@ def load_model(snapshot: str | None, hf_name: str | None) -> tuple[GPT, dict, in
     """The model on the CPU, with the flags and the last trained step of the run that wrote it (a snapshot of
     ours; {} and None for OpenAI's weights or a file with just a model)."""
     if hf_name is not None:
-        try:
-            return hf.from_pretrained(hf_name), {}, None
-        except OSError as e:  # what transformers raises for no network, an unknown name or missing weight files
-            raise UserError(f"--model {hf_name}: the Hugging Face weights could not be loaded "
-                            f"({str(e).strip().splitlines()[0]}). Pass gpt2, gpt2-medium, gpt2-large or gpt2-xl "
-                            "(downloaded on first use) or a directory written by save_pretrained.") from e
+        return hf.from_pretrained(hf_name), {}, None
     try:
         model = read_model(snapshot)
     except (FileNotFoundError, ValueError) as e:  # the message names the file and what to pass instead
@@ -105,6 +100,7 @@ def evaluate(model: GPT, args: argparse.Namespace, dist_env: Distributed) -> dic
     dtype = pick_dtype(args.dtype, device)
     model.to(device)
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if f.name in RUN_FLAGS})
+    check_flag_ranges(cfg)
     if not isinstance(cfg.micro_batch_size, int):
         raise UserError("--micro_batch_size auto is for training; pass a number of sequences (a snapshot passes the "
                         "one its run used).")

@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> None:
         if missing:
             parser.error(f"--tokenizer_dir {args.tokenizer_dir} lacks {' and '.join(missing)}. Point it at a folder "
                          "holding OpenAI's GPT-2 encoder.json and vocab.bpe (shared/data/gpt2_tokenizer has both).")
+    if args.out_dir.exists() and not args.out_dir.is_dir():
+        parser.error(f"{args.out_dir} is a file; pass a directory to write the model into (created if missing).")
     try:
         model = read_model(args.snapshot)
     except (FileNotFoundError, ValueError) as e:

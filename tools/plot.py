@@ -13,11 +13,15 @@ validation ("val_loss", "val_bpb"), the zero-shot tasks ("hellaswag/acc_norm", .
 "hellaswag_acc"), and events such as {"event": "resume", ...},
 which are skipped, as are null losses (a step whose update was skipped for a NaN). After a crash and resume, the
 steps between the last snapshot and the crash are trained and logged a second time; the LATER line for a step wins,
-because it belongs to the run that continued.
+because it belongs to the run that continued. A line that is not such an object (a run killed mid-write leaves half
+a line; a step that is not a whole number, a metric that is not a number) is skipped, and the number skipped said
+once per file. A file with no metrics line left is an error (exit status 2): nothing of it could be drawn, and a
+plot without a run that was asked for would mislead.
 """
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -25,33 +29,65 @@ import matplotlib
 matplotlib.use("Agg")  # render to a file; no display needed
 import matplotlib.pyplot as plt
 
+from parsing import PARSE_ERRORS, parse_problem
+
 GPT2_124M_VAL_LOSS = 3.2924
 GPT2_124M_HELLASWAG = 0.3114  # acc_norm, lm-evaluation-harness
 GPT2_124M_HELLASWAG_COMPLETION = 0.2955  # acc_norm, completion style (llm.c, build-nanogpt; runs before evals.py)
 METRICS = ("loss", "val_loss", "val_bpb", "hellaswag/acc_norm", "hellaswag_acc", "eval_score", "lr")
 
 
-def read_metrics(path: str | Path) -> dict[str, dict[int, float]]:
-    """{metric: {step: value}} for each metric in METRICS; a later line for the same step replaces an earlier one."""
+def read_metrics(path: str | Path) -> tuple[dict[str, dict[int, float]], list[str]]:
+    """{metric: {step: value}} for each metric in METRICS (a later line for the same step replaces an earlier one),
+    and why each line that is not a metrics line or an event was skipped ("line 7: not valid JSON (...)")."""
     series: dict[str, dict[int, float]] = {name: {} for name in METRICS}
-    with open(path) as f:
+    skipped = []
+    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is one broken line, not an unreadable file
         for lineno, line in enumerate(f, start=1):
-            if not line.strip():
+            line = line.strip()
+            if not line:
                 continue
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}, line {lineno}: not valid JSON ({e.msg}): {line.strip()[:80]!r}. "
-                                 "Each line must be one JSON object as train_gpt2.py writes it; fix or delete "
-                                 "that line (a run killed mid-write can leave a truncated one).") from e
-            if not isinstance(record, dict) or ("step" not in record and "event" not in record):
-                raise ValueError(f"{path}, line {lineno}: expected a JSON object with a 'step' (or an 'event'), "
-                                 f"got {line.strip()[:80]!r}. Is this a metrics.jsonl written by train_gpt2.py?")
-            if "event" in record:
+            except PARSE_ERRORS as e:
+                skipped.append(f"line {lineno}: {parse_problem(e)}")
+                continue
+            if isinstance(record, dict) and "event" in record:
+                continue
+            problem = record_problem(record)
+            if problem:
+                skipped.append(f"line {lineno}: {problem}")
                 continue
             for name in METRICS:
                 if record.get(name) is not None:  # a skipped step's NaN loss is written as null: nothing to plot
                     series[name][record["step"]] = record[name]
+    return series, skipped
+
+
+def record_problem(record) -> str | None:
+    """Why a JSON value is not a metrics line as train_gpt2.py writes it, or None if it is one."""
+    if not isinstance(record, dict) or "step" not in record:
+        return "not a JSON object with a 'step' (or an 'event')"
+    if not isinstance(record["step"], int) or isinstance(record["step"], bool) or record["step"] < 0:
+        return f"step {record['step']!r} is not a whole number"
+    bad = next((name for name in METRICS if record.get(name) is not None and not is_number(record[name])), None)
+    return f"{bad} {record[bad]!r} is not a number" if bad else None
+
+
+def is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def read_run(path: str | Path) -> dict[str, dict[int, float]]:
+    """read_metrics, saying once on stderr how many lines were skipped; ValueError if no metrics line is left."""
+    series, skipped = read_metrics(path)
+    if skipped:
+        print(f"{path}: skipped {len(skipped)} broken line(s), the first {skipped[0]} (a run killed mid-write "
+              "leaves half a line)", file=sys.stderr)
+    if not any(series.values()):
+        broken = f" ({len(skipped)} broken line(s), the first {skipped[0]})" if skipped else ""
+        raise ValueError(f"{path} holds no metrics to plot{broken}. Pass the metrics.jsonl that train_gpt2.py writes "
+                         "into its log dir.")
     return series
 
 
@@ -77,7 +113,7 @@ def summary(label: str, series: dict[str, dict[int, float]]) -> str:
 
 def plot_runs(paths: list[str | Path], out: str | Path) -> None:
     fig, (ax_loss, ax_bpb, ax_hella, ax_score, ax_lr) = plt.subplots(1, 5, figsize=(30, 5))
-    runs = [(read_metrics(path), run_label(path)) for path in paths]
+    runs = [(read_run(path), run_label(path)) for path in paths]
     for i, (series, label) in enumerate(runs):
         color = f"C{i}"
         # Train loss is noisy and dense, so it is faint; val loss, measured on fixed held-out data, is the headline.
@@ -119,6 +155,9 @@ def main(argv: list[str] | None = None) -> None:
     for path in args.metrics:
         if not Path(path).is_file():
             parser.error(f"{path}: no such file. Pass the metrics.jsonl that train_gpt2.py writes into its log dir.")
+    if not Path(args.out).parent.is_dir():
+        parser.error(f"--out {args.out}: no directory {Path(args.out).parent} to write it in. Create it, or pass "
+                     "another path.")
     try:
         plot_runs(args.metrics, args.out)
     except ValueError as e:

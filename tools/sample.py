@@ -8,11 +8,21 @@ torch.Generator differs between CPU, CUDA and MPS, and GPU kernels may differ be
 """
 
 import argparse
+import sys
+
+import torch
 
 import hf
+from config import AT_LEAST_0, AT_LEAST_1, SEEDS, Range, check_range
 from distributed import default_device
+from errors import UserError, run_entry_point
 from snapshot import read_model
 from tokenizer import generate_text
+
+# The values of the sampling flags: outside them sampling crashed (negative counts, a NaN temperature) or sampled
+# nonsense (a negative temperature favours the least likely tokens).
+SAMPLING_RANGES = {"num_samples": AT_LEAST_1, "max_new_tokens": AT_LEAST_0, "temperature": AT_LEAST_0,
+                   "top_k": AT_LEAST_0, "top_p": Range(0, 1, low_open=True), "seed": SEEDS}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -35,8 +45,12 @@ def main(argv: list[str] | None = None) -> None:
                              "the step's time is its kernels'; costs a compilation at the first call")
     parser.add_argument("--device", default=default_device(), help="cuda, mps or cpu (default: the best available)")
     args = parser.parse_args(argv)
-    if not 0 < args.top_p <= 1:
-        parser.error(f"--top_p {args.top_p}: pass a probability in (0, 1]; 1 turns nucleus sampling off")
+    for flag, allowed in SAMPLING_RANGES.items():
+        check_range(flag, getattr(args, flag), allowed)
+    try:
+        torch.device(args.device)
+    except RuntimeError as e:
+        raise UserError(f"--device {args.device}: not a device torch knows; pass cuda, mps or cpu (or cuda:N).") from e
 
     if args.snapshot is not None:
         try:
@@ -54,4 +68,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_entry_point(lambda: main(sys.argv[1:]))
