@@ -45,7 +45,7 @@ from pathlib import Path
 
 from config import parse_short_rows
 from dev.curves import steps_to_reach
-from tools.plot import read_metrics
+from metrics_log import read_metrics
 
 ROOT = Path(os.environ.get("SWEEP_ROOT", "logs/arch_sweep"))
 STEPS = 245  # × 8,192 tokens = 2,007,040
@@ -167,7 +167,7 @@ def val_curve(path: Path, key: str = "val_loss", steps: int = STEPS) -> dict[int
     metrics = path / "metrics.jsonl"
     if not metrics.exists():
         return None
-    val = read_metrics(metrics).get(key, {})
+    val = read_metrics(metrics)[0].get(key, {})
     return val if steps - 1 in val else None
 
 

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from dev.curves import steps_to_reach
-from tools.plot import read_metrics
+from metrics_log import read_metrics
 
 ROOT = Path(os.environ.get("SWEEP_ROOT", "logs/sweep"))
 STEPS = {"small": 120, "narrow6": 120}
@@ -45,7 +45,7 @@ def final_val(shape, name):
     path = run_dir(shape, name) / "metrics.jsonl"
     if not path.exists():
         return None
-    val = read_metrics(path)["val_loss"]
+    val = read_metrics(path)[0]["val_loss"]
     return val.get(STEPS[shape] - 1)
 
 
@@ -100,8 +100,8 @@ def report(out="docs/muon_vs_adamw.png"):
             print(f"  {p.name:16s} final val loss {v:.4f}, {median_step_ms(shape, p.name):.0f} ms/step (median)"
                   if v else f"  {p.name:16s} unfinished")
         a, m = best(shape, "adamw"), best(shape, "muon")
-        va = read_metrics(run_dir(shape, a) / "metrics.jsonl")["val_loss"]
-        vm = read_metrics(run_dir(shape, m) / "metrics.jsonl")["val_loss"]
+        va = read_metrics(run_dir(shape, a) / "metrics.jsonl")[0]["val_loss"]
+        vm = read_metrics(run_dir(shape, m) / "metrics.jsonl")[0]["val_loss"]
         updates = STEPS[shape] - 1
         target = va[updates]
         reach = steps_to_reach(vm, target)

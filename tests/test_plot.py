@@ -3,7 +3,8 @@ import math
 
 import pytest
 
-from tools.plot import main, read_metrics, run_label
+from metrics_log import read_metrics
+from tools.plot import main, run_label
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -20,7 +20,6 @@ plot without a run that was asked for would mislead.
 """
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -29,53 +28,11 @@ import matplotlib
 matplotlib.use("Agg")  # render to a file; no display needed
 import matplotlib.pyplot as plt
 
-from parsing import PARSE_ERRORS, parse_problem
+from metrics_log import read_metrics
 
 GPT2_124M_VAL_LOSS = 3.2924
 GPT2_124M_HELLASWAG = 0.3114  # acc_norm, lm-evaluation-harness
 GPT2_124M_HELLASWAG_COMPLETION = 0.2955  # acc_norm, completion style (llm.c, build-nanogpt; runs before evals.py)
-METRICS = ("loss", "val_loss", "val_bpb", "hellaswag/acc_norm", "hellaswag_acc", "eval_score", "lr")
-
-
-def read_metrics(path: str | Path) -> tuple[dict[str, dict[int, float]], list[str]]:
-    """{metric: {step: value}} for each metric in METRICS (a later line for the same step replaces an earlier one),
-    and why each line that is not a metrics line or an event was skipped ("line 7: not valid JSON (...)")."""
-    series: dict[str, dict[int, float]] = {name: {} for name in METRICS}
-    skipped = []
-    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is one broken line, not an unreadable file
-        for lineno, line in enumerate(f, start=1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                record = json.loads(line)
-            except PARSE_ERRORS as e:
-                skipped.append(f"line {lineno}: {parse_problem(e)}")
-                continue
-            if isinstance(record, dict) and "event" in record:
-                continue
-            problem = record_problem(record)
-            if problem:
-                skipped.append(f"line {lineno}: {problem}")
-                continue
-            for name in METRICS:
-                if record.get(name) is not None:  # a skipped step's NaN loss is written as null: nothing to plot
-                    series[name][record["step"]] = record[name]
-    return series, skipped
-
-
-def record_problem(record) -> str | None:
-    """Why a JSON value is not a metrics line as train_gpt2.py writes it, or None if it is one."""
-    if not isinstance(record, dict) or "step" not in record:
-        return "not a JSON object with a 'step' (or an 'event')"
-    if not isinstance(record["step"], int) or isinstance(record["step"], bool) or record["step"] < 0:
-        return f"step {record['step']!r} is not a whole number"
-    bad = next((name for name in METRICS if record.get(name) is not None and not is_number(record[name])), None)
-    return f"{bad} {record[bad]!r} is not a number" if bad else None
-
-
-def is_number(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def read_run(path: str | Path) -> dict[str, dict[int, float]]:
