@@ -52,7 +52,10 @@ SNAPSHOT_NAME = re.compile(rf"snapshot_{STEP}(\.pt)?")  # a file (ddp) or a dire
 TEMP_NAME = re.compile(rf"snapshot_{STEP}(\.pt\.\d+)?\.tmp")
 SHARD_DATA_NAME = re.compile(r"__\d+_\d+\.distcp")  # a rank's shards, in a directory snapshot
 SHARD_FILE_NAME = re.compile(rf"{SHARD_DATA_NAME.pattern}|\.metadata|meta\.pt(\.\d+\.tmp)?")  # all its files
-REQUIRED_KEYS = ("model", "model_config", "optimizer", "scaler", "step", "loader", "rng", "config", "wandb_id")
+# What a snapshot holds, each of its type (in a directory snapshot, the model and optimizer are in the shards)
+KEY_TYPES = {"model": dict, "model_config": dict, "optimizer": dict, "scaler": dict, "step": int, "loader": dict,
+             "rng": list, "config": dict, "wandb_id": str}
+REQUIRED_KEYS = tuple(KEY_TYPES)
 SHARDED_KEYS = ("model", "optimizer")  # in a directory snapshot: in the shards, not in meta.pt
 META_KEYS = tuple(k for k in REQUIRED_KEYS if k not in SHARDED_KEYS)
 
@@ -232,6 +235,7 @@ def load_snapshot(path: str | Path, verify: bool = True) -> dict:
     missing = [k for k in (META_KEYS if sharded else REQUIRED_KEYS) if not isinstance(state, dict) or k not in state]
     if missing:
         raise ValueError(f"{path} is not a training snapshot of this codebase (missing {missing}).")
+    check_key_types(path, state)
     if verify:
         verify_checksums(path, state)
     return state
@@ -397,7 +401,11 @@ def read_model(path: str | Path) -> GPT:
     if path.is_dir():
         state = {"model": model.state_dict()}
         load_shards(state, path, no_dist=True)
-    model.load_state_dict(state["model"])
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:  # torch lists every missing, unexpected and misshapen weight: its first lines say it
+        raise ValueError(f"{path}: its weights do not fit the model its model_config describes "
+                         f"({' '.join(str(e).split())[:300]}...). Pass a snapshot written by train_gpt2.py.") from e
     return model
 
 
@@ -414,12 +422,12 @@ def model_config_of(state: dict, path: str | Path) -> GPTConfig:
     shape = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd")
     valid = isinstance(saved, dict) and set(shape) <= set(saved) <= names and all(
         type(saved[k]) is int and saved[k] > 0 for k in shape) and saved.get("arch", "gpt2") in ARCHITECTURES and \
-        type(saved.get("attention_bias", False)) is bool
+        type(saved.get("attention_bias", False)) is bool and saved["n_embd"] % saved["n_head"] == 0
     if not valid:
         raise ValueError(f"{path} is not a snapshot this code can build a model from: its model_config is {saved!r}, "
-                         f"where a snapshot's holds the positive integers {', '.join(shape)} and may hold arch "
-                         f"({' or '.join(ARCHITECTURES)}) and attention_bias (true or false), nothing else. Pass a "
-                         "snapshot written by train_gpt2.py.")
+                         f"where a snapshot's holds the positive integers {', '.join(shape)} (n_embd a multiple of "
+                         f"n_head), and may hold arch ({' or '.join(ARCHITECTURES)}) and attention_bias (true or "
+                         "false), nothing else. Pass a snapshot written by train_gpt2.py.")
     return GPTConfig(**saved)
 
 
@@ -441,7 +449,17 @@ def load_model_snapshot(path: str | Path) -> dict:
     if not isinstance(state, dict) or "model" not in state or "model_config" not in state:
         raise ValueError(f"{path} is not a snapshot of this codebase (it lacks 'model' and 'model_config'). "
                          "Pass a snapshot_*.pt written by train_gpt2.py.")
+    check_key_types(path, state)
     return state
+
+
+def check_key_types(path: Path, state: dict) -> None:
+    """ValueError naming the file if a key of a snapshot holds another type than this code writes there."""
+    wrong = [f"{key} is a {type(state[key]).__name__}" for key, kind in KEY_TYPES.items()
+             if key in state and (not isinstance(state[key], kind) or isinstance(state[key], bool))]
+    if wrong:
+        raise ValueError(f"{path} is not a snapshot this code wrote: {', '.join(wrong)}, where a snapshot's "
+                         f"{', '.join(f'{k} is a {t.__name__}' for k, t in KEY_TYPES.items())}.")
 
 
 # ----------------------------------------------------------------------------------------------------------------

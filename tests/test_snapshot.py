@@ -509,6 +509,16 @@ def test_a_snapshot_directory_whose_metadata_names_a_file_outside_it_is_refused(
     assert f"it names {named} as shard files" in str(refused.value)
 
 
+def tool_refusal(tool, argv: list[str], capsys) -> str:
+    """The one paragraph a tool refuses with: its UserError (exit 2 from the entry point), or argparse's exit 2."""
+    with pytest.raises((UserError, SystemExit)) as refused:
+        tool(argv)
+    if refused.type is SystemExit:
+        assert refused.value.code == 2
+        return capsys.readouterr().err
+    return str(refused.value)
+
+
 def payload_snapshot(path: Path, marker: Path) -> Path:
     """A snapshot file with every key, one of them a payload that runs code when unpickled."""
     torch.save(fake_snapshot(1) | {"scaler": RunsCode(marker)}, path)
@@ -545,8 +555,8 @@ def test_a_fifo_or_device_given_as_a_snapshot_is_refused_at_once(fsdp_run, tmp_p
     (lambda s: s["model_config"].update(n_head=-4), "its model_config is {"),
     (lambda s: s["loader"].pop("epoch"), "holds a data position this code does not read"),
 ])
-def test_a_snapshot_with_a_model_config_or_loader_this_code_does_not_write_is_refused(fsdp_run, tmp_path, change,
-                                                                                     named):
+def test_a_snapshot_with_a_model_config_or_loader_this_code_does_not_write_is_refused(fsdp_run, tmp_path, capsys,
+                                                                                     change, named):
     main_in_process(run_args(fsdp_run, tmp_path / "run", "--max_steps", "1"))
     path = snapshot_path(tmp_path / "run", 0)
     state = torch.load(path, weights_only=True)
@@ -555,6 +565,23 @@ def test_a_snapshot_with_a_model_config_or_loader_this_code_does_not_write_is_re
     with pytest.raises(UserError, match=re.escape(named)):
         main_in_process(run_args(fsdp_run, tmp_path / "run", "--max_steps", "2"))
     if "model_config" in named:
-        with pytest.raises(SystemExit) as exited:  # tools.sample: exit 2, no traceback
-            tools.sample.main(["--ckpt", str(path), "--device", "cpu"])
-        assert exited.value.code == 2
+        assert named in tool_refusal(tools.sample.main, ["--ckpt", str(path), "--device", "cpu"], capsys)
+
+
+@pytest.mark.parametrize("change, named", [
+    (lambda s: s.update(step="7"), "step is a str"),
+    (lambda s: s.update(config=[]), "config is a list"),
+    (lambda s: s.update(model=[1, 2]), "model is a list"),
+    (lambda s: s["model"].pop("lm_head.weight"), "its weights do not fit the model its model_config describes"),
+    (lambda s: s["model_config"].update(n_head=3), "(n_embd a multiple of n_head)"),
+])
+def test_a_snapshot_whose_keys_hold_what_this_code_never_writes_is_refused_by_the_tools(tmp_path, capsys, change,
+                                                                                         named):
+    path = save_tiny_model(tmp_path / "model.pt")
+    state = torch.load(path, weights_only=True) | {"step": 3, "config": {}}
+    change(state)
+    torch.save(state, path)
+    with pytest.raises(ValueError, match=re.escape(named)):
+        read_model(path)
+    for tool in (tools.sample.main, tools.evaluate.main):
+        assert named in tool_refusal(tool, ["--ckpt", str(path), "--device", "cpu"], capsys)
