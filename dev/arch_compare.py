@@ -213,6 +213,38 @@ def scaled(flags: list[str], steps: int, shape: str) -> list[str]:
 
 
 COMPARED = ["gpt2_adamw_cosine", "gpt2_muon_wsd", "modern_muon_wsd"]  # the plot's; the others in the table only
+# Each table of docs/architectures.md as the runs it reads, in stages: (shapes, recipes, seeds, LRs, steps), the LRs
+# None for each recipe's sweep, or BEST for the best LR its runs so far found. `table NAME` runs the missing ones, then
+# `report` prints every table (the bf16 tables with SWEEP_DTYPE=bf16 SWEEP_ROOT=logs/arch_sweep_bf16, as measured).
+BEST = "best"
+SWEPT = ["gpt2_adamw_cosine", "gpt2_muon_wsd", "modern_muon_wsd", "modern_noattnbias_muon_wsd",
+         "modern_embed1x_muon_wsd"]
+MUON_RECIPES = ["gpt2_muon_wsd", "modern_muon_wsd"]
+TABLES = {
+    "sweeps": [(["4x256", "6x384"], SWEPT, [1337], None, STEPS), (["4x256", "6x384"], SWEPT, [42], BEST, STEPS),
+               (["4x256"], ["modern_adamlr_muon_wsd"], [1337], None, STEPS)],
+    "tokens4m": [(["4x256"], MUON_RECIPES, SEEDS, BEST, 2 * STEPS - 1)],
+    "rows1024": [(["4x256_T1024"], ["gpt2_muon_wsd"], [1337], [0.005, 0.01, 0.02], STEPS),
+                 (["4x256_T1024"], ["modern_muon_wsd"], [1337], [0.0025, 0.005, 0.01], STEPS),
+                 (["4x256_T1024"], MUON_RECIPES, [42], BEST, STEPS),
+                 (["4x256_T1024"], ["modern_muon_wsd"], [1337], BEST, 123)],
+    "short_rows1024": [(["4x256_T1024"], ["gpt2_short_rows_muon_wsd", "modern_short_rows_muon_wsd"], SEEDS, None,
+                        STEPS), (["4x256_T1024"], ["gpt2_short_rows1024_muon_wsd"], [1337], None, STEPS),
+                       (["4x256_T1024"], ["modern_short_rows_muon_wsd"], SEEDS, None, 123)],
+    # every ablation: the parts of modern, and the changes of the recipe both Muon recipes share
+    "parts": [(["4x256"], [r for r in RECIPES if r not in [*SWEPT, *MUON_RECIPES, "modern_adamlr_muon_wsd"]
+                           and "_bos" not in r and "short_rows1024" not in r], SEEDS, None, STEPS)],
+}
+
+
+def table(name: str, jobs: int) -> None:
+    """Every run a table of docs/architectures.md reads that is not finished yet, then every table (`report`)."""
+    for shapes, recipes, seeds, lrs, steps in TABLES[name]:
+        for shape in shapes:
+            for recipe in recipes:
+                best = best_runs(shape, recipe) if lrs == BEST else None
+                run([shape], [recipe], seeds, [best[0]] if best else lrs, steps, jobs)
+    report()
 
 
 # The parts that change only the optimizer: a run of them snapshots an unpatched model.
@@ -325,7 +357,9 @@ def with_short_rows(shape: str, best: dict[str, tuple[float, list[Path]]]) -> No
     target = mean_curve(best["gpt2_short_rows_muon_wsd"][1])[STEPS - 1]
     modern = mean_curve(best["modern_short_rows_muon_wsd"][1])
     print(f"  with the short rows: GPT-2 + Muon's final val loss {target:.4f}, modern's {modern[STEPS - 1]:.4f}, "
-          f"modern's steps to GPT-2's {steps_and_fraction(modern, target)}")
+          f"modern's steps to GPT-2's {steps_and_fraction(modern, target)} (by seed: " + ", ".join(
+              f"{p.name.rsplit('_s', 1)[1]} {steps_and_fraction(val_curve(p), target)}"
+              for p in best["modern_short_rows_muon_wsd"][1]) + ")")
     shorter_runs(shape, "modern_short_rows_muon_wsd_*_steps*", target, "GPT-2 + Muon's final with the short rows")
 
 
@@ -474,7 +508,8 @@ def heldout(recipes: list[str]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=("run", "report", "heldout", "fair"))
+    parser.add_argument("command", choices=("run", "report", "heldout", "fair", "table"))
+    parser.add_argument("table", nargs="?", choices=TABLES, help="table: which table of docs/architectures.md")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--recipes", default=",".join(RECIPES))
     parser.add_argument("--seeds", default=",".join(map(str, SEEDS)))
@@ -485,6 +520,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.command == "fair":
         return fair(args.jobs)
+    if args.command == "table":
+        return table(args.table, args.jobs)
     if args.command == "report":
         return report()
     if args.command == "heldout":
