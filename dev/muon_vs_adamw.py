@@ -4,10 +4,11 @@
     OMP_NUM_THREADS=1 python -m dev.muon_vs_adamw run     # trains every configuration not yet finished, in turn
     SWEEP_SHAPES=narrow6 python -m dev.muon_vs_adamw run  # one shape (run two shapes side by side on 2 cores)
     python -m dev.muon_vs_adamw report                    # best of each, the steps Muon needs, the PNG
+    OMP_NUM_THREADS=1 python -m dev.muon_vs_adamw all     # both: docs/optimizers.md's table in one command
     SWEEP_DTYPE=fp32 SWEEP_ROOT=logs/sweep_fp32 python -m dev.muon_vs_adamw run   # fp32, where bf16 is emulated
 
 Muon's AdamW part (embeddings, biases, LayerNorms) runs at the --max_lr that the AdamW sweep of the same shape found
-best, so the Muon sweep varies --muon_lr alone: four LRs each. The README's "Optimizers" section has the results.
+best, so the Muon sweep varies --muon_lr alone: four LRs each. docs/optimizers.md has the results.
 """
 import json
 import os
@@ -123,4 +124,4 @@ def report(out="docs/muon_vs_adamw.png"):
 
 
 if __name__ == "__main__":
-    {"run": run, "report": report}[sys.argv[1]]()
+    {"run": run, "report": report, "all": lambda: (run(), report())}[sys.argv[1]]()
