@@ -53,9 +53,11 @@ def main(argv: list[str] | None = None) -> None:
     stop = StopRequest()
     signal.signal(signal.SIGTERM, stop.request)
     try:
-        # One run per output directory: a second one exits 2 here, before it reads or writes anything there.
+        # Output directories that cannot be written, or that another run uses, end the run here (exit 2), before it
+        # reads or writes anything there.
         with (hangs_reported(cfg.dist_timeout, dist_env.rank),
-              lock_run_directories({"--log_dir": cfg.log_dir, "--snapshot_dir": cfg.snapshot_dir}, dist_env)):
+              lock_run_directories({"--log_dir": cfg.log_dir, "--snapshot_dir": cfg.snapshot_dir}, dist_env,
+                                   cfg.run_lock)):
             run(cfg, dist_env, stop)
             if dist.is_initialized():
                 # Leave together: a rank that tears gloo down while rank 0 still writes the last snapshot can abort.
