@@ -12,9 +12,9 @@ import pytest
 
 from conftest import fill_up, make_shards, mounted_tmpfs
 from errors import UserError
-from helpers_train import main_in_process, read_metrics
+from helpers_train import main_in_process, read_metrics, start_train, wait_train
 from run_lock import LOCK_FILE
-from snapshot import list_snapshots, load_snapshot
+from snapshot import list_snapshots, load_snapshot, snapshot_path
 
 JOB = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "64", "--warmup_steps", "1",
        "--val_every", "0", "--dtype", "fp32", "--no-shuffle"]  # 2 micro-steps of 32 tokens a step on 1 rank
@@ -122,3 +122,23 @@ def test_a_full_disk_under_both_flags_is_exit_2_naming_the_snapshot_that_failed_
                                             "the run's last; there is no older snapshot"):
             main_in_process([*JOB, "--data_dir", str(data), "--max_steps", "2", "--log_dir", str(directory)])
         assert set(contents(directory)) == set(before) | {LOCK_FILE, "metrics.jsonl"}  # no temp file left
+
+
+@pytest.mark.slow  # a process (for its exit status and all of its stderr), with wandb
+def test_a_full_log_disk_with_wandb_exits_0_with_two_warnings(data, tmp_path):
+    log_dir, snapshot_dir = tmp_path / "full", tmp_path / "snapshots"
+    offline = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_ERROR_REPORTING": "false"}
+    with mounted_tmpfs(log_dir, "size=1m"):
+        fill_up(log_dir)
+        run = wait_train(start_train([*JOB, "--data_dir", str(data), "--max_steps", "3", "--snapshot_dir",
+                                      str(snapshot_dir), "--wandb_project", "test", "--wandb_mode", "offline"],
+                                     log_dir, env=offline), log_dir, timeout=300)
+    # wandb's own log files under <log_dir>/wandb cannot be written either: it stops with one warning, and its
+    # logging prints no traceback per record it cannot write.
+    assert run.proc.stderr.splitlines() == [
+        f"WARNING: could not write {log_dir}/metrics.jsonl (OSError: [Errno 28] No space left on device; 0 MiB "
+        "free). Training goes on; its numbers are on stdout (and wandb, if on), and later lines are written once "
+        "there is room. This warning is not repeated.",
+        "WARNING: wandb stopped working (OSError: [Errno 28] No space left on device). Training goes on; its "
+        f"numbers go to {log_dir}/metrics.jsonl only, wandb is off for the rest of this run."]
+    assert load_snapshot(snapshot_path(snapshot_dir, 2))["step"] == 2
