@@ -67,8 +67,8 @@ def lock_run_directories(directories: dict[str, str | None], dist_env: Distribut
             except UserError as e:
                 refusal = str(e)
             if not lock and refusal is None:
-                print(f"WARNING: --no-run_lock: {' and '.join(map(str, distinct))} are not locked, so nothing stops a "
-                      "second run from writing into them alongside this one.", file=sys.stderr)
+                print(f"WARNING: --no-run_lock: nothing stops a second run from writing into "
+                      f"{' and '.join(map(str, distinct))} alongside this one.", file=sys.stderr)
         refusal = from_rank_0(refusal)
         if refusal:
             raise UserError(refusal)

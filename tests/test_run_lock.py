@@ -79,7 +79,8 @@ def test_where_the_filesystem_has_no_locks_the_run_exits_2_unless_told_to_run_un
     assert not read_metrics(tmp_path)
 
     main_in_process([*args, "--no-run_lock"])  # typed on purpose: the run trains, unlocked, and says so
-    assert f"WARNING: --no-run_lock: {tmp_path.resolve()} are not locked" in capsys.readouterr().err
+    assert f"WARNING: --no-run_lock: nothing stops a second run from writing into {tmp_path.resolve()} alongside " \
+           "this one." in capsys.readouterr().err
     assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [0, 1]
 
 
