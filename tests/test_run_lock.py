@@ -64,24 +64,32 @@ def test_a_run_refuses_a_directory_that_another_holds_and_writes_nothing(data, t
         lock_directory(directory, flag).close()
 
 
-@pytest.mark.parametrize("error", [errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP])
-def test_where_the_filesystem_has_no_locks_the_run_exits_2_unless_told_to_run_unlocked(data, tmp_path, monkeypatch,
-                                                                                      capsys, error):
-    def no_locks(*args):
+def no_flock(monkeypatch, error: int) -> None:
+    """flock(2) failing as on a filesystem without locks (none here has one to mount)."""
+    def flock(*args):
         raise OSError(error, os.strerror(error))
 
-    monkeypatch.setattr(run_lock.fcntl, "flock", no_locks)
-    args = [*JOB, "--data_dir", str(data), "--max_steps", "2", "--log_dir", str(tmp_path)]
+    monkeypatch.setattr(run_lock.fcntl, "flock", flock)
+
+
+@pytest.mark.parametrize("error", [errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP])
+def test_where_the_filesystem_has_no_locks_the_run_exits_2_naming_the_flag_to_run_unlocked(data, tmp_path,
+                                                                                          monkeypatch, error):
+    no_flock(monkeypatch, error)
     with pytest.raises(UserError, match=re.escape(
             f"{tmp_path.resolve() / LOCK_FILE} cannot be locked: the filesystem of --log_dir {tmp_path.resolve()} has "
             f"no flock(2) (OSError: {os.strerror(error)}).") + ".* pass --no-run_lock to run without the lock"):
-        main_in_process(args)
+        main_in_process([*JOB, "--data_dir", str(data), "--max_steps", "2", "--log_dir", str(tmp_path)])
     assert not read_metrics(tmp_path)
 
-    main_in_process([*args, "--no-run_lock"])  # typed on purpose: the run trains, unlocked, and says so
-    assert f"WARNING: --no-run_lock: nothing stops a second run from writing into {tmp_path.resolve()} alongside " \
-           "this one." in capsys.readouterr().err
+
+def test_no_run_lock_trains_unlocked_and_says_so(data, tmp_path, monkeypatch, capsys):
+    no_flock(monkeypatch, errno.ENOLCK)
+    main_in_process([*JOB, "--data_dir", str(data), "--max_steps", "2", "--log_dir", str(tmp_path), "--no-run_lock"])
+    assert capsys.readouterr().err.splitlines() == [f"WARNING: --no-run_lock: nothing stops a second run from "
+                                                    f"writing into {tmp_path.resolve()} alongside this one."]
     assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [0, 1]
+    assert not (tmp_path / LOCK_FILE).exists()
 
 
 def make_fifo(path: Path) -> None:
