@@ -138,6 +138,10 @@ class TrainConfig:
                              choices=("stop", "rollback"))
     max_skips: int = arg(10, "skipped updates in a row that count as a divergence")
     max_rollbacks: int = arg(3, "with --on_divergence rollback: roll back at most this many times, then stop")
+    run_lock: bool = arg(True, "hold a lock (flock on <dir>/run.lock) on --log_dir and --snapshot_dir for the "
+                               "whole run, so that a second run on them exits 2 at once; --no-run_lock only where the "
+                               "filesystem has no flock (the error says so): then nothing stops two runs from "
+                               "writing into one directory")
 
 
 # The --help sections, named at the first flag of each (the comments in TrainConfig).

@@ -20,11 +20,21 @@ own, each continuing it, and a shorter tail that ends a row started by another d
 share cropped is pack_rows' second result (dev/align_bos_waste.py measures it on enwiki). A chunk is then B
 consecutive packed rows instead of B·T consecutive tokens, and everything above (chunk order, ranks, steps, state)
 is unchanged.
+
+Shards are read with plain reads, each checked to return every byte asked for, never through a memory map: a shard
+truncated under a running job (a copy or a download over it in place) is then a ShardReadError naming it, where a
+memory map would kill the process with SIGBUS and no snapshot. The train loader reads each optimizer step's batches
+ahead (read_ahead), between steps, so that a failed read stops every rank together with a snapshot
+(train_gpt2.run) instead of one rank failing inside a step while the others wait for it in a collective.
 """
 
 import bisect
 import hashlib
+import os
 import re
+from collections.abc import Iterator
+from contextlib import closing
+from io import FileIO
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +50,7 @@ HEADER_BYTES = HEADER_INTS * 4
 TOKEN_DTYPE = np.dtype("<u2")
 EOT = 50256  # GPT-2's <|endoftext|>, written before every document (data/tokenize_shards.py)
 PACK_WINDOW = 1000  # documents pack_rows chooses from: a wider window wastes less and packs slower
+SCAN_TOKENS = 2**20  # tokens read at a time when the loader checks a whole shard (2 MiB)
 
 
 def write_shard(path: str | Path, tokens: np.ndarray) -> None:
@@ -98,21 +109,66 @@ def find_shards(data_dir: str | Path, split: str) -> list[Path]:
     return shards
 
 
-def check_token_ids(path: Path, tokens: np.ndarray, vocab_size: int) -> None:
+class ShardReadError(UserError):
+    """A shard that could not be read while the run used it (truncated or rewritten in place, an I/O error)."""
+
+
+class Shard:
+    """An open shard whose tokens are read with plain reads: read() returns every token asked for or raises
+    ShardReadError naming the file. The file stays open, so a new shard renamed over it (as data/prepare.py and
+    data/fineweb.py write them) does not change what this one reads."""
+
+    def __init__(self, path: Path, num_tokens: int):
+        self.path, self.num_tokens = path, num_tokens
+        self.file = FileIO(path, "r")
+
+    def read(self, start: int, count: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Tokens start..start+count-1 (uint16), in `out` (count tokens) if given."""
+        tokens = np.empty(count, dtype=TOKEN_DTYPE) if out is None else out
+        buffer = memoryview(tokens).cast("B")
+        done = 0
+        try:
+            self.file.seek(HEADER_BYTES + start * TOKEN_DTYPE.itemsize)
+            while done < len(buffer) and (n := self.file.readinto(buffer[done:])):
+                done += n
+        except OSError as e:
+            raise ShardReadError(f"{self.path}: reading tokens {start:,} to {start + count - 1:,} failed "
+                                 f"({type(e).__name__}: {e.strerror or e}).") from e
+        if done < len(buffer):
+            size = os.fstat(self.file.fileno()).st_size
+            expected = HEADER_BYTES + self.num_tokens * TOKEN_DTYPE.itemsize
+            raise ShardReadError(f"{self.path}: the shard is now {size:,} bytes, shorter than the {expected:,} "
+                                 f"({self.num_tokens:,} tokens) it had when the run started, so tokens {start:,} to "
+                                 f"{start + count - 1:,} could not be read: it was truncated or rewritten in place "
+                                 "while the run read it.")
+        return tokens
+
+    def blocks(self) -> Iterator[tuple[int, np.ndarray]]:
+        """The whole shard as (start, tokens) in pieces of SCAN_TOKENS, read into one buffer: each piece is valid
+        until the next is read (a buffer the size of a CPU cache, reused, reads about as fast as a memory map)."""
+        buffer = np.empty(min(SCAN_TOKENS, self.num_tokens), dtype=TOKEN_DTYPE)
+        for start in range(0, self.num_tokens, SCAN_TOKENS):
+            count = min(SCAN_TOKENS, self.num_tokens - start)
+            yield start, self.read(start, count, out=buffer[:count])
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def check_token_ids(shard: Shard, vocab_size: int) -> None:
     """UserError naming the shard and the position if an id is outside the model's vocabulary, where it would fail
     mid-step (an IndexError, or a device-side assert on CUDA). One pass over the shard: see the README for its cost."""
-    largest = int(tokens.max())
-    if largest >= vocab_size:
-        position = int(np.argmax(tokens >= vocab_size))
-        raise UserError(f"{path}: token id {tokens[position]} at position {position:,} is not in the model's "
-                        f"vocabulary of {vocab_size:,} ids (the largest id in the shard is {largest:,}); the shard was "
-                        "made with another tokenizer, or is corrupt. Re-create it with data/prepare.py or "
-                        "data/fineweb.py (GPT-2's tokenizer), or move it out of the data directory.")
-
-
-def memmap_tokens(path: Path, num_tokens: int) -> np.memmap:
-    """A shard's tokens, read from the file as they are used."""
-    return np.memmap(path, dtype=TOKEN_DTYPE, mode="r", offset=HEADER_BYTES, shape=(num_tokens,))
+    largest, position, token = 0, None, None
+    for start, tokens in shard.blocks():
+        largest = max(largest, int(tokens.max()))
+        if position is None and largest >= vocab_size:
+            offset = int(np.argmax(tokens >= vocab_size))
+            position, token = start + offset, int(tokens[offset])
+    if position is not None:
+        raise UserError(f"{shard.path}: token id {token} at position {position:,} is not in the model's vocabulary of "
+                        f"{vocab_size:,} ids (the largest id in the shard is {largest:,}); the shard was made with "
+                        "another tokenizer, or is corrupt. Re-create it with data/prepare.py or data/fineweb.py "
+                        "(GPT-2's tokenizer), or move it out of the data directory.")
 
 
 def document_starts(tokens: np.ndarray) -> np.ndarray:
@@ -191,11 +247,13 @@ class DistributedDataLoader:
         # shards' sizes, first and last tokens, in order, tell which data this is, whatever directory holds it.
         fingerprint = hashlib.sha256()
         for path, n in zip(self.shards, self.shard_tokens):
-            tokens = memmap_tokens(path, n)
-            if vocab_size is not None:
-                check_token_ids(path, tokens, vocab_size)
-            fingerprint.update(np.array(n, dtype="<i8").tobytes() + tokens[:256].tobytes() + tokens[-256:].tobytes())
+            with closing(Shard(path, n)) as shard:
+                if vocab_size is not None:
+                    check_token_ids(shard, vocab_size)
+                ends = shard.read(0, min(n, 256)).tobytes() + shard.read(max(0, n - 256), min(n, 256)).tobytes()
+            fingerprint.update(np.array(n, dtype="<i8").tobytes() + ends)
         self.data_fingerprint = fingerprint.hexdigest()[:16]
+        self.shard: Shard | None = None
         self.reset()
 
     def reset(self, epoch: int = 0) -> None:
@@ -203,6 +261,7 @@ class DistributedDataLoader:
         self.epoch = epoch
         self.shard_position = 0  # index into this epoch's shard order
         self.chunk_position = 0  # index into the current shard's chunk order, the same on every rank
+        self._forget_read_ahead()
         self._open_shard()
 
     def _open_shard(self) -> None:
@@ -212,8 +271,11 @@ class DistributedDataLoader:
         else:
             shard_index = self.shard_position
         num_tokens = self.shard_tokens[shard_index]
-        self.tokens = memmap_tokens(self.shards[shard_index], num_tokens)
-        if self.align_bos:
+        if self.shard is not None:
+            self.shard.close()
+        self.shard = Shard(self.shards[shard_index], num_tokens)
+        if self.align_bos:  # the whole shard in memory: packing reads every token anyway
+            self.tokens = self.shard.read(0, num_tokens)
             self.rows, _ = pack_rows(self.tokens, self.T + 1)  # rebuilt on every opening: resuming needs no more
             num_chunks = len(self.rows) // self.B
             if num_chunks < self.chunks_per_step:
@@ -231,7 +293,30 @@ class DistributedDataLoader:
             self.chunk_order = np.arange(num_chunks)
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's (x, y) for one micro-step, each (B, T) int64 on the CPU; y is x shifted by one token."""
+        """This rank's (x, y) for one micro-step, each (B, T) int64 on the CPU; y is x shifted by one token. Raises
+        ShardReadError if the shard cannot be read."""
+        if self._ahead:
+            batch = self._ahead.pop(0)
+            if not self._ahead:
+                self._ahead_from = None
+            return batch
+        return self._read_batch()
+
+    def read_ahead(self) -> None:
+        """Read this rank's micro-batches of the next optimizer step now; next_batch hands them out. A shard that
+        cannot be read raises ShardReadError here, between steps. Until they are handed out, state_dict is the
+        position before them: a snapshot taken now resumes at that step (after a ShardReadError too, when the
+        position is all the loader is good for until load_state_dict)."""
+        if self._ahead_from is None:
+            self._ahead_from = (self.epoch, self.shard_position, self.chunk_position)
+        while len(self._ahead) < self.chunks_per_step // self.world_size:
+            self._ahead.append(self._read_batch())
+
+    def _forget_read_ahead(self) -> None:
+        self._ahead: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._ahead_from: tuple[int, int, int] | None = None  # (epoch, shard_position, chunk_position)
+
+    def _read_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         B, T = self.B, self.T
         chunk = int(self.chunk_order[self.chunk_position + self.rank])
         if self.align_bos:  # B consecutive packed rows of T+1 tokens, each its own x and y
@@ -240,8 +325,7 @@ class DistributedDataLoader:
             rows = torch.from_numpy(buf).view(B, T + 1)
             x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
         else:  # B consecutive T-token runs: B·T tokens in one slice, then reshaped
-            start = chunk * B * T
-            buf = torch.from_numpy(self.tokens[start : start + B * T + 1].astype(np.int64))  # uint16 until here
+            buf = torch.from_numpy(self.shard.read(chunk * B * T, B * T + 1).astype(np.int64))  # uint16 until here
             x, y = buf[:-1].view(B, T), buf[1:].view(B, T)
         self.chunk_position += self.world_size
         if self.chunk_position >= self.usable_chunks:
@@ -255,7 +339,9 @@ class DistributedDataLoader:
 
     def state_dict(self) -> dict[str, int | str]:
         # B·T and chunks_per_step give the position its meaning; rank and world size do not (see module doc).
-        return {"epoch": self.epoch, "shard_position": self.shard_position, "chunk_position": self.chunk_position,
+        epoch, shard_position, chunk_position = self._ahead_from or (self.epoch, self.shard_position,
+                                                                     self.chunk_position)
+        return {"epoch": epoch, "shard_position": shard_position, "chunk_position": chunk_position,
                 "chunk_tokens": self.B * self.T, "chunks_per_step": self.chunks_per_step,
                 "num_shards": len(self.shards), "shuffle": int(self.shuffle), "seed": self.seed, "seq_len": self.T,
                 "align_bos": int(self.align_bos),
@@ -290,5 +376,6 @@ class DistributedDataLoader:
             raise UserError(f"cannot resume the data loader: its state (chunk_position {state['chunk_position']}) "
                              "was taken in the middle of an optimizer step; snapshots are only valid between steps.")
         self.epoch, self.shard_position = state["epoch"], state["shard_position"]
+        self._forget_read_ahead()
         self._open_shard()
         self.chunk_position = state["chunk_position"]

@@ -143,12 +143,26 @@ def from_rank_0(value):
     return value
 
 
+def from_all_ranks(value) -> list:
+    """Every rank's value (any picklable object), by rank, on every rank (a collective: every rank must call it)."""
+    if not dist.is_initialized():
+        return [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def max_across_ranks(value: int, device: torch.device) -> int:
+    """The largest of the ranks' values, on every rank (a collective: every rank must call it)."""
+    tensor = torch.tensor(float(value), device=device)  # (exact for any int below 2**24)
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
+
+
 def any_rank(flag: bool, device: torch.device) -> bool:
     """True on every rank if `flag` is True on any rank (a collective: every rank must call it)."""
-    value = torch.tensor(float(flag), device=device)
-    if dist.is_initialized():
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
+    return bool(max_across_ranks(int(flag), device))
 
 
 def synchronize(device: torch.device) -> None:

@@ -1,21 +1,24 @@
 """When training must not go on as it is. An update that would wreck the weights is skipped (DivergenceGuard: NaN or
 inf always, loss and gradient-norm spikes with --skip_zscore); a run that keeps skipping has diverged, and stops or
-rolls back to its newest healthy snapshot (DivergenceResponse, --on_divergence); a SIGTERM asks for a snapshot and a
-clean stop (StopRequest).
+rolls back to its newest healthy snapshot (DivergenceResponse, --on_divergence); a SIGTERM, a Ctrl-C or data that
+cannot be read asks for a snapshot and a clean stop (StopRequest).
 
 training.train_step asks the guard about every update; train_gpt2.run hands a divergence to the response and polls
-the stop request after every step. The guard's state, the rollback count included, goes into snapshots.
+the stop request before every step. The guard's state, the rollback count included, goes into snapshots.
 """
 
 import math
+import signal
 import statistics
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
 from config import TrainConfig
 from dataloader import DistributedDataLoader
-from distributed import any_rank
+from distributed import from_all_ranks, max_across_ranks
 from errors import UserError
 from run_logger import RunLogger
 from snapshot_store import Snapshots
@@ -135,18 +138,57 @@ class DivergenceResponse:
 
 
 class StopRequest:
-    """SIGTERM (a preemption, or torchrun stopping workers) asks for a snapshot as soon as possible.
+    """Why every rank stops between two steps, with a snapshot: SIGTERM (a preemption, torchrun stopping workers), a
+    first Ctrl-C (SIGINT), or a rank that cannot read the next step's data (a shard truncated under the run).
 
-    train_gpt2.main makes `request` the SIGTERM handler; it only sets a flag. Ranks agree on it (a collective) after
-    every step and every few batches of an evaluation, so they all stop at the same point and write the snapshot
-    within a step of the signal.
+    train_gpt2.main makes `request` the SIGTERM and SIGINT handler (handling_signals); it only records the signal,
+    but a second SIGINT raises KeyboardInterrupt: the user asked twice, so the run aborts at once (a snapshot being
+    written is removed, files.atomic_write). Ranks agree on a request (a collective) before every step and every few
+    batches of an evaluation, so they all stop at the same point and write the snapshot within a step of it.
+
+    Under torchrun the workers do not get the terminal's Ctrl-C (torchrun starts each in a session of its own):
+    torchrun gets it and sends each worker one SIGINT, so one Ctrl-C is one graceful stop on every rank. A second
+    Ctrl-C makes torchrun send SIGTERM, which changes nothing; it SIGKILLs workers still running 30 s after the last
+    (its --shutdown_timeout).
     """
 
-    def __init__(self):
-        self.requested = False
+    DATA_FAILURE = 1000  # above any signal number: a failed read ends the run with its error, whatever else asked
 
-    def request(self, signum=None, frame=None) -> None:
-        self.requested = True
+    def __init__(self):
+        self.signal: signal.Signals | None = None  # the first signal this rank got
+        self.failure: str | None = None  # this rank's error reading the data
+        self.reason: str | None = None  # once agreed(): why the ranks stop ("SIGTERM", "SIGINT", "data")
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None or self.failure is not None
+
+    def request(self, signum: int, frame=None) -> None:
+        if signum == signal.SIGINT and self.signal == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal = self.signal or signal.Signals(signum)
+
+    def data_failed(self, error: Exception) -> None:
+        self.failure = str(error)
+
+    @contextmanager
+    def handling_signals(self) -> Iterator[None]:
+        """`request` handles SIGTERM and SIGINT in the block; the handlers from before are back after it."""
+        previous = {each: signal.signal(each, self.request) for each in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for each, handler in previous.items():
+                signal.signal(each, handler)
 
     def agreed(self, device: torch.device) -> bool:
-        return any_rank(self.requested, device)
+        """Whether any rank was asked to stop; then `reason` says why, the same on every rank, and for a failed read
+        `failure` is the first failing rank's error on every rank. A collective: every rank must call it."""
+        mine = self.DATA_FAILURE if self.failure else (self.signal or 0)
+        agreed = max_across_ranks(mine, device)
+        if agreed == self.DATA_FAILURE:
+            self.reason = "data"
+            self.failure = next(failure for failure in from_all_ranks(self.failure) if failure)
+        elif agreed:
+            self.reason = signal.Signals(agreed).name
+        return bool(agreed)

@@ -11,6 +11,7 @@ wandb files go to <log_dir>/wandb (or $WANDB_DIR/wandb). Offline runs are upload
 
 import errno
 import json
+import logging
 import os
 import shutil
 import sys
@@ -37,12 +38,20 @@ INIT_TIMEOUT_S = 60.0
 FINISH_TIMEOUT_S = 300.0
 
 
+def free_space(directory: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(directory).free / 2**20:,.0f} MiB free"
+    except OSError as e:  # the directory is gone, or its filesystem
+        return f"its free space unknown: {e.strerror}"
+
+
 class RunLogger:
     def __init__(self, log_dir: str | Path, enabled: bool = True):
         self.enabled = enabled
         self.wandb_run = None
         self.metrics_path = Path(log_dir) / "metrics.jsonl"
         self.metrics_failed = False  # warned once about a failed write
+        self.logging_raised: bool | None = None  # logging.raiseExceptions before wandb started
         if enabled:
             self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -50,6 +59,10 @@ class RunLogger:
         """Start (or, with the same run_id, resume) the wandb run. Failures are reported, never fatal."""
         if not self.enabled or mode == "disabled":
             return
+        # wandb writes its own logs (debug.log, debug-internal.log) under <log_dir>/wandb through `logging`, which
+        # on a full disk prints a traceback for every record it cannot write, thousands a run: drop them instead
+        # (its failures still reach us as exceptions, and one warning).
+        self.logging_raised, logging.raiseExceptions = logging.raiseExceptions, False
         try:
             import wandb
             settings = wandb.Settings(init_timeout=float(os.environ.get("WANDB_INIT_TIMEOUT", INIT_TIMEOUT_S)),
@@ -81,10 +94,14 @@ class RunLogger:
 
     def _append_line(self, line: bytes) -> None:
         """Append a whole line or nothing: a write cut short by a full disk is cut back off, so that readers never
-        meet half a line. A failure is reported once; every later line is tried again (the disk may have room)."""
+        meet half a line, and a line that an earlier process left unfinished (a crash mid-write) is not continued:
+        this one starts on a line of its own. A failure is reported once; every later line is tried again (the disk
+        may have room)."""
         try:
-            with open(self.metrics_path, "ab", buffering=0) as f:
+            with open(self.metrics_path, "a+b", buffering=0) as f:
                 start = f.tell()
+                if start and os.pread(f.fileno(), 1, start - 1) != b"\n":
+                    line = b"\n" + line
                 try:
                     if f.write(line) != len(line):
                         raise OSError(errno.ENOSPC, "No space left on device (a short write)")
@@ -93,10 +110,10 @@ class RunLogger:
                     raise
         except OSError as e:
             if not self.metrics_failed:
-                free = shutil.disk_usage(self.metrics_path.parent).free
-                print(f"WARNING: could not write {self.metrics_path} ({type(e).__name__}: {e}; {free / 2**20:,.0f} MiB "
-                      "free). Training goes on; its numbers are on stdout (and wandb, if on), and later lines are "
-                      "written once there is room. This warning is not repeated.", file=sys.stderr)
+                print(f"WARNING: could not write {self.metrics_path} ({type(e).__name__}: {e}; "
+                      f"{free_space(self.metrics_path.parent)}). Training goes on; its numbers are on stdout (and "
+                      "wandb, if on), and later lines are written once there is room. This warning is not repeated.",
+                      file=sys.stderr)
                 self.metrics_failed = True
 
     def log_samples(self, step: int, texts: list[str]) -> None:
@@ -118,3 +135,5 @@ class RunLogger:
     def finish(self) -> None:
         if self.wandb_run is not None:
             self._wandb_call(self.wandb_run.finish)
+        if self.logging_raised is not None:
+            logging.raiseExceptions = self.logging_raised

@@ -6,11 +6,14 @@
 
 The defaults reproduce GPT-2 124M on FineWeb-Edu 10B (524,288-token batches, 19,073 steps). The story of a run:
 set up the processes and the device, resolve the flags into a plan, build the data loaders and the model, resume
-from the newest snapshot if there is one, then loop {evaluate, train one step, log, snapshot}; after updates skipped
-in a row for NaN or spikes, stop or roll back to the newest healthy snapshot (--on_divergence).
+from the newest snapshot if there is one, then loop {read the step's data, evaluate, train one step, log, snapshot};
+after updates skipped in a row for NaN or spikes, stop or roll back to the newest healthy snapshot (--on_divergence).
+Between two steps every rank stops together, with a snapshot, on SIGTERM, on a first Ctrl-C, or when a rank cannot
+read its next batches; a second Ctrl-C aborts at once.
 """
 
 import math
+import os
 import signal
 import sys
 import time
@@ -23,7 +26,7 @@ import torch.distributed as dist
 import evals
 import hf
 from config import HF_MODELS, Plan, TrainConfig, parse_args, resolve_plan, row_length
-from dataloader import DistributedDataLoader
+from dataloader import DistributedDataLoader, ShardReadError
 from distributed import Distributed, hangs_reported, setup_distributed, synchronize, teardown_distributed
 from divergence import DivergenceGuard, DivergenceResponse, StopRequest
 from errors import UserError, run_entry_point
@@ -44,25 +47,27 @@ from validation import validation_loss
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv, __doc__)
-    dist_env = setup_distributed(cfg.device, cfg.parallel, cfg.dist_timeout)
-    # Settings for the whole process, made here so that run() changes nothing outside itself.
-    torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere+: ~8x faster than fp32, precise enough
-    if cfg.deterministic:
-        set_deterministic()
-    if dist_env.device.type == "cpu":
-        keep_freed_memory()  # reuse freed activation memory instead of page-faulting it in every step
     stop = StopRequest()
-    signal.signal(signal.SIGTERM, stop.request)
-    try:
-        # One run per output directory: a second one exits 2 here, before it reads or writes anything there.
-        with (hangs_reported(cfg.dist_timeout, dist_env.rank),
-              lock_run_directories({"--log_dir": cfg.log_dir, "--snapshot_dir": cfg.snapshot_dir}, dist_env)):
-            run(cfg, dist_env, stop)
-            if dist.is_initialized():
-                # Leave together: a rank that tears gloo down while rank 0 still writes the last snapshot can abort.
-                dist.barrier()
-    finally:
-        teardown_distributed()
+    with stop.handling_signals():  # from here on, SIGTERM and a first Ctrl-C stop the run between two steps
+        dist_env = setup_distributed(cfg.device, cfg.parallel, cfg.dist_timeout)
+        # Settings for the whole process, made here so that run() changes nothing outside itself.
+        torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere+: ~8x faster than fp32, precise enough
+        if cfg.deterministic:
+            set_deterministic()
+        if dist_env.device.type == "cpu":
+            keep_freed_memory()  # reuse freed activation memory instead of page-faulting it in every step
+        try:
+            # Output directories that cannot be written, or that another run uses, end the run here (exit 2), before
+            # it reads or writes anything there.
+            with (hangs_reported(cfg.dist_timeout, dist_env.rank),
+                  lock_run_directories({"--log_dir": cfg.log_dir, "--snapshot_dir": cfg.snapshot_dir}, dist_env,
+                                       cfg.run_lock)):
+                run(cfg, dist_env, stop)
+                if dist.is_initialized():
+                    # Leave together: a rank tearing gloo down while rank 0 still writes the last snapshot can abort.
+                    dist.barrier()
+        finally:
+            teardown_distributed()
 
 
 def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None) -> None:
@@ -132,33 +137,61 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None
 
     last_step = cfg.max_steps - 1
     step = start_step
+    stopped = None  # where the run stopped on a request, if it did
     while step < cfg.max_steps:  # (not a for loop: a rollback takes the step back)
-        # --- evaluate (before the update, so step 0 shows the untrained model); a stop request cuts it short
-        evaluated = evaluations.run_due(step, last_step)
-        # --- train
-        if evaluated:
-            synchronize(device)
-            t0 = time.perf_counter()
-            lr = get_lr(step, cfg)
-            result = train_step(trainee.model, trainee.optimizer, trainee.scaler, train_loader,
-                                plan.grad_accum_steps, lr, cfg.grad_clip, device, dtype, guard,
-                                muon_momentum=get_muon_momentum(step, cfg), row_length=row_length(step, plan))
-            synchronize(device)
-            log_step(step, result, lr, speed.measure(time.perf_counter() - t0), metrics)
-            if guard.skips_in_a_row >= cfg.max_skips:  # the same on every rank: they all stop or roll back
-                step = divergence.respond(step, result.skip_reason)
-                continue
-        # --- snapshot (of the state after the last step trained)
-        stopping = not evaluated or stop.agreed(device)
-        snapshots.save_if_due(step if evaluated else step - 1, last_step, stopping,
-                              healthy=guard.skips_in_a_row == 0)
-        if stopping:
-            where = f"after step {step}" if evaluated else f"during the evaluation before step {step}"
-            print0(f"stopping {where} on SIGTERM; " + ("rerun the same command to resume" if cfg.snapshot_every
-                   else "no snapshot written, as --snapshot_every is 0"))
+        # --- between steps: this step's data is read now, and every rank stops here together if any was asked to
+        # (a signal) or cannot read its batches
+        try:
+            train_loader.read_ahead()
+        except ShardReadError as e:
+            stop.data_failed(e)
+        if stop.agreed(device):
+            stopped = f"after step {step - 1}" if step > 0 else "before step 0"
             break
+        # --- evaluate (before the update, so step 0 shows the untrained model); a stop request cuts it short
+        if not evaluations.run_due(step, last_step):
+            stopped = f"during the evaluation before step {step}"
+            break
+        # --- train
+        synchronize(device)
+        t0 = time.perf_counter()
+        lr = get_lr(step, cfg)
+        result = train_step(trainee.model, trainee.optimizer, trainee.scaler, train_loader, plan.grad_accum_steps,
+                            lr, cfg.grad_clip, device, dtype, guard, muon_momentum=get_muon_momentum(step, cfg),
+                            row_length=row_length(step, plan))
+        synchronize(device)
+        log_step(step, result, lr, speed.measure(time.perf_counter() - t0), metrics)
+        if guard.skips_in_a_row >= cfg.max_skips:  # the same on every rank: they all stop or roll back
+            step = divergence.respond(step, result.skip_reason)
+            continue
+        # --- snapshot (of the state after the step)
+        snapshots.save_if_due(step, last_step, stopping=False, healthy=guard.skips_in_a_row == 0)
         step += 1
+    if stopped:
+        written = snapshots.save_if_due(step - 1, last_step, stopping=True, healthy=guard.skips_in_a_row == 0)
+        metrics.finish()
+        if stop.reason == "data":
+            raise UserError(data_failure_message(stop.failure, stopped, written, snapshots, cfg))
+        print0(f"stopping {stopped} on {stop.reason}; " + ("rerun the same command to resume" if cfg.snapshot_every
+               else "no snapshot written, as --snapshot_every is 0"))
+        return
     metrics.finish()
+
+
+def data_failure_message(failure: str, stopped: str, written: Path | None, snapshots: Snapshots,
+                         cfg: TrainConfig) -> str:
+    """The error of a run whose data failed to read (a shard truncated under it): what failed, and where to
+    resume from once the shard is whole again."""
+    newest = written or snapshots.newest_healthy()
+    if newest:
+        resume = f"the newest snapshot is {newest}: restore the shard and rerun the same command to resume from it"
+    elif not cfg.snapshot_every:
+        resume = "no snapshot was written, as --snapshot_every is 0: restore the shard and start again"
+    else:
+        resume = "there is no snapshot yet: restore the shard and start again"
+    return (f"{failure} Every rank stopped {stopped}; {resume}. (data/prepare.py and data/fineweb.py write a new "
+            "shard under a temp name and rename it over the old one, which a running job goes on reading "
+            "undisturbed: re-create shards that way, never by copying over a shard in use.)")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -269,5 +302,20 @@ def log_step(step: int, result: StepResult, lr: float, speed: dict, metrics: Run
                 | ({"skipped": True, "skip_reason": result.skip_reason} if result.skipped else {}))
 
 
+def command_line(argv: list[str]) -> None:
+    """`python train_gpt2.py ARGS`: main, where a UserError ends the run with one paragraph and exit status 2
+    (errors.run_entry_point), and a second Ctrl-C with one line, killed by SIGINT as Python ends on an unhandled
+    KeyboardInterrupt (exit status 130 in a shell, and a script running the command stops too)."""
+    try:
+        run_entry_point(lambda: main(argv))
+    except KeyboardInterrupt:
+        print("aborted by a second Ctrl-C: the steps since the last snapshot are lost; a snapshot being written was "
+              "removed, the older ones are as they were.", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+
+
 if __name__ == "__main__":
-    run_entry_point(lambda: main(sys.argv[1:]))
+    command_line(sys.argv[1:])

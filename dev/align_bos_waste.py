@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from dataloader import document_starts, memmap_tokens, pack_rows, read_shard_header
+from dataloader import Shard, document_starts, pack_rows, read_shard_header
 
 
 def main() -> None:
@@ -21,7 +21,8 @@ def main() -> None:
     parser.add_argument("--shard", required=True)
     parser.add_argument("--seq_len", type=int, nargs="+", default=[256, 512, 1024, 2048])
     args = parser.parse_args()
-    tokens = np.array(memmap_tokens(args.shard, read_shard_header(args.shard)))
+    num_tokens = read_shard_header(args.shard)
+    tokens = Shard(args.shard, num_tokens).read(0, num_tokens)
     starts = document_starts(tokens)
     lengths = np.diff(np.append(starts, tokens.size))
     print(f"{args.shard}: {tokens.size:,} tokens, {starts.size:,} documents, median {np.median(lengths):,.0f} "

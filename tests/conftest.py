@@ -4,7 +4,9 @@ directories, tiny saved models, perturbed weights and free ports. (Launching tra
 import errno
 import os
 import socket
+import subprocess
 import sys
+from contextlib import contextmanager, suppress
 from dataclasses import asdict
 from pathlib import Path
 
@@ -134,6 +136,29 @@ def eio_the_first_time(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(snapshot, "torch_save", save)
     return writes
+
+
+@contextmanager
+def mounted_tmpfs(directory: Path, options: str):
+    """A real filesystem at `directory`: a tmpfs with mount options, e.g. size=1m (a disk to fill) or ro (a
+    read-only one, which stops root too, where permission bits do not); skips the test where mounting is not
+    allowed (not root, no CAP_SYS_ADMIN)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(directory)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"needs to mount a tmpfs (as root): {mounted.stderr.strip()}")
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", str(directory)], check=True)
+
+
+def fill_up(directory: Path) -> None:
+    """Fill the filesystem of `directory` (a small tmpfs) with a ballast file, to the last byte."""
+    with open(directory / "ballast", "wb", buffering=0) as ballast, suppress(OSError):
+        while ballast.write(b"x" * 4096):
+            pass
 
 
 def free_port() -> int:

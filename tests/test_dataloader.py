@@ -1,6 +1,7 @@
 """dataloader.py: which tokens each rank reads, shard changes and epochs, resuming, shuffling, and the errors
 for bad shard files."""
 
+import os
 import re
 import shutil
 from collections import Counter
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+import dataloader
 from conftest import make_document_shards, make_shards
 from dataloader import (
     EOT,
@@ -306,13 +308,81 @@ def test_write_shard_rejects_ids_outside_uint16_and_leaves_no_file(tmp_path, tok
     assert list(tmp_path.iterdir()) == []  # neither the shard nor a .tmp
 
 
-def test_loader_memory_maps_shards(tmp_path):
+def test_the_loader_reads_just_the_tokens_of_each_batch_with_plain_reads(tmp_path, monkeypatch):
+    """No memory map (a shard truncated under it would be SIGBUS), and no whole shard in memory either."""
     make_shards(tmp_path, "train", [chunks(2), chunks(2)])
     loader = DistributedDataLoader(tmp_path, "train", B, T)
-    assert isinstance(loader.tokens, np.memmap)
-    for _ in range(2):  # on to the second shard
+    reads = []
+    real_read = dataloader.Shard.read
+
+    def read(shard, start, count):
+        reads.append((shard.path.name, start, count))
+        return real_read(shard, start, count)
+
+    monkeypatch.setattr(dataloader.Shard, "read", read)
+    for _ in range(3):  # on to the second shard
         loader.next_batch()
-    assert loader.shard_position == 1 and isinstance(loader.tokens, np.memmap)
+    assert reads == [("test_train_000000.bin", 0, B * T + 1), ("test_train_000000.bin", B * T, B * T + 1),
+                     ("test_train_000001.bin", 0, B * T + 1)]
+    assert not any(isinstance(value, np.memmap) for value in vars(loader).values())
+
+
+def truncate_shard(path: Path, tokens: int) -> None:
+    """Cut a shard down to its header and `tokens` tokens in place, as a copy over it would, mid-way."""
+    os.truncate(path, HEADER_BYTES + 2 * tokens)
+
+
+@pytest.mark.parametrize("align_bos", [False, True], ids=["plain", "aligned"])
+def test_a_shard_truncated_under_the_loader_is_an_error_naming_it_and_the_position_stays_at_the_step(tmp_path,
+                                                                                                     align_bos):
+    make_document_shards(tmp_path, "train", ROW, [chunks(6), chunks(6)], seed=2)
+    shards = sorted(tmp_path.iterdir())
+    (loader,) = loaders(tmp_path, world_size=1, grad_accum_steps=2, align_bos=align_bos)
+    loader.read_ahead()  # step 0 (in memory already: what a truncation now does not change)
+    before = loader.state_dict()
+    truncate_shard(shards[1], 3)  # the next shard: under --align_bos it is read whole when it is opened
+    truncate_shard(shards[0], 3 * B * T)  # the step after next is past the end
+    step_0 = [loader.next_batch() for _ in range(2)]
+    assert loader.state_dict()["chunk_position"] == 2 != before["chunk_position"]
+    with pytest.raises(dataloader.ShardReadError) as failed:
+        loader.read_ahead()
+    expected = HEADER_BYTES + 2 * chunks(6)
+    truncated = shards[1] if align_bos else shards[0]
+    size = truncated.stat().st_size
+    assert str(failed.value).startswith(f"{truncated}: the shard is now {size:,} bytes, shorter than the "
+                                        f"{expected:,} ({chunks(6):,} tokens) it had when the run started, so tokens ")
+    assert str(failed.value).endswith("it was truncated or rewritten in place while the run read it.")
+    assert isinstance(failed.value, UserError)
+    # A snapshot now resumes at step 1, all of whose batches are then read again.
+    state = loader.state_dict()
+    assert state == {**before, "chunk_position": 2}
+    for path, tokens in zip(shards, make_document_shards(tmp_path / "whole", "train", ROW, [chunks(6)] * 2,
+                                                         seed=2)[0]):
+        dataloader.write_shard(path, tokens)  # the shards restored
+    (resumed,) = loaders(tmp_path, world_size=1, grad_accum_steps=2, align_bos=align_bos)
+    resumed.load_state_dict(state)
+    (uninterrupted,) = loaders(tmp_path, world_size=1, grad_accum_steps=2, align_bos=align_bos)
+    expected_batches = [uninterrupted.next_batch() for _ in range(6)]
+    assert all(torch.equal(a, b) for got, want in zip(step_0, expected_batches[:2]) for a, b in zip(got, want))
+    for want in expected_batches[2:]:
+        assert all(torch.equal(a, b) for a, b in zip(resumed.next_batch(), want))
+
+
+@pytest.mark.parametrize("align_bos", [False, True], ids=["plain", "aligned"])
+def test_read_ahead_hands_out_the_same_batches_and_keeps_the_position_until_it_has(tmp_path, align_bos):
+    make_document_shards(tmp_path, "train", ROW, [chunks(6), chunks(9)])
+    plain_ranks = loaders(tmp_path, world_size=2, grad_accum_steps=2, shuffle=True, align_bos=align_bos)
+    ahead_ranks = loaders(tmp_path, world_size=2, grad_accum_steps=2, shuffle=True, align_bos=align_bos)
+    for step in range(8):  # over shard changes and into epoch 1
+        for plain, ahead in zip(plain_ranks, ahead_ranks):
+            position = ahead.state_dict()
+            ahead.read_ahead()
+            ahead.read_ahead()  # (a second call reads nothing more)
+            assert ahead.state_dict() == position == plain.state_dict()
+            for _ in range(2):
+                assert all(torch.equal(a, b) for a, b in zip(ahead.next_batch(), plain.next_batch())), step
+            assert ahead.state_dict() == plain.state_dict()
+    assert plain_ranks[0].epoch >= 1
 
 
 # --- document-aligned batches (align_bos)

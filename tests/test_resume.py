@@ -7,22 +7,26 @@ an epoch boundary (with shuffling on): a resume has to get the data position exa
 A run is a subprocess, and torchrun launches cost 10-20 s each on 2 cores, so tests share the reference runs.
 """
 
-import contextlib
 import json
 import os
 import re
 import shutil
 import signal
-import subprocess
 import time
-from contextlib import contextmanager
 from functools import cached_property
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import eio_the_first_time, flip_a_byte_in_tensor_data, make_document_shards, make_shards
+from conftest import (
+    eio_the_first_time,
+    fill_up,
+    flip_a_byte_in_tensor_data,
+    make_document_shards,
+    make_shards,
+    mounted_tmpfs,
+)
 from dataloader import DistributedDataLoader
 from errors import UserError
 from helpers_train import (
@@ -350,18 +354,9 @@ def test_a_stopped_rank_times_out_the_others_and_the_restarted_job_has_the_unint
     assert_continues_exactly(read_metrics(tmp_path), job.two_ranks_run, from_step=0, tol=1e-6)
 
 
-@contextmanager
 def small_tmpfs(directory: Path, megabytes: int):
-    """A real filesystem of the given size at directory, to fill up; skips the test where mounting is not allowed."""
-    directory.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={megabytes}m", "tmpfs", str(directory)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"needs to mount a small tmpfs (as root): {mounted.stderr.strip()}")
-    try:
-        yield directory
-    finally:
-        subprocess.run(["umount", str(directory)], check=True)
+    """A real filesystem of the given size at directory, to fill up (skips where mounting is not allowed)."""
+    return mounted_tmpfs(directory, f"size={megabytes}m")
 
 
 @pytest.mark.slow  # a few seconds: keeps `-m 'not slow'` under 90 s
@@ -403,10 +398,7 @@ def test_a_failing_snapshot_write_is_retried_at_the_next_one_and_the_run_finishe
 def test_a_full_log_disk_warns_once_and_training_goes_on(job, tmp_path, capsys):
     log_dir = tmp_path / "small_disk"
     with small_tmpfs(log_dir, 1):
-        with open(log_dir / "ballast", "wb", buffering=0) as ballast, contextlib.suppress(OSError):
-            while ballast.write(b"x" * 4096):  # fill it...
-                pass
-        # ...but two pages: one for run.lock (the run's lock on the directory), one for ~20 lines of metrics.jsonl
+        fill_up(log_dir)  # but two pages: one for run.lock's holder line, one for ~20 lines of metrics.jsonl
         os.truncate(log_dir / "ballast", (log_dir / "ballast").stat().st_size - 2 * 4096)
         main_in_process([*job.args, "--log_dir", str(log_dir), "--ckpt_dir", str(tmp_path), "--max_steps", "40",
                          "--val_every", "0"])

@@ -50,6 +50,7 @@ def test_a_run_refuses_a_directory_that_another_holds_and_writes_nothing(data, t
     logs, snapshots = tmp_path / "logs", tmp_path / "snapshots"
     directory = {"--log_dir": logs, "--snapshot_dir": snapshots}[held]
     args = [*JOB, "--data_dir", str(data), "--max_steps", "2", "--log_dir", str(logs), "--snapshot_dir", str(snapshots)]
+    directory.mkdir()
     other_run = lock_directory(directory, held)  # this process holds it, as another run would
     with pytest.raises(UserError, match=refusal(held, directory, os.getpid())):
         main_in_process(args)
@@ -63,15 +64,80 @@ def test_a_run_refuses_a_directory_that_another_holds_and_writes_nothing(data, t
         lock_directory(directory, flag).close()
 
 
-def test_where_the_filesystem_has_no_locks_the_run_warns_and_trains(data, tmp_path, monkeypatch, capsys):
-    def no_locks(*args):
-        raise OSError(errno.ENOLCK, "No locks available")
+def no_flock(monkeypatch, error: int) -> None:
+    """flock(2) failing as on a filesystem without locks (none here has one to mount)."""
+    def flock(*args):
+        raise OSError(error, os.strerror(error))
 
-    monkeypatch.setattr(run_lock.fcntl, "flock", no_locks)
-    main_in_process([*JOB, "--data_dir", str(data), "--max_steps", "2", "--log_dir", str(tmp_path)])
-    warning = f"WARNING: could not lock {tmp_path.resolve() / LOCK_FILE} (OSError: [Errno {errno.ENOLCK}] No locks"
-    assert warning in capsys.readouterr().err
+    monkeypatch.setattr(run_lock.fcntl, "flock", flock)
+
+
+@pytest.mark.parametrize("error", [errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP])
+def test_where_the_filesystem_has_no_locks_the_run_exits_2_naming_the_flag_to_run_unlocked(data, tmp_path,
+                                                                                          monkeypatch, error):
+    no_flock(monkeypatch, error)
+    with pytest.raises(UserError, match=re.escape(
+            f"{tmp_path.resolve() / LOCK_FILE} cannot be locked: the filesystem of --log_dir {tmp_path.resolve()} has "
+            f"no flock(2) (OSError: {os.strerror(error)}).") + ".* pass --no-run_lock to run without the lock"):
+        main_in_process([*JOB, "--data_dir", str(data), "--max_steps", "2", "--log_dir", str(tmp_path)])
+    assert not read_metrics(tmp_path)
+
+
+def test_no_run_lock_trains_unlocked_and_says_so(data, tmp_path, monkeypatch, capsys):
+    no_flock(monkeypatch, errno.ENOLCK)
+    main_in_process([*JOB, "--data_dir", str(data), "--max_steps", "2", "--log_dir", str(tmp_path), "--no-run_lock"])
+    assert capsys.readouterr().err.splitlines() == [f"WARNING: --no-run_lock: nothing stops a second run from "
+                                                    f"writing into {tmp_path.resolve()} alongside this one."]
     assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [0, 1]
+    assert not (tmp_path / LOCK_FILE).exists()
+
+
+def make_fifo(path: Path) -> None:
+    os.mkfifo(path)
+
+
+def make_hard_link(path: Path) -> None:
+    (path.parent.parent / "elsewhere").write_bytes(b"another file's bytes\n")
+    os.link(path.parent.parent / "elsewhere", path)
+
+
+def make_symlink(path: Path) -> None:
+    (path.parent.parent / "elsewhere").write_bytes(b"another file's bytes\n")
+    path.symlink_to(path.parent.parent / "elsewhere")
+
+
+# Each is a run.lock this code did not create, and the first words of the refusal after "<path> ".
+NOT_OURS = {
+    "a directory": (Path.mkdir, "is not a regular file"),
+    "a FIFO": (make_fifo, "is not a regular file"),
+    "a symlink to a file": (make_symlink, "is a symbolic link, which the lock never follows"),
+    "a symlink to nothing": (lambda path: path.symlink_to(path.parent.parent / "nothing"), "is a symbolic link"),
+    "a hard link": (make_hard_link, "has 2 names (it is hard-linked to another file)"),
+    "a file with other contents": (lambda path: path.write_bytes(b"[lock]\nowner = someone\n"),
+                                   "holds something this code did not write (b'[lock]\\nowner = someone\\n')"),
+    "half a holder line": (lambda path: path.write_bytes(b"pid 4242 on host node7, sin"), "holds something"),
+}
+
+
+@pytest.mark.parametrize("kind", NOT_OURS)
+def test_a_run_lock_this_code_did_not_create_is_refused_and_left_as_it_is(data, tmp_path, kind, monkeypatch):
+    make, refusal = NOT_OURS[kind]
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    make(logs / LOCK_FILE)
+    outside = {p: (p.lstat().st_mode, p.read_bytes() if p.is_file() else None) for p in tmp_path.rglob("*")}
+    monkeypatch.setattr("train_gpt2.build_training_model", lambda *args, **kwargs: pytest.fail("built a model"))
+    with pytest.raises(UserError, match=re.escape(f"{logs.resolve() / LOCK_FILE} {refusal}")):
+        main_in_process([*JOB, "--data_dir", str(data), "--max_steps", "2", "--log_dir", str(logs)])
+    # Nothing changed, neither the lock file (or what it points to) nor anything else, and nothing was added.
+    assert {p: (p.lstat().st_mode, p.read_bytes() if p.is_file() else None) for p in tmp_path.rglob("*")} == outside
+
+
+def test_a_run_lock_left_by_an_earlier_run_is_taken_over(data, tmp_path):
+    (tmp_path / LOCK_FILE).write_text("pid 4242 on host node7, since 2025-06-01 10:00:00 UTC\n")
+    main_in_process([*JOB, "--data_dir", str(data), "--max_steps", "1", "--log_dir", str(tmp_path)])
+    assert re.fullmatch(HOLDER.format(pid=os.getpid(), host=re.escape(socket.gethostname())) + r" \S+\n",
+                        (tmp_path / LOCK_FILE).read_text())
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -130,6 +130,19 @@ def test_offline_wandb_run_holds_every_logged_number_at_its_step(tmp_path):
     assert table["data"] == [[4, "Hello, I'm a language model, and"], [4, "Hello, I'm a language model, or"]]
 
 
+def test_a_line_left_half_written_by_a_crash_is_not_continued(tmp_path):
+    """A crash mid-write (or a full disk whose cut-back failed) leaves a last line without its newline: the next
+    record starts on a line of its own, so that every other line still reads as JSON."""
+    whole = json.dumps({"step": 4, "loss": 9.5}) + "\n"
+    (tmp_path / "metrics.jsonl").write_text(whole + '{"step": 5, "lo')
+    logger = RunLogger(tmp_path)
+    logger.log({"event": "resume", "step": 5, "snapshot": "x.pt"})
+    logger.log({"step": 5, "loss": 9.25})
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert lines == [whole.strip(), '{"step": 5, "lo', json.dumps({"event": "resume", "step": 5, "snapshot": "x.pt"}),
+                     json.dumps({"step": 5, "loss": 9.25})]
+
+
 def test_only_rank_0_logs(tmp_path, monkeypatch):
     monkeypatch.setattr(wandb, "init", lambda **kwargs: pytest.fail("a rank other than 0 started wandb"))
     logger = RunLogger(tmp_path / "logs", enabled=False)
