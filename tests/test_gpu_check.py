@@ -19,8 +19,10 @@ from distributed import Distributed
 from helpers_train import train_env
 from memory import MiB, compiled_loss_bytes_per_sequence
 from model import PRESETS
-from tools import gpu_check
-from tools.gpu_check import Report, Scale, junit_row
+from tools import gpu_check_bench, gpu_check_report, gpu_check_train
+from tools.gpu_check_report import Report
+from tools.gpu_check_scale import CPU_SMOKE, GPU, Scale
+from tools.gpu_check_tests import junit_row
 
 # What an offline GPU machine with a bare PyTorch lacks; gpu_check.py and everything it starts must not need them.
 ABSENT_PACKAGES = ("wandb", "datasets", "transformers")
@@ -53,7 +55,7 @@ def test_a_junit_test_case_becomes_a_row_with_what_the_test_printed():
 
 
 def test_a_check_that_raises_is_a_fail_row_and_the_report_goes_on(tmp_path):
-    report = Report(tmp_path, {"device": "cpu"}, gpu_check.CPU_SMOKE)
+    report = Report(tmp_path, {"device": "cpu"}, CPU_SMOKE)
 
     def broken() -> tuple:
         raise KeyError("loss")
@@ -74,8 +76,8 @@ def test_the_report_names_the_gpu_its_capability_memory_driver_and_versions(monk
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 3))
     monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91002)
-    monkeypatch.setattr(gpu_check, "nvidia_driver", lambda: "570.86.15")
-    info = gpu_check.machine_info(torch.device("cuda", 0))
+    monkeypatch.setattr(gpu_check_report, "nvidia_driver", lambda: "570.86.15")
+    info = gpu_check_report.machine_info(torch.device("cuda", 0))
     assert {k: info[k] for k in ("device", "GPUs", "compute capability", "memory", "driver", "cuDNN", "NCCL")} == {
         "device": "NVIDIA H100 80GB HBM3", "GPUs": 1, "compute capability": "9.0", "memory": "79.6 GiB",
         "driver": "570.86.15", "cuDNN": 91002, "NCCL": "2.27.3"}
@@ -83,7 +85,7 @@ def test_the_report_names_the_gpu_its_capability_memory_driver_and_versions(monk
 
 
 def test_the_gpu_scale_is_the_124m_recipe_shortened():
-    gpu: Scale = gpu_check.GPU
+    gpu: Scale = GPU
     assert (gpu.model, gpu.seq_len, gpu.dtype, gpu.compile, gpu.train_steps) == ("gpt2", 1024, "bf16", True, 300)
     assert gpu.max_lr == 6e-4 and gpu.bench_sequences * gpu.seq_len == 524_288  # the recipe's LR and batch
 
@@ -105,17 +107,17 @@ def printed_by_a_run(texts: list[str], monkeypatch, capsys) -> str:
 def test_samples_holding_both_quotes_pass_and_one_without_the_prompt_fails(monkeypatch, capsys):
     # repr() prints a text holding both ' and " in single quotes with its ' escaped: 'Hello, I\'m a language model,
     # ... "'. The check searched the printed line for the prompt, so on the H100 it failed such samples (issue 30).
-    prompt = gpu_check.SAMPLE_PROMPT
+    prompt = gpu_check_train.SAMPLE_PROMPT
     texts = [prompt + ' and I said "hi".', prompt + " plain", prompt + "\n\tnew line", prompt + ' "quoted" it\'s']
-    run = gpu_check.TrainRun(0, [], printed_by_a_run(texts, monkeypatch, capsys), hellaswag=False, samples=True,
+    run = gpu_check_train.TrainRun(0, [], printed_by_a_run(texts, monkeypatch, capsys), hellaswag=False, samples=True,
                              skip_reason="")
     assert "I\\'m a language model" in run.output  # the escaped form this is about
-    assert gpu_check.printed_samples(run.output) == texts
-    figure, bound, passed = gpu_check.train_samples(run, gpu_check.GPU)
+    assert gpu_check_train.printed_samples(run.output) == texts
+    figure, bound, passed = gpu_check_train.train_samples(run, GPU)
     assert passed and figure.startswith("4 decoded") and bound == "≥ 4, each starting with the prompt"
     # The prompt elsewhere than at the start is not a sample of it.
     run.output += printed_by_a_run(["Goodbye. " + prompt], monkeypatch, capsys)
-    assert gpu_check.train_samples(run, gpu_check.GPU)[2] is False
+    assert gpu_check_train.train_samples(run, GPU)[2] is False
 
 
 def test_compiled_against_eager_allows_noise_and_the_loss_chunks_held_at_once_and_fails_beyond_them():
@@ -123,7 +125,7 @@ def test_compiled_against_eager_allows_noise_and_the_loss_chunks_held_at_once_an
         eager = {"tokens_per_sec": 1_000_000.0, "peak_memory_mib": eager_mib, "warmup_peak_memory_mib": eager_mib}
         compiled = {"tokens_per_sec": speedup * 1_000_000.0, "peak_memory_mib": compiled_mib,
                     "warmup_peak_memory_mib": compiled_mib, "micro_batch_size": micro_batch}
-        return gpu_check.bench_compiled_vs_eager(eager, compiled, gpu_check.GPU)[2]
+        return gpu_check_bench.bench_compiled_vs_eager(eager, compiled, GPU)[2]
 
     # GPT-2 124M, T=1024, bf16, chunks of 4,096 tokens: 117 MiB a sequence, 7,467 MiB at B=64.
     chunks = 64 * compiled_loss_bytes_per_sequence(PRESETS["gpt2"], 1024, torch.bfloat16, 4096) / MiB
@@ -133,7 +135,7 @@ def test_compiled_against_eager_allows_noise_and_the_loss_chunks_held_at_once_an
     assert verdict(0.9, 40_000, 40_000) is False and verdict(1.3, 40_000, 42_000 + chunks + 10) is False
     # The leases' own figures pass: an H200 at B=256 (2026-11-28), an H100 at B=128 (2026-11-26, second lease).
     assert verdict(1.50, 88_901.7, 115_864.4, 256) and verdict(1.91, 47_718.4, 59_392.0, 128)
-    assert gpu_check.bench_compiled_vs_eager({"skipped": "out of memory"}, {}, gpu_check.GPU)[2] is None
+    assert gpu_check_bench.bench_compiled_vs_eager({"skipped": "out of memory"}, {}, GPU)[2] is None
 
 
 @pytest.mark.slow

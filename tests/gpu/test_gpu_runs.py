@@ -28,7 +28,7 @@ from helpers_train import TrainRun, run_train, train_env
 from model import GPT, GPTConfig
 from optim import bf16_matmul_is_slow
 from snapshot import find_latest_snapshot, load_snapshot, save_snapshot, snapshot_path
-from tools.gpu_check import SAMPLE_PROMPT, printed_samples
+from tools.gpu_check_train import SAMPLE_PROMPT, printed_samples
 
 pytestmark = pytest.mark.gpu
 
