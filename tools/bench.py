@@ -7,6 +7,8 @@
     python -m tools.bench --model gpt2 --micro_batch_size 16 --seq_len 512 --dtype bf16 --compile --json
     python -m tools.bench --optimizer muon              # Muon for the block matrices: compare optimizer_ms with adamw
     python -m tools.bench --activation_checkpointing blocks   # the step with recomputed blocks, its memory
+    python -m tools.bench --compile --attention cudnn   # the attention kernel put first (and the kernels that ran)
+    python -m tools.bench --compile --fp8_head          # the output layer's matmuls in FP8 (sm89+ GPUs)
     python -m tools.bench --plan --memory_gb 24 80      # GPT-2 124M-1.5B on 1-8 cards: ddp/fsdp × checkpointing
     torchrun --standalone --nproc_per_node=2 -m tools.bench   # 2 ranks (NCCL on GPUs, gloo on CPUs)
 
@@ -27,6 +29,12 @@ two alternate for --rounds rounds in one process, so that both see the same mach
 rounds. It also times the loss's own forward and backward on one micro-batch of final hidden states, both ways, and
 gives its share of the step.
 
+--attention puts an attention kernel first (flash, cudnn, efficient, math; auto: the device's preferred, cuDNN's on
+Hopper and later; default: torch's own order), falling back to the next that runs where it cannot
+(attention_kernels.py); every configuration reports the kernels its last warm-up step ran. --loss_schedule chooses
+where the compiled loss's chunk loop runs (model.LOSS_SCHEDULES) and --compile_mode torch.compile's mode: choices
+measured before either becomes a flag of train_gpt2.py.
+
 --generation times GPT.generate (the key/value cache; on CUDA its decode step is a CUDA graph; with --compile also
 with that step compiled) against a whole-context forward per token, on the --model's random weights (the speed is
 the same for trained ones): --new_tokens tokens after a 16-token prompt, one sample, top-k 50, and says whether all
@@ -44,7 +52,8 @@ seq_len, total_batch_size, activation_bytes_per_sequence {model: {mode: bytes}} 
 seq_len, grad_accum_steps, tokens_per_step, flops_per_token, runs (a list; for each: name, dtype, compile,
 ms_per_step, optimizer_ms, tokens_per_sec, tflops, peak_tflops, mfu, peak_source, peak_memory_mib (of the timed
 steps), warmup_peak_memory_mib (of the warm-up steps, where torch.compile compiles), data_wait, loss, losses: every
-step's, warm-up included, so that a diverging configuration shows; a configuration that ran out of
+step's, warm-up included, so that a diverging configuration shows; attention_choice: the kernel put first, and why;
+attention_kernels: the kernels the last warm-up step ran, null without warm-up steps; a configuration that ran out of
 device memory has name, dtype, compile and skipped, the reason), speedup (the last run's tokens/s over the first's
 with --compare, else null), memory (state_bytes: weights, gradients and AdamW moments;
 activation_bytes_per_sequence, measured with MemTracker on the CPU or the allocator's peak on CUDA;
@@ -69,11 +78,12 @@ import tempfile
 
 import torch
 
+from attention_kernels import CHOICES
 from config import HelpFormatter, add_flags
 from distributed import Distributed, setup_distributed, teardown_distributed
 from errors import run_entry_point
 from memory import GiB, MiB
-from model import GPT
+from model import GPT, LOSS_SCHEDULES
 from precision import pick_dtype
 from tools.bench_generation import format_generation, time_generation
 from tools.bench_loss import compare_with_full_logits, format_full_logits
@@ -82,13 +92,20 @@ from tools.bench_step import Workload, make_workload, time_config_or_skip, write
 
 # The flags that mean what they mean in train_gpt2.py; bench.py's own defaults depend on the device.
 SHARED_FLAGS = ["arch", "model", "n_layer", "n_head", "n_embd", "micro_batch_size", "seq_len", "dtype", "compile",
-                "device", "optimizer", "max_lr", "activation_checkpointing"]
+                "fp8_head", "device", "optimizer", "max_lr", "activation_checkpointing"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     add_flags(parser, SHARED_FLAGS, defaults={"model": None, "micro_batch_size": None})
     parser.add_argument("--grad_accum_steps", type=int, default=1, help="micro-steps per optimizer step")
+    parser.add_argument("--attention", choices=CHOICES, default="default",
+                        help="the attention kernel put first (default: torch's own order; auto: the device's "
+                             "preferred)")
+    parser.add_argument("--loss_schedule", choices=LOSS_SCHEDULES, default="inline",
+                        help="where the compiled loss's chunk loop runs (model.LOSS_SCHEDULES)")
+    parser.add_argument("--compile_mode", default=None,
+                        help="torch.compile's mode with --compile, e.g. max-autotune-no-cudagraphs (default: its own)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them (compilation happens here)")
     parser.add_argument("--data_dir", default=None, help="real train shards (default: random tokens in a temp dir)")
@@ -117,7 +134,8 @@ def workload_for(args: argparse.Namespace, dist_env: Distributed) -> Workload:
     shared = {name: getattr(args, name) for name in SHARED_FLAGS}
     defaults = {"model": args.model or ("gpt2" if cuda else "small"),
                 "micro_batch_size": args.micro_batch_size or (64 if cuda else 8), "data_dir": args.data_dir or ""}
-    return make_workload(dist_env, args.grad_accum_steps, **shared | defaults)
+    return make_workload(dist_env, args.grad_accum_steps, attention=args.attention, loss_schedule=args.loss_schedule,
+                         compile_mode=args.compile_mode, **shared | defaults)
 
 
 def benchmark(args: argparse.Namespace, dist_env: Distributed) -> dict:
@@ -173,6 +191,11 @@ def format_report(report: dict, args: argparse.Namespace) -> str:
                      f"{run['peak_memory_mib']:7,.0f} MiB {100 * run['data_wait']:8.2f}%")
     if r["speedup"] is not None:
         lines.append(f"speed-up over the baseline: {r['speedup']:.2f}x")
+    kernels = [run for run in r["runs"] if run.get("attention_kernels") is not None]
+    if kernels:
+        lines.append("attention kernels: " + "; ".join(
+            f"{run['name']}: {', '.join(run['attention_kernels']) or 'none seen'} ({run['attention_choice']})"
+            for run in kernels))
     if "full_logits" in r:
         lines += format_full_logits(r["full_logits"])
     if "generation" in r:

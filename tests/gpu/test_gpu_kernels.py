@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from attention_kernels import BACKENDS, available_kernels, kernels_in_profile
 from config import TrainConfig
 from conftest import make_shards, perturb_
 from dataloader import DistributedDataLoader, write_shard
@@ -94,7 +95,11 @@ def test_chunked_loss_and_every_gradient_match_full_logits_cross_entropy(gpu_dev
     assert torch.all(grads["transformer.wte.weight"][model.config.vocab_size:] == 0)  # the padding rows
 
 
-def test_attention_runs_the_flash_kernel_in_bf16_and_agrees_with_the_math_kernel(gpu_device):
+@pytest.mark.parametrize("kernel", ["flash", "cudnn", "efficient"])
+def test_attention_runs_each_fused_kernel_in_bf16_and_agrees_with_the_math_kernel(gpu_device, kernel):
+    # (flash on the CPU too; cuDNN's needs cuDNN 9 and sm80+, the memory-efficient one CUDA: skipped where missing)
+    if kernel not in available_kernels(gpu_device, torch.bfloat16, 64):
+        pytest.skip(f"the {kernel} attention kernel does not run on this {gpu_device.type} device")
     model, idx, targets = loss_case(gpu_device)
 
     def step(backend: SDPBackend) -> tuple[float, list[str]]:
@@ -106,14 +111,15 @@ def test_attention_runs_the_flash_kernel_in_bf16_and_agrees_with_the_math_kernel
         model.zero_grad(set_to_none=True)
         return loss.item(), [event.key for event in prof.key_averages()]
 
-    flash_loss, flash_ops = step(SDPBackend.FLASH_ATTENTION)
+    fused_loss, fused_ops = step(BACKENDS[kernel])
     math_loss, _ = step(SDPBackend.MATH)
-    attention_ops = sorted({op for op in flash_ops if "scaled_dot_product" in op})
-    print("attention ops:", attention_ops)
-    # aten::_scaled_dot_product_flash_attention (on a CPU: ..._flash_attention_for_cpu); its backward ran under the
-    # same restriction without failing (on CUDA in autograd's own thread, which the profiler may not list).
-    assert any("flash_attention" in op and "backward" not in op for op in attention_ops)
-    assert abs(flash_loss - math_loss) / math_loss < 5e-3  # bf16 attention, two kernels
+    attention_ops = sorted({op for op in fused_ops if "scaled_dot_product" in op})
+    print(f"{kernel}: attention ops: {attention_ops}, loss {fused_loss:.6f} against math's {math_loss:.6f}")
+    # aten::_scaled_dot_product_flash_attention (on a CPU: ..._flash_attention_for_cpu), ..._cudnn_attention, ...;
+    # its backward ran under the same restriction without failing (on CUDA in autograd's own thread, which the
+    # profiler may not list).
+    assert kernels_in_profile(op for op in attention_ops if "backward" not in op) == [kernel]
+    assert abs(fused_loss - math_loss) / math_loss < 5e-3  # bf16 attention, two kernels
 
 
 def train_in_process(device: torch.device, data_dir, compile: bool, steps: int, config: GPTConfig, B: int,
