@@ -13,7 +13,7 @@ from model import GPT, PRESETS
 
 RUN_KEYS = {"name", "dtype", "compile", "ms_per_step", "optimizer_ms", "tokens_per_sec", "tflops", "peak_tflops",
             "mfu", "peak_source", "peak_memory_mib", "warmup_peak_memory_mib", "data_wait", "loss", "losses",
-            "attention_choice", "attention_kernels"}
+            "warmup_seconds", "attention_choice", "attention_kernels"}
 REPORT_KEYS = {"device", "world_size", "model", "n_layer", "n_head", "n_embd", "parameters", "micro_batch_size",
                "seq_len", "grad_accum_steps", "tokens_per_step", "flops_per_token", "runs", "speedup", "memory",
                "load_average", "cpu_count"}

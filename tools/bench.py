@@ -51,9 +51,11 @@ seq_len, total_batch_size, activation_bytes_per_sequence {model: {mode: bytes}} 
 --json prints one object: device, world_size, model, n_layer, n_head, n_embd, parameters, micro_batch_size,
 seq_len, grad_accum_steps, tokens_per_step, flops_per_token, runs (a list; for each: name, dtype, compile,
 ms_per_step, optimizer_ms, tokens_per_sec, tflops, peak_tflops, mfu, peak_source, peak_memory_mib (of the timed
-steps), warmup_peak_memory_mib (of the warm-up steps, where torch.compile compiles), data_wait, loss, losses: every
-step's, warm-up included, so that a diverging configuration shows; attention_choice: the kernel put first, and why;
-attention_kernels: the kernels the last warm-up step ran, null without warm-up steps; a configuration that ran out of
+steps), warmup_peak_memory_mib (of the warm-up steps, where torch.compile compiles), warmup_seconds (the same
+steps' time: compilation, mostly), data_wait, loss, losses: every step's, warm-up included, so that a diverging
+configuration shows; attention_choice: the kernel put first, and why; attention_kernels: the kernels the last
+warm-up step ran, null without warm-up steps (gpu_check's perf stage also keeps kernel_ms: that step's CUDA
+kernels' milliseconds by name); a configuration that ran out of
 device memory has name, dtype, compile and skipped, the reason), speedup (the last run's tokens/s over the first's
 with --compare, else null), memory (state_bytes: weights, gradients and AdamW moments;
 activation_bytes_per_sequence, measured with MemTracker on the CPU or the allocator's peak on CUDA;

@@ -15,14 +15,16 @@ from tools.bench_step import Workload, time_config_or_skip
 
 
 def compare_with_full_logits(work: Workload, data_dir: str, dtype: torch.dtype, compile: bool, steps: int,
-                             warmup: int, rounds: int) -> dict:
-    """Ours against build-nanogpt's full-logits loss, everything else equal, alternating for `rounds` rounds."""
+                             warmup: int, rounds: int, loss_alone: bool = True) -> dict:
+    """Ours against build-nanogpt's full-logits loss, everything else equal, alternating for `rounds` rounds; and
+    (loss_alone) the loss's own time both ways, its loss_ms and loss_share None without."""
     per_round = [[time_config_or_skip(work, data_dir, dtype, compile, False, steps, warmup, full_logits)
                   for full_logits in (True, False)] for _ in range(rounds)]
     measured = [(theirs, ours) for theirs, ours in per_round if "skipped" not in theirs and "skipped" not in ours]
     cpu = work.dist_env.device.type != "cuda"  # the process's peak resident memory never goes down: no ratio
-    loss_ms = {name: time_loss(work, dtype, compile, full) for name, full in (("full_logits", True), ("ours", False))}
-    ours_step_ms = statistics.median(ours["ms_per_step"] for _, ours in measured) if measured else None
+    loss_ms = {name: time_loss(work, dtype, compile, full) for name, full in (("full_logits", True), ("ours", False))} \
+        if loss_alone else None
+    ours_step_ms = statistics.median(ours["ms_per_step"] for _, ours in measured) if measured and loss_ms else None
     return {"rounds": per_round,
             "speed_ratio": statistics.median(o["tokens_per_sec"] / t["tokens_per_sec"] for t, o in measured)
             if measured else None,

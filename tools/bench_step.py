@@ -105,6 +105,7 @@ def time_config(work: Workload, data_dir: str, dtype: torch.dtype, compile: bool
             "tflops": flops_per_sec / 1e12, "peak_tflops": peak.flops * dist_env.world_size / 1e12,
             "mfu": flops_per_sec / (peak.flops * dist_env.world_size), "peak_source": peak.source,
             "peak_memory_mib": peak_memory_mib(device), "warmup_peak_memory_mib": timed.warmup_peak_mib,
+            "warmup_seconds": timed.warmup_seconds,
             "data_wait": sum(timed.data_seconds) / sum(timed.step_seconds), "loss": timed.losses[-1],
             "losses": timed.losses, "attention_choice": attention_choice, "attention_kernels": timed.kernels} | (
         {"kernel_ms": timed.kernel_ms} if timed.kernel_ms is not None else {})
@@ -117,6 +118,7 @@ class TimedSteps:
     optimizer_ms: list[float]
     losses: list[float]  # of every step, warm-up included
     warmup_peak_mib: float
+    warmup_seconds: float  # of the warm-up steps: with --compile, mostly compilation
     kernels: list[str] | None  # the attention kernels of the last warm-up step (None: no warm-up step)
     kernel_ms: dict[str, float] | None  # with Workload.kernel_table on CUDA: its device kernels' milliseconds
 
@@ -130,7 +132,7 @@ def time_steps(trainee: TrainingModel, work: Workload, data_dir: str, dtype: tor
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     optimizer_seconds = time_optimizer_steps(trainee.optimizer, device)
-    timed = TimedSteps([], [], [], [], 0.0, None, None)
+    timed = TimedSteps([], [], [], [], 0.0, 0.0, None, None)
     kernel_table = work.kernel_table and device.type == "cuda"
     for step in range(warmup + steps):
         if step == warmup:  # the warm-up's peak (compilation and Inductor's autotuning allocate too), then the steps'
@@ -150,7 +152,9 @@ def time_steps(trainee: TrainingModel, work: Workload, data_dir: str, dtype: tor
             result = step_fn()
         timed.losses.append(result.loss)
         synchronize(device)
-        if step >= warmup:
+        if step < warmup:
+            timed.warmup_seconds += time.perf_counter() - t0
+        else:
             timed.step_seconds.append(time.perf_counter() - t0)
             timed.data_seconds.append(result.data_seconds)
             timed.optimizer_ms.append(1000 * sum(optimizer_seconds))

@@ -5,6 +5,7 @@ check a verdict.
     python -m tools.gpu_check --out gpu_report --stage bench   # one stage: tests, bench or train
     python -m tools.gpu_check --out gpu_report --data_dir data/fineweb_edu10B --hellaswag_path hellaswag_val.jsonl
     python -m tools.gpu_check --out /tmp/smoke --cpu-smoke     # every stage on the CPU at a tiny size (the CPU suite)
+    python -m tools.gpu_check --out perf_report --stage perf --data_dir data/enwiki   # issue 52's lease, 9 minutes
 
 It needs what a cluster node or a container image already has: PyTorch with CUDA, numpy, tiktoken and tqdm (and
 pytest for the tests stage). No network, no wandb, no datasets, nothing to install: the data are random tokens
@@ -20,6 +21,11 @@ from TIKTOKEN_CACHE_DIR. The stages, in the order they run:
          --vs_full_logits), and the loss's share of the step; generation tokens/s with and without the key/value
          cache; --arch modern's step against gpt2's; then gpt2-medium and -large while the stage has half its budget
          left
+  perf   only when named: issue 52's goal table in one process, every row against the full-logits baseline measured
+         in it (tools/gpu_check_perf.py): ours, --fp8_head's speed and a short run's val loss with and without it, the
+         attention kernel the compiled step runs and cuDNN's, the compiled loss's memory under each candidate
+         schedule, Muon against AdamW, --arch modern's step, a compile mode; a row that would not fit the stage's 9
+         minutes is reported as not run
 
 OUT/report.md and OUT/report.json (rewritten after every check, so a run cut short still leaves its rows) hold the
 machine (GPU, compute capability, memory, driver, torch, CUDA) and a row per check: its figure, its bound, and PASS,
@@ -36,19 +42,21 @@ import torch
 
 from errors import UserError, run_entry_point
 from tools.gpu_check_bench import bench_stage
+from tools.gpu_check_perf import perf_stage
 from tools.gpu_check_report import Report, machine_info, within_budget
 from tools.gpu_check_scale import CPU_SMOKE, GPU
 from tools.gpu_check_tests import tests_stage
 from tools.gpu_check_train import train_stage
 
-STAGE_RUNNERS = {"tests": tests_stage, "train": train_stage, "bench": bench_stage}  # in the order they run
-STAGES = tuple(STAGE_RUNNERS)
+STAGE_RUNNERS = {"tests": tests_stage, "train": train_stage, "bench": bench_stage, "perf": perf_stage}
+STAGES = ("tests", "train", "bench")  # --stage all, in this order; perf (issue 52's lease) runs on its own
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="directory for report.md, report.json and the runs' output")
-    parser.add_argument("--stage", choices=("all", *STAGES), default="all", help="run one stage, or all three")
+    parser.add_argument("--stage", choices=("all", *STAGE_RUNNERS), default="all",
+                        help="run one stage, or all three (tests, train, bench; perf runs only when named)")
     parser.add_argument("--data_dir", help="real *_train_* / *_val_* shards (default: learnable random tokens)")
     parser.add_argument("--hellaswag_path", help="a local hellaswag_val.jsonl (without it HellaSwag is skipped)")
     parser.add_argument("--cpu-smoke", dest="cpu_smoke", action="store_true",
@@ -77,7 +85,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"--- stage {stage}", flush=True)
         started = time.perf_counter()
         STAGE_RUNNERS[stage](report, scale, args)
-        report.check(stage, "wall time", within_budget, time.perf_counter() - started, scale.stage_seconds)
+        report.check(stage, "wall time", within_budget, time.perf_counter() - started,
+                     scale.perf.seconds if stage == "perf" else scale.stage_seconds)
     counts = {v: sum(r.verdict == v for r in report.rows) for v in ("PASS", "FAIL", "SKIP")}
     print(f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped: {out / 'report.md'}")
     if report.failed:
