@@ -11,7 +11,7 @@ from dataloader import DistributedDataLoader
 from model import GPT
 from optim import get_lr
 from parallel import build_training_model
-from tools.bench_step import Workload
+from tools.bench_step import Workload, release_memory
 from training import train_step
 from validation import validation_loss
 
@@ -21,6 +21,13 @@ def short_run(work: Workload, data_dir: str, dtype: torch.dtype, compile: bool) 
     work.cfg.val_tokens (at most the val shards'): every step's loss, the val loss, and the seconds of each part.
     Validation runs the uncompiled model (a compiled one would compile again, without gradients), in the autocast
     dtype (as linear_cross_entropy does with --fp8_head: the val loss measures the weights)."""
+    try:
+        return train_and_validate(work, data_dir, dtype, compile)
+    finally:
+        release_memory(work.dist_env.device)
+
+
+def train_and_validate(work: Workload, data_dir: str, dtype: torch.dtype, compile: bool) -> dict:
     device, dist_env, cfg, plan = work.dist_env.device, work.dist_env, work.cfg, work.plan
     torch.set_float32_matmul_precision("high")
     torch.manual_seed(cfg.seed)

@@ -231,10 +231,15 @@ def time_config_or_skip(work: Workload, data_dir: str, dtype: torch.dtype, compi
                    "--micro_batch_size to measure it")
         print(f"{name}: {message}; going on with the rest", file=sys.stderr)
         return {"name": name, "dtype": dtype_name(dtype), "compile": compile, "skipped": message}
-    finally:  # give the memory back before the next configuration
-        gc.collect()
-        if work.dist_env.device.type == "cuda":
-            torch.cuda.empty_cache()
+    finally:
+        release_memory(work.dist_env.device)
+
+
+def release_memory(device: torch.device) -> None:
+    """Give a finished configuration's memory back before the next one (compiled models hold reference cycles)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def time_ms(run: Callable[[], object], device: torch.device) -> float:

@@ -42,9 +42,9 @@ from precision import pick_dtype
 from tools.bench_loss import compare_with_full_logits
 from tools.bench_loss_memory import buffers_alive, generated_code, loss_function, loss_inputs, loss_step, peak_bytes
 from tools.bench_short_run import short_run
-from tools.bench_step import Workload, make_workload, time_config_or_skip, time_ms
+from tools.bench_step import Workload, make_workload, release_memory, time_config_or_skip, time_ms
 from tools.gpu_check_bench import bench_vs_full_logits
-from tools.gpu_check_report import Report, Result, run_logged
+from tools.gpu_check_report import Report, Result, first_line, run_logged
 from tools.gpu_check_scale import PerfGoal, Scale
 from tools.gpu_check_train import write_synthetic_shards
 
@@ -101,8 +101,8 @@ def perf_stage(report: Report, scale: Scale, args: argparse.Namespace) -> None:
                                val_tokens + scale.seq_len + 1)
     flags = {"model": scale.model, "seq_len": scale.seq_len, "micro_batch_size": micro_batch, "dtype": scale.dtype,
              "device": scale.device, "compile": scale.compile, "data_dir": data_dir}
-    # Every configuration compiles GPT.forward again, more than torch.compile's default of 8 per function before it
-    # falls back to eager without a word; modded-nanogpt raises it the same way.
+    # The stage compiles GPT.forward in a dozen configurations (FP8, schedules, kernels, modern, new models), more
+    # than torch.compile's default of 8 per function, past which it runs the function eagerly with only a warning.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     perf = Perf(report, scale, Distributed(0, 0, 1, device), data_dir, flags, started + scale.perf.seconds,
                 compile_seconds=scale.perf.compile_seconds)
@@ -118,7 +118,7 @@ def perf_stage(report: Report, scale: Scale, args: argparse.Namespace) -> None:
         try:
             row(perf, title)
         except Exception as e:  # a row's own error is its FAIL (a check inside it may have reported it already)
-            perf.check(title, lambda e=e: (f"{type(e).__name__}: {str(e).strip()[:300]}", "no error", False))
+            perf.check(title, lambda e=e: (f"{type(e).__name__}: {first_line(str(e))}", "no error", False))
         row_seconds[name] = round(time.perf_counter() - row_started, 1)
 
 
@@ -203,7 +203,7 @@ def short_runs_compared(runs: dict, problem: str | None, goal: PerfGoal | None) 
     difference = fp8["val_loss"] - bf16["val_loss"]
     figure = (f"val loss {fp8['val_loss']:.4f} with --fp8_head, {bf16['val_loss']:.4f} without ({difference:+.4f}), "
               f"{trained}, the same seed and tokens; training took {fp8['train_seconds']:.1f} s against "
-              f"{bf16['train_seconds']:.1f} s")
+              f"{bf16['train_seconds']:.1f} s (compilation included)")
     finite = all(math.isfinite(run["val_loss"]) for run in (fp8, bf16))
     if goal is None:
         return figure, "finite (not judged on a CPU)", finite
@@ -247,11 +247,14 @@ def loss_memory(perf: Perf, title: str) -> None:
             codes = generated_code(loss_fn, *inputs, dtype)
             for i, code in enumerate(codes):
                 (perf.report.out / f"perf_inductor_inline_{i}.py").write_text(code)
-        measured = perf.schedules[schedule] = measure_loss(loss_fn, inputs, dtype)
-        perf.details["loss_memory"][schedule] = measured | {"grads": None}
+        measured = measure_loss(loss_fn, inputs, dtype)
         perf.check(f"{title}, schedule {schedule}", schedule_against_eager, measured, eager)
+        # (kept without the gradients, which would sit in the device's memory under the later rows' peaks)
+        perf.schedules[schedule] = perf.details["loss_memory"][schedule] = measured | {"grads": None}
     perf.check("Inductor's code of the inline loss", code_holds, codes, (chunk_tokens, config.padded_vocab_size),
                (config.padded_vocab_size, config.n_embd))
+    del inputs, eager
+    release_memory(device)
 
 
 def measure_loss(loss_fn: Callable, inputs: tuple, dtype: torch.dtype, repeats: int = 3) -> dict:
