@@ -24,7 +24,8 @@ CHOICES = ("default", "auto", *KERNELS)
 FALLBACKS = {"cudnn": ("flash", "efficient", "math"), "flash": ("efficient", "math"), "efficient": ("math",),
              "math": ()}
 # The profiler's names of the aten ops each kernel runs as, forward and backward, eager or compiled (Inductor calls
-# them as extern kernels): aten::_scaled_dot_product_flash_attention[_for_cpu][_backward], ...
+# the fused ones as extern kernels): aten::_scaled_dot_product_flash_attention[_for_cpu][_backward], ... The math
+# kernel Inductor writes out as its own matmuls and softmax, so a compiled step under it shows no kernel's op.
 OP_MARKERS = {"cudnn": "_cudnn_attention", "flash": "_flash_attention", "efficient": "_efficient_attention",
               "math": "_attention_math"}
 # Hopper and later: on an H200, dev.speed_levers timed one layer's causal forward + backward at B=64, T=1024, bf16 in

@@ -254,6 +254,7 @@ def test_a_row_that_would_not_fit_the_time_left_is_skipped_and_the_later_ones_st
     report = Report(tmp_path, {"device": "cpu"}, scale)
     gpu_check_perf.perf_stage(report, scale, types.SimpleNamespace(data_dir=str(tmp_path)))
     assert ran == [name for name in rows if name != "fp8_speed"]
+    assert report.rows[-1].name == "tiny: what each row took" and "fp8_speed" not in report.rows[-1].figure
     skipped = [row for row in report.rows if row.verdict == "SKIP"]
     assert len(skipped) == 1 and skipped[0].name == "tiny: --fp8_head against the full-logits loss"
     assert skipped[0].figure.startswith("not run: ") and "it takes about 10,000 s" in skipped[0].figure
@@ -294,4 +295,5 @@ def test_cpu_smoke_runs_the_perf_stage_every_row_reported(tmp_path):
     assert rows["tiny: Inductor's code of the inline loss"]["figure"].startswith(
         "at most 1 buffers of a chunk's logits (64, 50304)")
     assert rows["tiny: compile mode default"]["verdict"] == rows["wall time"]["verdict"] == "PASS"
-    assert len(rows) == 16 and (tmp_path / "perf_inductor_inline_0.py").is_file()
+    assert rows["tiny: what each row took"]["figure"].startswith("vs_full_logits ")
+    assert len(rows) == 17 and (tmp_path / "perf_inductor_inline_0.py").is_file()

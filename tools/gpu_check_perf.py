@@ -120,6 +120,13 @@ def perf_stage(report: Report, scale: Scale, args: argparse.Namespace) -> None:
         except Exception as e:  # a row's own error is its FAIL (a check inside it may have reported it already)
             perf.check(title, lambda e=e: (f"{type(e).__name__}: {first_line(str(e))}", "no error", False))
         row_seconds[name] = round(time.perf_counter() - row_started, 1)
+    perf.check("what each row took", rows_took, row_seconds, perf.compile_seconds)
+
+
+def rows_took(row_seconds: dict[str, float], compile_seconds: float) -> Result:
+    """Each row's seconds, for the next lease's budget (GPU_ROW_COSTS)."""
+    return (", ".join(f"{name} {seconds:,.0f} s" for name, seconds in row_seconds.items())
+            + f"; a compilation of the step {compile_seconds:,.0f} s", "reported", True)
 
 
 def out_of_time(left: float, needs: float, budget: int) -> Result:
