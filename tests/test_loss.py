@@ -13,6 +13,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import hf
 from distributed import teardown_distributed
+from fp8_emulation import emulated_fp8_loss, fp8_case, relative_error
 from model import GPT, GPTConfig, linear_cross_entropy, loss_chunk_tokens
 
 # vocab 97 is padded to 128 rows, so the padding rows' gradient is checked too.
@@ -298,36 +299,6 @@ def test_compiled_model_matches_eager():
 # --fp8_head: the output layer's matmuls through torch._scaled_mm, which torch 2.13 runs on the CPU too
 
 
-def quantised(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """t rounded to the FP8 dtype at this scale, and back, in fp32."""
-    return (t.float() / scale).to(dtype).float() * scale
-
-
-def emulated_fp8_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int):
-    """The FP8 head's loss and gradients by emulation: the operands quantised with the same scales (each tensor's
-    largest magnitude at e4m3's 448; the gradient of the logits, in [−1, 1], with 1 at e5m2's 57,344) and back, the
-    matmuls in fp32, the logits rounded to bf16 as torch._scaled_mm writes them. Written from the formats' definitions,
-    not from fp8.py."""
-    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
-    x_scale, w_scale = x.abs().max() / 448, weight.abs().max() / 448
-    xq, wq = quantised(x, x_scale, e4m3), quantised(weight, w_scale, e4m3)
-    logits = (xq @ wq.t()).bfloat16().float()
-    logits[:, vocab_size:] = float("-inf")
-    loss = F.cross_entropy(logits, targets, reduction="sum") / len(targets)
-    grad_logits = torch.softmax(logits, dim=1) - F.one_hot(targets, logits.size(1)).float()
-    gq = quantised(grad_logits, torch.tensor(1 / 57344), e5m2)
-    return loss, (gq @ wq).bfloat16().float() / len(targets), (gq.t() @ xq) / len(targets)
-
-
-def fp8_case(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Hidden states as a LayerNorm with a learned gain gives them, a weight at GPT-2's init scale, and targets: 96
-    tokens (chunks of 32) over a vocabulary of 1,000 padded to 1,024 (multiples of 16, as torch._scaled_mm needs)."""
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(96, 64, generator=g) * (1 + torch.rand(64, generator=g))).requires_grad_()
-    weight = (0.02 * torch.randn(1024, 64, generator=g)).requires_grad_()
-    return x, weight, torch.randint(0, 1000, (96,), generator=g)
-
-
 def fp8_loss_and_grads(x, weight, targets, fp8: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     with torch.autocast("cpu", torch.bfloat16):
         loss = linear_cross_entropy(x, weight, targets, 1000, 32, fp8=fp8)
@@ -335,10 +306,6 @@ def fp8_loss_and_grads(x, weight, targets, fp8: bool) -> tuple[torch.Tensor, tor
     grads = x.grad.float(), weight.grad.float()
     x.grad = weight.grad = None
     return loss.detach(), *grads
-
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual - expected).abs().max() / expected.abs().max()).item()
 
 
 def test_the_fp8_head_gives_the_loss_and_gradients_of_its_quantised_operands():
