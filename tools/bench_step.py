@@ -93,12 +93,12 @@ def time_config(work: Workload, data_dir: str, dtype: torch.dtype, compile: bool
     config = plan.model_config
     kernel, attention_choice = choose_kernel("default" if plain else work.attention, device, dtype,
                                              config.n_embd // config.n_head)
+    peak = peak_flops(device, dtype)  # (before the steps: measured, it allocates, and the steps' peak is reset after)
     with attention_kernel(kernel):  # around the compiling step too: the compiled code keeps the kernel it traced
         trainee = build_training_model(model, dist_env, dtype, cfg, compile, plain, compile_mode=work.compile_mode)
         timed = time_steps(trainee, work, data_dir, dtype, steps, warmup)
     seconds = statistics.median(timed.step_seconds)
     flops_per_sec = trainee.raw.flops_per_token(plan.seq_len) * work.tokens_per_step / seconds
-    peak = peak_flops(device, dtype)
     return {"name": run_name(dtype, compile, plain, full_logits, work, cfg.fp8_head), "dtype": dtype_name(dtype),
             "compile": compile, "ms_per_step": 1000 * seconds, "optimizer_ms": statistics.median(timed.optimizer_ms),
             "tokens_per_sec": work.tokens_per_step / seconds,
