@@ -95,6 +95,10 @@ class TrainConfig:
                              "else fp16 on GPUs, else fp32)", choices=("auto", "bf16", "fp16", "fp32"))
     device: str = arg("auto", "where to train (auto: cuda, else mps, else cpu)", choices=("auto", "cuda", "mps", "cpu"))
     compile: bool = arg(False, "torch.compile the model")
+    fp8_head: bool = arg(False, "the output layer's three matmuls (logits, gradients of hidden states and weight) in "
+                                "FP8 inside the training loss: e4m3 operands, e5m2 gradient, fp32 accumulation "
+                                "(fp8.py); needs a GPU with FP8 tensor cores (sm89+: Ada, Hopper) and bf16. "
+                                "Validation stays in bf16")
     parallel: str = arg("ddp", "ddp: every GPU holds the whole model | fsdp: weights, gradients and AdamW state "
                                "sharded across the ranks, for models that do not fit one GPU", choices=("ddp", "fsdp"))
     activation_checkpointing: str = arg("none", "recompute activations in backward instead of keeping them: none | "

@@ -186,7 +186,10 @@ def compiled_loss_bytes_per_sequence(config: GPTConfig, seq_len: int, dtype: tor
     every chunk (at the padded width, in the matmuls' dtype) and every chunk's partial weight gradient, all at once,
     where eager frees each with its chunk. Measured on an H200 (torch 2.11, GPT-2 124M, T=1024, bf16, chunks of 4,096
     tokens): compiled peaked 103 and 105 MiB a sequence above eager at B=128 and 256 while it saved less for backward
-    (`dev/compiled_memory.py`); this count gives 117. Why Inductor's CUDA schedule holds them is not read yet."""
+    (`dev/compiled_memory.py`); this count gives 117. Inductor's CPU code (torch 2.13) holds one chunk's logits but
+    every chunk's weight-gradient product, whose adds into the fp32 sum it fuses into one kernel after the last chunk
+    (tools/bench_loss_memory.py); the CUDA code is read, and the candidate fixes (model.LOSS_SCHEDULES) measured, by
+    `tools/gpu_check.py --stage perf`."""
     itemsize = dtype.itemsize
     vocab = config.padded_vocab_size
     return seq_len * vocab * itemsize + seq_len * vocab * config.n_embd * itemsize // chunk_tokens

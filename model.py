@@ -8,13 +8,17 @@ snapshot.py reads a trained one back (read_model).
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+import fp8
 
 
 class KVCache:
@@ -224,38 +228,130 @@ def norm(config: "GPTConfig", size: int) -> nn.Module:
     return nn.RMSNorm(size, eps=NORM_EPS) if config.arch == "modern" else nn.LayerNorm(size)
 
 
-def _cross_entropy_chunk(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, vocab_size: int,
-                         grads: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    """Summed cross-entropy of one chunk of n tokens against the first vocab_size of w's rows; with grads = (grad_x
-    (n, C), grad_w (padded_vocab, C) in fp32), also writes the chunk's gradient of x into grad_x and adds its
-    gradient of w to grad_w, both unscaled.
+class HeadOperands(NamedTuple):
+    """The output layer's matmul operands as a chunk of the loss reads them: its rows of the hidden states x (n, C)
+    and the weight w (padded_vocab, C) in the autocast dtype; or, with --fp8_head, both in e4m3 with their per-tensor
+    scales, w also column-major (w_columns, as torch._scaled_mm takes its second operand), and the scale of the
+    gradient's e5m2 (fp8.py)."""
+    x: torch.Tensor
+    w: torch.Tensor
+    w_columns: torch.Tensor  # w itself in the autocast dtype
+    x_scale: torch.Tensor | None = None  # None: not FP8
+    w_scale: torch.Tensor | None = None
+    grad_scale: torch.Tensor | None = None
+
+    @property
+    def fp8(self) -> bool:
+        return self.x_scale is not None
+
+
+def head_operands(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, use_fp8: bool) -> HeadOperands:
+    """x and weight as the chunks' matmuls read them: cast once to dtype, or quantised once to FP8."""
+    if not use_fp8:
+        w = weight.to(dtype)
+        return HeadOperands(x.to(dtype), w, w)
+    (x8, x_scale), (w8, w_scale) = fp8.to_e4m3(x), fp8.to_e4m3(weight)
+    return HeadOperands(x8, w8, fp8.column_major(w8), x_scale, w_scale, fp8.gradient_scale(x.device))
+
+
+def _head_logits(ops: HeadOperands) -> torch.Tensor:
+    """x @ wᵀ (n, padded_vocab); under FP8 in bf16, with Hopper's fast accumulation."""
+    if not ops.fp8:
+        return ops.x @ ops.w.t()
+    return fp8.scaled_mm(ops.x, ops.w.t(), ops.x_scale, ops.w_scale, torch.bfloat16, fast_accum=True)
+
+
+def _head_grad_x(ops: HeadOperands, grad_logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """grad_logits @ w (n, C), in dtype."""
+    if not ops.fp8:
+        return grad_logits @ ops.w
+    return fp8.scaled_mm(grad_logits, ops.w_columns, ops.grad_scale, ops.w_scale, dtype)
+
+
+def _head_grad_w(grad_logits: torch.Tensor, x: torch.Tensor, grad_scale: torch.Tensor | None,
+                 x_scale: torch.Tensor | None) -> torch.Tensor:
+    """grad_logitsᵀ @ x (padded_vocab, C): in the autocast dtype, or in fp32 under FP8 (with the operands' scales)."""
+    if x_scale is None:
+        return grad_logits.t() @ x
+    return fp8.scaled_mm(grad_logits.t().contiguous(), fp8.column_major(x), grad_scale, x_scale, torch.float32)
+
+
+@torch.library.custom_op("gpt::add_weight_gradient_", mutates_args=("grad_w",))
+def add_weight_gradient_(grad_w: torch.Tensor, grad_logits: torch.Tensor, x: torch.Tensor,
+                         grad_scale: torch.Tensor | None, x_scale: torch.Tensor | None) -> None:
+    """grad_w += grad_logitsᵀ @ x, as one op Inductor does not look into (loss schedule "grad_w_op"): each chunk's
+    product is added and freed before the next chunk's exists. Traced inline, the adds of every chunk's product into
+    the fp32 sum are pointwise ops Inductor fuses into one kernel after the last chunk, which holds every product at
+    once (read in its CPU code)."""
+    grad_w += _head_grad_w(grad_logits, x, grad_scale, x_scale)
+
+
+@add_weight_gradient_.register_fake
+def _(grad_w, grad_logits, x, grad_scale, x_scale) -> None:
+    return None
+
+
+def _cross_entropy_chunk(ops: HeadOperands, targets: torch.Tensor, vocab_size: int,
+                         grads: tuple[torch.Tensor, torch.Tensor] | None, grad_w_in_op: bool = False) -> torch.Tensor:
+    """Summed cross-entropy of one chunk of n tokens (ops.x, n rows) against the first vocab_size of w's rows; with
+    grads = (grad_x (n, C), grad_w (padded_vocab, C) in fp32), also writes the chunk's gradient of x into grad_x and
+    adds its gradient of w to grad_w, both unscaled (grad_w_in_op: through add_weight_gradient_).
 
     A function of its own so that the chunk's logits are freed when it returns: a loop variable would keep them alive
     until the next chunk's logits had been allocated, two chunks at once."""
     # The matmul runs at the padded width, a multiple of 128, where GPUs have their fastest kernels (at 50,257 an
     # H100 falls back to an older, slower one); the padding columns get no probability, so neither loss nor gradient.
-    columns = torch.arange(w.size(0), device=x.device)
-    logits = (x @ w.t()).float().masked_fill_(columns >= vocab_size, float("-inf"))  # (n, padded_vocab)
+    columns = torch.arange(ops.w.size(0), device=ops.x.device)
+    logits = _head_logits(ops).float().masked_fill_(columns >= vocab_size, float("-inf"))  # (n, padded_vocab)
     lse = torch.logsumexp(logits, dim=1)  # (n,)
     loss_sum = (lse - logits.gather(1, targets[:, None]).squeeze(1)).sum()
     if grads is not None:
         grad_x, grad_w = grads
         # d loss / d logits = softmax − one_hot(target). The mean's 1/N and grad_output are applied in fp32 in
         # backward, not here: divided by N first, the small probabilities would underflow in fp16 before the
-        # GradScaler's scale could lift them. The backward matmuls run in the autocast dtype, as nn.Linear's would.
+        # GradScaler's scale could lift them. The backward matmuls run in the autocast dtype, as nn.Linear's would
+        # (or in FP8: e5m2, see fp8.py).
         if torch.compiler.is_compiling():
             # One expression, which Inductor fuses with the log-sum-exp into two passes over the logits in the
             # matmul's dtype, with no fp32 copy of them in memory (a scatter of the −1s would break the fusion).
-            grad_logits = (torch.exp(logits - lse[:, None]) - (columns == targets[:, None]).float()).to(x.dtype)
+            grad_logits = torch.exp(logits - lse[:, None]) - (columns == targets[:, None]).float()
         else:
             # In place: eager runs that expression as five ops, each a new fp32 tensor of the chunk's logits' size
             # (on a CPU the chunk took 3× as long).
-            probs = logits.sub_(lse[:, None]).exp_()
-            probs[torch.arange(len(targets), device=x.device), targets] -= 1.0
-            grad_logits = probs.to(x.dtype)
-        grad_x.copy_(grad_logits @ w)
-        grad_w += grad_logits.t() @ x  # summed over chunks in fp32 (the add reads the product as it is: no copy)
+            grad_logits = logits.sub_(lse[:, None]).exp_()
+            grad_logits[torch.arange(len(targets), device=ops.x.device), targets] -= 1.0
+        grad_logits = fp8.gradient_to_e5m2(grad_logits) if ops.fp8 else grad_logits.to(ops.x.dtype)
+        grad_x.copy_(_head_grad_x(ops, grad_logits, grad_x.dtype))
+        if grad_w_in_op:
+            add_weight_gradient_(grad_w, grad_logits, ops.x, ops.grad_scale, ops.x_scale)
+        else:
+            # summed over chunks in fp32 (the add reads the product as it is: no copy)
+            grad_w += _head_grad_w(grad_logits, ops.x, ops.grad_scale, ops.x_scale)
     return loss_sum
+
+
+# Where the chunk loop runs, for torch.compile (the candidates for issue 52's compiled memory; eager runs them all
+# alike): "inline", traced into the step's graph (today's); "grad_w_op", inline with each chunk's weight gradient
+# added in an op of its own (add_weight_gradient_); "eager", outside the graph, run eagerly; "compiled_chunks",
+# outside the graph, each chunk its own compiled call.
+LOSS_SCHEDULES = ("inline", "grad_w_op", "eager", "compiled_chunks")
+
+
+# torch.compile and torch.compiler.disable import torch._dynamo, seconds that every importer of this module would pay:
+# the compiled chunk and the loss kept out of the graph are made at their first use, and kept here.
+_MADE_AT_FIRST_USE: dict[str, Callable] = {}
+
+
+def _compiled_chunk() -> Callable:
+    if "chunk" not in _MADE_AT_FIRST_USE:  # (dynamic=False: every chunk but a shorter last one has the same shapes)
+        _MADE_AT_FIRST_USE["chunk"] = torch.compile(_cross_entropy_chunk, dynamic=False)
+    return _MADE_AT_FIRST_USE["chunk"]
+
+
+def _apply_outside_the_graph() -> Callable:
+    if "apply" not in _MADE_AT_FIRST_USE:
+        _MADE_AT_FIRST_USE["apply"] = torch.compiler.disable(ChunkedLinearCrossEntropy.apply)
+    return _MADE_AT_FIRST_USE["apply"]
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -272,7 +368,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int,
-                chunk_tokens: int, compute_grads: bool) -> torch.Tensor:
+                chunk_tokens: int, compute_grads: bool, use_fp8: bool, schedule: str) -> torch.Tensor:
         # x (N, C): final hidden states; weight (padded_vocab, C); targets (N,): token ids in [0, vocab_size). There is
         # no ignore_index: every position is a real token. An id of a padding row gives an infinite loss, and one past
         # the padded width fails in gather (the loader checks shards for such ids before training starts).
@@ -280,16 +376,18 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         # Under autocast, run the matmuls in its dtype as nn.Linear would; softmax and the sums stay in fp32.
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
         n_tokens = x.size(0)
+        chunk = _compiled_chunk() if schedule == "compiled_chunks" else _cross_entropy_chunk
         with torch.autocast(device_type, enabled=False):  # every cast below is explicit
-            x_low, w = x.to(dtype), weight.to(dtype)  # the weight cast once, for every chunk
+            ops = head_operands(x, weight, dtype, use_fp8)  # the weight cast once, for every chunk
             loss_sum = torch.zeros((), dtype=torch.float32, device=x.device)
             if compute_grads:
-                grad_x = torch.empty_like(x_low)  # (N, C)
+                grad_x = torch.empty(x.shape, dtype=dtype, device=x.device)  # (N, C)
                 grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
             for start in range(0, n_tokens, chunk_tokens):
                 rows = slice(start, start + chunk_tokens)
                 chunk_grads = (grad_x[rows], grad_w) if compute_grads else None
-                loss_sum += _cross_entropy_chunk(x_low[rows], w, targets[rows], vocab_size, chunk_grads)
+                loss_sum += chunk(ops._replace(x=ops.x[rows]), targets[rows], vocab_size, chunk_grads,
+                                  schedule == "grad_w_op")
         if compute_grads:
             ctx.save_for_backward(grad_x, grad_w)
         ctx.n_tokens, ctx.x_dtype, ctx.w_dtype = n_tokens, x.dtype, weight.dtype
@@ -299,16 +397,19 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor):
         grad_x, grad_w = ctx.saved_tensors
         scale = grad_loss.float() / ctx.n_tokens  # d mean / d sum, times whatever the loss was scaled by
-        return (grad_x.float() * scale).to(ctx.x_dtype), (grad_w * scale).to(ctx.w_dtype), None, None, None, None
+        return (grad_x.float() * scale).to(ctx.x_dtype), (grad_w * scale).to(ctx.w_dtype), *[None] * 6
 
 
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int,
-                         chunk_tokens: int) -> torch.Tensor:
-    """F.cross_entropy(x @ weight[:vocab_size]ᵀ, targets) for x (N, C) and targets (N,), chunk_tokens rows at a time."""
+                         chunk_tokens: int, fp8: bool = False, schedule: str = "inline") -> torch.Tensor:
+    """F.cross_entropy(x @ weight[:vocab_size]ᵀ, targets) for x (N, C) and targets (N,), chunk_tokens rows at a time.
+    fp8: the training step's matmuls in FP8 (--fp8_head; validation, without gradients, stays in the autocast dtype,
+    so that its loss measures the weights); schedule: one of LOSS_SCHEDULES."""
     # Inside forward, autograd has already switched grad mode off, so whether gradients are wanted (not in validation
     # under no_grad, where they would triple the cost) is decided here.
     compute_grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    return ChunkedLinearCrossEntropy.apply(x, weight, targets, vocab_size, chunk_tokens, compute_grads)
+    apply = _apply_outside_the_graph() if schedule in ("eager", "compiled_chunks") else ChunkedLinearCrossEntropy.apply
+    return apply(x, weight, targets, vocab_size, chunk_tokens, compute_grads, fp8 and compute_grads, schedule)
 
 
 def loss_chunk_tokens(device: torch.device) -> int:
@@ -359,6 +460,10 @@ def with_arch(config: GPTConfig, arch: str, attention_bias: bool | None = None) 
 
 class GPT(nn.Module):
     loss_chunk_tokens: int | None = None  # tokens per chunk of the loss; None: loss_chunk_tokens(the device)
+    # The loss's other keyword arguments (linear_cross_entropy's fp8 for --fp8_head, schedule for the compiled-memory
+    # candidates), replaced as a whole, never changed in place; none: the loss as it was before them, whose call a
+    # replacement with the plain signature (dev/modern_ablations.py's softcapped loss) still fits.
+    loss_options: dict = {}
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -438,7 +543,7 @@ class GPT(nn.Module):
         B, T = idx.size()
         chunk_tokens = self.loss_chunk_tokens or loss_chunk_tokens(idx.device)
         loss = linear_cross_entropy(x.view(B * T, -1), self.lm_head.weight, targets.reshape(B * T),
-                                    self.config.vocab_size, chunk_tokens)
+                                    self.config.vocab_size, chunk_tokens, **self.loss_options)
         return None, loss
 
     def hidden_states(self, idx: torch.Tensor, kv_caches: list[KVCache] | None = None,

@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from config import TrainConfig
 from distributed import Distributed
 from errors import UserError
+from fp8 import check_fp8_head
 from model import GPT
 from optim import Optimizers, build_optimizers
 
@@ -44,10 +45,11 @@ class TrainingModel:
 
 
 def build_training_model(raw_model: torch.nn.Module, dist_env: Distributed, dtype: torch.dtype, cfg: TrainConfig,
-                         compile: bool, plain: bool = False, parallel: str = "ddp") -> TrainingModel:
-    """Move the model to the device (ddp) or shard it onto the device (fsdp), set its --activation_checkpointing,
-    make its optimizers (cfg's; Muon's work shared by the ranks) and GradScaler, then compile it and wrap it in DDP
-    (ddp, several ranks).
+                         compile: bool, plain: bool = False, parallel: str = "ddp",
+                         compile_mode: str | None = None) -> TrainingModel:
+    """Move the model to the device (ddp) or shard it onto the device (fsdp), set its --activation_checkpointing and
+    --fp8_head, make its optimizers (cfg's; Muon's work shared by the ranks) and GradScaler, then compile it (in
+    torch.compile's compile_mode: None is its default) and wrap it in DDP (ddp, several ranks).
 
     plain: bench.py's baseline, with the for-loop AdamW instead of the fused one.
     """
@@ -55,6 +57,10 @@ def build_training_model(raw_model: torch.nn.Module, dist_env: Distributed, dtyp
     if compile and device.type == "mps":
         raise UserError("--compile is not supported on MPS (torch.compile's MPS backend is experimental and fails "
                         "on this model); leave --compile out.")
+    if cfg.fp8_head:
+        check_fp8_head(device, dtype, cfg.micro_batch_size * (cfg.seq_len or raw_model.config.block_size),
+                       raw_model.config.n_embd)
+        raw_model.loss_options = raw_model.loss_options | {"fp8": True}
     if parallel == "fsdp" and dtype == torch.float16:
         raise UserError("--parallel fsdp with fp16 is not supported (its loss scaling would need a sharded "
                         "GradScaler): use --dtype bf16 on GPUs that have it, --dtype fp32, or --parallel ddp.")
@@ -68,7 +74,7 @@ def build_training_model(raw_model: torch.nn.Module, dist_env: Distributed, dtyp
     optimizer = build_optimizers(raw_model, cfg, device.type, fused=not plain,
                                  shared=dist_env.world_size > 1 or parallel == "fsdp")
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    model = torch.compile(raw_model) if compile else raw_model
+    model = torch.compile(raw_model, mode=compile_mode) if compile else raw_model
     if dist_env.world_size > 1 and parallel == "ddp":
         # (No buffers to send every step: the only ones, modern's rotation tables, are the same constants everywhere.)
         model = DDP(model, device_ids=[dist_env.local_rank] if device.type == "cuda" else None,

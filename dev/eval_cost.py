@@ -18,7 +18,7 @@ from config import TrainConfig
 from distributed import setup_distributed
 from model import GPT, PRESETS
 from precision import dtype_name, pick_dtype
-from tools import bench
+from tools.bench_step import make_workload, time_config, write_random_shard
 
 
 def main() -> None:
@@ -37,12 +37,11 @@ def main() -> None:
     dist_env = setup_distributed(args.device)
     device, dtype = dist_env.device, pick_dtype("auto", dist_env.device)
 
-    flags = ["--model", args.model, "--micro_batch_size", str(args.micro_batch_size), "--seq_len", str(args.seq_len),
-             "--grad_accum_steps", str(args.grad_accum_steps), "--device", args.device]
-    work = bench.make_workload(bench.parse_args(flags), dist_env)
+    work = make_workload(dist_env, args.grad_accum_steps, model=args.model, micro_batch_size=args.micro_batch_size,
+                         seq_len=args.seq_len, device=args.device)
     with tempfile.TemporaryDirectory() as data_dir:
-        bench.write_random_shard(data_dir, work, work.plan.model_config.vocab_size)
-        step = bench.time_config(work, data_dir, dtype, compile=False, plain=False, steps=5, warmup=1)
+        write_random_shard(data_dir, work, work.plan.model_config.vocab_size)
+        step = time_config(work, data_dir, dtype, compile=False, plain=False, steps=5, warmup=1)
     step_seconds = step["ms_per_step"] / 1000
 
     names = evals.parse_task_names(args.tasks, "--tasks")

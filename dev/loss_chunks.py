@@ -10,7 +10,8 @@ import argparse
 import torch
 
 from distributed import setup_distributed
-from tools import bench
+from tools.bench_loss import time_loss
+from tools.bench_step import make_workload
 
 
 def main() -> None:
@@ -20,12 +21,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_float32_matmul_precision("high")
     dist_env = setup_distributed(args.device)
-    work = bench.make_workload(bench.parse_args(["--model", "gpt2", "--micro_batch_size", "64", "--seq_len", "1024",
-                                                 "--device", args.device]), dist_env)
-    full = bench.time_loss(work, torch.bfloat16, True, True)
+    work = make_workload(dist_env, model="gpt2", micro_batch_size=64, seq_len=1024, device=args.device)
+    full = time_loss(work, torch.bfloat16, True, True)
     print(f"full logits: {full:.1f} ms")
     for chunk in args.chunks:
-        ms = bench.time_loss(work, torch.bfloat16, True, False, chunk_tokens=chunk)
+        ms = time_loss(work, torch.bfloat16, True, False, chunk_tokens=chunk)
         print(f"chunks of {chunk:6d} tokens: {ms:.1f} ms ({full / ms:.2f}x the full logits' speed)")
 
 

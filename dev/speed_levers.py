@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import optim
-from dev.step_profile import time_ms
 from model import GPT, PRESETS
+from tools.bench_step import time_ms
 
 NS_ARGS = ((3.4445, -4.7750, 2.0315), 5, 1e-7)  # torch.optim.Muon's coefficients, steps and eps
 

@@ -9,7 +9,6 @@ issue 26's step-time bound (on an H100: 1.156x before the rotation's table, 1.01
 
 import argparse
 import statistics
-import time
 
 import torch
 from torch.autograd import DeviceType
@@ -18,6 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 from distributed import synchronize
 from model import GPT, PRESETS, with_arch
 from precision import autocast
+from tools.bench_step import time_ms
 
 
 def timed_and_profiled_micro_step(arch: str, args: argparse.Namespace) -> tuple[float, profile]:
@@ -40,15 +40,6 @@ def timed_and_profiled_micro_step(arch: str, args: argparse.Namespace) -> tuple[
         micro_step()
         synchronize(device)
     return milliseconds, prof
-
-
-def time_ms(run, device: torch.device) -> float:
-    """run()'s time in ms, the device's queued work included."""
-    synchronize(device)
-    start = time.perf_counter()
-    run()
-    synchronize(device)
-    return 1000 * (time.perf_counter() - start)
 
 
 def device_ms(events) -> float:

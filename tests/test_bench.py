@@ -12,7 +12,8 @@ from helpers_train import run_train, train_env
 from model import GPT, PRESETS
 
 RUN_KEYS = {"name", "dtype", "compile", "ms_per_step", "optimizer_ms", "tokens_per_sec", "tflops", "peak_tflops",
-            "mfu", "peak_source", "peak_memory_mib", "warmup_peak_memory_mib", "data_wait", "loss", "losses"}
+            "mfu", "peak_source", "peak_memory_mib", "warmup_peak_memory_mib", "data_wait", "loss", "losses",
+            "warmup_seconds", "attention_choice", "attention_kernels"}
 REPORT_KEYS = {"device", "world_size", "model", "n_layer", "n_head", "n_embd", "parameters", "micro_batch_size",
                "seq_len", "grad_accum_steps", "tokens_per_step", "flops_per_token", "runs", "speedup", "memory",
                "load_average", "cpu_count"}
@@ -67,7 +68,7 @@ def test_bench_times_ours_against_the_full_logits_loss_and_generation_with_and_w
 
 
 def test_the_full_logits_baseline_is_cross_entropy_over_every_padded_column():
-    from tools.bench import FullLogitsGPT
+    from tools.bench_step import FullLogitsGPT
 
     torch.manual_seed(0)
     config = PRESETS["tiny"]
@@ -108,16 +109,16 @@ def test_compiled_training_with_validation_and_sampling_matches_eager(tmp_path, 
 def test_a_configuration_that_runs_out_of_memory_is_reported_and_the_rest_still_measured(monkeypatch, capsys):
     """On an 80 GB GPU the fp32 baseline at the CUDA defaults (B=64, T=1024) needs ~87 GiB."""
     from distributed import Distributed
-    from tools import bench
+    from tools import bench, bench_step
 
-    real_time_config = bench.time_config
+    real_time_config = bench_step.time_config
 
     def baseline_out_of_memory(work, data_dir, dtype, compile, plain, steps, warmup, full_logits=False):
         if plain:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.28 GiB")
         return real_time_config(work, data_dir, dtype, compile, plain, steps, warmup, full_logits)
 
-    monkeypatch.setattr(bench, "time_config", baseline_out_of_memory)
+    monkeypatch.setattr(bench_step, "time_config", baseline_out_of_memory)
     args = bench.parse_args(["--model", "tiny", "--device", "cpu", "--micro_batch_size", "2", "--seq_len", "16",
                              "--steps", "1", "--warmup", "0", "--compare", "--dtype", "fp32"])
     report = bench.benchmark(args, Distributed(0, 0, 1, torch.device("cpu")))
@@ -133,21 +134,22 @@ def test_the_memory_plans_numbers_agree_with_the_budget_memory_py_measures_on_th
     """bench.py --plan extrapolates the activations from 1- and 2-layer models; memory.py measures the whole one."""
     from memory import GiB, fixed_bytes, largest_micro_batch, measure_activation_bytes_per_sequence
     from model import ACTIVATION_CHECKPOINTING, GPTConfig
-    from tools import bench
+    from tools import bench_memory
 
     config = GPTConfig(block_size=128, vocab_size=50257, n_layer=6, n_head=4, n_embd=128)  # the loss counts, too
-    plan = bench.memory_plan([0.25], torch.device("cpu"), {"six": config}, seq_len=128, total_batch_size=128 * 128)
+    plan = bench_memory.memory_plan([0.25], torch.device("cpu"), {"six": config}, seq_len=128,
+                                    total_batch_size=128 * 128)
     for mode in ACTIVATION_CHECKPOINTING:
         measured = measure_activation_bytes_per_sequence(config, 128, torch.bfloat16, activation_checkpointing=mode)
         planned = plan["activation_bytes_per_sequence"]["six"][mode]
         assert planned == pytest.approx(measured, rel=0.1)
-        for cards in bench.PLAN_CARDS:
+        for cards in bench_memory.PLAN_CARDS:
             for parallel in ("ddp", "fsdp"):
                 fixed = fixed_bytes(config, cards, parallel, torch.bfloat16)
                 size = plan["micro_batch"]["0.25"]["six"][cards][f"{parallel} {mode}"]
                 assert fixed + size * planned == pytest.approx(fixed + size * measured, rel=0.1)
                 assert size == largest_micro_batch(GiB // 4, fixed, measured, 128 // cards).size
-    table = bench.format_plan(plan).splitlines()
+    table = bench_memory.format_plan(plan).splitlines()
     assert "| model | cards | ddp | ddp + blocks | ddp + selective | fsdp | fsdp + blocks | fsdp + selective |" in table
     sizes = plan["micro_batch"]["0.25"]["six"][1]
     assert f"| six | 1 | {sizes['ddp none']} | {sizes['ddp blocks']} |" in "\n".join(table)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import types
 import xml.etree.ElementTree as ET
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,10 @@ from distributed import Distributed
 from helpers_train import train_env
 from memory import MiB, compiled_loss_bytes_per_sequence
 from model import PRESETS
-from tools import gpu_check
-from tools.gpu_check import Report, Scale, junit_row
+from tools import gpu_check_bench, gpu_check_report, gpu_check_train
+from tools.gpu_check_report import Report
+from tools.gpu_check_scale import CPU_SMOKE, GPU, Scale
+from tools.gpu_check_tests import junit_row
 
 # What an offline GPU machine with a bare PyTorch lacks; gpu_check.py and everything it starts must not need them.
 ABSENT_PACKAGES = ("wandb", "datasets", "transformers")
@@ -53,7 +56,7 @@ def test_a_junit_test_case_becomes_a_row_with_what_the_test_printed():
 
 
 def test_a_check_that_raises_is_a_fail_row_and_the_report_goes_on(tmp_path):
-    report = Report(tmp_path, {"device": "cpu"}, gpu_check.CPU_SMOKE)
+    report = Report(tmp_path, {"device": "cpu"}, CPU_SMOKE)
 
     def broken() -> tuple:
         raise KeyError("loss")
@@ -74,8 +77,8 @@ def test_the_report_names_the_gpu_its_capability_memory_driver_and_versions(monk
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 3))
     monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91002)
-    monkeypatch.setattr(gpu_check, "nvidia_driver", lambda: "570.86.15")
-    info = gpu_check.machine_info(torch.device("cuda", 0))
+    monkeypatch.setattr(gpu_check_report, "nvidia_driver", lambda: "570.86.15")
+    info = gpu_check_report.machine_info(torch.device("cuda", 0))
     assert {k: info[k] for k in ("device", "GPUs", "compute capability", "memory", "driver", "cuDNN", "NCCL")} == {
         "device": "NVIDIA H100 80GB HBM3", "GPUs": 1, "compute capability": "9.0", "memory": "79.6 GiB",
         "driver": "570.86.15", "cuDNN": 91002, "NCCL": "2.27.3"}
@@ -83,7 +86,7 @@ def test_the_report_names_the_gpu_its_capability_memory_driver_and_versions(monk
 
 
 def test_the_gpu_scale_is_the_124m_recipe_shortened():
-    gpu: Scale = gpu_check.GPU
+    gpu: Scale = GPU
     assert (gpu.model, gpu.seq_len, gpu.dtype, gpu.compile, gpu.train_steps) == ("gpt2", 1024, "bf16", True, 300)
     assert gpu.max_lr == 6e-4 and gpu.bench_sequences * gpu.seq_len == 524_288  # the recipe's LR and batch
 
@@ -105,17 +108,17 @@ def printed_by_a_run(texts: list[str], monkeypatch, capsys) -> str:
 def test_samples_holding_both_quotes_pass_and_one_without_the_prompt_fails(monkeypatch, capsys):
     # repr() prints a text holding both ' and " in single quotes with its ' escaped: 'Hello, I\'m a language model,
     # ... "'. The check searched the printed line for the prompt, so on the H100 it failed such samples (issue 30).
-    prompt = gpu_check.SAMPLE_PROMPT
+    prompt = gpu_check_train.SAMPLE_PROMPT
     texts = [prompt + ' and I said "hi".', prompt + " plain", prompt + "\n\tnew line", prompt + ' "quoted" it\'s']
-    run = gpu_check.TrainRun(0, [], printed_by_a_run(texts, monkeypatch, capsys), hellaswag=False, samples=True,
+    run = gpu_check_train.TrainRun(0, [], printed_by_a_run(texts, monkeypatch, capsys), hellaswag=False, samples=True,
                              skip_reason="")
     assert "I\\'m a language model" in run.output  # the escaped form this is about
-    assert gpu_check.printed_samples(run.output) == texts
-    figure, bound, passed = gpu_check.train_samples(run, gpu_check.GPU)
+    assert gpu_check_train.printed_samples(run.output) == texts
+    figure, bound, passed = gpu_check_train.train_samples(run, GPU)
     assert passed and figure.startswith("4 decoded") and bound == "≥ 4, each starting with the prompt"
     # The prompt elsewhere than at the start is not a sample of it.
     run.output += printed_by_a_run(["Goodbye. " + prompt], monkeypatch, capsys)
-    assert gpu_check.train_samples(run, gpu_check.GPU)[2] is False
+    assert gpu_check_train.train_samples(run, GPU)[2] is False
 
 
 def test_compiled_against_eager_allows_noise_and_the_loss_chunks_held_at_once_and_fails_beyond_them():
@@ -123,7 +126,7 @@ def test_compiled_against_eager_allows_noise_and_the_loss_chunks_held_at_once_an
         eager = {"tokens_per_sec": 1_000_000.0, "peak_memory_mib": eager_mib, "warmup_peak_memory_mib": eager_mib}
         compiled = {"tokens_per_sec": speedup * 1_000_000.0, "peak_memory_mib": compiled_mib,
                     "warmup_peak_memory_mib": compiled_mib, "micro_batch_size": micro_batch}
-        return gpu_check.bench_compiled_vs_eager(eager, compiled, gpu_check.GPU)[2]
+        return gpu_check_bench.bench_compiled_vs_eager(eager, compiled, GPU)[2]
 
     # GPT-2 124M, T=1024, bf16, chunks of 4,096 tokens: 117 MiB a sequence, 7,467 MiB at B=64.
     chunks = 64 * compiled_loss_bytes_per_sequence(PRESETS["gpt2"], 1024, torch.bfloat16, 4096) / MiB
@@ -133,7 +136,7 @@ def test_compiled_against_eager_allows_noise_and_the_loss_chunks_held_at_once_an
     assert verdict(0.9, 40_000, 40_000) is False and verdict(1.3, 40_000, 42_000 + chunks + 10) is False
     # The leases' own figures pass: an H200 at B=256 (2026-11-28), an H100 at B=128 (2026-11-26, second lease).
     assert verdict(1.50, 88_901.7, 115_864.4, 256) and verdict(1.91, 47_718.4, 59_392.0, 128)
-    assert gpu_check.bench_compiled_vs_eager({"skipped": "out of memory"}, {}, gpu_check.GPU)[2] is None
+    assert gpu_check_bench.bench_compiled_vs_eager({"skipped": "out of memory"}, {}, GPU)[2] is None
 
 
 @pytest.mark.slow
@@ -168,6 +171,9 @@ def test_cpu_smoke_runs_every_stage_and_reports_a_verdict_per_check(tmp_path, gp
     skipped = {name for (stage, name), r in rows.items() if r["verdict"] == "SKIP"}
     allowed = {"test_compiled_training_matches_eager_over_20_steps_with_no_more_peak_memory", "tiny fp32 compiled",
                "tiny: compiled against eager"} | {
+        f"test_attention_runs_each_fused_kernel_in_bf16_and_agrees_with_the_math_kernel[{kernel}]"
+        for kernel in ("cudnn", "efficient")} | {
+        "test_the_fp8_head_on_the_device_gives_the_loss_and_gradients_of_its_quantised_operands"} | {
         f"test_greedy_generation_with_the_kv_cache_is_the_argmax_of_full_forwards_token_for_token[fp32-compiled_step-"
         f"{arch}]" for arch in ("gpt2", "modern")}
     if not hellaswag.is_file():
@@ -178,3 +184,117 @@ def test_cpu_smoke_runs_every_stage_and_reports_a_verdict_per_check(tmp_path, gp
     assert "| stage | check | figure | bound | verdict |" in markdown
     assert markdown.count("**PASS**") == sum(r["verdict"] == "PASS" for r in report["rows"]) >= 20
     assert Path(tmp_path / "out" / "train" / "metrics.jsonl").is_file()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the perf stage (issue 52's lease): its verdicts on given figures, and the stage on the CPU
+
+GOAL = GPU.perf.goal
+
+
+def a_run(tokens_per_sec: float, memory_mib: float = 30_000.0, **extra) -> dict:
+    return {"tokens_per_sec": tokens_per_sec, "peak_memory_mib": memory_mib, "mfu": 0.45, "ms_per_step": 524_288 /
+            tokens_per_sec * 1000, "optimizer_ms": 1.7, "losses": [10.9, 10.1, 9.5], "attention_kernels": ["flash"],
+            "attention_choice": "torch's own order"} | extra
+
+
+def test_the_perf_verdicts_hold_each_variant_to_issue_52s_goal():
+    from tools.gpu_check_perf import against_baseline, kernel_against_default, modern_against_gpt2, muon_against_adamw
+
+    baseline, ours = {"tokens_per_sec": 518_000.0, "peak_memory_mib": 29_600.0}, a_run(516_000.0)
+    assert against_baseline(a_run(600_000.0), baseline, ours, GOAL.fp8_speed)[2]  # 1.158x
+    figure, bound, passed = against_baseline(a_run(590_000.0), baseline, ours, GOAL.fp8_speed)
+    assert not passed and bound == "≥ 1.15× the baseline's tokens/s" and "1.139× the full-logits baseline's" in figure
+    assert against_baseline({"skipped": "out of memory at B=64"}, baseline, ours, 1.15)[2] is False
+    assert muon_against_adamw(a_run(491_000.0), ours, GOAL)[2] and not muon_against_adamw(a_run(489_000.0), ours,
+                                                                                           GOAL)[2]
+    assert modern_against_gpt2(a_run(506_000.0), ours, GOAL)[2] and not modern_against_gpt2(a_run(505_000.0), ours,
+                                                                                             GOAL)[2]
+    assert modern_against_gpt2(a_run(300_000.0), ours, None)[2]  # not judged on a CPU
+    cudnn = a_run(530_000.0, losses=[10.9, 10.105, 9.49], attention_kernels=["cudnn"], attention_choice="cudnn")
+    figure, _, passed = kernel_against_default(cudnn, ours, GOAL)
+    assert passed and figure.startswith("ran cudnn (cudnn): 530,000 tokens/s, 1.027× the default's (flash)")
+    assert not kernel_against_default(a_run(530_000.0, losses=[10.9, 10.2, 9.5]), ours, GOAL)[2]  # 0.1 apart
+
+
+def test_the_short_runs_pass_within_001_of_bf16s_val_loss_and_without_fp8_say_why():
+    from tools.gpu_check_perf import short_runs_compared
+
+    def runs(fp8_val_loss: float | None) -> dict:
+        bf16 = {"losses": [10.9] * 100, "val_loss": 6.500, "tokens": 6_553_600, "train_seconds": 14.0}
+        return {"bf16": bf16} | ({"fp8": bf16 | {"val_loss": fp8_val_loss, "train_seconds": 12.5}}
+                                 if fp8_val_loss is not None else {})
+
+    assert short_runs_compared(runs(6.509), None, GOAL)[2] and not short_runs_compared(runs(6.512), None, GOAL)[2]
+    assert not short_runs_compared(runs(float("nan")), None, GOAL)[2]
+    figure, _, passed = short_runs_compared(runs(None), "it needs FP8 tensor cores", GOAL)
+    assert passed is None and figure.endswith("--fp8_head not run: it needs FP8 tensor cores")
+
+
+def test_the_leanest_schedule_peaks_lowest_within_5_percent_of_inlines_time():
+    from tools.gpu_check_perf import leanest_schedule
+
+    schedules = {"inline": {"ms": 30.0, "peak_bytes": 9e9}, "grad_w_op": {"ms": 31.0, "peak_bytes": 2e9},
+                 "eager": {"ms": 45.0, "peak_bytes": 1e9}, "compiled_chunks": {"ms": 31.4, "peak_bytes": 1.5e9}}
+    assert leanest_schedule(schedules) == "compiled_chunks"  # eager peaks lower, but takes 1.5x as long
+    assert leanest_schedule({"inline": schedules["inline"], "eager": schedules["eager"]}) is None
+    off_cuda = {name: s | {"peak_bytes": None} for name, s in schedules.items()}
+    assert leanest_schedule(off_cuda) == "grad_w_op"  # no peaks: the fastest
+
+
+def test_a_row_that_would_not_fit_the_time_left_is_skipped_and_the_later_ones_still_run(tmp_path, monkeypatch):
+    from tools import gpu_check_perf
+
+    ran = []
+    rows = {name: (title, lambda perf, title, name=name: ran.append(name))
+            for name, (title, _) in gpu_check_perf.ROWS.items()}
+    monkeypatch.setattr(gpu_check_perf, "ROWS", rows)
+    monkeypatch.setattr(gpu_check_perf, "write_synthetic_shards", lambda *args: None)
+    costs = {name: (0, 0) for name in rows} | {"fp8_speed": (100, 0)}  # 100 compilations: more than the budget
+    scale = replace(CPU_SMOKE, perf=replace(CPU_SMOKE.perf, row_costs=costs, compile_seconds=100))
+    report = Report(tmp_path, {"device": "cpu"}, scale)
+    gpu_check_perf.perf_stage(report, scale, types.SimpleNamespace(data_dir=str(tmp_path)))
+    assert ran == [name for name in rows if name != "fp8_speed"]
+    assert report.rows[-1].name == "tiny: what each row took" and "fp8_speed" not in report.rows[-1].figure
+    skipped = [row for row in report.rows if row.verdict == "SKIP"]
+    assert len(skipped) == 1 and skipped[0].name == "tiny: --fp8_head against the full-logits loss"
+    assert skipped[0].figure.startswith("not run: ") and "it takes about 10,000 s" in skipped[0].figure
+
+
+def test_buffers_alive_follows_inductors_allocations_reuses_and_frees():
+    from tools.bench_loss_memory import buffers_alive
+
+    code = """
+    def call(self, args):
+        buf0 = empty_strided_cuda((4096, 50304), (50304, 1), torch.bfloat16)
+        buf1 = empty_strided_cuda((4096, ), (1, ), torch.float32)
+        buf2 = buf0; del buf0  # reuse
+        buf3 = empty_strided_cuda((4096, 50304), (50304, 1), torch.bfloat16)
+        buf4 = reinterpret_tensor(buf1, (4096, 1), (1, 1), 0); del buf1  # reuse
+        del buf2
+        buf5 = empty_strided_cuda((50304, 768), (768, 1), torch.bfloat16)
+        del buf3, buf4
+        return (buf5, )
+    """
+    live = buffers_alive(code)
+    assert live.most_alive[((4096, 50304), "bfloat16")] == 2 and live.most_alive[((50304, 768), "bfloat16")] == 1
+    assert live.peak_bytes == 2 * 4096 * 50304 * 2 + 4096 * 4
+
+
+@pytest.mark.slow  # about 4 minutes on two busy cores: every row at a tiny size, the loss alone compiled
+def test_cpu_smoke_runs_the_perf_stage_every_row_reported(tmp_path):
+    command = [sys.executable, "-m", "tools.gpu_check", "--cpu-smoke", "--stage", "perf", "--out", str(tmp_path)]
+    proc = subprocess.run(command, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = {r["name"]: r for r in json.loads((tmp_path / "report.json").read_text())["rows"]}
+    skipped = {name for name, r in rows.items() if r["verdict"] == "SKIP"}
+    # --fp8_head refuses a CPU (its rows say why), and the kernels' times are CUDA's
+    assert skipped == {"tiny: --fp8_head against the full-logits loss", "tiny: --fp8_head's val loss after a short run",
+                       "tiny: --arch modern's kernels against gpt2's"}
+    assert all("it needs a CUDA GPU with FP8 tensor cores" in rows[name]["figure"] for name in skipped if "fp8" in name)
+    assert rows["tiny: the attention kernel the compiled step runs"]["figure"].startswith("flash (torch's own order")
+    assert rows["tiny: Inductor's code of the inline loss"]["figure"].startswith(
+        "at most 1 buffers of a chunk's logits (64, 50304)")
+    assert rows["tiny: compile mode default"]["verdict"] == rows["wall time"]["verdict"] == "PASS"
+    assert rows["tiny: what each row took"]["figure"].startswith("vs_full_logits ")
+    assert len(rows) == 17 and (tmp_path / "perf_inductor_inline_0.py").is_file()

@@ -13,7 +13,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import hf
 from distributed import teardown_distributed
-from model import GPT, GPTConfig, loss_chunk_tokens
+from fp8_emulation import emulated_fp8_loss, fp8_case, relative_error
+from model import GPT, GPTConfig, linear_cross_entropy, loss_chunk_tokens
 
 # vocab 97 is padded to 128 rows, so the padding rows' gradient is checked too.
 TINY = GPTConfig(block_size=16, vocab_size=97, n_layer=2, n_head=2, n_embd=16)
@@ -292,3 +293,160 @@ def test_compiled_model_matches_eager():
     loss.backward()
     assert loss.item() == pytest.approx(eager_loss.item(), rel=1e-5)
     assert_close_relative(gradients(model), eager, rel=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# --fp8_head: the output layer's matmuls through torch._scaled_mm, which torch 2.13 runs on the CPU too
+
+
+def fp8_loss_and_grads(x, weight, targets, fp8: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    with torch.autocast("cpu", torch.bfloat16):
+        loss = linear_cross_entropy(x, weight, targets, 1000, 32, fp8=fp8)
+    loss.backward()
+    grads = x.grad.float(), weight.grad.float()
+    x.grad = weight.grad = None
+    return loss.detach(), *grads
+
+
+def test_the_fp8_head_gives_the_loss_and_gradients_of_its_quantised_operands():
+    x, weight, targets = fp8_case()
+    loss, grad_x, grad_w = fp8_loss_and_grads(x, weight, targets, fp8=True)
+    expected_loss, expected_x, expected_w = emulated_fp8_loss(x.detach(), weight.detach(), targets, 1000)
+    bf16_loss, bf16_x, bf16_w = fp8_loss_and_grads(x, weight, targets, fp8=False)
+    # The real torch._scaled_mm against the emulation: the same roundings, summed in another order (measured: 1e-7
+    # and 4e-7; a bf16 logit or an e5m2 gradient entry that rounded the other way would show as 1e-3 or more).
+    assert loss.item() == pytest.approx(expected_loss.item(), rel=1e-5)
+    errors = relative_error(grad_x, expected_x), relative_error(grad_w, expected_w)
+    assert max(errors) < 1e-4, errors
+    # And FP8 is what ran: the bf16 path is far from the emulation (measured: 5e-2 and 4e-2).
+    bf16_errors = relative_error(bf16_x, expected_x), relative_error(bf16_w, expected_w)
+    assert min(bf16_errors) > 100 * max(errors), (errors, bf16_errors)
+    assert abs(bf16_loss.item() - loss.item()) < 1e-2  # the quantisation costs little in the loss itself
+
+
+class ScaledMatmuls:
+    """torch._scaled_mm, recording each call's operand dtypes, out dtype and fast accumulation, and asserting what
+    CUDA's kernel requires but the CPU's does not: the first operand row-major, the second column-major, every
+    dimension a multiple of 16, not both operands e5m2, each scale a single fp32 number."""
+
+    def __init__(self):
+        self.real, self.calls = torch._scaled_mm, []
+
+    def __call__(self, a, b, scale_a, scale_b, out_dtype=None, use_fast_accum=False, **kwargs):
+        assert a.stride(1) == 1 and b.stride(0) == 1, (a.stride(), b.stride())
+        assert all(d % 16 == 0 for d in (*a.shape, *b.shape)), (a.shape, b.shape)
+        assert torch.float8_e5m2 not in (a.dtype,) or b.dtype != torch.float8_e5m2
+        assert all(s.dtype == torch.float32 and s.numel() == 1 for s in (scale_a, scale_b))
+        self.calls.append((a.dtype, b.dtype, out_dtype, use_fast_accum))
+        return self.real(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum,
+                         **kwargs)
+
+
+def test_the_fp8_matmuls_take_the_operands_as_cudas_kernel_requires(monkeypatch):
+    recorder = ScaledMatmuls()
+    monkeypatch.setattr(torch, "_scaled_mm", recorder)
+    x, weight, targets = fp8_case()
+    fp8_loss_and_grads(x, weight, targets, fp8=True)
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    per_chunk = [(e4m3, e4m3, torch.bfloat16, True),  # the logits: fast accumulation, as modded-nanogpt's forward
+                 (e5m2, e4m3, torch.bfloat16, False),  # the gradient of x, in the autocast dtype
+                 (e5m2, e4m3, torch.float32, False)]  # the gradient of the weight, summed over chunks in fp32
+    assert recorder.calls == per_chunk * 3  # 96 tokens in chunks of 32
+
+
+def test_validation_with_the_fp8_head_runs_in_the_autocast_dtype(monkeypatch):
+    # Without gradients (validation), the loss measures the weights: no FP8 rounding of the logits.
+    recorder = ScaledMatmuls()
+    monkeypatch.setattr(torch, "_scaled_mm", recorder)
+    x, weight, targets = fp8_case()
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        fp8 = linear_cross_entropy(x, weight, targets, 1000, 32, fp8=True)
+        plain = linear_cross_entropy(x, weight, targets, 1000, 32)
+    assert recorder.calls == [] and fp8.item() == plain.item()
+
+
+def test_the_fp8_head_refuses_a_cpu_an_older_gpu_and_another_dtype_naming_the_flag(monkeypatch):
+    from errors import UserError
+    from fp8 import check_fp8_head, fp8_head_problem
+
+    assert "CUDA GPU with FP8 tensor cores" in fp8_head_problem(torch.device("cpu"), torch.bfloat16)
+    # CUDA's answers faked (this torch build has none), both sides of sm89: an A100 and an H100.
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    cuda = torch.device("cuda", 0)
+    assert "compute capability 8.9 or later" in fp8_head_problem(cuda, torch.bfloat16)
+    assert "A100-SXM4-80GB has 8.0" in fp8_head_problem(cuda, torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert fp8_head_problem(cuda, torch.bfloat16) is None
+    assert "--dtype is float16" in fp8_head_problem(cuda, torch.float16)
+    check_fp8_head(cuda, torch.bfloat16, 64 * 1024, 768)
+    with pytest.raises(UserError, match=r"^--fp8_head: its FP8 matmuls need .* multiples of 16\. Leave --fp8_head out"):
+        check_fp8_head(cuda, torch.bfloat16, 64 * 1000 + 8, 768)
+    with pytest.raises(UserError, match=r"^--fp8_head: it needs a CUDA GPU with FP8 tensor cores .* on cpu\."):
+        check_fp8_head(torch.device("cpu"), torch.bfloat16, 1024, 768)
+
+
+@pytest.mark.slow  # a few seconds: train_gpt2.py's start
+def test_train_gpt2_with_fp8_head_on_a_cpu_exits_2_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import ROOT, make_shards
+    from helpers_train import train_env
+
+    make_shards(tmp_path / "data", "train", [4000])
+    command = [sys.executable, "train_gpt2.py", "--model", "tiny", "--device", "cpu", "--fp8_head", "--data_dir",
+               str(tmp_path / "data"), "--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "32",
+               "--max_steps", "1", "--val_every", "0", "--sample_every", "0", "--eval_every", "0",
+               "--log_dir", str(tmp_path / "logs")]
+    proc = subprocess.run(command, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --fp8_head: it needs a CUDA GPU with FP8 tensor cores") and "Traceback" not in \
+        proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# where the compiled chunk loop runs (model.LOSS_SCHEDULES): the candidates for compiled memory
+
+
+def test_every_loss_schedule_gives_todays_loss_and_gradients_uncompiled():
+    # Uncompiled, "eager" and "grad_w_op" run the same ops as today's loop (the op adds the same product in place);
+    # "compiled_chunks" compiles its chunks even here, so it is checked with the compiled ones.
+    model = tiny_model()
+    idx, targets = batch()
+    _, loss = model(idx, targets)
+    loss.backward()
+    expected = gradients(model)
+    for schedule in ("eager", "grad_w_op"):
+        model.loss_options = {"schedule": schedule}
+        _, scheduled = model(idx, targets)
+        scheduled.backward()
+        assert scheduled.item() == loss.item(), schedule
+        grads = gradients(model)
+        assert all(torch.equal(grads[name], expected[name]) for name in expected), schedule
+
+
+@pytest.mark.slow  # about a minute: three compilations of the loss alone
+def test_every_compiled_loss_schedule_gives_eagers_loss_and_gradients_and_inline_holds_every_product():
+    from model import LOSS_SCHEDULES
+    from tools.bench_loss_memory import buffers_alive, generated_code, loss_function, loss_inputs, loss_step
+
+    vocab, chunk = 1000, 128
+    inputs = loss_inputs(512, 64, 1024, vocab, torch.device("cpu"))  # 4 chunks
+    eager = loss_step(loss_function(vocab, chunk, "inline", compile=False), *inputs, torch.bfloat16)
+    products = {}
+    for schedule in LOSS_SCHEDULES:
+        loss_fn = loss_function(vocab, chunk, schedule, compile=True)
+        codes = generated_code(loss_fn, *inputs, torch.bfloat16)
+        loss, grad_x, grad_w = loss_step(loss_fn, *inputs, torch.bfloat16)
+        assert loss == pytest.approx(eager[0], rel=1e-5), schedule
+        assert relative_error(grad_x, eager[1]) < 1e-3 and relative_error(grad_w, eager[2]) < 1e-3, schedule
+        alive = [buffers_alive(code).most_alive for code in codes]
+        products[schedule] = max((n for counts in alive for (shape, dtype), n in counts.items()
+                                  if shape == (1024, 64) and dtype == "bfloat16"), default=0)
+        assert all(n <= 1 for counts in alive for (shape, _), n in counts.items() if shape == (chunk, 1024)), schedule
+    # Inline, Inductor keeps every chunk's bf16 product of the weight's gradient for one fused sum at the end (the
+    # bf16 cast of the weight shares its shape); in an op of its own, each is added and freed in turn.
+    assert products["inline"] >= 4 and products["grad_w_op"] <= 1
+    assert products["eager"] == 0  # nothing compiled: the loss stays out of the graph

@@ -18,11 +18,14 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from attention_kernels import BACKENDS, available_kernels, kernels_in_profile
 from config import TrainConfig
 from conftest import make_shards, perturb_
 from dataloader import DistributedDataLoader, write_shard
 from distributed import Distributed, teardown_distributed
-from model import GPT, PRESETS, GPTConfig, with_arch
+from fp8 import fp8_head_problem
+from fp8_emulation import emulated_fp8_loss, fp8_case, relative_error
+from model import GPT, PRESETS, GPTConfig, linear_cross_entropy, with_arch
 from parallel import build_training_model
 from precision import DTYPES, autocast
 from training import train_step
@@ -94,7 +97,11 @@ def test_chunked_loss_and_every_gradient_match_full_logits_cross_entropy(gpu_dev
     assert torch.all(grads["transformer.wte.weight"][model.config.vocab_size:] == 0)  # the padding rows
 
 
-def test_attention_runs_the_flash_kernel_in_bf16_and_agrees_with_the_math_kernel(gpu_device):
+@pytest.mark.parametrize("kernel", ["flash", "cudnn", "efficient"])
+def test_attention_runs_each_fused_kernel_in_bf16_and_agrees_with_the_math_kernel(gpu_device, kernel):
+    # (flash on the CPU too; cuDNN's needs cuDNN 9 and sm80+, the memory-efficient one CUDA: skipped where missing)
+    if kernel not in available_kernels(gpu_device, torch.bfloat16, 64):
+        pytest.skip(f"the {kernel} attention kernel does not run on this {gpu_device.type} device")
     model, idx, targets = loss_case(gpu_device)
 
     def step(backend: SDPBackend) -> tuple[float, list[str]]:
@@ -106,14 +113,48 @@ def test_attention_runs_the_flash_kernel_in_bf16_and_agrees_with_the_math_kernel
         model.zero_grad(set_to_none=True)
         return loss.item(), [event.key for event in prof.key_averages()]
 
-    flash_loss, flash_ops = step(SDPBackend.FLASH_ATTENTION)
+    fused_loss, fused_ops = step(BACKENDS[kernel])
     math_loss, _ = step(SDPBackend.MATH)
-    attention_ops = sorted({op for op in flash_ops if "scaled_dot_product" in op})
-    print("attention ops:", attention_ops)
-    # aten::_scaled_dot_product_flash_attention (on a CPU: ..._flash_attention_for_cpu); its backward ran under the
-    # same restriction without failing (on CUDA in autograd's own thread, which the profiler may not list).
-    assert any("flash_attention" in op and "backward" not in op for op in attention_ops)
-    assert abs(flash_loss - math_loss) / math_loss < 5e-3  # bf16 attention, two kernels
+    attention_ops = sorted({op for op in fused_ops if "scaled_dot_product" in op})
+    print(f"{kernel}: attention ops: {attention_ops}, loss {fused_loss:.6f} against math's {math_loss:.6f}")
+    # aten::_scaled_dot_product_flash_attention (on a CPU: ..._flash_attention_for_cpu), ..._cudnn_attention, ...;
+    # its backward ran under the same restriction without failing (on CUDA in autograd's own thread, which the
+    # profiler may not list).
+    assert kernels_in_profile(op for op in attention_ops if "backward" not in op) == [kernel]
+    assert abs(fused_loss - math_loss) / math_loss < 5e-3  # bf16 attention, two kernels
+
+
+def test_the_fp8_head_on_the_device_gives_the_loss_and_gradients_of_its_quantised_operands(gpu_device):
+    problem = fp8_head_problem(gpu_device, torch.bfloat16)
+    if problem:  # (on the CPU, tests/test_loss.py checks torch._scaled_mm against the same emulation)
+        pytest.skip(f"--fp8_head: {problem}")
+    vocab_size, chunk = 8000, 1024
+    x, weight, targets = fp8_case(4096, 768, 8064, vocab_size, device=gpu_device)  # GPT-2's width, 4 chunks
+
+    def loss_and_grads(fp8: bool) -> tuple[float, torch.Tensor, torch.Tensor]:
+        with autocast(gpu_device, torch.bfloat16):
+            loss = linear_cross_entropy(x, weight, targets, vocab_size, chunk, fp8=fp8)
+        loss.backward()
+        grads = x.grad.float(), weight.grad.float()
+        x.grad = weight.grad = None
+        return loss.item(), *grads
+
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")  # the emulation's fp32 matmuls in fp32, not TF32
+    try:
+        expected_loss, expected_x, expected_w = emulated_fp8_loss(x.detach(), weight.detach(), targets, vocab_size)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    loss, grad_x, grad_w = loss_and_grads(fp8=True)
+    _, bf16_x, bf16_w = loss_and_grads(fp8=False)
+    errors = relative_error(grad_x, expected_x), relative_error(grad_w, expected_w)
+    bf16_errors = relative_error(bf16_x, expected_x), relative_error(bf16_w, expected_w)
+    print(f"fp8 head: loss {loss:.6f} vs the emulation's {expected_loss.item():.6f}; gradients of x and w "
+          f"{errors[0]:.1e}, {errors[1]:.1e} from it (bf16's: {bf16_errors[0]:.1e}, {bf16_errors[1]:.1e})")
+    # cuBLAS adds the logits' products with Hopper's fast accumulation (fewer bits than fp32): a bf16 logit or an
+    # e5m2 gradient entry may round the other way, far less often than bf16's path differs from FP8's.
+    assert abs(loss - expected_loss.item()) / expected_loss.item() < 1e-3
+    assert max(errors) < 1e-2 and min(bf16_errors) > 2 * max(errors)
 
 
 def train_in_process(device: torch.device, data_dir, compile: bool, steps: int, config: GPTConfig, B: int,

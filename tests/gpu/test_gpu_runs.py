@@ -29,7 +29,7 @@ from model import GPT, GPTConfig
 from optim import bf16_matmul_is_slow
 from snapshot import load_snapshot, save_snapshot, snapshot_path
 from timeline import find_latest_snapshot
-from tools.gpu_check import SAMPLE_PROMPT, printed_samples
+from tools.gpu_check_train import SAMPLE_PROMPT, printed_samples
 
 pytestmark = pytest.mark.gpu
 
