@@ -1,6 +1,6 @@
 """The CPU the tests run as, in every process of the suite: pytest's own (tests/conftest.py imports this first) and
 every Python it starts (torchrun, its ranks, the tools), which import it through sitecustomize.py beside it
-(conftest.py puts this directory on their PYTHONPATH).
+(conftest.py puts this directory on their PYTHONPATH; it stands in for any other sitecustomize there).
 
 TESTS_CPU_BF16=1 or 0: what precision.cpu_has_bf16_arithmetic answers, the one question the code asks of the CPU
 (bf16 or fp32 for --dtype auto and for Muon's Newton–Schulz). Tests set it through conftest.py's cpu_bf16 fixture,
@@ -31,6 +31,7 @@ AVX2_ONLY = {"_is_avx2_supported": True, "_is_avx512_supported": False, "_is_avx
 
 
 def forced_bf16_arithmetic() -> bool:
+    """precision.cpu_has_bf16_arithmetic in the suite: the answer the test forced."""
     answer = os.environ.get(FORCED)
     if answer not in ("0", "1"):
         raise AssertionError(
@@ -93,4 +94,6 @@ patches = {"precision": force_the_question}
 if os.environ.get("TESTS_CPU") == "avx2":
     run_as_avx2_only()
     patches["torch.cpu"] = answer_as_avx2_only
+elif os.environ.get("TESTS_CPU"):
+    raise ValueError(f"TESTS_CPU={os.environ['TESTS_CPU']}: the one other CPU the suite can run as is avx2")
 sys.meta_path.insert(0, PatchOnImport(patches))
