@@ -40,11 +40,12 @@ def pytest_report_header() -> str | None:
     return None
 
 
-@pytest.fixture(params=[True, False], ids=["bf16_cpu", "fp32_cpu"])
+@pytest.fixture(params=[pytest.param(True, id="bf16_cpu", marks=pytest.mark.slow), pytest.param(False, id="fp32_cpu")])
 def cpu_bf16(request, monkeypatch) -> bool:
     """The test twice, whatever this machine is: as on a CPU with bf16 arithmetic (AVX512-BF16 or AMX: --dtype auto
     is bf16, and so is Muon's Newton–Schulz) and as on one without (AVX2: fp32 for both), in the processes it starts
-    too. Every test whose path asks precision.cpu_has_bf16_arithmetic needs it (cpu_host/cpu_host.py)."""
+    too. Every test whose path asks precision.cpu_has_bf16_arithmetic needs it (cpu_host/cpu_host.py). The inner loop
+    (-m 'not slow') runs the second only: the one that is fast on every CPU."""
     monkeypatch.setenv(cpu_host.FORCED, "1" if request.param else "0")
     return request.param
 
