@@ -4,6 +4,7 @@
 #   bash run_tests.sh                  # everything: what CI runs
 #   bash run_tests.sh -m "not slow"    # the inner loop: no torchrun, no torch.compile (about a minute)
 #   USE_CURRENT_PYTHON=1 bash run_tests.sh   # the python on PATH as it is: no venv, no pip (see python_env.sh)
+#   TESTS_CPU=avx2 bash run_tests.sh   # as on an x86 CPU with AVX2 but no AVX-512 or AMX (tests/cpu_host/cpu_host.py)
 set -euo pipefail
 cd "$(dirname "$0")"
 . ./python_env.sh

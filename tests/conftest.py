@@ -10,9 +10,17 @@ from contextlib import contextmanager, suppress
 from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
-import pytest
-import torch
+# The CPU the tests run as, in this process and in every Python the tests start (cpu_host/cpu_host.py says how):
+# set up before torch is imported, which reads TESTS_CPU=avx2's settings as it starts.
+CPU_HOST = Path(__file__).resolve().parent / "cpu_host"
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(CPU_HOST), os.environ.get("PYTHONPATH")]))
+sys.path.insert(0, str(CPU_HOST))
+import cpu_host  # noqa: E402
+
+# isort: split
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = Path(os.environ.get("SHARED_DATA", ROOT.parent / "shared" / "data"))
@@ -25,6 +33,23 @@ torch.set_num_threads(1)
 # tiktoken reads the GPT-2 tokenizer from this cache instead of downloading it (tests never touch the network).
 if TIKTOKEN_CACHE.is_dir():
     os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_CACHE))
+
+
+def pytest_report_header() -> str | None:
+    if os.environ.get("TESTS_CPU") == "avx2":
+        return (f"TESTS_CPU=avx2: as on an AVX2-only x86 CPU (torch's kernels: "
+                f"{torch.backends.cpu.get_cpu_capability()}; AMX: {torch.cpu._is_amx_tile_supported()})")
+    return None
+
+
+@pytest.fixture(params=[pytest.param(True, id="bf16_cpu", marks=pytest.mark.slow), pytest.param(False, id="fp32_cpu")])
+def cpu_bf16(request, monkeypatch) -> bool:
+    """The test twice, whatever this machine is: as on a CPU with bf16 arithmetic (AVX512-BF16 or AMX: --dtype auto
+    is bf16, and so is Muon's Newton–Schulz) and as on one without (AVX2: fp32 for both), in the processes it starts
+    too. Every test whose path asks precision.cpu_has_bf16_arithmetic needs it (cpu_host/cpu_host.py). The inner loop
+    (-m 'not slow') runs the second only: the one that is fast on every CPU."""
+    monkeypatch.setenv(cpu_host.FORCED, "1" if request.param else "0")
+    return request.param
 
 
 @pytest.fixture(scope="session")

@@ -144,12 +144,13 @@ def _tail(stdout: str, stderr: str, chars: int = 4000) -> str:
 # runs in the background, for tests that interrupt them
 
 @contextmanager
-def launched(args: list[str], log_dir: Path, nproc: int, launcher_args: list[str] = ()):
-    """Start train_gpt2.py under torchrun without waiting; kill it and its workers if the test fails."""
+def launched(args: list[str], log_dir: Path, nproc: int, launcher_args: list[str] = (), script: Path = TRAIN_SCRIPT):
+    """Start train_gpt2.py (or script) under torchrun without waiting; kill it and its workers if the test fails."""
     log_dir.mkdir(parents=True, exist_ok=True)
     with open(log_dir / "output.txt", "w") as output:
-        proc = subprocess.Popen(train_command([*args, "--log_dir", str(log_dir)], nproc, launcher_args), cwd=log_dir,
-                                env=train_env(), stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(train_command([*args, "--log_dir", str(log_dir)], nproc, launcher_args, script),
+                                cwd=log_dir, env=train_env(), stdout=output, stderr=subprocess.STDOUT,
+                                start_new_session=True)
     try:
         yield proc
     finally:

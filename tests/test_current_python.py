@@ -59,8 +59,8 @@ def test_quickstart_with_the_current_python_trains_without_a_venv_or_pip(tmp_pat
     project = copy_of_the_project(tmp_path / "project")
     proc = subprocess.run(["bash", "quickstart.sh", "--model", "tiny", "--micro_batch_size", "2", "--seq_len", "32",
                            "--total_batch_size", "128", "--max_steps", "2", "--val_every", "0", "--sample_every", "0",
-                           "--device", "cpu"], cwd=project, capture_output=True, text=True, timeout=300,
-                          env=current_python_env() | {"OFFLINE_DATA": str(shared_data)})
+                           "--device", "cpu", "--dtype", "fp32"], cwd=project, capture_output=True, text=True,
+                          timeout=300, env=current_python_env() | {"OFFLINE_DATA": str(shared_data)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"USE_CURRENT_PYTHON=1: {Path(sys.executable).parent}/python3 (torch {torch.__version__}), no venv" \
         in proc.stdout

@@ -65,7 +65,8 @@ def test_a_snapshot_gets_the_val_loss_and_task_scores_its_run_logged_after_that_
 
 def test_an_old_snapshots_hellaswag_limit_is_the_default_limit(trained, capsys, monkeypatch):
     from tools import evaluate
-    old_run = {"config": {"hellaswag_every": 1, "hellaswag_limit": 3, "hellaswag_path": str(HELLASWAG)}, "step": 1}
+    old_run = {"config": {"hellaswag_every": 1, "hellaswag_limit": 3, "hellaswag_path": str(HELLASWAG),
+                          "dtype": "fp32"}, "step": 1}
     monkeypatch.setattr(evaluate, "load_model_snapshot", lambda path: old_run)  # a run from before evals.py
     result = evaluate_json(["--ckpt", str(trained / "logs" / "snapshot_0000001.pt"), "--hellaswag", "--no-val"],
                            capsys)
@@ -97,7 +98,7 @@ def test_hugging_face_weights_get_hugging_faces_own_loss(tmp_path, capsys, share
     make_shards(tmp_path / "data", "val", [200], seed=2)
     result = evaluate_json(["--model", str(tmp_path / "hf"), "--data_dir", str(tmp_path / "data"),
                             "--micro_batch_size", "2", "--seq_len", "16", "--val_tokens", "96", "--tasks", "copa",
-                            "--limit", "5", *EVAL_FILES], capsys)
+                            "--limit", "5", "--dtype", "fp32", *EVAL_FILES], capsys)
     loader = DistributedDataLoader(tmp_path / "data", "val", 2, 16)
     with torch.no_grad():
         losses = [F.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()) for x, y in

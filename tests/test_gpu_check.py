@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import cpu_host
 from config import TrainConfig
 from conftest import ROOT, SHARED_DATA
 from distributed import Distributed
@@ -150,9 +151,12 @@ def test_cpu_smoke_runs_every_stage_and_reports_a_verdict_per_check(tmp_path, gp
     hellaswag = SHARED_DATA / "hellaswag" / "hellaswag_val.jsonl"
     command = [sys.executable, "-m", "tools.gpu_check", "--cpu-smoke", "--out", str(tmp_path / "out"),
                *(["--hellaswag_path", str(hellaswag)] if hellaswag.is_file() else [])]
-    python_path = os.pathsep.join([str(blocked), str(ROOT)])  # (ROOT: `-m tools.gpu_check` from another directory)
-    proc = subprocess.run(command, cwd=tmp_path, env=train_env({"PYTHONPATH": python_path}), capture_output=True,
-                          text=True, timeout=900)
+    # (ROOT: `-m tools.gpu_check` from another directory; then the suite's own, tests/cpu_host: see conftest.py)
+    python_path = os.pathsep.join([str(blocked), str(ROOT), os.environ["PYTHONPATH"]])
+    # Muon's Newton–Schulz in fp32, as on a CPU without bf16 arithmetic, on every CPU: the GPU tests' Muon runs check
+    # it against float64 tightly there (their bf16 branch is a GPU's, where gpu_check runs them).
+    env = train_env({"PYTHONPATH": python_path, cpu_host.FORCED: "0"})
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
     report = json.loads((tmp_path / "out" / "report.json").read_text())

@@ -277,17 +277,17 @@ def test_a_nan_loss_skips_that_update_and_training_goes_on_as_without_it(data, t
 
     with monkeypatch.context() as patch:
         patch.setattr(torch.optim.AdamW, "step", step_but_the_sixth)
-        reference = losses(run_in_process(data, tmp_path / "reference", "--max_steps", "10", "--dtype", dtype))
+        reference = losses(run_in_process(data, tmp_path / "reference", "--max_steps", "8", "--dtype", dtype))
 
     plant(monkeypatch, data, [5], math.nan)
-    records = run_in_process(data, tmp_path / "nan", "--max_steps", "10", "--dtype", dtype)
+    records = run_in_process(data, tmp_path / "nan", "--max_steps", "8", "--dtype", dtype)
 
     assert skipped(records) == {5: "non-finite loss"}
     assert re.search(r"step     5 \| loss nan .* \| step skipped: non-finite loss\n", capsys.readouterr().out)
     got = losses(records)
     assert got[5] is None  # NaN is logged as null
     assert {s: v for s, v in got.items() if s != 5} == {s: v for s, v in reference.items() if s != 5}
-    assert got[9] < got[0] - 0.2  # and the run really trained
+    assert got[7] < got[0] - 0.2  # and the run really trained (by 0.24)
 
 
 @pytest.mark.slow  # over 3 s: keeps `-m 'not slow'` under 90 s

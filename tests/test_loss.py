@@ -224,7 +224,6 @@ def test_loss_and_gradients_match_hugging_face_gpt2():
     assert_close_relative(gradients(ours), expected, rel=1e-5)
 
 
-@pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(), reason="bf16 autocast on this CPU is emulated, slow")
 def test_bf16_autocast_matches_the_plain_bf16_path_within_bf16_tolerance():
     model = tiny_model()
     idx, targets = batch()

@@ -350,7 +350,7 @@ def test_a_recipe_sets_arch_and_turns_align_bos_off(tmp_path):
 # training steps in this process: fp16 and bf16 autocast, activation checkpointing
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_autocast_steps_train_and_the_loss_falls(dtype):
+def test_autocast_steps_train_and_the_loss_falls(dtype, cpu_bf16):
     def steps(dtype: torch.dtype) -> list:
         torch.manual_seed(0)
         model = GPT(SMALL)

@@ -450,7 +450,7 @@ def test_align_bos_run_resumes_exactly_from_a_mid_epoch_snapshot(tmp_path):
 
 
 @pytest.mark.slow  # two runs in this process: about 3 s
-def test_a_run_resumes_exactly_in_the_middle_of_its_momentum_warmup_and_short_rows(tmp_path):
+def test_a_run_resumes_exactly_in_the_middle_of_its_momentum_warmup_and_short_rows(tmp_path, cpu_bf16):
     make_shards(tmp_path / "data", "train", [300, 300], seed=0)
     make_shards(tmp_path / "data", "val", [200], seed=1)
     args = [*JOB, "--data_dir", str(tmp_path / "data"), "--optimizer", "muon", "--muon_momentum_warmup", "10",

@@ -246,7 +246,7 @@ def test_the_step_loss_is_the_mean_of_the_micro_batch_losses_and_its_norm_that_o
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_with_muon_both_optimizers_step_and_every_parameter_moves(dtype):
+def test_with_muon_both_optimizers_step_and_every_parameter_moves(dtype, cpu_bf16):
     torch.manual_seed(0)
     model = GPT(SMALL)
     optimizer = build_optimizers(model, TrainConfig(optimizer="muon", max_lr=1e-3), "cpu")
@@ -448,7 +448,7 @@ def record_calls(monkeypatch, cls: type, method: str, record) -> None:
     monkeypatch.setattr(cls, method, spied)
 
 
-def test_a_real_run_follows_the_momentum_warmup_the_short_rows_and_adams_beta1(tmp_path, monkeypatch):
+def test_a_real_run_follows_the_momentum_warmup_the_short_rows_and_adams_beta1(tmp_path, monkeypatch, cpu_bf16):
     momenta, adam_betas, rows = [], [], []
     record_calls(monkeypatch, Muon, "step", lambda muon: momenta.append(muon.param_groups[0]["momentum"]))
     record_calls(monkeypatch, torch.optim.AdamW, "step",
