@@ -87,11 +87,13 @@ def test_the_full_logits_baseline_is_cross_entropy_over_every_padded_column():
 def test_compiled_training_with_validation_and_sampling_matches_eager(tmp_path, gpt2_encoding):
     # The one torch.compile run of the suite (~1 min on 2 cores: inductor compiles the training and the
     # no-grad validation graphs). Sampling uses the uncompiled module; it must still run in the same process.
+    # In fp32, within 1e-4 (inductor's kernels add in other orders than eager's, as in test_fsdp.py): bf16's roundings
+    # needed 0.02, and its matmuls are emulated, slowly, on CPUs without bf16 arithmetic.
     make_shards(tmp_path / "data", "train", [4000])
     make_shards(tmp_path / "data", "val", [2000], seed=1)
     args = ["--data_dir", str(tmp_path / "data"), "--micro_batch_size", "2", "--seq_len", "16",
             "--total_batch_size", "64", "--max_steps", "4", "--warmup_steps", "2", "--val_every", "2",
-            "--val_steps", "2", "--sample_every", "2", "--dtype", "bf16", "--ckpt_every", "0"]
+            "--val_steps", "2", "--sample_every", "2", "--dtype", "fp32", "--ckpt_every", "0"]
     eager = run_train(args, tmp_path / "eager")
     compiled = run_train([*args, "--compile"], tmp_path / "compiled", timeout=400)
 
@@ -99,11 +101,8 @@ def test_compiled_training_with_validation_and_sampling_matches_eager(tmp_path, 
         assert [r["step"] for r in run.train] == [0, 1, 2, 3]
         assert [r["step"] for r in run.val] == [0, 2, 3]
         assert run.output.count("sample 2:") == 4  # four samples at step 2 (and at the last step)
-    # bf16 kernels differ between inductor and eager, so not bit for bit; a broken graph would be far off.
-    for a, b in zip(eager.train, compiled.train):
-        assert abs(a["loss"] - b["loss"]) < 0.02
-    for a, b in zip(eager.val, compiled.val):
-        assert abs(a["val_loss"] - b["val_loss"]) < 0.02
+    assert [r["loss"] for r in compiled.train] == pytest.approx([r["loss"] for r in eager.train], rel=1e-4)
+    assert [r["val_loss"] for r in compiled.val] == pytest.approx([r["val_loss"] for r in eager.val], rel=1e-4)
 
 
 def test_a_configuration_that_runs_out_of_memory_is_reported_and_the_rest_still_measured(monkeypatch, capsys):

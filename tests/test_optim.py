@@ -430,8 +430,8 @@ def test_extending_a_finished_wsd_run_from_its_stable_phase_continues_at_max_lr(
     # Under cosine, the same extension warns.
     cosine = [a if a != "wsd" else "cosine" for a in args]
     main_in_process([*cosine, "--max_steps", "6", "--log_dir", str(tmp_path / "cos")])
-    main_in_process([*cosine, "--max_steps", "12", "--log_dir", str(tmp_path / "cos"), "--resume",
-                     str(snapshot_path(tmp_path / "cos", 3))])
+    main_in_process([*cosine, "--max_steps", "12", "--log_dir", str(tmp_path / "cos_long"), "--resume",
+                     str(snapshot_path(tmp_path / "cos", 3))])  # (a directory of its own: "cos" holds step 5)
     assert "WARNING: the LR schedule changed" in capsys.readouterr().err
 
 
