@@ -40,3 +40,20 @@ def fp8_case(tokens: int = 96, n_embd: int = 64, padded_vocab: int = 1024, vocab
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """The largest difference, relative to expected's largest magnitude."""
     return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
+
+
+def reference_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                        out_dtype: torch.dtype | None = None, use_fast_accum: bool = False, **_) -> torch.Tensor:
+    """torch._scaled_mm in plain fp32 arithmetic: the FP8 operands times their scales, multiplied, written in
+    out_dtype. Where a CPU's own kernel is missing (oneDNN has FP8 matmuls only from AVX-512 on), tests stand it in."""
+    return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype or torch.float32)
+
+
+def cpu_scaled_mm_problem() -> str | None:
+    """Why this CPU's torch._scaled_mm cannot run (an AVX2-only CPU's oneDNN has no FP8 matmul), or None."""
+    one, a = torch.ones(()), torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    except RuntimeError as e:
+        return f"this CPU's torch._scaled_mm does not run: {str(e).splitlines()[0]}"
+    return None
