@@ -48,6 +48,13 @@ def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return grads
 
 
+def loss_and_gradients(model: torch.nn.Module, idx: torch.Tensor,
+                       targets: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    _, loss = model(idx, targets)
+    loss.backward()
+    return loss.detach(), gradients(model)
+
+
 def assert_close_relative(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], rel: float) -> None:
     """Each gradient within rel of the largest entry of its expected value."""
     assert actual.keys() == expected.keys()
@@ -62,9 +69,7 @@ def test_loss_and_every_gradient_match_full_logits_cross_entropy_in_fp32():
     idx, targets = batch()
     assert B * T > 4 * CHUNK  # several chunks, the last one partial
 
-    _, loss = model(idx, targets)
-    loss.backward()
-    chunked = gradients(model)
+    loss, chunked = loss_and_gradients(model, idx, targets)
     expected_loss = plain_loss(model, idx, targets)
     expected_loss.backward()
     expected = gradients(model)
@@ -283,10 +288,7 @@ def test_gradients_match_when_wrapped_in_ddp(tmp_path):
 def test_compiled_model_matches_eager():
     model = tiny_model()
     idx, targets = batch()
-    _, eager_loss = model(idx, targets)
-    eager_loss.backward()
-    eager = gradients(model)
-
+    eager_loss, eager = loss_and_gradients(model, idx, targets)
     compiled = torch.compile(model)  # dynamo traces the autograd.Function's forward and backward
     _, loss = compiled(idx, targets)
     loss.backward()
@@ -426,15 +428,11 @@ def test_every_loss_schedule_gives_todays_loss_and_gradients_uncompiled():
     # "compiled_chunks" compiles its chunks even here, so it is checked with the compiled ones.
     model = tiny_model()
     idx, targets = batch()
-    _, loss = model(idx, targets)
-    loss.backward()
-    expected = gradients(model)
+    loss, expected = loss_and_gradients(model, idx, targets)
     for schedule in ("eager", "grad_w_op"):
         model.loss_options = {"schedule": schedule}
-        _, scheduled = model(idx, targets)
-        scheduled.backward()
+        scheduled, grads = loss_and_gradients(model, idx, targets)
         assert scheduled.item() == loss.item(), schedule
-        grads = gradients(model)
         assert all(torch.equal(grads[name], expected[name]) for name in expected), schedule
 
 

@@ -317,17 +317,29 @@ def muon(perf: Perf, title: str) -> None:
     perf.check(title, muon_against_adamw, run, perf.ours, perf.goal)
 
 
-def muon_against_adamw(run: dict, ours: dict | None, goal: PerfGoal | None) -> Result:
+def unmeasured(run: dict, ours: dict | None, alone: Callable[[], str], baseline: str) -> Result | None:
+    """The row of a variant that did not run, or whose baseline (ours) was not measured; None when both ran."""
     if "skipped" in run:
         return run["skipped"], "fits and runs", False
     if ours is None:
-        return f"{run['tokens_per_sec']:,.0f} tokens/s (AdamW's step not measured)", "AdamW's step measured", None
+        return f"{alone()} ({baseline} not measured)", f"{baseline} measured", None
+    return None
+
+
+def judged(figure: str, goal: PerfGoal | None, bound_and_verdict: Callable[[PerfGoal], tuple[str, bool]]) -> Result:
+    """The row with its figure, judged against the goal on a GPU; on a CPU, which has none, it passes by running."""
+    if goal is None:
+        return figure, "runs (not judged on a CPU)", True
+    return figure, *bound_and_verdict(goal)
+
+
+def muon_against_adamw(run: dict, ours: dict | None, goal: PerfGoal | None) -> Result:
+    if result := unmeasured(run, ours, lambda: f"{run['tokens_per_sec']:,.0f} tokens/s", "AdamW's step"):
+        return result
     ratio = run["tokens_per_sec"] / ours["tokens_per_sec"]
     figure = (f"{run['tokens_per_sec']:,.0f} against {ours['tokens_per_sec']:,.0f} tokens/s: {ratio:.3f}×; the "
               f"optimizer's step {run['optimizer_ms']:,.1f} ms against {ours['optimizer_ms']:,.1f}")
-    if goal is None:
-        return figure, "runs (not judged on a CPU)", True
-    return figure, f"≥ {goal.muon}× AdamW's tokens/s", ratio >= goal.muon
+    return judged(figure, goal, lambda goal: (f"≥ {goal.muon}× AdamW's tokens/s", ratio >= goal.muon))
 
 
 def modern(perf: Perf, title: str) -> None:
@@ -337,16 +349,12 @@ def modern(perf: Perf, title: str) -> None:
 
 
 def modern_against_gpt2(run: dict, ours: dict | None, goal: PerfGoal | None) -> Result:
-    if "skipped" in run:
-        return run["skipped"], "fits and runs", False
-    if ours is None:
-        return f"{run['ms_per_step']:,.1f} ms/step (gpt2's step not measured)", "gpt2's step measured", None
+    if result := unmeasured(run, ours, lambda: f"{run['ms_per_step']:,.1f} ms/step", "gpt2's step"):
+        return result
     ratio = run["ms_per_step"] / ours["ms_per_step"]
     figure = (f"{run['ms_per_step']:,.1f} against {ours['ms_per_step']:,.1f} ms/step: {ratio:.3f}×, MFU "
               f"{run['mfu']:.1%}, peak memory {run['peak_memory_mib'] / 1024:,.1f} GiB")
-    if goal is None:
-        return figure, "runs (not judged on a CPU)", True
-    return figure, f"≤ {goal.modern}× gpt2's step", ratio <= goal.modern
+    return judged(figure, goal, lambda goal: (f"≤ {goal.modern}× gpt2's step", ratio <= goal.modern))
 
 
 # A CUDA kernel's kind, from its name: attention's kernels (flash, cuDNN's, the memory-efficient one), the matmuls
