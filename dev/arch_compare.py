@@ -26,6 +26,7 @@ RMSNorm on the token embedding, `modern_heads2_muon_wsd`, two heads of 128 inste
     python -m dev.arch_compare report                    # the tables of docs/architectures.md, and its plot
     python -m dev.arch_compare heldout                   # the best runs' final models on text nobody tuned on
     python -m dev.arch_compare fair --jobs 2             # the fair comparison (--align_bos on for both): runs, tables
+    python -m dev.arch_compare fair_report               # its tables from the runs finished so far
 
 Each run is train_gpt2.py in fp32 (or SWEEP_DTYPE) on the auto device: 245 steps of 8,192 tokens (32 rows of 256; 8 rows
 of 1,024 at the shape 4x256_T1024, the 124M recipe's row length), 2.0M tokens, past the unigram phase (val loss well
@@ -227,56 +228,80 @@ def fair(jobs: int) -> None:
             "modern": ("modern_bos_muon_wsd", 0.005), "modern, short rows": ("modern_bos_short_rows_muon_wsd", 0.005)}
     train_all([(*arms[arm], s) for arm in ("GPT-2 + Muon", "GPT-2 + Muon, short rows") for s in FAIR_SEEDS])
     train_all([(*arms[arm], s, FAIR_HALF) for arm in ("modern", "modern, short rows") for s in FAIR_SEEDS])
-    fair_report(arms, muon_lr, adam_lrs, adam_lr)
+    fair_report()
 
 
-def fair_report(arms: dict[str, tuple[str, float]], muon_lr: float, adam_lrs: list[float], adam_lr: float) -> None:
-    """The fair comparison's tables (docs/architectures.md): the sweep, each seed's finals and fractions, the
-    architecture's fraction with and without the schedule, and the schedule's gain on each arm."""
+def fair_report() -> None:
+    """The fair comparison's tables (docs/architectures.md) from the runs finished so far: the sweep, each seed's finals
+    and fractions, the architecture's fraction with and without the schedule, the schedule's gain on each arm, the
+    direct checks. A run not finished is "not run" (`fair` runs it); a mean is over the seeds finished, named."""
     shape, sweep_seed = FAIR_SHAPE, FAIR_SEEDS[0]
 
-    def curve(arm: str, seed: int, steps: int = STEPS) -> dict[int, float]:
-        return val_curve(run_dir(shape, *arms[arm], seed, steps), steps=steps)
+    def final(recipe: str, lr: float, seed: int = sweep_seed, steps: int = STEPS) -> float | None:
+        curve = val_curve(run_dir(shape, recipe, lr, seed, steps), steps=steps)
+        return None if curve is None else curve[steps - 1]
 
-    print(f"== the fair comparison: {shape}, --align_bos on for both arms, {STEPS} steps of 8,192 tokens, bf16 unless "
-          f"SWEEP_DTYPE says otherwise ({DTYPE})")
-    print(f"GPT-2 + Muon, seed {sweep_seed}: --muon_lr at --max_lr 2e-3: " + " · ".join(
-        f"{lr:g}: {val_curve(run_dir(shape, 'gpt2_bos_muon_wsd', lr, sweep_seed))[STEPS - 1]:.4f}"
-        for lr in FAIR_MUON_LRS) + f"; --max_lr at --muon_lr {muon_lr:g}: " + " · ".join(
-        f"{lr:g}: {val_curve(run_dir(shape, gpt2_bos_recipe(lr), muon_lr, sweep_seed))[STEPS - 1]:.4f}"
-        for lr in adam_lrs) + f"; best --muon_lr {muon_lr:g}, --max_lr {adam_lr:g}")
-    names = list(arms)
-    rows = ["| seed | " + " | ".join(names) + " | modern's steps to GPT-2 + Muon's final (fraction of 244) | with "
+    def cell(value: float | None) -> str:
+        return "not run" if value is None else f"{value:.4f}"
+
+    def best(finals: dict[float, float | None]) -> float | None:
+        finished = {lr: f for lr, f in finals.items() if f is not None}
+        return min(finished, key=finished.get) if finished else None
+
+    muon_finals = {lr: final("gpt2_bos_muon_wsd", lr) for lr in FAIR_MUON_LRS}
+    muon_lr = best(muon_finals) or FAIR_MUON_LRS[1]
+    adam_candidates = sorted({*FAIR_ADAM_LRS, *(FAIR_ADAM_LRS[0] / 2 ** k for k in (1, 2)),
+                              *(FAIR_ADAM_LRS[-1] * 2 ** k for k in (1, 2))})
+    adam_finals = {lr: final(gpt2_bos_recipe(lr), muon_lr) for lr in adam_candidates}
+    adam_finals = {lr: f for lr, f in adam_finals.items() if f is not None or lr in FAIR_ADAM_LRS}
+    adam_lr = best(adam_finals) or 2e-3
+    print(f"== the fair comparison: {shape}, --align_bos on for both arms, {STEPS} steps of 8,192 tokens, {DTYPE}")
+    print(f"GPT-2 + Muon, seed {sweep_seed}: --muon_lr at --max_lr 2e-3: "
+          + " · ".join(f"{lr:g}: {cell(f)}" for lr, f in muon_finals.items()) + f"; --max_lr at --muon_lr {muon_lr:g}: "
+          + " · ".join(f"{lr:g}: {cell(f)}" for lr, f in adam_finals.items())
+          + f"; best --muon_lr {muon_lr:g}, --max_lr {adam_lr:g}")
+    arms = {"GPT-2 + Muon": (gpt2_bos_recipe(adam_lr), muon_lr),
+            "GPT-2 + Muon, short rows": (gpt2_bos_recipe(adam_lr, "_short_rows"), muon_lr),
+            "modern": ("modern_bos_muon_wsd", 0.005), "modern, short rows": ("modern_bos_short_rows_muon_wsd", 0.005)}
+    curves = {arm: {seed: val_curve(run_dir(shape, *arms[arm], seed)) for seed in FAIR_SEEDS} for arm in arms}
+    finished = {arm: {seed: c for seed, c in by_seed.items() if c is not None} for arm, by_seed in curves.items()}
+    means = {arm: {step: statistics.fmean(c[step] for c in by_seed.values()) for step in next(iter(by_seed.values()))}
+             if by_seed else None for arm, by_seed in finished.items()}
+    pairs = [("modern", "GPT-2 + Muon"), ("modern, short rows", "GPT-2 + Muon, short rows"),
+             ("modern, short rows", "GPT-2 + Muon")]
+    rows = ["| seed | " + " | ".join(arms) + " | modern's steps to GPT-2 + Muon's final (fraction of 244) | with "
             "the schedule, both arms | modern, short rows, to GPT-2 + Muon's final without it |",
-            "|---|" + "---|" * (len(names) + 3)]
-    curves = {arm: {seed: curve(arm, seed) for seed in FAIR_SEEDS} for arm in names}
-    means = {arm: {s: statistics.fmean(c[s] for c in by_seed.values()) for s in next(iter(by_seed.values()))}
-             for arm, by_seed in curves.items()}
-    for seed, by_arm in [*((seed, {arm: curves[arm][seed] for arm in names}) for seed in FAIR_SEEDS),
-                         ("mean", means)]:
-        finals = [by_arm[arm][STEPS - 1] for arm in names]
-        rows.append(f"| {seed} | " + " | ".join(f"{f:.4f}" for f in finals) + " | " + " | ".join(
-            steps_and_fraction(by_arm[modern], by_arm[gpt2][STEPS - 1]) for modern, gpt2 in [
-                ("modern", "GPT-2 + Muon"), ("modern, short rows", "GPT-2 + Muon, short rows"),
-                ("modern, short rows", "GPT-2 + Muon")]) + " |")
+            "|---|" + "---|" * (len(arms) + 3)]
+    seeds_of_means = {arm: ", ".join(map(str, by_seed)) for arm, by_seed in finished.items()}
+    for seed, by_arm in [*((seed, {arm: curves[arm][seed] for arm in arms}) for seed in FAIR_SEEDS),
+                         ("mean (seeds: " + "; ".join(f"{arm} {s or 'none'}" for arm, s in seeds_of_means.items())
+                          + ")", means)]:
+        rows.append(f"| {seed} | " + " | ".join(cell(c and c[STEPS - 1]) for c in by_arm.values()) + " | " + " | ".join(
+            "not run" if by_arm[modern] is None or by_arm[gpt2] is None else
+            steps_and_fraction(by_arm[modern], by_arm[gpt2][STEPS - 1]) for modern, gpt2 in pairs) + " |")
     print("\n".join(rows))
     print("Against the seeds' mean final (the headline's reading): " + "; ".join(
-        f"{modern} to {gpt2}: " + ", ".join(
-            f"seed {seed} {steps_and_fraction(curves[modern][seed], means[gpt2][STEPS - 1])}" for seed in FAIR_SEEDS)
-        for modern, gpt2 in [("modern", "GPT-2 + Muon"), ("modern, short rows", "GPT-2 + Muon, short rows")]))
-    gain = {arch: [curves[arch][s][STEPS - 1] - curves[f"{arch}, short rows"][s][STEPS - 1] for s in FAIR_SEEDS]
-            for arch in ("GPT-2 + Muon", "modern")}
-    print("The schedule's gain in final val loss, by seed: " + "; ".join(
-        f"{arch} " + ", ".join(f"{g:+.4f}" for g in gains) + f" (mean {statistics.fmean(gains):+.4f})"
-        for arch, gains in gain.items()) + "; the interaction (modern's gain less GPT-2's): "
-        f"{statistics.fmean(gain['modern']) - statistics.fmean(gain['GPT-2 + Muon']):+.4f}")
-    for arm, gpt2 in [("modern", "GPT-2 + Muon"), ("modern, short rows", "GPT-2 + Muon, short rows")]:
+        f"{modern} to {gpt2}: " + ", ".join(f"seed {seed} {steps_and_fraction(curve, means[gpt2][STEPS - 1])}"
+                                            for seed, curve in finished[modern].items())
+        for modern, gpt2 in pairs[:2] if means[gpt2] is not None))
+    gains = {arch: [curves[arch][s][STEPS - 1] - curves[f"{arch}, short rows"][s][STEPS - 1] for s in FAIR_SEEDS
+                    if curves[arch][s] is not None and curves[f"{arch}, short rows"][s] is not None]
+             for arch in ("GPT-2 + Muon", "modern")}
+    print("The schedule's gain in final val loss, by seed run with and without it: " + "; ".join(
+        f"{arch} " + (", ".join(f"{g:+.4f}" for g in by_seed) + f" (mean {statistics.fmean(by_seed):+.4f})"
+                      if by_seed else "not run") for arch, by_seed in gains.items())
+        + ("; the interaction (modern's gain less GPT-2's): "
+           f"{statistics.fmean(gains['modern']) - statistics.fmean(gains['GPT-2 + Muon']):+.4f}" if all(gains.values())
+           else ""))
+    for arm, gpt2 in pairs[:2]:
+        halves = {seed: final(*arms[arm], seed, FAIR_HALF) for seed in FAIR_SEEDS}
+        if means[gpt2] is None or all(h is None for h in halves.values()):
+            print(f"The direct check, {arm} planned for {FAIR_HALF} steps: not run")
+            continue
         target = means[gpt2][STEPS - 1]
-        halves = [curve(arm, seed, FAIR_HALF)[FAIR_HALF - 1] for seed in FAIR_SEEDS]
         print(f"The direct check: {arm} planned for {FAIR_HALF} steps ends at " + ", ".join(
-            f"{h:.4f}" for h in halves) + f" (seeds {', '.join(map(str, FAIR_SEEDS))}; mean "
-            f"{statistics.fmean(halves):.4f}) against {gpt2}'s mean final {target:.4f}: "
-            + ", ".join("reaches" if h <= target else "does not reach" for h in halves))
+            f"{cell(h)} (seed {seed}{'' if h is None else ': reaches' if h <= target else ': does not reach'})"
+            for seed, h in halves.items()) + f" against {gpt2}'s mean final {target:.4f}")
 
 
 def heldout(recipes: list[str]) -> None:
@@ -315,7 +340,7 @@ def heldout(recipes: list[str]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=("run", "report", "heldout", "fair", "table"))
+    parser.add_argument("command", choices=("run", "report", "heldout", "fair", "fair_report", "table"))
     parser.add_argument("table", nargs="?", choices=TABLES, help="table: which table of docs/architectures.md")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--recipes", default=",".join(RECIPES))
@@ -327,6 +352,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.command == "fair":
         return fair(args.jobs)
+    if args.command == "fair_report":
+        return fair_report()
     if args.command == "table":
         return table(args.table, args.jobs)
     if args.command == "report":
