@@ -199,6 +199,14 @@ def longer_horizons(shape: str) -> None:
                   f"mean: final val loss {final:.4f}: {'reaches' if final <= target else 'does not reach'} it")
 
 
+def fair_arms(adam_lr: float, muon_lr: float) -> dict[str, tuple[str, float]]:
+    """The fair comparison's four arms, each (recipe, Muon LR): GPT-2 + Muon at its best LRs and modern at its own,
+    with and without the sequence-length schedule."""
+    return {"GPT-2 + Muon": (gpt2_bos_recipe(adam_lr), muon_lr),
+            "GPT-2 + Muon, short rows": (gpt2_bos_recipe(adam_lr, "_short_rows"), muon_lr),
+            "modern": ("modern_bos_muon_wsd", 0.005), "modern, short rows": ("modern_bos_short_rows_muon_wsd", 0.005)}
+
+
 def fair(jobs: int) -> None:
     """The fair comparison, every run not yet finished (`jobs` at a time), then its tables: see FAIR_SHAPE."""
     shape, seed = FAIR_SHAPE, FAIR_SEEDS[0]
@@ -223,9 +231,7 @@ def fair(jobs: int) -> None:
             break
         adam_lrs = [adam_lr / 2, *adam_lrs] if adam_lr == adam_lrs[0] else [*adam_lrs, adam_lr * 2]
     # 3. three seeds of GPT-2 + Muon at its best LRs, with and without the schedule; 4. the direct checks
-    arms = {"GPT-2 + Muon": (gpt2_bos_recipe(adam_lr), muon_lr),
-            "GPT-2 + Muon, short rows": (gpt2_bos_recipe(adam_lr, "_short_rows"), muon_lr),
-            "modern": ("modern_bos_muon_wsd", 0.005), "modern, short rows": ("modern_bos_short_rows_muon_wsd", 0.005)}
+    arms = fair_arms(adam_lr, muon_lr)
     train_all([(*arms[arm], s) for arm in ("GPT-2 + Muon", "GPT-2 + Muon, short rows") for s in FAIR_SEEDS])
     train_all([(*arms[arm], s, FAIR_HALF) for arm in ("modern", "modern, short rows") for s in FAIR_SEEDS])
     fair_report()
@@ -260,9 +266,7 @@ def fair_report() -> None:
           + " · ".join(f"{lr:g}: {cell(f)}" for lr, f in muon_finals.items()) + f"; --max_lr at --muon_lr {muon_lr:g}: "
           + " · ".join(f"{lr:g}: {cell(f)}" for lr, f in adam_finals.items())
           + f"; best --muon_lr {muon_lr:g}, --max_lr {adam_lr:g}")
-    arms = {"GPT-2 + Muon": (gpt2_bos_recipe(adam_lr), muon_lr),
-            "GPT-2 + Muon, short rows": (gpt2_bos_recipe(adam_lr, "_short_rows"), muon_lr),
-            "modern": ("modern_bos_muon_wsd", 0.005), "modern, short rows": ("modern_bos_short_rows_muon_wsd", 0.005)}
+    arms = fair_arms(adam_lr, muon_lr)
     curves = {arm: {seed: val_curve(run_dir(shape, *arms[arm], seed)) for seed in FAIR_SEEDS} for arm in arms}
     finished = {arm: {seed: c for seed, c in by_seed.items() if c is not None} for arm, by_seed in curves.items()}
     means = {arm: {step: statistics.fmean(c[step] for c in by_seed.values()) for step in next(iter(by_seed.values()))}
