@@ -15,13 +15,14 @@ from pathlib import Path
 
 import tomllib
 
-from dataloader import find_shards, read_shard_header
+from dataloader import find_shards, read_data_tokenizer, read_shard_header
 from errors import UserError
 from evals import parse_task_names
 from hf import local_config
 from model import ACTIVATION_CHECKPOINTING, ARCHITECTURES, PRESETS, GPTConfig, with_arch
 from parsing import PARSE_ERRORS, parse_problem
-from snapshot import is_snapshot_directory, read_model_config
+from snapshot import check_tokenizer, is_snapshot_directory, read_model_config, read_tokenizer
+from tokenizer import TokenizerSpec, gpt2_spec
 
 HF_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 
@@ -128,7 +129,7 @@ class TrainConfig:
     wandb_run_name: str | None = arg(None, "wandb run name")
     # fault tolerance
     snapshot_dir: str | None = arg(None, "snapshot directory (default: --log_dir)")
-    snapshot_every: int = arg(500, "snapshot every N steps (0 = off); the last step always writes one")
+    snapshot_every: int = arg(500, "snapshot every N steps (0: none on a beat); the last step and a stop always do")
     keep_last: int = arg(2, "keep this many newest snapshots")
     resume: str = arg("auto", "auto (newest valid snapshot in --snapshot_dir) | never | PATH to a snapshot")
     dist_timeout: int = arg(600, "seconds a rank waits for the others in a collective before it exits, so that a "
@@ -157,22 +158,36 @@ OLD_NAMES = {"ckpt_dir": "snapshot_dir", "ckpt_every": "snapshot_every", "hellas
              "hellaswag_limit": "eval_limit"}
 
 
+# The top of a whole-number flag whose range names none: C's int, the most any library we hand a count to takes (a
+# timedelta's seconds, CUDA's grid, NCCL's counts), and small enough that the product of two fits in int64 (torch's
+# and numpy's integers). Above it, a run crashed with a traceback part way (--warmup_steps 10**400: "int too large to
+# convert to float") or never ended; no real run comes near it.
+LARGEST_COUNT = 2**31 - 1
+
+
 @dataclass(frozen=True)
 class Range:
-    """The values a number flag takes: finite, from low to high, either end left out where it is open."""
+    """The values a number flag takes: finite, from low to high, either end left out where it is open; a whole
+    number's at most LARGEST_COUNT where high is left out."""
     low: float
     high: float = math.inf
     low_open: bool = False
     high_open: bool = False
 
+    def top(self, value: float) -> float:
+        return LARGEST_COUNT if isinstance(value, int) and self.high == math.inf else self.high
+
     def __contains__(self, value: float) -> bool:
         above_low = value > self.low if self.low_open else value >= self.low
-        below_high = value < self.high if self.high_open else value <= self.high
+        below_high = value < self.top(value) if self.high_open else value <= self.top(value)
         return (isinstance(value, int) or math.isfinite(value)) and above_low and below_high  # (NaN fails both)
 
-    def __str__(self) -> str:
+    def describe(self, value: float) -> str:
+        """The range, to a user who passed `value`: its top only where it is the flag's own, or what value passed."""
         low = f"above {self.low}" if self.low_open else f"at least {self.low}"
-        return low + ("" if self.high == math.inf else f" and {'below' if self.high_open else 'at most'} {self.high}")
+        top = self.top(value)
+        shown = self.high != math.inf or (top != math.inf and value > top)
+        return low + (f" and {'below' if self.high_open else 'at most'} {top}" if shown else "")
 
 
 AT_LEAST_0, AT_LEAST_1, ABOVE_0 = Range(0), Range(1), Range(0, low_open=True)
@@ -180,7 +195,6 @@ BELOW_1 = Range(0, 1, high_open=True)
 SEEDS = Range(0, 2**64, high_open=True)  # numpy's generators take no negative seed, torch's none of 2**64 or more
 # The values of each number flag (None, a flag's "not set", is not checked). Outside them a run crashed part way,
 # or went on meaning something else: --val_every -1 validated at every step, --grad_clip nan clipped nothing.
-# (--keep_last: snapshot.Snapshots checks it, where it deletes snapshots.)
 FLAG_RANGES = {
     "n_layer": AT_LEAST_1, "n_head": AT_LEAST_1, "n_embd": AT_LEAST_1, "block_size": AT_LEAST_1, "seq_len": AT_LEAST_1,
     "micro_batch_size": AT_LEAST_1, "total_batch_size": AT_LEAST_1, "max_steps": AT_LEAST_1,
@@ -190,7 +204,7 @@ FLAG_RANGES = {
     "grad_clip": AT_LEAST_0, "seed": SEEDS, "val_every": AT_LEAST_0, "val_tokens": AT_LEAST_1,
     "val_steps": AT_LEAST_1, "eval_every": AT_LEAST_0, "eval_limit": AT_LEAST_1, "sample_every": AT_LEAST_0,
     "snapshot_every": AT_LEAST_0, "dist_timeout": AT_LEAST_1, "skip_zscore": AT_LEAST_0, "max_skips": AT_LEAST_1,
-    "max_rollbacks": AT_LEAST_0,
+    "max_rollbacks": AT_LEAST_0, "keep_last": AT_LEAST_1,
 }
 
 
@@ -328,8 +342,8 @@ def check_range(flag: str, value: float, allowed: Range, help: str | None = None
     """A UserError naming --flag (and quoting its --help, if given) unless value is in the allowed range."""
     if value not in allowed:
         finite = "finite " if isinstance(value, float) and not math.isfinite(value) else ""
-        raise UserError(f"--{flag} {value}: pass a {finite}number {allowed}" + (f' (--help: "{help}")' if help else "")
-                        + ".")
+        raise UserError(f"--{flag} {value}: pass a {finite}number {allowed.describe(value)}" +
+                        (f' (--help: "{help}")' if help else "") + ".")
 
 
 def parse_short_rows(schedule: str, seq_len: int) -> tuple[tuple[int, int], ...]:
@@ -363,11 +377,18 @@ def model_config(cfg: TrainConfig) -> GPTConfig:
         raise UserError(f"--model {cfg.model!r} is not a known preset; choose one of {', '.join(PRESETS)}.")
     overrides = {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd", "block_size") if getattr(cfg, k)}
     if cfg.init_from == "scratch":
-        config = replace(with_arch(PRESETS[cfg.model or "gpt2"], cfg.arch or "gpt2", cfg.attention_bias), **overrides)
+        # the data's tokenizer's vocabulary (GPT-2's 50,257 without a manifest); the model pads it to a multiple of 128
+        vocab_size = read_data_tokenizer(cfg.data_dir).vocab_size
+        config = replace(with_arch(PRESETS[cfg.model or "gpt2"], cfg.arch or "gpt2", cfg.attention_bias), **overrides,
+                         vocab_size=vocab_size)
         if config.n_embd % config.n_head:
             raise UserError(f"--n_embd {config.n_embd} must be a multiple of --n_head {config.n_head}.")
         return config
     weights = init_weights_config(cfg.init_from)
+    check_tokenizer(f"--init_from {cfg.init_from}", init_weights_tokenizer(cfg.init_from), cfg.data_dir,
+                    read_data_tokenizer(cfg.data_dir), "Start from weights trained with this data's tokenizer, train "
+                    "them on data written with theirs (data/prepare.py --tokenizer), or train from scratch "
+                    "(--init_from scratch).")
     asked = {k: v for k, v in overrides.items() if k != "block_size"} | ({"arch": cfg.arch} if cfg.arch else {}) | \
         ({"attention_bias": cfg.attention_bias} if cfg.attention_bias is not None else {})
     if cfg.model is not None:  # a preset named on purpose must be the weights' shape
@@ -396,7 +417,7 @@ def init_weights_config(init_from: str) -> GPTConfig:
             return read_model_config(path)
         except ValueError as e:  # the reader's message names the file and what is wrong with it
             raise UserError(f"--init_from: {e} (Or a Hugging Face model directory, or gpt2 / gpt2-medium / ...)") from e
-        except (TypeError, OSError) as e:
+        except TypeError as e:  # (an OSError, EIO say, is the disk's, not the file's: errors.path_error says so)
             raise UserError(f"--init_from {init_from} is not a snapshot of this codebase ({type(e).__name__}: "
                             f"{str(e).splitlines()[0] if str(e) else ''}). Pass a snapshot_*.pt written by "
                             "train_gpt2.py, a Hugging Face model directory, or gpt2 / gpt2-medium / ...") from e
@@ -404,6 +425,18 @@ def init_weights_config(init_from: str) -> GPTConfig:
         return local_config(path)
     raise UserError(f"--init_from {init_from}: no such file or directory, and not one of scratch, "
                     f"{', '.join(HF_MODELS)}. Pass a Hugging Face model directory or a snapshot_*.pt.")
+
+
+def init_weights_tokenizer(init_from: str) -> TokenizerSpec:
+    """The tokenizer the --init_from weights were trained with: a snapshot's record of it; OpenAI's GPT-2's for
+    Hugging Face weights."""
+    path = Path(init_from)
+    if path.is_file() or is_snapshot_directory(path):
+        try:
+            return read_tokenizer(path)
+        except ValueError as e:  # the reader's message names the file and what is wrong with its record
+            raise UserError(f"--init_from: {e}") from e
+    return gpt2_spec()
 
 
 def grad_accum_steps_for(cfg: TrainConfig, seq_len: int, world_size: int) -> int:

@@ -1,8 +1,11 @@
 """Sharded token files and the loader that gives each rank its own slice of them.
 
 Shard format (llm.c's, so data is interchangeable with it): a header of 256 little-endian int32
-[MAGIC, VERSION, num_tokens, 0, ...] followed by num_tokens little-endian uint16 token ids. Shards live in
-one directory as <anything>_train_<NNNNNN>.bin and <anything>_val_<NNNNNN>.bin.
+[MAGIC, VERSION, num_tokens, 0, ...] followed by num_tokens little-endian uint16 token ids; for a vocabulary of over
+65,536 ids, [MAGIC_32, VERSION_32, ...] and uint32 ids (llm.c's Llama 3 shards). Shards live in one directory as
+<anything>_train_<NNNNNN>.bin and <anything>_val_<NNNNNN>.bin, beside a manifest.json naming the tokenizer that wrote
+them (a TokenizerSpec, tokenizer.py) and listing them: one directory, one tokenizer. A directory without one (llm.c's,
+and ours from before 2026-11-29) holds GPT-2's tokens.
 
 The stream is cut into chunks of B·T tokens (plus the one next token as the last target). Every micro-step
 consumes world_size consecutive chunks, rank r taking the r-th; every optimizer step consumes
@@ -26,13 +29,23 @@ truncated under a running job (a copy or a download over it in place) is then a 
 memory map would kill the process with SIGBUS and no snapshot. The train loader reads each optimizer step's batches
 ahead (read_ahead), between steps, so that a failed read stops every rank together with a snapshot
 (train_gpt2.run) instead of one rank failing inside a step while the others wait for it in a collective.
+
+A run trains on exactly the shards it started with. The loader keeps each shard's os.stat from when it was made
+(ShardWatch: device and inode, size, change time) and compares every shard's against it after reading each step's
+batches (read_ahead) and after each validation (validation.validation_loss): one stat per shard, 0.15 ms for 100
+shards on a local disk. A shard deleted or moved away, another file renamed over it (a new inode), a truncation or
+append (the size) and a write in place of the same size (the ctime, which no one can set back, unlike the mtime) are
+each a ShardReadError naming the shard and what changed, and so is a read that comes back short. Checked after the
+reads, a change during one is seen before the step trains on what it read. A chmod, chown or new hard link moves the
+ctime too, and stops the run just the same: the check cannot tell them from a write.
 """
 
 import bisect
 import hashlib
+import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import closing
 from io import FileIO
 from pathlib import Path
@@ -42,54 +55,77 @@ import torch
 
 from errors import UserError
 from files import atomic_write
+from parsing import PARSE_ERRORS, parse_problem
+from tokenizer import TokenizerSpec, gpt2_spec
 
 MAGIC = 20240520
 VERSION = 1
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 TOKEN_DTYPE = np.dtype("<u2")
-EOT = 50256  # GPT-2's <|endoftext|>, written before every document (data/tokenize_shards.py)
+# Vocabularies above 65,536 ids: uint32 tokens under llm.c's header for them (its Llama 3 shards), so that its shards
+# and ours stay interchangeable.
+MAGIC_32, VERSION_32 = 20240801, 7
+TOKEN_DTYPES = {(MAGIC, VERSION): TOKEN_DTYPE, (MAGIC_32, VERSION_32): np.dtype("<u4")}
+EOT = 50256  # GPT-2's <|endoftext|>, before every document (data/tokenize_shards.py); other data: its manifest's eot
+MANIFEST = "manifest.json"  # beside the shards: the tokenizer that wrote them and their names (read_data_tokenizer)
 PACK_WINDOW = 1000  # documents pack_rows chooses from: a wider window wastes less and packs slower
 SCAN_TOKENS = 2**20  # tokens read at a time when the loader checks a whole shard (2 MiB)
 
 
-def write_shard(path: str | Path, tokens: np.ndarray) -> None:
-    """Write tokens as a shard, atomically: a crash leaves either no file or a complete one under `path`."""
+def shard_format(vocab_size: int) -> tuple[int, int]:
+    """(magic, version) of the shards of a vocabulary: uint16 tokens while its ids fit, else uint32."""
+    return (MAGIC, VERSION) if vocab_size <= 2**16 else (MAGIC_32, VERSION_32)
+
+
+def write_shard(path: str | Path, tokens: np.ndarray, vocab_size: int = 2**16) -> None:
+    """Write tokens as a shard, atomically: a crash leaves either no file or a complete one under `path`. uint16
+    tokens, as GPT-2's (llm.c's) shards have them, unless vocab_size needs uint32."""
     tokens = np.asarray(tokens)
     if not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(f"{path}: token ids must be integers, got dtype {tokens.dtype}")
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
-        raise ValueError(f"{path}: token ids must fit in uint16 (0..65535), got range {tokens.min()}..{tokens.max()}")
+    magic, version = shard_format(vocab_size)
+    dtype = TOKEN_DTYPES[magic, version]
+    if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(dtype).max):
+        raise ValueError(f"{path}: token ids must fit in {dtype.name} (0..{np.iinfo(dtype).max}), got range "
+                         f"{tokens.min()}..{tokens.max()}")
     header = np.zeros(HEADER_INTS, dtype="<i4")
-    header[:3] = (MAGIC, VERSION, tokens.size)
+    header[:3] = (magic, version, tokens.size)
 
     def write(f) -> None:
         f.write(header.tobytes())
-        f.write(tokens.astype(TOKEN_DTYPE).tobytes())
+        f.write(tokens.astype(dtype).tobytes())
 
     atomic_write(path, write)
 
 
 def read_shard_header(path: str | Path) -> int:
     """Check a shard's header against its size; returns the number of tokens. Raises UserError naming the file."""
+    return read_shard_layout(path)[0]
+
+
+def read_shard_layout(path: str | Path) -> tuple[int, np.dtype]:
+    """read_shard_header's check; returns (the number of tokens, their dtype: uint16 or uint32)."""
     path = Path(path)
     size = path.stat().st_size
     if size < HEADER_BYTES:
         raise UserError(f"{path}: file is {size} bytes, shorter than the {HEADER_BYTES}-byte shard header; "
                          "it is truncated or not a token shard. Delete it and re-run the data preparation script.")
     header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
-    if header[0] != MAGIC:
+    if header[0] not in (MAGIC, MAGIC_32):
         raise UserError(f"{path}: bad magic number {header[0]} (expected {MAGIC}); this is not a token shard of the "
                          "llm.c format. Re-create it with data/prepare.py or data/fineweb.py.")
-    if header[1] != VERSION:
-        raise UserError(f"{path}: unsupported shard version {header[1]} (expected {VERSION}). "
-                         "Re-create it with data/prepare.py or data/fineweb.py.")
+    dtype = TOKEN_DTYPES.get((int(header[0]), int(header[1])))
+    if dtype is None:
+        raise UserError(f"{path}: unsupported shard version {header[1]} (expected {VERSION} for uint16 tokens, or "
+                         f"{VERSION_32} under magic {MAGIC_32} for uint32). Re-create it with data/prepare.py or "
+                         "data/fineweb.py.")
     num_tokens = int(header[2])
-    expected = HEADER_BYTES + num_tokens * TOKEN_DTYPE.itemsize
+    expected = HEADER_BYTES + num_tokens * dtype.itemsize
     if size != expected:
         raise UserError(f"{path}: header says {num_tokens} tokens ({expected} bytes) but the file has {size} bytes; "
                          "it was cut off mid-write or corrupted. Delete it and re-run the data preparation script.")
-    return num_tokens
+    return num_tokens, dtype
 
 
 def find_shards(data_dir: str | Path, split: str) -> list[Path]:
@@ -106,29 +142,126 @@ def find_shards(data_dir: str | Path, split: str) -> list[Path]:
         if not path.is_file():
             raise UserError(f"{path} is a directory (or another non-file) named like a {split} shard. Shards are "
                             f"files; move it out of {data_dir} or rename it.")
+    manifest = read_manifest(data_dir)
+    unlisted = [path for path in shards if manifest and path.name not in manifest[1]]
+    if unlisted:
+        raise UserError(f"{unlisted[0]} is not one of the shards that {data_dir / MANIFEST} lists as written with the "
+                        f"tokenizer {manifest[0].describe()}: it was written with another tokenizer, or copied in "
+                        "from another directory, and one directory holds the shards of one tokenizer. Move it out of "
+                        f"{data_dir}, or write it again into this directory with data/prepare.py or data/fineweb.py.")
     return shards
 
 
+def shard_names(data_dir: Path) -> list[str]:
+    """The names of the files in data_dir named like shards (<name>_train_NNNNNN.bin, <name>_val_NNNNNN.bin)."""
+    return sorted(p.name for p in data_dir.iterdir() if re.fullmatch(r".*_(train|val)_\d+\.bin", p.name))
+
+
+def read_manifest(data_dir: str | Path) -> tuple[TokenizerSpec, list[str]] | None:
+    """data_dir's manifest: (the tokenizer that wrote its shards, their names); None where there is none."""
+    path = Path(data_dir) / MANIFEST
+    if not path.exists():
+        return None
+    fix = ("It records the tokenizer that wrote the shards beside it; write them again with data/prepare.py or "
+           "data/fineweb.py into a new --output_dir.")
+    try:
+        manifest = json.loads(path.read_bytes())
+    except PARSE_ERRORS as e:
+        raise UserError(f"{path} is {parse_problem(e)}. {fix}") from e
+    except OSError as e:
+        raise UserError(f"{path} could not be read ({e.strerror}). {fix}") from e
+    if not (isinstance(manifest, dict) and manifest.keys() == {"tokenizer", "shards"}
+            and isinstance(manifest["shards"], list) and all(isinstance(name, str) for name in manifest["shards"])):
+        raise UserError(f'{path} is not what data/prepare.py and data/fineweb.py write (an object with "tokenizer" '
+                        f'and "shards", a list of file names). {fix}')
+    try:
+        return TokenizerSpec.from_dict(manifest["tokenizer"], str(path)), manifest["shards"]
+    except ValueError as e:  # the message names the file and what is wrong
+        raise UserError(f"{e}. {fix}") from e
+
+
+def read_data_tokenizer(data_dir: str | Path) -> TokenizerSpec:
+    """The tokenizer of data_dir's shards: its manifest's, or GPT-2's where it has none (llm.c's shards, and ours
+    from before manifests)."""
+    manifest = read_manifest(data_dir)
+    return manifest[0] if manifest else gpt2_spec()
+
+
+def record_shards(data_dir: Path, tokenizer: TokenizerSpec, names: Sequence[str] = ()) -> None:
+    """Before shards of `tokenizer` named `names` are written into data_dir: its manifest names the tokenizer and
+    lists them (listed first, a crash leaves a name without a file, never a file of no listed tokenizer). A UserError
+    if data_dir holds another tokenizer's shards (without a manifest, shards are GPT-2's: GPT-2's adopts them)."""
+    manifest = read_manifest(data_dir)
+    existing = shard_names(data_dir)
+    recorded, listed = manifest or (gpt2_spec(), existing)
+    if recorded.sha256 != tokenizer.sha256 and (manifest or existing):
+        where = f"see {data_dir / MANIFEST}" if manifest else "shards without a manifest are GPT-2's"
+        raise UserError(f"{data_dir} holds shards written with the tokenizer {recorded.describe()} ({where}), not "
+                        f"with {tokenizer.describe()}: one directory holds the shards of one tokenizer, or the loader "
+                        "could not tell them apart. Pass another --output_dir (or delete this one to start over).")
+    if manifest is None or not set(names) <= set(listed):
+        shards = sorted(set(listed) | set(names))
+        text = json.dumps({"tokenizer": tokenizer.to_dict(), "shards": shards}, indent=1).encode()
+        atomic_write(data_dir / MANIFEST, lambda f: f.write(text))
+
+
 class ShardReadError(UserError):
-    """A shard that could not be read while the run used it (truncated or rewritten in place, an I/O error)."""
+    """A shard that changed under the run (ShardWatch) or could not be read while it used it (a short read, an I/O
+    error)."""
+
+
+class ShardWatch:
+    """Each shard's os.stat when the run started, and check(): a ShardReadError naming the first shard no longer as it
+    was (see the module doc)."""
+
+    def __init__(self, paths: list[Path]):
+        self.started = {path: os.stat(path) for path in paths}
+
+    def check(self, *paths: Path) -> None:
+        """Check `paths` (default: every shard)."""
+        for path in paths or self.started:
+            change = shard_change(path, self.started[path])
+            if change:
+                raise ShardReadError(f"{path}: {change}.")
+
+
+def shard_change(path: Path, then: os.stat_result) -> str | None:
+    """How the file at `path` differs from `then`, its os.stat when the run started, in words; None if it does not."""
+    try:
+        now = os.stat(path)
+    except OSError as e:
+        return f"the shard was deleted or moved away since the run started ({e.strerror})"
+    if (now.st_dev, now.st_ino) != (then.st_dev, then.st_ino):
+        return (f"another file ({now.st_size:,} bytes) took the shard's place since the run started: one renamed or "
+                "moved over it, or the shard deleted and written anew")
+    if now.st_size != then.st_size:
+        return (f"the shard is now {now.st_size:,} bytes, not the {then.st_size:,} it had when the run started: it "
+                "was truncated, appended to or rewritten in place")
+    if now.st_ctime_ns != then.st_ctime_ns:
+        return (f"the shard was written to in place since the run started: the same {now.st_size:,} bytes, but its "
+                "change time (ctime) moved (a chmod, chown or new hard link moves it too)")
+    return None
 
 
 class Shard:
     """An open shard whose tokens are read with plain reads: read() returns every token asked for or raises
-    ShardReadError naming the file. The file stays open, so a new shard renamed over it (as data/prepare.py and
-    data/fineweb.py write them) does not change what this one reads."""
+    ShardReadError naming the file. The file stays open, so what it reads stays the file it opened, whatever takes
+    its name (ShardWatch then stops the run)."""
 
-    def __init__(self, path: Path, num_tokens: int):
-        self.path, self.num_tokens = path, num_tokens
-        self.file = FileIO(path, "r")
+    def __init__(self, path: Path, num_tokens: int, dtype: np.dtype = TOKEN_DTYPE):
+        self.path, self.num_tokens, self.dtype = path, num_tokens, dtype  # (dtype: read_shard_layout's)
+        try:
+            self.file = FileIO(path, "r")
+        except OSError as e:
+            raise ShardReadError(f"{path}: the shard could not be opened ({e.strerror}).") from e
 
     def read(self, start: int, count: int, out: np.ndarray | None = None) -> np.ndarray:
-        """Tokens start..start+count-1 (uint16), in `out` (count tokens) if given."""
-        tokens = np.empty(count, dtype=TOKEN_DTYPE) if out is None else out
+        """Tokens start..start+count-1 (the shard's dtype), in `out` (count tokens) if given."""
+        tokens = np.empty(count, dtype=self.dtype) if out is None else out
         buffer = memoryview(tokens).cast("B")
         done = 0
         try:
-            self.file.seek(HEADER_BYTES + start * TOKEN_DTYPE.itemsize)
+            self.file.seek(HEADER_BYTES + start * self.dtype.itemsize)
             while done < len(buffer) and (n := self.file.readinto(buffer[done:])):
                 done += n
         except OSError as e:
@@ -136,7 +269,7 @@ class Shard:
                                  f"({type(e).__name__}: {e.strerror or e}).") from e
         if done < len(buffer):
             size = os.fstat(self.file.fileno()).st_size
-            expected = HEADER_BYTES + self.num_tokens * TOKEN_DTYPE.itemsize
+            expected = HEADER_BYTES + self.num_tokens * self.dtype.itemsize
             raise ShardReadError(f"{self.path}: the shard is now {size:,} bytes, shorter than the {expected:,} "
                                  f"({self.num_tokens:,} tokens) it had when the run started, so tokens {start:,} to "
                                  f"{start + count - 1:,} could not be read: it was truncated or rewritten in place "
@@ -146,7 +279,7 @@ class Shard:
     def blocks(self) -> Iterator[tuple[int, np.ndarray]]:
         """The whole shard as (start, tokens) in pieces of SCAN_TOKENS, read into one buffer: each piece is valid
         until the next is read (a buffer the size of a CPU cache, reused, reads about as fast as a memory map)."""
-        buffer = np.empty(min(SCAN_TOKENS, self.num_tokens), dtype=TOKEN_DTYPE)
+        buffer = np.empty(min(SCAN_TOKENS, self.num_tokens), dtype=self.dtype)
         for start in range(0, self.num_tokens, SCAN_TOKENS):
             count = min(SCAN_TOKENS, self.num_tokens - start)
             yield start, self.read(start, count, out=buffer[:count])
@@ -167,17 +300,19 @@ def check_token_ids(shard: Shard, vocab_size: int) -> None:
     if position is not None:
         raise UserError(f"{shard.path}: token id {token} at position {position:,} is not in the model's vocabulary of "
                         f"{vocab_size:,} ids (the largest id in the shard is {largest:,}); the shard was made with "
-                        "another tokenizer, or is corrupt. Re-create it with data/prepare.py or data/fineweb.py "
-                        "(GPT-2's tokenizer), or move it out of the data directory.")
+                        "another tokenizer than the model's, or is corrupt. Re-create it with data/prepare.py or "
+                        "data/fineweb.py (--tokenizer: the model's), or move it out of the data directory.")
 
 
-def document_starts(tokens: np.ndarray) -> np.ndarray:
-    """Where the shard's documents start: after each EOT, and at 0 unless the shard opens with an EOT."""
-    starts = np.flatnonzero(tokens[:-1] == EOT) + 1
-    return starts if tokens[0] == EOT else np.concatenate([[0], starts])
+def document_starts(tokens: np.ndarray, eot: int = EOT) -> np.ndarray:
+    """Where the shard's documents start: after each EOT (the data's tokenizer's), and at 0 unless the shard opens
+    with an EOT."""
+    starts = np.flatnonzero(tokens[:-1] == eot) + 1
+    return starts if tokens[0] == eot else np.concatenate([[0], starts])
 
 
-def pack_rows(tokens: np.ndarray, row_len: int, split_long: bool = True) -> tuple[list[np.ndarray], int]:
+def pack_rows(tokens: np.ndarray, row_len: int, split_long: bool = True, eot: int = EOT) -> tuple[list[np.ndarray],
+                                                                                                   int]:
     """Best-fit packing of the shard's documents into rows of row_len tokens (see the module doc).
 
     A document longer than a row is cut into row_len pieces and a shorter tail (split_long; without it, cropped
@@ -185,9 +320,9 @@ def pack_rows(tokens: np.ndarray, row_len: int, split_long: bool = True) -> tupl
     row of its own continuing it, and the tail fills the end of a row that starts with another document, never a
     row's start. Returns (rows, cropped): rows[i] is row i's (start, length) pieces of `tokens` in order, an int64
     array (pieces, 2), and cropped the number of the shard's tokens in no row. Deterministic: it depends only on
-    the tokens, row_len and split_long.
+    the tokens, row_len, split_long and eot (the data's tokenizer's <|endoftext|>).
     """
-    starts = document_starts(tokens)
+    starts = document_starts(tokens, eot)
     lengths = np.diff(np.append(starts, tokens.size))
     # (length, start) sorted, ties to the later start: documents (may start a row) and tails (may not)
     documents: list[tuple[int, int]] = []
@@ -235,8 +370,11 @@ class DistributedDataLoader:
         self.chunks_per_step = world_size * grad_accum_steps
         self.shuffle, self.seed = shuffle, seed
         self.data_dir, self.shards = str(data_dir), find_shards(data_dir, split)
+        self.tokenizer = read_data_tokenizer(data_dir)  # (TokenizerSpec) its manifest's, or GPT-2's where none
+        self.watch = ShardWatch(self.shards)  # before the first read, so that no change after it goes unseen
         # Check every header now, so a bad shard fails the run in its first second rather than hours in.
-        self.shard_tokens = [read_shard_header(p) for p in self.shards]
+        layouts = [read_shard_layout(p) for p in self.shards]
+        self.shard_tokens, self.shard_dtypes = [n for n, _ in layouts], [dtype for _, dtype in layouts]
         step_tokens = self.chunks_per_step * B * T + 1
         for path, n in zip(self.shards, self.shard_tokens):
             if n < step_tokens:
@@ -246,8 +384,8 @@ class DistributedDataLoader:
         # One look at every shard's tokens: an id the model has no embedding for fails the run now too, and the
         # shards' sizes, first and last tokens, in order, tell which data this is, whatever directory holds it.
         fingerprint = hashlib.sha256()
-        for path, n in zip(self.shards, self.shard_tokens):
-            with closing(Shard(path, n)) as shard:
+        for path, n, dtype in zip(self.shards, self.shard_tokens, self.shard_dtypes):
+            with closing(Shard(path, n, dtype)) as shard:
                 if vocab_size is not None:
                     check_token_ids(shard, vocab_size)
                 ends = shard.read(0, min(n, 256)).tobytes() + shard.read(max(0, n - 256), min(n, 256)).tobytes()
@@ -273,10 +411,12 @@ class DistributedDataLoader:
         num_tokens = self.shard_tokens[shard_index]
         if self.shard is not None:
             self.shard.close()
-        self.shard = Shard(self.shards[shard_index], num_tokens)
+        self.watch.check(self.shards[shard_index])  # (one deleted or replaced is named as such, not opened)
+        self.shard = Shard(self.shards[shard_index], num_tokens, self.shard_dtypes[shard_index])
         if self.align_bos:  # the whole shard in memory: packing reads every token anyway
             self.tokens = self.shard.read(0, num_tokens)
-            self.rows, _ = pack_rows(self.tokens, self.T + 1)  # rebuilt on every opening: resuming needs no more
+            # rebuilt on every opening: resuming needs no more
+            self.rows, _ = pack_rows(self.tokens, self.T + 1, eot=self.tokenizer.eot)
             num_chunks = len(self.rows) // self.B
             if num_chunks < self.chunks_per_step:
                 raise UserError(f"{self.shards[shard_index]}: its documents pack into {len(self.rows)} rows of "
@@ -304,13 +444,19 @@ class DistributedDataLoader:
 
     def read_ahead(self) -> None:
         """Read this rank's micro-batches of the next optimizer step now; next_batch hands them out. A shard that
-        cannot be read raises ShardReadError here, between steps. Until they are handed out, state_dict is the
-        position before them: a snapshot taken now resumes at that step (after a ShardReadError too, when the
-        position is all the loader is good for until load_state_dict)."""
+        cannot be read, or any shard that changed since the loader was made (check_unchanged, after the reads),
+        raises ShardReadError here, between steps. Until they are handed out, state_dict is the position before
+        them: a snapshot taken now resumes at that step (after a ShardReadError too, when the position is all the
+        loader is good for until load_state_dict)."""
         if self._ahead_from is None:
             self._ahead_from = (self.epoch, self.shard_position, self.chunk_position)
         while len(self._ahead) < self.chunks_per_step // self.world_size:
             self._ahead.append(self._read_batch())
+        self.check_unchanged()
+
+    def check_unchanged(self) -> None:
+        """ShardReadError naming the first of the loader's shards that changed since the loader was made."""
+        self.watch.check()
 
     def _forget_read_ahead(self) -> None:
         self._ahead: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -325,7 +471,7 @@ class DistributedDataLoader:
             rows = torch.from_numpy(buf).view(B, T + 1)
             x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
         else:  # B consecutive T-token runs: B·T tokens in one slice, then reshaped
-            buf = torch.from_numpy(self.shard.read(chunk * B * T, B * T + 1).astype(np.int64))  # uint16 until here
+            buf = torch.from_numpy(self.shard.read(chunk * B * T, B * T + 1).astype(np.int64))  # uint16/32 until here
             x, y = buf[:-1].view(B, T), buf[1:].view(B, T)
         self.chunk_position += self.world_size
         if self.chunk_position >= self.usable_chunks:

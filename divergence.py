@@ -139,7 +139,8 @@ class DivergenceResponse:
 
 class StopRequest:
     """Why every rank stops between two steps, with a snapshot: SIGTERM (a preemption, torchrun stopping workers), a
-    first Ctrl-C (SIGINT), or a rank that cannot read the next step's data (a shard truncated under the run).
+    first Ctrl-C (SIGINT), or a rank that cannot read the next step's data or the validation's (a shard changed,
+    deleted or cut short under the run: dataloader.ShardWatch).
 
     train_gpt2.main makes `request` the SIGTERM and SIGINT handler (handling_signals); it only records the signal,
     but a second SIGINT raises KeyboardInterrupt: the user asked twice, so the run aborts at once (a snapshot being

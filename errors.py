@@ -1,10 +1,15 @@
 """The one error type for mistakes a user can fix (a bad flag, a missing file), and how entry points report it:
-one paragraph and exit status 2, without a traceback. Any other exception is a bug and keeps its traceback.
+one paragraph and exit status 2, without a traceback; so too an OSError that the file system or the disk raised on a
+path the user gave (PATH_PROBLEMS: a name too long, a symlink loop, EIO, ...). Any other exception is a bug and keeps
+its traceback.
 Also the one check every entry point makes first: that the installed PyTorch is one this code supports."""
 
+import ast
+import errno
+import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -13,6 +18,67 @@ MIN_TORCH = (2, 11)  # FSDP2's fully_shard, torch.OutOfMemoryError, MemTracker, 
 
 class UserError(Exception):
     """A problem the user can fix. The message is one paragraph that names the file or flag and the fix."""
+
+
+# OSErrors that say something about a path the user gave, or the disk under it, and nothing about our code: what each
+# means and what to do. Wherever one is raised (making a directory, opening a snapshot, reading a shard),
+# run_entry_point turns it into one paragraph naming the flag and the path (path_error).
+PATH_PROBLEMS = {
+    errno.ENAMETOOLONG: "a name in it is longer than the file system allows (on most, 255 bytes a name and 4,096 a "
+                        "path). Pass a shorter path",
+    errno.ELOOP: "its symbolic links point at each other in a loop (or nest more than 40 deep). Fix or remove the "
+                 "link, or pass the real path",
+    errno.ENOTDIR: "a part of it that should be a directory is a file. Pass a path whose parents are all "
+                   "directories, or move that file",
+    errno.EIO: "the device reported an I/O error: the disk or network file system under it is failing (the kernel's "
+               "log, dmesg, says more). Use a copy on a healthy disk, or check the device, then rerun",
+    errno.EACCES: "permission denied. Give this user access to it (chmod, chown), or pass a path this user can use",
+    errno.EPERM: "the operation is not permitted (an immutable file, or a mount that refuses it). Pass another path",
+    errno.EROFS: "its file system is mounted read-only. Pass a path on a file system mounted read-write",
+    errno.ENOSPC: "the disk is full. Free space there, or pass a path on another disk",
+    errno.EDQUOT: "the disk quota is used up. Free space there, or pass a path on another disk",
+    errno.ESTALE: "a stale network file handle: the file changed on the NFS server under this node. Rerun; if it "
+                  "stays, remount the file system",
+}
+
+
+SYMLINK_LOOP = re.compile(r"Symlink loop from ('.*'|\".*\")")  # Path.resolve()'s RuntimeError: the path's repr
+
+
+def path_error(error: OSError | RuntimeError, argv: Sequence[str]) -> UserError | None:
+    """A UserError for an OSError of PATH_PROBLEMS on a named path, naming the command-line argument the path is or
+    lies under (--flag VALUE, --flag=VALUE or a positional one, found in argv), the path, what the errno means and the
+    fix. None for any other error: that may be a bug of ours, which keeps its traceback."""
+    if isinstance(error, RuntimeError):  # pathlib's resolve() before Python 3.13 says ELOOP so
+        loop = SYMLINK_LOOP.fullmatch(str(error))
+        if loop is None:
+            return None
+        error = OSError(errno.ELOOP, os.strerror(errno.ELOOP), ast.literal_eval(loop.group(1)))
+    if error.errno not in PATH_PROBLEMS or not error.filename:
+        return None
+    path = os.fsdecode(error.filename)
+    flag, value = command_line_path(path, argv)
+    named = " ".join(part for part in (flag, value) if part)
+    subject = path if not value else named if os.path.abspath(value) == os.path.abspath(path) else f"{named}: {path}"
+    return UserError(f"{subject} could not be used: {PATH_PROBLEMS[error.errno]}.")
+
+
+def command_line_path(path: str, argv: Sequence[str]) -> tuple[str | None, str | None]:
+    """The argument of argv that names `path` or a directory above it, the nearest: (its flag, or None for a
+    positional one, and its value as given); (None, None) if none does."""
+    found = []
+    for i, arg in enumerate(argv):
+        flag, value = arg.split("=", 1) if arg.startswith("--") and "=" in arg else (None, arg)
+        if flag is None and i and argv[i - 1].startswith("--") and "=" not in argv[i - 1]:
+            flag = argv[i - 1]
+        if value and not value.startswith("--") and is_within(path, value):
+            found.append((len(os.path.abspath(value)), flag, value))
+    return max(found, default=(0, None, None), key=lambda match: match[0])[1:]
+
+
+def is_within(path: str, directory: str) -> bool:
+    """Whether `path` is `directory` or lies under it, by their names (nothing on disk is looked at)."""
+    return os.path.commonpath([os.path.abspath(path), os.path.abspath(directory)]) == os.path.abspath(directory)
 
 
 def check_torch_version(version: str) -> None:
@@ -26,14 +92,21 @@ def check_torch_version(version: str) -> None:
 
 
 def run_entry_point(main: Callable[[], None]) -> None:
-    """Call main(); a UserError becomes `error: <message>` on stderr and exit status 2, with no traceback.
+    """Call main(); a UserError becomes `error: <message>` on stderr and exit status 2, with no traceback, and so does
+    an OSError of PATH_PROBLEMS on a path (path_error), wherever it was raised.
 
     Under torchrun each rank that meets the error prints it; the checks that raise one run on every rank (or agree
     through a collective first), so no rank is left waiting for a peer that has gone.
     """
     try:
-        check_torch_version(torch.__version__)
-        main()
+        try:
+            check_torch_version(torch.__version__)
+            main()
+        except (OSError, RuntimeError) as e:
+            user_error = path_error(e, sys.argv[1:])
+            if user_error is None:
+                raise
+            raise user_error from e
     except UserError as e:
         # One write, newline included: print() writes the two apart, and where stderr is unbuffered
         # (PYTHONUNBUFFERED, as under many launchers) two ranks' messages could run into one line.

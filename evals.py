@@ -42,7 +42,7 @@ from errors import UserError
 from files import atomic_write
 from parsing import PARSE_ERRORS, parse_problem
 from precision import autocast
-from tokenizer import gpt2_encoding
+from tokenizer import Tokenizer, tiktoken_tokenizer
 
 DEFAULT_DIR = Path(__file__).resolve().parent / "data" / "evals"
 
@@ -343,14 +343,16 @@ def tokenize(encode: Callable[[str], tuple[int, ...]], eot: int, context: str, c
 class Suite:
     """The tasks' documents, tokenized once, and the batches their requests are scored in: longest rows first, up to
     batch_tokens padded tokens a batch. The batches depend on nothing else, so each request is computed the same
-    way on any number of ranks (each scores every world_size-th batch), and so are the results, bit for bit."""
+    way on any number of ranks (each scores every world_size-th batch), and so are the results, bit for bit.
+    tokenizer: the model's (None: GPT-2's)."""
 
-    def __init__(self, docs: dict[str, list[Doc]], block_size: int, batch_tokens: int):
+    def __init__(self, docs: dict[str, list[Doc]], block_size: int, batch_tokens: int,
+                 tokenizer: Tokenizer | None = None):
         self.docs = docs
-        enc = gpt2_encoding()
-        # allowed_special: "<|endoftext|>" in a text is the EOT token, as Hugging Face's tokenizer reads it.
-        encode = lru_cache(maxsize=16)(lambda text: tuple(enc.encode(text, allowed_special="all")))
-        self.requests = [tokenize(encode, enc.eot_token, context, continuation, block_size)
+        tokenizer = tokenizer or tiktoken_tokenizer("gpt2")
+        # allow_eot: "<|endoftext|>" in a text is the EOT token, as Hugging Face's tokenizer reads it.
+        encode = lru_cache(maxsize=16)(lambda text: tuple(tokenizer.encode(text, allow_eot=True)))
+        self.requests = [tokenize(encode, tokenizer.eot, context, continuation, block_size)
                          for task_docs in docs.values() for doc in task_docs for context, continuation in doc.requests]
         order = sorted(range(len(self.requests)), key=lambda i: -len(self.requests[i].tokens))
         self.batches: list[list[int]] = []

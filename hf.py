@@ -8,8 +8,6 @@ warning, and goes on. An arch="modern" model exports as a Qwen3ForCausalLM, the 
 """
 
 import json
-import pickle
-import re
 from pathlib import Path
 
 import torch
@@ -17,6 +15,8 @@ import torch
 from errors import UserError
 from model import GPT, NORM_EPS, ROPE_THETA, GPTConfig
 from parsing import PARSE_ERRORS, parse_problem
+from snapshot import read_torch_file
+from tokenizer import gpt2_spec
 
 # Hugging Face's GPT-2 stores these linear layers as Conv1D modules, whose weights are nn.Linear's transposed.
 HF_CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -31,6 +31,10 @@ OPENAI_SETTINGS = {"activation_function": ("gelu_new", "gelu_pytorch_tanh"), "la
 # The weight files from_pretrained looks for in a directory, in its order of preference (an index: sharded).
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
+# What read_torch_file calls a pytorch_model.bin, and the fix its refusal of one ends with.
+PYTORCH_WEIGHT_FILE = ("a PyTorch weight file", "Get these weights as model.safetensors, which holds tensors only, "
+                       "from where they came from, or convert a copy you trust to it (save_pretrained writes "
+                       "model.safetensors).")
 WHAT_LOADS = ("Pass a directory that transformers' save_pretrained wrote for a GPT2LMHeadModel, or gpt2, gpt2-medium, "
               "gpt2-large or gpt2-xl (downloaded on first use).")
 
@@ -150,22 +154,12 @@ def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 
 def torch_file_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """A pytorch_model.bin's tensors, loaded as torch.load(weights_only=True) loads them, so that no code is run, but
-    as meta tensors, which take no memory."""
+    """A pytorch_model.bin's tensors, read as our snapshots are (snapshot.read_torch_file: no code is run), as meta
+    tensors, which take no memory."""
     try:
-        state = torch.load(path, map_location="meta", weights_only=True)
-    except pickle.UnpicklingError as e:
-        if code := re.search(r"Unsupported global: GLOBAL (\S+)", str(e)):
-            raise UserError(f"{path} holds pickled Python objects besides tensors (it calls {code.group(1)}): "
-                            "loading it could run code, so it will not be loaded. Get these weights as "
-                            "model.safetensors, which holds tensors only, from where they came from, or convert a "
-                            "copy you trust to it (save_pretrained writes model.safetensors).") from e
-        raise UserError(f"{path} could not be read as a PyTorch weight file; it is corrupt or not one. "
-                        f"{WHAT_LOADS}") from e
-    except (RuntimeError, OSError, EOFError, ValueError) as e:  # torch's errors for a truncated or damaged file
-        reason = (str(e).splitlines() or [""])[0]
-        raise UserError(f"{path} could not be read as a PyTorch weight file ({type(e).__name__}: {reason}); it is "
-                        f"truncated, corrupt or not one. {WHAT_LOADS}") from e
+        state = read_torch_file(path, PYTORCH_WEIGHT_FILE, map_location="meta")
+    except ValueError as e:  # its message names the file and what is wrong with it
+        raise UserError(f"{e} {WHAT_LOADS}") from e
     if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
         raise UserError(f"{path} is not a state dict (a dict of tensor names to tensors), as save_pretrained writes. "
                         f"{WHAT_LOADS}")
@@ -256,7 +250,7 @@ def qwen3_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     return {name: tensor.contiguous().clone() for name, tensor in hf_state.items()}
 
 
-def to_qwen3(model: GPT):
+def to_qwen3(model: GPT, eot: int = gpt2_spec().eot):
     """A Qwen3ForCausalLM holding an arch="modern" model's weights: the same decoder (rotary positions paired half a
     head apart, RMSNorm on each head's queries and keys, SwiGLU, untied embeddings, biases on attention only)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -266,8 +260,8 @@ def to_qwen3(model: GPT):
         vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=model.transformer.h[0].mlp.hidden,
         num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head,
         head_dim=cfg.n_embd // cfg.n_head, max_position_embeddings=cfg.block_size, rms_norm_eps=NORM_EPS,
-        hidden_act="silu", tie_word_embeddings=False, attention_bias=cfg.attention_bias, bos_token_id=50256,
-        eos_token_id=50256)
+        hidden_act="silu", tie_word_embeddings=False, attention_bias=cfg.attention_bias, bos_token_id=eot,
+        eos_token_id=eot)
     # The rotary base: a config field whose name changed between transformers versions (rope_theta, then
     # rope_parameters), with the same default as ours, checked here rather than set.
     theta = getattr(hf_config, "rope_parameters", None) or {"rope_theta": getattr(hf_config, "rope_theta", None)}
@@ -278,12 +272,13 @@ def to_qwen3(model: GPT):
     return hf_model.eval()
 
 
-def to_hf(model: GPT):
-    """A GPT2LMHeadModel holding our weights (a Qwen3ForCausalLM for arch="modern", see to_qwen3)."""
+def to_hf(model: GPT, eot: int = gpt2_spec().eot):
+    """A GPT2LMHeadModel holding our weights (a Qwen3ForCausalLM for arch="modern", see to_qwen3); eot: the id of
+    its tokenizer's <|endoftext|>, the config's bos and eos (GPT-2's by default)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     if model.config.arch == "modern":
-        return to_qwen3(model)
+        return to_qwen3(model, eot)
     cfg = model.config
     hf_config = GPT2Config(
         vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_ctx=cfg.block_size,
@@ -292,7 +287,7 @@ def to_hf(model: GPT):
         layer_norm_epsilon=1e-5,  # nn.LayerNorm's default
         # Our model has no dropout; zero here means fine-tuning in transformers continues the same way.
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        bos_token_id=50256, eos_token_id=50256,
+        bos_token_id=eot, eos_token_id=eot,
     )
     hf_model = GPT2LMHeadModel(hf_config)
     hf_model.load_state_dict(hf_state_dict(model))  # strict: a name or shape mismatch fails here, not later

@@ -58,7 +58,8 @@ def lock_run_directories(directories: dict[str, str | None], dist_env: Distribut
             distinct: dict[Path, str] = {}  # directory -> the first flag naming it
             for flag, path in directories.items():
                 if path:  # (None or "": not set, as config.resolve_plan reads --snapshot_dir)
-                    distinct.setdefault(Path(path).resolve(), flag)
+                    # (realpath: the same directory by two names is one; a symlink loop raises in check_writable)
+                    distinct.setdefault(Path(os.path.realpath(path)), flag)
             try:
                 for directory, flag in distinct.items():
                     check_writable(directory, flag)
@@ -80,6 +81,8 @@ def check_writable(directory: Path, flag: str) -> None:
     disk passes with a warning: the run's writes fail softly there (see run_logger.py and snapshot.py), and space
     may be freed while it trains."""
     try:
+        with suppress(FileNotFoundError):
+            os.stat(directory)  # what stands in the way by its own errno (a loop, a name too long), not mkdir's EEXIST
         directory.mkdir(parents=True, exist_ok=True)
         fd = os.open(directory / f".write_probe.{os.getpid()}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         os.close(fd)
@@ -97,9 +100,9 @@ def check_writable(directory: Path, flag: str) -> None:
 
 def unwritable_reason(directory: Path, error: OSError) -> str:
     """What stands in the way, in words: the first ancestor that is not a directory, or the error."""
-    for path in (directory, *directory.parents):
-        if path.exists() and not path.is_dir():
-            return f"{path} is a file, not a directory" if path.is_file() else f"{path} is not a directory"
+    for path in (directory, *directory.parents):  # (os.path's checks answer False where pathlib's would raise)
+        if os.path.exists(path) and not os.path.isdir(path):
+            return f"{path} is a file, not a directory" if os.path.isfile(path) else f"{path} is not a directory"
     return f"{type(error).__name__}: {error.strerror or error}"
 
 

@@ -38,6 +38,27 @@ INIT_TIMEOUT_S = 60.0
 FINISH_TIMEOUT_S = 300.0
 
 
+def metrics_path(log_dir: Path, run: str | None, continued: bool) -> Path:
+    """Where a timeline's metrics go: metrics.jsonl, unless it holds another timeline's (a branch that shares its
+    parent's --log_dir); then metrics_<run>.jsonl, so that no two timelines' steps are spliced into one file. Whose
+    a metrics.jsonl is: the run of its first {"event": "timeline"} record (none: older code's)."""
+    default = log_dir / "metrics.jsonl"
+    if run is None or not default.is_file():
+        return default
+    owner = None
+    with open(default, "rb") as f:
+        for line in f:
+            if b'"timeline"' in line:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(record, dict) and record.get("event") == "timeline":
+                    owner = record.get("run")
+                    break
+    return default if owner == run or (owner is None and continued) else log_dir / f"metrics_{run}.jsonl"
+
+
 def free_space(directory: Path) -> str:
     try:
         return f"{shutil.disk_usage(directory).free / 2**20:,.0f} MiB free"
@@ -46,10 +67,12 @@ def free_space(directory: Path) -> str:
 
 
 class RunLogger:
-    def __init__(self, log_dir: str | Path, enabled: bool = True):
+    def __init__(self, log_dir: str | Path, enabled: bool = True, run: str | None = None, continued: bool = True):
+        """run: the timeline's id (timeline.py); continued: whether the run continues the directory's timeline (a
+        metrics.jsonl that does not say whose it is, from older code, is then this run's)."""
         self.enabled = enabled
         self.wandb_run = None
-        self.metrics_path = Path(log_dir) / "metrics.jsonl"
+        self.metrics_path = metrics_path(Path(log_dir), run, continued)
         self.metrics_failed = False  # warned once about a failed write
         self.logging_raised: bool | None = None  # logging.raiseExceptions before wandb started
         if enabled:

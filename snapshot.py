@@ -43,8 +43,10 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from distributed import any_rank
+from errors import UserError
 from files import atomic_write, fsync_directory
 from model import ARCHITECTURES, GPT, GPTConfig
+from tokenizer import Tokenizer, TokenizerSpec, gpt2_spec, tokenizer_from_spec
 
 STEP = r"(\d{7}|[1-9]\d{7,})"  # f"{step:07d}", exactly
 SNAPSHOT_NAME = re.compile(rf"snapshot_{STEP}(\.pt)?")  # a file (ddp) or a directory (fsdp)
@@ -154,21 +156,36 @@ def written_here(path: Path) -> bool:
 
 
 def snapshot_holds_keys(path: Path, keys: tuple[str, ...]) -> bool:
-    """Whether a torch file, complete or cut short by a crash, is a snapshot's: torch.save writes the object's
-    pickle first (the zip record <archive>/data.pkl, stored), and a snapshot's names every one of `keys`. Only the
-    pickle's opcodes are read (pickletools): nothing is unpickled."""
+    """Whether a torch file, complete or cut short by a crash, is a snapshot's: its pickle names every one of `keys`."""
+    strings = pickle_strings(path)
+    return strings is not None and set(keys) <= set(strings)
+
+
+def pickle_strings(path: Path) -> list[str] | None:
+    """The strings in a torch file's pickle, in order, read even from a file cut short after it: torch.save writes the
+    object's pickle first (the zip record <archive>/data.pkl, stored). Only the pickle's opcodes are read
+    (pickletools): nothing is unpickled. None if the file is unreadable or its pickle is not whole: nothing proven."""
     try:
         with open(path, "rb") as f:
             header = f.read(30)  # a zip record's local header
             signature, compression = header[:4], header[8:10]
             name_length, extra_length = struct.unpack_from("<HH", header, 26)
             if signature != b"PK\x03\x04" or compression != b"\0\0" or not f.read(name_length).endswith(b"/data.pkl"):
-                return False
+                return None
             f.seek(extra_length, os.SEEK_CUR)
-            strings = {arg for _, arg, _ in pickletools.genops(f) if isinstance(arg, str)}
+            strings, memo, last = [], {}, None
+            for opcode, arg, _ in pickletools.genops(f):
+                if opcode.name in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"):  # a string met again is a memo GET
+                    memo[len(memo) if opcode.name == "MEMOIZE" else arg] = last
+                    continue
+                if opcode.name in ("GET", "BINGET", "LONG_BINGET"):
+                    arg = memo.get(arg)
+                last = arg if isinstance(arg, str) else None
+                if last is not None:
+                    strings.append(last)
+            return strings
     except (OSError, ValueError, struct.error):  # unreadable, or cut short: no proof
-        return False
-    return set(keys) <= strings
+        return None
 
 
 def check_replaceable(path: Path) -> None:
@@ -242,40 +259,53 @@ def load_snapshot(path: str | Path, verify: bool = True) -> dict:
 
 
 
-def read_torch_file(path: Path):
-    """The one way a torch file of a snapshot is read (a snapshot_*.pt, a directory's meta.pt, a file with just a
-    model): torch.load(weights_only=True), so it holds only tensors, numbers, strings and containers of them and
-    runs no code; on the CPU, memory-mapped. ValueError naming the file if it is missing or torch cannot load it
-    (torch raises even OSErrors for a truncated file); a read error of the file's first bytes is raised as the
-    OSError it is."""
+SNAPSHOT_FILE = ("a snapshot", "Pass a snapshot written by train_gpt2.py (a snapshot_*.pt file, or an fsdp run's "
+                 "snapshot directory): its files hold only tensors, numbers and strings.")
+
+
+def read_torch_file(path: Path, kind: tuple[str, str] = SNAPSHOT_FILE, map_location: str = "cpu"):
+    """The one way a pickle-format file is read, whoever wrote it: our snapshots (a snapshot_*.pt, a directory's
+    meta.pt, a file with just a model) and a Hugging Face pytorch_model.bin (hf.py). torch.load(weights_only=True),
+    so it holds only tensors, numbers, strings and containers of them and runs no code; memory-mapped (map_location
+    "meta": the tensors' shapes alone). kind: what the file should be, and the fix a refusal ends with. ValueError
+    naming the file if it is missing, refused or torch cannot load it (torch raises even OSErrors for a truncated
+    file); a read error of the file's first bytes is raised as the OSError it is."""
+    what, fix = kind
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO or a device would block the read, or never end
-            raise ValueError(f"{path} could not be read as a snapshot: it is not a regular file (a FIFO, a socket or "
-                             "a device). Pass the path of a snapshot_*.pt file or of an fsdp snapshot's directory.")
+            raise ValueError(f"{path} could not be read as {what}: it is not a regular file (a FIFO, a socket or a "
+                             f"device). {fix}")
         with open(path, "rb") as f:
             is_zip = f.read(4) == b"PK\x03\x04"  # torch.save's container (torch's message otherwise: about mmap)
     except FileNotFoundError as e:
-        raise ValueError(f"{path} could not be read as a snapshot: it is missing.") from e
+        raise ValueError(f"{path} could not be read as {what}: it is missing.") from e
+    except OSError as e:  # (a failing disk's EIO from read() names no file: errors.path_error names this one)
+        e.filename = e.filename or str(path)
+        raise
     if not is_zip:
-        raise ValueError(f"{path} could not be read as a snapshot: it is truncated, corrupt or not a torch file.")
+        raise ValueError(f"{path} could not be read as {what}: it is truncated, corrupt or not a torch file.")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=True)
     except Exception as e:
         if (refused := unsafe_pickle(e)) is not None:
             raise ValueError(f"{path} was refused: its pickle holds {refused}, which is not plain data, and "
-                             "unpickling it could run code, so it will not be loaded. Snapshots written by "
-                             "train_gpt2.py hold only tensors, numbers and strings: pass one of those.") from e
-        raise ValueError(f"{path} could not be read as a snapshot ({type(e).__name__}: {first_line(e)}); it is "
+                             f"unpickling it could run code, so it will not be loaded. {fix}") from e
+        raise ValueError(f"{path} could not be read as {what} ({type(e).__name__}: {first_line(e)}); it is "
                          "truncated, corrupt or not a torch file.") from e
 
 
 def unsafe_pickle(e: BaseException) -> str | None:
-    """What torch.load(weights_only=True) refused to unpickle ("the global os.system"), if that is why it raised:
-    the reason is on one line of torch's long message, whose advice to load it anyway we never repeat."""
-    reason = next((line.split("WeightsUnpickler error:")[1].split(". Please")[0].strip()
-                   for line in str(e).splitlines() if "WeightsUnpickler error:" in line), None)
-    if reason and (named := re.match(r"Unsupported global: GLOBAL (\S+)", reason)):
+    """What torch.load(weights_only=True) refused to unpickle ("the global posix.system"), if that is why it raised:
+    the reason is on one line of torch's long message, whose advice to load it anyway we never repeat. A global is
+    named either way torch says it: one it does not allow ("Unsupported global: GLOBAL builtins.print"), or one of a
+    module it blocks ("unsupported GLOBAL posix.system whose module posix is blocked")."""
+    text = str(e)
+    if named := re.search(r"[Uu]nsupported (?:global: )?GLOBAL (\S+)", text):
         return f"the global {named.group(1)}"
+    reason = next((line.split("WeightsUnpickler error:")[1].split(". Please")[0].strip()
+                   for line in text.splitlines() if "WeightsUnpickler error:" in line), None)
+    if reason is None and text.startswith("Weights only load failed"):
+        return "something torch's weights-only unpickler does not allow"
     return reason
 
 
@@ -429,6 +459,37 @@ def model_config_of(state: dict, path: str | Path) -> GPTConfig:
                          f"n_head), and may hold arch ({' or '.join(ARCHITECTURES)}) and attention_bias (true or "
                          "false), nothing else. Pass a snapshot written by train_gpt2.py.")
     return GPTConfig(**saved)
+
+
+def read_tokenizer(path: str | Path) -> TokenizerSpec:
+    """The tokenizer of the run that wrote a snapshot (or a file with just its model): what its token ids mean.
+    ValueError naming the file if its record is malformed."""
+    return tokenizer_of(load_model_snapshot(path), path)
+
+
+def tokenizer_of(state: dict, path: str | Path) -> TokenizerSpec:
+    """A snapshot's record of its run's tokenizer (the data's); GPT-2's for a snapshot from before they recorded it."""
+    recorded = state.get("tokenizer")
+    return gpt2_spec() if recorded is None else TokenizerSpec.from_dict(recorded, str(path))
+
+
+def load_tokenizer_of(path: str | Path) -> Tokenizer:
+    """read_tokenizer's tokenizer, to encode and decode with (sample.py, evaluate.py, export_hf.py): a UserError
+    naming the snapshot and the tokenizer where it cannot be had here (a tiktoken encoding not in the offline cache)."""
+    spec = read_tokenizer(path)
+    try:
+        return tokenizer_from_spec(spec)
+    except UserError as e:
+        raise UserError(f"{path} was trained with the tokenizer {spec.describe()}, which reads and writes its text: "
+                        f"{e}") from e
+
+
+def check_tokenizer(source: str, its: TokenizerSpec, data_dir: str | Path, data: TokenizerSpec, fix: str) -> None:
+    """A UserError naming both unless `source` (a snapshot, a model) was trained with the tokenizer of the data in
+    data_dir: under another tokenizer each id is other text, so its weights would be trained or scored on noise."""
+    if its.sha256 != data.sha256:
+        raise UserError(f"{source} was trained with the tokenizer {its.describe()}, but the data in {data_dir} was "
+                        f"written with {data.describe()}: the same token id is other text under each. {fix}")
 
 
 def is_snapshot_directory(path: Path) -> bool:

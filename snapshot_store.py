@@ -22,7 +22,6 @@ snapshot it restored.
 
 import shutil
 import sys
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -41,6 +40,7 @@ from parallel import TrainingModel
 from snapshot import (
     TEMP_NAME,
     capture_rng_state,
+    check_tokenizer,
     load_shards,
     load_snapshot,
     model_config_of,
@@ -49,17 +49,26 @@ from snapshot import (
     save_sharded_snapshot,
     save_snapshot,
     snapshot_path,
+    tokenizer_of,
     torch_save,
     verify_checksums,
     written_here,
 )
 from timeline import (
+    Action,
+    Asks,
+    Survey,
     Timeline,
-    continued_or_branched,
-    current_timeline,
+    adopted_timeline,
+    ask,
+    decide,
+    entries,
+    first_loadable,
+    is_own,
+    origin_of_weights,
     own_snapshots,
     record_timeline,
-    timeline_membership,
+    survey,
 )
 
 
@@ -73,22 +82,26 @@ class Snapshots:
     def __init__(self, snapshot_dir: str, every: int, keep_last: int, resume_from: str, trainee: TrainingModel,
                  train_loader: DistributedDataLoader, run_config: dict, dist_env: Distributed,
                  print0: Callable[[str], None], stateful: dict | None = None):
-        if every and keep_last < 1:
+        if keep_last < 1:
             raise UserError(f"--keep_last {keep_last} would delete every snapshot, so nothing could resume. Keep at "
-                            "least 1, or turn snapshots off with --snapshot_every 0.")
+                            "least 1 (--snapshot_every 0 leaves only the last step's and a stop's snapshots).")
         self.snapshot_dir, self.every, self.keep_last, self.resume_from = snapshot_dir, every, keep_last, resume_from
         self.trainee, self.train_loader, self.run_config = trainee, train_loader, run_config
         self.dist_env, self.print0 = dist_env, print0
         self.stateful = stateful or {}
-        self.wandb_id = uuid.uuid4().hex[:12]
         self.timeline = Timeline()
-        self.timeline_recorded = False  # whether timeline.json names this run's timeline
+        self.wandb_id = self.timeline.run  # a continued run's: its snapshot's
+        self.continued = False  # whether this run continues the directory's timeline from one of its snapshots
+        # What the user named on the command line is never deleted (pruning, rollbacks), even if it is this run's own.
+        self.named = {Path(p).resolve() for p in (resume_from, run_config.get("init_from", "scratch"))
+                      if p not in ("auto", "never", "scratch")}
         self.last_saved = -1
         self.resumed_config: dict | None = None  # the flags of the run that wrote the snapshot resumed from
 
     def resume(self) -> tuple[int, str | None]:
-        """Restore the newest snapshot of this run's timeline (or the one --resume names). Returns the step to start
-        at and the path resumed from (None for a fresh start). Every rank calls it and reads the same file."""
+        """Do what TABLE says for this directory and these flags: restore the snapshot to continue or branch from,
+        or none. Returns the step to start at and the path resumed from (None for a fresh start). Every rank calls
+        it and reads the same file."""
         found = self._choose()
         start = 0
         if found is not None:
@@ -97,18 +110,30 @@ class Snapshots:
                 self._restore(path, state)
             except ValueError as e:  # the shards: a value that is not plain data
                 raise UserError(f"--resume: {e} Pass another snapshot, or --resume never to start over.") from e
-            self.wandb_id, self.last_saved, self.resumed_config = state["wandb_id"], state["step"], state["config"]
+            self.last_saved, self.resumed_config = state["step"], state["config"]
+            if self.continued:
+                self.wandb_id = state["wandb_id"]
             start = state["step"] + 1
-        in_the_way = self._check_the_way(start) if self.dist_env.is_master else None
-        if (in_the_way := from_rank_0(in_the_way)) is not None:  # every rank stops, none waits for rank 0
-            raise UserError(in_the_way)
+        refusal = None
+        if self.dist_env.is_master:
+            refusal = self._check_the_way(start)
+            if refusal is None:  # written now, before step 0: a run killed before its first snapshot is known
+                try:
+                    record_timeline(self.snapshot_dir, self.timeline)
+                except OSError as e:
+                    refusal = (f"{Path(self.snapshot_dir) / 'timeline.json'} could not be written ({type(e).__name__}: "
+                               f"{e}), so this run stops before its first step. Free space, or point --snapshot_dir at "
+                               "a directory that can be written.")
+        if (refusal := from_rank_0(refusal)) is not None:  # every rank stops, none waits for rank 0
+            raise UserError(refusal)
         return start, found[0] if found else None
 
     def save_if_due(self, step: int, last_step: int, stopping: bool, healthy: bool = True) -> Path | None:
         """Snapshot the state after `step` every --snapshot_every steps, at the last step and when stopping; healthy:
         whether the run's last update was applied (a snapshot written while updates are skipped is no place to roll
         back to). Collective: every rank calls it; rank 0 writes. Returns the path written, if any."""
-        due = (step + 1) % self.every == 0 or step == last_step or stopping if self.every else False
+        # (--snapshot_every 0: no periodic ones; a run's final weights and a stop's state are always written)
+        due = (self.every and (step + 1) % self.every == 0) or step == last_step or stopping
         if not due or step <= self.last_saved:  # nothing trained since the last one (a stop during evaluation)
             return None
         if not self._finite():
@@ -118,28 +143,20 @@ class Snapshots:
         state = self._capture(step, healthy)
         path = snapshot_path(self.snapshot_dir, step, self.trainee.sharded)
         failure = None
-        if self.dist_env.is_master and not self.timeline_recorded:  # before the snapshot: see the module doc
-            try:
-                record_timeline(self.snapshot_dir, self.timeline)
-            except OSError as e:
-                failure = e
-        if not any_rank(failure is not None, self.dist_env.device):
-            try:
-                if self.trainee.sharded:
-                    save_sharded_snapshot(state, self.trainee.raw, list(self.trainee.optimizer), path,
-                                          self.dist_env.device)
-                elif state is not None:
-                    save_snapshot(state, path)
-            except (OSError, CheckpointException) as e:  # the temp file or directory is gone, the older ones intact
-                failure = e
+        try:
+            if self.trainee.sharded:
+                save_sharded_snapshot(state, self.trainee.raw, list(self.trainee.optimizer), path, self.dist_env.device)
+            elif state is not None:
+                save_snapshot(state, path)
+        except (OSError, CheckpointException) as e:  # the temp file or directory is gone, the older ones intact
+            failure = e
         # With ddp only rank 0 writes: every rank learns how it went, so that all stay in step, and all stop together
         # if it was the last snapshot.
         if any_rank(failure is not None, self.dist_env.device):
             self._write_failed(step, path, failure, final=step == last_step or stopping)
             return None
-        self.timeline_recorded = True
         if self.dist_env.is_master:
-            prune_snapshots(self.snapshot_dir, self.keep_last, self.timeline)
+            prune_snapshots(self.snapshot_dir, self.keep_last, self.timeline, self.named)
             self.print0(f"snapshot written: {path}")
         self.last_saved = step
         return path
@@ -181,8 +198,8 @@ class Snapshots:
             # The newer ones are the abandoned timeline's, all unhealthy: after a crash, --resume auto would pick
             # one of them over the snapshot restored, and re-read the data the rollback skipped.
             for abandoned, state in own_snapshots(self.snapshot_dir, self.timeline):
-                if state["step"] > step and written_here(abandoned):
-                    remove(abandoned)
+                if state["step"] > step and written_here(abandoned) and abandoned.resolve() not in self.named:
+                    remove_or_warn(abandoned)
                     self.print0(f"removed {abandoned}: written while updates were being skipped, after {path}")
         self.last_saved = step
 
@@ -244,7 +261,7 @@ class Snapshots:
         t = self.trainee
         state = {"model_config": asdict(t.raw.config), "scaler": t.scaler.state_dict(), "step": step,
                  "loader": loader_states[0], "rng": list(rng_states), "config": self.run_config,
-                 "wandb_id": self.wandb_id, "healthy": healthy,
+                 "wandb_id": self.wandb_id, "healthy": healthy, "tokenizer": self.train_loader.tokenizer.to_dict(),
                  "timeline": {"run": self.timeline.run, "branched_from": self.timeline.branched_from}}
         state |= {name: each.state_dict() for name, each in self.stateful.items()}
         if not t.sharded:
@@ -254,6 +271,10 @@ class Snapshots:
     def _restore(self, path: str, state: dict, data_position: bool = True) -> None:
         """Restore everything `state` holds (the data loader's position only if data_position)."""
         t, dist_env = self.trainee, self.dist_env
+        # First: another tokenizer's data usually means another vocabulary too, and the model's shape is not the cause
+        check_tokenizer(path, tokenizer_of(state, path), self.run_config["data_dir"], self.train_loader.tokenizer,
+                        "Resume it on data written with its tokenizer (--data_dir), or start a new run on this data "
+                        "with --resume never.")
         if (written := model_config_of(state, path)) != t.raw.config:
             raise UserError(f"{path} holds a model {asdict(written)}, but this run builds {asdict(t.raw.config)}. Pass "
                             "the --arch/--model/--n_layer/--n_head/--n_embd/--block_size/--[no-]attention_bias of the "
@@ -304,60 +325,119 @@ class Snapshots:
     # --- which one, and this run's timeline
 
     def _choose(self) -> tuple[str, dict] | None:
-        """Which snapshot to resume from, or None for a fresh start, and this run's timeline (self.timeline). Rank 0
-        decides; every rank reads the same snapshot, or raises the same error."""
-        if self.resume_from == "never":
-            self.timeline = from_rank_0(self.timeline)
-            return None
+        """What TABLE says for this directory and these flags (timeline.decide), done: this run's timeline
+        (self.timeline), and the snapshot to restore, or None for a fresh start. Rank 0 decides; every rank reads
+        the same snapshot, or raises the same error."""
+        resume, init_from = self.resume_from, self.run_config.get("init_from", "scratch")
         state = None
-        if self.resume_from != "auto":
+        if resume not in ("auto", "never"):
+            if init_from != "scratch":
+                raise UserError(f"--resume {resume} and --init_from {init_from} both name the weights to start from. "
+                                "Pass --resume PATH to continue or branch from a snapshot with its optimizer and data "
+                                "position, or --init_from to start a new run from weights alone, not both.")
             # Every rank checks, so that none is left waiting in a collective for a rank 0 that has exited.
-            if not Path(self.resume_from).exists():
-                raise UserError(f"--resume {self.resume_from}: no such file. Pass the path of a snapshot_* file, "
+            if not Path(resume).exists():
+                raise UserError(f"--resume {resume}: no such file. Pass the path of a snapshot_* file, "
                                 "'auto' (the newest valid snapshot in --snapshot_dir) or 'never' (start fresh).")
             try:
-                state = load_snapshot(self.resume_from)
+                state = load_snapshot(resume)
             except ValueError as e:
                 raise UserError(f"--resume: {e} Pass another snapshot, 'auto' or 'never'.") from e
         decision, failure = None, None
         if self.dist_env.is_master:
             try:
-                if state is not None:
-                    decision = (*continued_or_branched(self.snapshot_dir, self.resume_from, state), self.resume_from)
-                else:
-                    timeline, recorded, found = current_timeline(self.snapshot_dir)
-                    decision = (timeline, recorded, str(found[0]) if found else None)
-                    state = found[1] if found else None
-            except ValueError as e:
-                failure = (f"--resume {self.resume_from}: {e} Repair or move them away (a copy of a good snapshot "
-                           "elsewhere: --resume PATH), or start over with --resume never in a fresh --snapshot_dir.")
+                found = survey(self.snapshot_dir)
+                asks = ask(resume, init_from, found)
+                decision = self._act(decide(found.holds, asks), asks, found, state)
+            except ValueError as e:  # timeline.json that is not one, or no snapshot to continue loads
+                failure = (f"--resume {resume}: {e} Nothing was deleted. Repair or move them away (a copy of a good "
+                           "snapshot elsewhere: --resume PATH), or start over with --resume never in a fresh "
+                           f"{self._own_directory_flag()}.")
+            except UserError as e:  # a refusal of the table
+                failure = str(e)
         decision, failure = from_rank_0((decision, failure))
         if failure is not None:
             raise UserError(failure)
-        self.timeline, self.timeline_recorded, path = decision
+        self.timeline, self.continued, path = decision
+        self.wandb_id = self.timeline.run
         if path is None:
             return None
-        return path, state if state is not None else load_snapshot(path, verify=False)  # rank 0 has verified it
+        return path, state if state is not None and path == resume else load_snapshot(path, verify=False)
+
+    def _act(self, action: Action, asks: Asks, found: Survey, state: dict | None) -> tuple[Timeline, bool, str | None]:
+        """Rank 0: the action's timeline, whether it continues the directory's, and the snapshot to restore (None:
+        none). A refusal is a UserError."""
+        resume, init_from = self.resume_from, self.run_config.get("init_from", "scratch")
+        if action is Action.START:
+            return Timeline(init_from=origin_of_weights(init_from)), False, None
+        if action is Action.BRANCH:
+            return Timeline().branch_at(resume, state), False, resume
+        if action is Action.CONTINUE:
+            entry = first_loadable(found.candidates, f"of this run's timeline in {self.snapshot_dir}")
+            timeline = found.recorded or adopted_timeline(entry)
+            return timeline, True, str(entry.path)
+        if action is Action.RESTART:
+            return found.recorded, False, found.recorded.resumed_from
+        if action is Action.REFUSE_DAMAGED:
+            first_loadable(found.candidates, f"in {self.snapshot_dir}")  # raises the ValueError naming every one
+        raise UserError(self._refusal(action, asks, found))
+
+    def _refusal(self, action: Action, asks: Asks, found: Survey) -> str:
+        directory, recorded, own = self.snapshot_dir, found.recorded, self._own_directory_flag()
+        if action is Action.REFUSE_ORIGIN:
+            return (f"--snapshot_dir {directory} holds a run started with --init_from {recorded.init_from} that was "
+                    "stopped before its first snapshot. To start it again, rerun with --init_from "
+                    f"{recorded.init_from}; to start another run, give it a directory of its own ({own} NEW_DIR).")
+        if action is Action.REFUSE_ORIGIN_GONE:
+            return (f"--snapshot_dir {directory} holds a run branched from {recorded.resumed_from}, which is gone or "
+                    "no longer loads, and the branch was stopped before its first snapshot: there is nothing to "
+                    f"continue it from. Put {recorded.resumed_from} back and rerun the same command, or start "
+                    f"another run in a directory of its own ({own} NEW_DIR).")
+        newest = found.newest()
+        holds = (f"run {recorded.run}'s snapshots (newest: {newest.path.name})" if newest else
+                 f"run {recorded.run}, stopped before its first snapshot") if recorded else "snapshots"
+        asked = {Asks.NEVER: "--resume never starts a new run",
+                 Asks.OTHER_INIT: f"--init_from {self.run_config.get('init_from')} starts a new run from those "
+                                  "weights",
+                 Asks.OTHER_PATH: f"--resume {self.resume_from} branches a new run from that snapshot"}[asks]
+        again = (f"--resume auto{' --init_from ' + recorded.init_from if recorded and recorded.init_from else ''}"
+                 if recorded and not recorded.resumed_from else f"--resume {recorded.resumed_from}" if recorded
+                 else "--resume auto")
+        if asks is Asks.OTHER_PATH:  # (its metrics go beside its parent's, in a file of their own: run_logger)
+            own = f"--snapshot_dir {self._branch_directory(self.resume_from)}"
+        else:
+            own = f"{own} NEW_DIR"
+        return (f"--snapshot_dir {directory} holds {holds}, and {asked}: one directory holds one run, so this one "
+                f"stops before it reads or writes anything there. To continue that run, rerun it with {again}; to "
+                f"start this one, give it a directory of its own ({own}), or move those files away.")
+
+    def _branch_directory(self, path: str) -> Path:
+        """Where the refusals suggest a branch from the snapshot at `path` should write its snapshots."""
+        step = load_snapshot(path, verify=False)["step"] + 1 if Path(path).exists() else 0
+        return Path(self.snapshot_dir) / f"branch_{step:07d}"
+
+    def _own_directory_flag(self) -> str:
+        return "--snapshot_dir" if self.run_config.get("snapshot_dir") else "--log_dir"
 
     def _check_the_way(self, start: int) -> str | None:
         """Rank 0, before the first step: the snapshots of snapshot_dir that are not this timeline's are named once;
         if this run could write a snapshot under one's name (a step from `start` to --max_steps), the error that
         stops it."""
-        others = [(p, step) for p, step, own in timeline_membership(self.snapshot_dir, self.timeline) if not own]
+        others = [e for e in entries(self.snapshot_dir) if not is_own(e, self.timeline)]
         if not others:
             return None
         max_steps = self.run_config["max_steps"]
-        in_the_way = sorted(p.name for p, step in others if start <= step < max_steps)
-        if in_the_way and self.every:
-            branch = Path(self.snapshot_dir) / f"branch_{start:07d}"
+        in_the_way = sorted(e.path.name + ("" if e.state is not None else " (damaged: which run wrote it is unknown)")
+                            for e in others if start <= e.step < max_steps)
+        if in_the_way:
             return (f"--snapshot_dir {self.snapshot_dir} holds snapshots this run did not write, at steps it "
-                            f"will write ({', '.join(in_the_way[:4])}{', ...' if len(in_the_way) > 4 else ''}): "
-                            "another run's, or the later snapshots of the timeline this run branched from. Writing "
-                            "over them would destroy them, so this run stops before its first step. Give it a "
-                            f"directory of its own (e.g. --snapshot_dir {branch}; the snapshot it resumes from can "
-                    "stay where it is), or move them out of the way.")
+                    f"will write ({', '.join(in_the_way[:4])}{', ...' if len(in_the_way) > 4 else ''}): "
+                    "another run's, or the later snapshots of the timeline this run branched from. Writing "
+                    "over them would destroy them, so this run stops before its first step. Give it a directory of "
+                    f"its own (e.g. --snapshot_dir {Path(self.snapshot_dir) / f'branch_{start:07d}'}; the snapshot "
+                    "it resumes from can stay where it is), or move them out of the way.")
         self.print0(f"note: {self.snapshot_dir} also holds snapshots this run's timeline did not write: "
-                    f"{', '.join(p.name for p, _ in others)}. They are left as they are: never resumed by --resume "
+                    f"{', '.join(e.path.name for e in others)}. They are left as they are: never resumed by --resume "
                     "auto, never pruned.")
         return None
 
@@ -390,22 +470,29 @@ def newest_healthy_snapshot(snapshot_dir: str | Path, timeline: Timeline) -> Pat
     return next((path for path, healthy in health_newest_first(own_snapshots(snapshot_dir, timeline)) if healthy), None)
 
 
-def prune_snapshots(snapshot_dir: str | Path, keep_last: int, timeline: Timeline) -> None:
+def prune_snapshots(snapshot_dir: str | Path, keep_last: int, timeline: Timeline, named: set[Path] = frozenset()
+                    ) -> None:
     """Delete all but the keep_last newest of `timeline`'s snapshots, and the temp files and directories of writes
-    that a crash cut short; only what written_here proves this code wrote. Kept whatever keep_last says: the newest
-    healthy snapshot, and any newer one whose health a read error hides (it may be the newest healthy one)."""
+    that a crash cut short; only what written_here proves this code wrote, never a file the user named (`named`,
+    resolved). Kept whatever keep_last says: the newest healthy snapshot, and any newer one whose health a read error
+    hides (it may be the newest healthy one). Pruning is housekeeping: what cannot be deleted is a warning."""
     own = own_snapshots(snapshot_dir, timeline)
-    old = [path for path, _ in own if written_here(path)][keep_last:]
+    old = [path for path, _ in own if written_here(path) and path.resolve() not in named][keep_last:]
     keep = set()
     for path, healthy in health_newest_first(own) if old else ():  # (nothing to prune: checksum nothing)
         if healthy is not False:
             keep.add(path)
         if healthy:
             break
-    for path in old:
-        if path not in keep:
-            remove(path)
     # One snapshot is saved at a time, so once a save has finished every temp file or directory is a dead run's.
-    for tmp in Path(snapshot_dir).iterdir():
-        if TEMP_NAME.fullmatch(tmp.name) and written_here(tmp):
-            remove(tmp)
+    temps = [tmp for tmp in Path(snapshot_dir).iterdir() if TEMP_NAME.fullmatch(tmp.name) and written_here(tmp)]
+    for path in [p for p in old if p not in keep] + temps:
+        remove_or_warn(path)
+
+
+def remove_or_warn(path: Path) -> None:
+    try:
+        remove(path)
+    except OSError as e:
+        print(f"WARNING: could not delete {path} ({type(e).__name__}: {e.strerror or e}); it is left as it is, and "
+              "training goes on. Delete it yourself once it can be.", file=sys.stderr)

@@ -9,7 +9,7 @@ set up the processes and the device, resolve the flags into a plan, build the da
 from the newest snapshot if there is one, then loop {read the step's data, evaluate, train one step, log, snapshot};
 after updates skipped in a row for NaN or spikes, stop or roll back to the newest healthy snapshot (--on_divergence).
 Between two steps every rank stops together, with a snapshot, on SIGTERM, on a first Ctrl-C, or when a rank cannot
-read its next batches; a second Ctrl-C aborts at once.
+read its next batches or finds a shard changed; a second Ctrl-C aborts at once.
 """
 
 import math
@@ -40,7 +40,7 @@ from run_lock import lock_run_directories
 from run_logger import RunLogger
 from snapshot import read_model
 from snapshot_store import Snapshots
-from tokenizer import generate_text
+from tokenizer import Tokenizer, generate_text, tokenizer_from_spec
 from training import StepResult, train_step
 from validation import validation_loss
 
@@ -87,12 +87,15 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None
                                          vocab_size=vocab_size, align_bos=plan.align_bos)
     val_loader = DistributedDataLoader(cfg.data_dir, "val", cfg.micro_batch_size, plan.seq_len, dist_env.rank,
                                        dist_env.world_size, vocab_size=vocab_size) if plan.val_steps else None
+    # The data's tokenizer, which the tasks and samples read and write text with: loaded now, as the tasks' files,
+    # so that one this node cannot have (a tiktoken encoding offline) says so at start-up, not at its first use.
+    tokenizer = tokenizer_from_spec(train_loader.tokenizer) if cfg.eval_every or cfg.sample_every else None
     eval_suite = None
     if cfg.eval_every:  # now, so that a missing file or no network says so at start-up, not at the first evaluation
         docs = evals.load_tasks(evals.parse_task_names(cfg.eval_tasks, "--eval_tasks"), cfg.eval_dir,
                                 cfg.hellaswag_path, cfg.eval_limit, dist_env.local_rank, device)
         # Batches of a training micro-batch's tokens: that fits, as evaluating keeps no activations for a backward.
-        eval_suite = evals.Suite(docs, plan.model_config.block_size, cfg.micro_batch_size * plan.seq_len)
+        eval_suite = evals.Suite(docs, plan.model_config.block_size, cfg.micro_batch_size * plan.seq_len, tokenizer)
 
     # --- model, optimizer, and the snapshot to resume from
     trainee = build_training_model(initial_model(cfg, plan), dist_env, dtype, cfg, cfg.compile, parallel=cfg.parallel)
@@ -108,7 +111,9 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None
                "jump; with cosine, or from this last snapshot (no new directory needed), the LR jumps back up (a "
                "warning says by how much). Or --resume never to start over.")
         return
-    metrics = RunLogger(cfg.log_dir, enabled=master)
+    metrics = RunLogger(cfg.log_dir, master, snapshots.timeline.run, snapshots.continued)
+    if metrics.metrics_path.name != "metrics.jsonl":
+        print0(f"metrics go to {metrics.metrics_path}: {cfg.log_dir}/metrics.jsonl is another run's")
     if resumed_from:
         print0(f"resuming from {resumed_from} at step {start_step}")
         replaced = trainee.optimizer.replaced_settings
@@ -124,11 +129,15 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None
     elif cfg.init_from != "scratch":
         print0(f"initialised from {cfg.init_from}")
         metrics.log({"event": "init", "step": 0, "init_from": cfg.init_from})
+    timeline = snapshots.timeline  # (after the resume or init event: whose metrics these are, for run_logger)
+    metrics.log({"event": "timeline", "run": timeline.run, "step": start_step, "continued": snapshots.continued,
+                 "branched_from": timeline.branched_from, "resumed_from": timeline.resumed_from,
+                 "init_from": timeline.init_from})
     metrics.start_wandb(cfg.wandb_project, cfg.wandb_mode or ("online" if cfg.wandb_project else "disabled"),
                         snapshots.wandb_id, cfg.wandb_run_name, asdict(cfg) | {
                            "model_config": asdict(plan.model_config), "world_size": dist_env.world_size,
                            "grad_accum_steps": plan.grad_accum_steps})
-    evaluations = Evaluations(cfg, plan, trainee, val_loader, eval_suite, metrics, stop, dist_env, dtype)
+    evaluations = Evaluations(cfg, plan, trainee, val_loader, eval_suite, metrics, stop, dist_env, dtype, tokenizer)
     peak = peak_flops(device, dtype)  # after the RNG restore: it leaves the global generators alone
     speed = Speedometer(trainee.raw.flops_per_token(plan.seq_len) * cfg.total_batch_size, cfg.total_batch_size,
                         peak.flops * dist_env.world_size)
@@ -140,7 +149,7 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None
     stopped = None  # where the run stopped on a request, if it did
     while step < cfg.max_steps:  # (not a for loop: a rollback takes the step back)
         # --- between steps: this step's data is read now, and every rank stops here together if any was asked to
-        # (a signal) or cannot read its batches
+        # (a signal) or cannot read its batches or finds a shard changed since the start
         try:
             train_loader.read_ahead()
         except ShardReadError as e:
@@ -171,27 +180,23 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None
         written = snapshots.save_if_due(step - 1, last_step, stopping=True, healthy=guard.skips_in_a_row == 0)
         metrics.finish()
         if stop.reason == "data":
-            raise UserError(data_failure_message(stop.failure, stopped, written, snapshots, cfg))
-        print0(f"stopping {stopped} on {stop.reason}; " + ("rerun the same command to resume" if cfg.snapshot_every
-               else "no snapshot written, as --snapshot_every is 0"))
+            raise UserError(data_failure_message(stop.failure, stopped, written, snapshots))
+        print0(f"stopping {stopped} on {stop.reason}; rerun the same command to resume")
         return
     metrics.finish()
 
 
-def data_failure_message(failure: str, stopped: str, written: Path | None, snapshots: Snapshots,
-                         cfg: TrainConfig) -> str:
-    """The error of a run whose data failed to read (a shard truncated under it): what failed, and where to
-    resume from once the shard is whole again."""
+def data_failure_message(failure: str, stopped: str, written: Path | None, snapshots: Snapshots) -> str:
+    """The error of a run whose data changed under it or failed to read (a shard replaced, rewritten, deleted or
+    cut short): what failed, and where to resume from once the shard is as it was again."""
     newest = written or snapshots.newest_healthy()
     if newest:
         resume = f"the newest snapshot is {newest}: restore the shard and rerun the same command to resume from it"
-    elif not cfg.snapshot_every:
-        resume = "no snapshot was written, as --snapshot_every is 0: restore the shard and start again"
     else:
         resume = "there is no snapshot yet: restore the shard and start again"
-    return (f"{failure} Every rank stopped {stopped}; {resume}. (data/prepare.py and data/fineweb.py write a new "
-            "shard under a temp name and rename it over the old one, which a running job goes on reading "
-            "undisturbed: re-create shards that way, never by copying over a shard in use.)")
+    return (f"{failure} Every rank stopped {stopped}; {resume}. (A run trains on exactly the shards it started "
+            "with, so any change to one under it stops it, a new file renamed over it too: write new or re-made "
+            "shards into another directory, for a new run.)")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -222,10 +227,11 @@ class Evaluations:
     """Validation, the zero-shot tasks and samples, each on its own beat."""
 
     def __init__(self, cfg: TrainConfig, plan: Plan, trainee: TrainingModel, val_loader, eval_suite,
-                 metrics: RunLogger, stop: StopRequest, dist_env: Distributed, dtype: torch.dtype):
+                 metrics: RunLogger, stop: StopRequest, dist_env: Distributed, dtype: torch.dtype,
+                 tokenizer: Tokenizer | None = None):
         self.cfg, self.plan, self.trainee, self.val_loader = cfg, plan, trainee, val_loader
         self.eval_suite, self.metrics, self.stop = eval_suite, metrics, stop
-        self.dist_env, self.dtype = dist_env, dtype
+        self.dist_env, self.dtype, self.tokenizer = dist_env, dtype, tokenizer  # the data's (None: GPT-2's)
 
     def run_due(self, step: int, last_step: int) -> bool:
         """The evaluations due before `step`'s update; False if a stop request cut them short."""
@@ -236,11 +242,16 @@ class Evaluations:
 
         print0 = print if self.dist_env.is_master else (lambda *args: None)
         if self.val_loader and (step % cfg.val_every == 0 or step == last_step):
-            val = validation_loss(self.trainee.model, self.val_loader, self.plan.val_steps, device, dtype,
-                                  should_stop)
+            try:
+                val = validation_loss(self.trainee.model, self.val_loader, self.plan.val_steps, device, dtype,
+                                      should_stop)
+            except ShardReadError as e:  # raised on every rank together: they agree on the stop as on a train shard's
+                self.stop.data_failed(e)
+                self.stop.agreed(device)
+                return False
             if val is None:
                 return False
-            bpb = {"val_bpb": val.bpb} if val.bpb is not None else {}  # None: no GPT-2 tokenizer (offline)
+            bpb = {"val_bpb": val.bpb} if val.bpb is not None else {}  # None: no tokenizer (offline)
             print0(f"step {step:5d} | val loss {val.loss:.4f}" + (f" | val bpb {val.bpb:.4f}" if bpb else ""))
             self.metrics.log({"step": step, "val_loss": val.loss} | bpb)
         evals_due = self.eval_suite and (step % cfg.eval_every == 0 or step == last_step)
@@ -258,7 +269,7 @@ class Evaluations:
         if self.dist_env.is_master and sample_due and not self.stop.requested:
             # Rank 0 alone, so no collective: a stop request seen later is agreed on after the step.
             texts = generate_text(full_model, "Hello, I'm a language model,", num_samples=4, max_new_tokens=32,
-                                  temperature=1.0, top_k=50, seed=42)
+                                  temperature=1.0, top_k=50, seed=42, tokenizer=self.tokenizer)
             for text in texts:
                 print(f"sample {step}: {text!r}")
             self.metrics.log_samples(step, texts)

@@ -1,4 +1,5 @@
-"""Download FineWeb-Edu (or FineWeb), tokenize it with GPT-2's tokenizer in a process pool, and write token shards.
+"""Download FineWeb-Edu (or FineWeb), tokenize it with GPT-2's tokenizer (or --tokenizer's, as data/prepare.py takes
+it) in a process pool, and write token shards.
 
     python -m data.fineweb                                  # FineWeb-Edu sample-10BT -> data/fineweb_edu10B/
     python -m data.fineweb --version classic --size 100B    # FineWeb sample-100BT -> data/fineweb100B/
@@ -15,11 +16,11 @@ Restarting: after each shard, <output_dir>/progress.json records where in the do
 starts. The stream's order is fixed, so re-running the same command reads past the documents already in shards
 without tokenizing them and carries on from there: an interrupted run (crash, Ctrl-C) loses at most the shard it
 was writing, and never leaves part of one under a shard's name. A run without --max_shards continues one with it;
-re-running a finished command does nothing.
+re-running a finished command does nothing. A directory holding another corpus's shards (its progress.json names
+another source or --shard_size, or none accounts for them) is refused before anything is written (check_corpus).
 """
 
 import argparse
-import json
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -30,7 +31,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from data.tokenize_shards import (
+    PROGRESS,
     ShardWriter,
+    check_corpus,
     check_input_files,
     check_output_dir,
     is_jsonl,
@@ -38,15 +41,14 @@ from data.tokenize_shards import (
     shard_paths,
     summary,
     tokenize_documents,
+    write_progress,
 )
-from dataloader import read_shard_header
+from dataloader import read_shard_header, record_shards
 from errors import UserError, run_entry_point
-from files import atomic_write
-from parsing import PARSE_ERRORS, parse_problem
+from tokenizer import load_tokenizer
 
 DATASETS = {"edu": ("HuggingFaceFW/fineweb-edu", "fineweb_edu"), "classic": ("HuggingFaceFW/fineweb", "fineweb")}
 DATA_DIR = Path(__file__).resolve().parent
-PROGRESS_KEYS = {"source", "shard_size", "shards", "documents", "offset", "complete"}  # what save_progress writes
 
 
 def hub_texts(repo: str, config: str) -> Iterator[str]:
@@ -84,28 +86,20 @@ def parquet_texts(path: Path) -> Iterator[str]:
                         "corrupt or not parquet. Copy or download it again.") from e
 
 
-def load_progress(path: Path, source: str | list[str], shard_size: int, shard_path: Callable[[int], Path]) -> dict:
-    """The position saved by an earlier run of the same command, checked against the shards it lists as finished."""
-    if not path.exists():
+def load_progress(output_dir: Path, source: str | list[str], shard_size: int,
+                  shard_path: Callable[[int], Path]) -> dict:
+    """The position saved by an earlier run of the same command, checked against the shards it lists as finished; a
+    UserError if output_dir holds shards of another corpus (check_corpus)."""
+    progress = check_corpus(output_dir, source, shard_size)
+    if progress is None:
         return {"shards": 0, "documents": 0, "offset": 0, "complete": False}
-    try:
-        progress = json.loads(path.read_bytes())
-        problem = None if isinstance(progress, dict) and PROGRESS_KEYS <= progress.keys() else \
-            f"not what this script writes (an object with {', '.join(sorted(PROGRESS_KEYS))})"
-    except PARSE_ERRORS as e:
-        problem = parse_problem(e)
-    if problem:
-        raise UserError(f"{path} is {problem}. Delete it to write all shards of {path.parent} again.")
-    if progress["source"] != source or progress["shard_size"] != shard_size:
-        raise UserError(f"{path.parent} already holds shards of {progress['source']} with --shard_size "
-                        f"{progress['shard_size']} (see {path}), not of {source} with --shard_size {shard_size}. "
-                        f"Pass another --output_dir, or delete {path.parent} to start over.")
+    path = output_dir / PROGRESS
     for i in range(progress["shards"]):
         try:
             read_shard_header(shard_path(i))
         except (OSError, UserError) as e:
-            raise UserError(f"{e} {path} lists this shard as finished. Delete {path} to write all shards "
-                            "again.") from e
+            raise UserError(f"{e} {path} lists this shard as finished. Delete {path} and the shards of "
+                            f"{output_dir} to write them all again.") from e
     return progress
 
 
@@ -121,6 +115,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shard_size", type=int, default=100_000_000, help="tokens per shard (default 100M)")
     parser.add_argument("--num_proc", type=int, default=os.cpu_count(), help="tokenizer processes (default: all cores)")
     parser.add_argument("--max_shards", type=int, help="stop after this many shards, val included")
+    parser.add_argument("--tokenizer", default="gpt2",
+                        help="gpt2 (default) | bytes | a directory or file holding a tokenizer.json | a tiktoken "
+                             "encoding's name (see tokenizer.load_tokenizer)")
     args = parser.parse_args(argv)
     for flag in ("shard_size", "num_proc", "max_shards"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
@@ -138,11 +135,13 @@ def main(argv: list[str] | None = None) -> None:
         config = f"sample-{args.size}T"
         source = f"{repo} {config}"
         output_dir = args.output_dir or DATA_DIR / f"{name}{args.size}"
+    tokenizer = load_tokenizer(args.tokenizer)
     check_output_dir(parser, output_dir)
 
-    progress_path = output_dir / "progress.json"
+    progress_path = output_dir / PROGRESS
     paths = shard_paths(output_dir)
-    progress = load_progress(progress_path, source, args.shard_size, paths)
+    progress = load_progress(output_dir, source, args.shard_size, paths)
+    record_shards(output_dir, tokenizer.spec)  # another tokenizer's shards there: a UserError, nothing written
     if progress["complete"] or (args.max_shards and progress["shards"] >= args.max_shards):
         print(f"{output_dir} already has its {progress['shards']} shard(s) (see {progress_path}); nothing to do.")
         return
@@ -151,17 +150,17 @@ def main(argv: list[str] | None = None) -> None:
               "documents")
 
     def save_progress(writer: ShardWriter, complete: bool = False) -> None:
-        state = {"source": source, "shard_size": args.shard_size, "shards": writer.shards,
-                 "documents": writer.documents, "offset": writer.offset, "complete": complete}
-        atomic_write(progress_path, lambda f: f.write(json.dumps(state, indent=1).encode()))  # like the shards
+        write_progress(output_dir, {"source": source, "shard_size": args.shard_size, "shards": writer.shards,
+                                    "documents": writer.documents, "offset": writer.offset, "complete": complete})
 
     t0 = time.time()
     texts = file_texts(args.input) if args.input else hub_texts(repo, config)
     total = (args.max_shards - progress["shards"]) * args.shard_size if args.max_shards else None
     writer = ShardWriter(paths, args.shard_size, output_dir.name, total=total, shards=progress["shards"],
                          documents=progress["documents"], offset=progress["offset"], max_shards=args.max_shards,
-                         on_shard=save_progress)
-    for tokens in tokenize_documents(islice(texts, progress["documents"], None), args.num_proc):
+                         on_shard=save_progress, tokenizer=tokenizer.spec)
+    save_progress(writer)  # before the first shard: no shard here without the record of its corpus
+    for tokens in tokenize_documents(islice(texts, progress["documents"], None), tokenizer, args.num_proc):
         writer.add(tokens)
         if writer.shards == args.max_shards:
             writer.close(last_shard=False)

@@ -1,10 +1,11 @@
-"""Tokenize local text files, or Tiny Shakespeare, with GPT-2's tokenizer into val/train token shards.
+"""Tokenize local text files, or Tiny Shakespeare, with GPT-2's tokenizer (or --tokenizer's) into val/train shards.
 
     python -m data.prepare --source shakespeare                          # downloads input.txt into data/shakespeare/
     python -m data.prepare --source shakespeare --input path/input.txt   # offline, from a local copy
     python -m data.prepare --input a.txt b.txt --output_dir data/mytext
     python -m data.prepare --input ../shared/data/enwiki/enwiki.jsonl.gz \
         --val_input ../shared/data/enwiki/enwiki_val.jsonl.gz --output_dir data/enwiki
+    python -m data.prepare --source shakespeare --tokenizer bytes --output_dir data/shakespeare_bytes  # a byte a token
 
 Documents: each text file is one document, and each line {"text": ...} of a JSON-lines file (.jsonl, or gzipped
 .jsonl.gz) is one. Every document is preceded by the EOT token as llm.c writes documents (see
@@ -18,7 +19,11 @@ data/shakespeare/prepare.py does it. The val split:
   --val_fraction 0: the first --shard_size tokens are val, the rest train (llm.c's convention, for corpora of
       many shards).
 Shards go to --output_dir (default data/shakespeare with --source shakespeare, required otherwise) as
-<dir name>_val_000000.bin, <dir name>_train_000000.bin, ..., of at most --shard_size tokens each (default 100M).
+<dir name>_val_000000.bin, <dir name>_train_000000.bin, ..., of at most --shard_size tokens each (default 100M);
+progress.json beside them names the corpus, and a directory holding another corpus's shards is refused before
+anything is written (data/tokenize_shards.check_corpus, as data/fineweb.py does). The same command again rewrites them.
+--tokenizer: gpt2 (default), bytes, a directory holding a tokenizer.json (data/train_tokenizer.py writes one), or a
+tiktoken encoding; manifest.json beside the shards records it (a directory holds one tokenizer's shards).
 The files are read into memory whole; for larger corpora use data/fineweb.py --input, which streams.
 """
 
@@ -29,17 +34,21 @@ from pathlib import Path
 
 from data.tokenize_shards import (
     ShardWriter,
+    check_corpus,
     check_input_files,
     check_output_dir,
     is_jsonl,
-    jsonl_texts,
+    read_documents,
     shard_paths,
+    split_val,
     summary,
     tokenize_documents,
+    write_progress,
 )
+from dataloader import record_shards
 from errors import UserError, run_entry_point
 from files import atomic_write
-from parsing import parse_problem
+from tokenizer import load_tokenizer
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 DATA_DIR = Path(__file__).resolve().parent
@@ -58,24 +67,15 @@ def download_shakespeare(path: Path) -> None:
     atomic_write(path, lambda f: f.write(data))
 
 
-def read_documents(path: Path) -> list[str]:
-    if is_jsonl(path):
-        return list(jsonl_texts(path))
-    try:
-        return [path.read_text(encoding="utf-8")]
-    except UnicodeDecodeError as e:
-        raise UserError(f"{path} is {parse_problem(e)}: a text file is read as UTF-8. Convert it (e.g. with "
-                        "`iconv -t utf-8`) and pass the converted copy.") from e
-
-
-def split_val(documents: list[str], text_file: bool, val_fraction: float) -> tuple[list[str], list[str]]:
-    """(val, train): a text file's last val_fraction of characters, or a JSON-lines file's last of documents."""
-    if text_file:
-        text = documents[0]
-        cut = int(len(text) * (1 - val_fraction))
-        return [text[cut:]], [text[:cut]]
-    cut = int(len(documents) * (1 - val_fraction))
-    return documents[cut:], documents[:cut]
+def corpus_source(args: argparse.Namespace) -> str:
+    """What the shards are made of, as progress.json records it (check_corpus): Tiny Shakespeare wherever it is read
+    from, or the input files; and how they are split."""
+    words = ["--source", args.source] if args.source else ["--input", *(str(path.resolve()) for path in args.input)]
+    if args.val_input:
+        words += ["--val_input", *(str(path.resolve()) for path in args.val_input)]
+    else:
+        words += ["--val_fraction", f"{args.val_fraction:g}"]
+    return " ".join(["data.prepare", *words])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="files (as --input) that are the val split, whole; --input is then all train")
     parser.add_argument("--output_dir", type=Path, help="default: data/shakespeare with --source shakespeare")
     parser.add_argument("--shard_size", type=int, default=100_000_000, help="tokens per shard (default 100M)")
+    parser.add_argument("--tokenizer", default="gpt2",
+                        help="gpt2 (default) | bytes | a directory or file holding a tokenizer.json | a tiktoken "
+                             "encoding's name (see tokenizer.load_tokenizer)")
     parser.add_argument("--val_fraction", type=float,
                         help="fraction of each file's characters (JSON lines: documents), from its end, that is val "
                              "(default 0.1); 0: the first shard is val")
@@ -107,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--source shakespeare reads one file, a copy of input.txt; for several files of your own leave "
                      "out --source (each file is then a document, preceded by <|endoftext|>)")
     output_dir = args.output_dir or DATA_DIR / "shakespeare"
+    tokenizer = load_tokenizer(args.tokenizer)
     check_output_dir(parser, output_dir)
     if args.input:
         check_input_files(parser, args.input + (args.val_input or []))
@@ -115,6 +119,9 @@ def main(argv: list[str] | None = None) -> None:
         inputs = [output_dir / "input.txt"]
         if not inputs[0].exists():
             download_shakespeare(inputs[0])
+    source = corpus_source(args)
+    check_corpus(output_dir, source, args.shard_size)  # another corpus's shards there: a UserError, nothing written
+    record_shards(output_dir, tokenizer.spec)  # another tokenizer's shards there: a UserError, nothing written
 
     t0 = time.time()
     files = [read_documents(path) for path in inputs]
@@ -128,10 +135,13 @@ def main(argv: list[str] | None = None) -> None:
                    "train": (shard_paths(output_dir, "train"), [d for _, train in splits for d in train])}
     else:
         streams = {"val+train": (shard_paths(output_dir), [d for documents in files for d in documents])}
+    progress = {"source": source, "shard_size": args.shard_size, "shards": 0, "documents": 0, "offset": 0,
+                "complete": False}
+    write_progress(output_dir, progress)  # before the first shard: no shard here without the record of its corpus
     tokens = shards = 0
     for desc, (paths, documents) in streams.items():
-        writer = ShardWriter(paths, args.shard_size, desc)
-        for document_tokens in tokenize_documents(documents, eot=args.source != "shakespeare"):
+        writer = ShardWriter(paths, args.shard_size, desc, tokenizer=tokenizer.spec)
+        for document_tokens in tokenize_documents(documents, tokenizer, eot=args.source != "shakespeare"):
             writer.add(document_tokens)
         writer.close()
         print(f"{desc}: {writer.tokens_added:,} tokens in {writer.shards} shard(s)")
@@ -140,6 +150,7 @@ def main(argv: list[str] | None = None) -> None:
         raise UserError(f"all {tokens:,} tokens fit in the val shard, leaving no train shard. Use --val_fraction "
                         "(e.g. 0.1) or a smaller --shard_size.")
     documents = sum(map(len, files)) + (len(streams["val"][1]) if args.val_input else 0)
+    write_progress(output_dir, progress | {"shards": shards, "documents": documents, "complete": True})
     print(summary(documents, tokens, shards, time.time() - t0, output_dir))
 
 

@@ -68,8 +68,8 @@ EXPECTED = {
     "max_steps negative": ["--max_steps -3: pass a number at least 1", "--help: \"optimizer steps"],  # exit 0 before
     "init_from hf without gpt2's weights": ["hf_foreign/model.safetensors does not hold the GPT-2 weights",
                                             "28 of its 28 weights missing", "it does not have: foo.weight"],
-    "init_from hf with a pickled payload": ["hf_payload/pytorch_model.bin holds pickled Python objects",
-                                            "could run code, so it will not be loaded", "model.safetensors"],
+    "init_from hf with a pickled payload": ["hf_payload/pytorch_model.bin was refused: its pickle holds the global "
+                                            "print", "could run code, so it will not be loaded", "model.safetensors"],
     "hellaswag line nested too deeply": ["nested.jsonl, line 1: nested too deeply to be read", "--hellaswag_path"],
 }
 

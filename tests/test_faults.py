@@ -125,16 +125,17 @@ def test_a_full_log_disk_does_not_change_the_exit_of_a_run_whose_snapshots_were_
     assert [load_snapshot(path)["step"] for path in list_snapshots(snapshot_dir)] == [1]
 
 
-def test_a_full_disk_under_both_flags_is_exit_2_naming_the_snapshot_that_failed_never_a_traceback(data, tmp_path):
+def test_a_full_disk_under_both_flags_is_exit_2_before_the_first_step_never_a_traceback(data, tmp_path):
     directory = tmp_path / "full"
     with mounted_tmpfs(directory, "size=1m"):
         fill_up(directory)
         before = contents(directory)
-        with pytest.raises(UserError, match=r"the snapshot of step 1 could not be written to .*full \(OSError: "
-                                            r"\[Errno 28\] No space left on device; 0 MiB free of 1 MiB\), and it was "
-                                            "the run's last; there is no older snapshot"):
+        # Full before the first step: the run's timeline.json (a few hundred bytes) cannot be written, and the run
+        # stops there, before it trains steps whose snapshots could not be kept either.
+        with pytest.raises(UserError, match=r"full/timeline.json could not be written \(OSError: \[Errno 28\] No "
+                                            r"space left on device\), so this run stops before its first step"):
             main_in_process([*JOB, "--data_dir", str(data), "--max_steps", "2", "--log_dir", str(directory)])
-        assert set(contents(directory)) == set(before) | {LOCK_FILE, "metrics.jsonl"}  # no temp file left
+        assert set(contents(directory)) == set(before) | {LOCK_FILE}  # no temp file left
 
 
 @pytest.mark.slow  # a process (for its exit status and all of its stderr), with wandb
@@ -330,9 +331,9 @@ def test_a_shard_truncated_under_a_run_stops_it_with_a_snapshot_and_exit_2_namin
         f"error: {shard}: the shard is now 0 bytes, shorter than the 2,224 (600 tokens) it had when the run "
         "started, so tokens 192 to 224 could not be read: it was truncated or rewritten in place while the run read "
         f"it. Every rank stopped after step 2; the newest snapshot is {newest}: restore the shard and rerun the same "
-        "command to resume from it. (data/prepare.py and data/fineweb.py write a new shard under a temp name and "
-        "rename it over the old one, which a running job goes on reading undisturbed: re-create shards that way, "
-        "never by copying over a shard in use.)")
+        "command to resume from it. (A run trains on exactly the shards it started with, so any change to one under "
+        "it stops it, a new file renamed over it too: write new or re-made shards into another directory, for a new "
+        "run.)")
     assert list_snapshots(tmp_path / "logs") == [newest, snapshot_path(tmp_path / "logs", 1)]
     assert load_snapshot(newest)["loader"]["chunk_position"] == 6  # step 3 starts there after the resume
 

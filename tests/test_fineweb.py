@@ -209,8 +209,8 @@ def test_a_damaged_progress_file_is_named_with_the_fix(corpus, tmp_path, text, p
     (tmp_path / "out" / "progress.json").write_text(text)
     with pytest.raises(UserError) as raised:  # a traceback before: JSONDecodeError, TypeError, KeyError
         run(corpus["jsonl"], tmp_path / "out")
-    assert str(raised.value) == (f"{tmp_path / 'out' / 'progress.json'} {problem}. Delete it to write all shards of "
-                                 f"{tmp_path / 'out'} again.")
+    assert str(raised.value) == (f"{tmp_path / 'out' / 'progress.json'} {problem}. Delete it, and the shards of "
+                                 f"{tmp_path / 'out'}, to write them all again.")
 
 
 def test_a_file_that_is_not_parquet_is_named(gpt2_encoding, tmp_path):

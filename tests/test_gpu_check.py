@@ -285,9 +285,55 @@ def test_buffers_alive_follows_inductors_allocations_reuses_and_frees():
     assert live.peak_bytes == 2 * 4096 * 50304 * 2 + 4096 * 4
 
 
+# gpu_check --cpu-smoke with nothing left to this host's speed: the perf stage's time budget out of reach (no row is
+# cut for time, the wall time passes), and the leanest loss schedule chosen as where every schedule took inline's time
+# (all fit: the one that peaked lowest; on a CPU, which has no peaks, the first after inline, grad_w_op).
+HOST_SPEED_FORCED = """
+import sys
+from dataclasses import replace
+
+import tools.gpu_check as gpu_check
+import tools.gpu_check_perf as gpu_check_perf
+from errors import run_entry_point
+
+gpu_check.CPU_SMOKE = replace(gpu_check.CPU_SMOKE, perf=replace(gpu_check.CPU_SMOKE.perf, seconds=10**6))
+measured = gpu_check_perf.leanest_schedule
+gpu_check_perf.leanest_schedule = lambda schedules: measured({name: s | {"ms": 1.0} for name, s in schedules.items()})
+run_entry_point(lambda: gpu_check.main(sys.argv[1:]))
+"""
+
+
+def test_a_stages_wall_time_is_judged_against_a_gpu_leases_budget_only():
+    assert gpu_check_report.within_budget(1000.4, 900) == ("1,000 s", "< 900 s", False)
+    assert gpu_check_report.within_budget(899.0, 900)[2]
+    assert gpu_check_report.within_budget(1000.4, None) == ("1,000 s", "not judged on a CPU", True)
+
+
+def test_generation_speeds_are_judged_on_a_gpu_and_the_same_tokens_everywhere():
+    generation = {"new_tokens": 8, "tokens_per_sec": {"with_cache": 50.0, "graph": 40.0, "without_cache": 60.0},
+                  "decode_tokens_per_sec": {"with_cache": 55.0, "graph": 45.0}, "best_cached": "with_cache",
+                  "speedup": 50 / 60, "same_tokens": True}
+    assert gpu_check_bench.bench_generation(generation, CPU_SMOKE)[2]  # slower with the cache: chance, on a CPU
+    assert not gpu_check_bench.bench_generation(generation, replace(GPU, generation_floor=0.0))[2]
+    assert not gpu_check_bench.bench_generation(generation | {"same_tokens": False}, CPU_SMOKE)[2]
+
+
+def test_the_leanest_step_row_without_a_schedule_that_fits_says_so_and_runs_nothing():
+    from tools.gpu_check_perf import leanest_step
+
+    checks = []
+    perf = types.SimpleNamespace(schedules={"inline": {"ms": 30.0, "peak_bytes": None},
+                                            "eager": {"ms": 45.0, "peak_bytes": None}},
+                                 check=lambda title, check, *args: checks.append((title, check(*args))),
+                                 time=lambda workload: pytest.fail("the step ran without a schedule"))
+    leanest_step(perf, "the step with the leanest loss schedule")
+    assert checks == [("the step with the leanest loss schedule",
+                       ("not run: no compiled schedule matched eager's numbers within inline's time", "", None))]
+
+
 @pytest.mark.slow  # about 4 minutes on two busy cores: every row at a tiny size, the loss alone compiled
 def test_cpu_smoke_runs_the_perf_stage_every_row_reported(tmp_path):
-    command = [sys.executable, "-m", "tools.gpu_check", "--cpu-smoke", "--stage", "perf", "--out", str(tmp_path)]
+    command = [sys.executable, "-c", HOST_SPEED_FORCED, "--cpu-smoke", "--stage", "perf", "--out", str(tmp_path)]
     # (Muon's Newton–Schulz in fp32 on every CPU, as in the smoke of every stage: on the GPU no CPU is asked)
     proc = subprocess.run(command, cwd=ROOT, env=train_env({cpu_host.FORCED: "0"}), capture_output=True, text=True,
                           timeout=1200)
@@ -302,5 +348,6 @@ def test_cpu_smoke_runs_the_perf_stage_every_row_reported(tmp_path):
     assert rows["tiny: Inductor's code of the inline loss"]["figure"].startswith(
         "at most 1 buffers of a chunk's logits (64, 50304)")
     assert rows["tiny: compile mode default"]["verdict"] == rows["wall time"]["verdict"] == "PASS"
+    assert rows["tiny: the step with the leanest loss schedule (grad_w_op)"]["verdict"] == "PASS"
     assert rows["tiny: what each row took"]["figure"].startswith("vs_full_logits ")
     assert len(rows) == 17 and (tmp_path / "perf_inductor_inline_0.py").is_file()

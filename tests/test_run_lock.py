@@ -208,3 +208,49 @@ def test_a_second_two_rank_run_exits_2_on_both_ranks(data, tmp_path):
     # Rank 0 holds the lock for the job; rank 1 learns of the refusal from it, and both exit 2, neither waiting.
     assert len(re.findall("^error: " + refusal("--log_dir", logs, first.pid), second.output, re.M)) == 2
     assert second.proc.returncode != 0 and "exitcode  : 2" in second.output, second.output[-4000:]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the refusals' words, checked without a run (mutation testing found them unchecked: docs/reliability.md)
+
+def test_a_directory_that_cannot_be_made_names_what_stands_in_its_way(tmp_path):
+    (tmp_path / "notes.txt").write_text("a file")
+    os.mkfifo(tmp_path / "pipe")
+    for blocker, what in (("notes.txt", "is a file, not a directory"), ("pipe", "is not a directory")):
+        with pytest.raises(UserError, match=re.escape(f"--log_dir {tmp_path / blocker / 'run'} cannot be written "
+                                                      f"({tmp_path / blocker} {what}), so the run")):
+            run_lock.check_writable(tmp_path / blocker / "run", "--log_dir")
+    # Nothing in the way: the error itself, by its class and words.
+    denied = OSError(errno.EACCES, os.strerror(errno.EACCES))  # (Python makes it a PermissionError)
+    assert run_lock.unwritable_reason(tmp_path / "run", denied) == f"PermissionError: {os.strerror(errno.EACCES)}"
+
+
+def test_a_symlinked_run_lock_is_refused_saying_the_link_is_removed_and_its_target_kept(tmp_path):
+    (tmp_path / "elsewhere").write_text("another file")
+    (tmp_path / LOCK_FILE).symlink_to(tmp_path / "elsewhere")
+    path = tmp_path / LOCK_FILE
+    with pytest.raises(UserError) as refused:
+        lock_directory(tmp_path, "--snapshot_dir")
+    assert str(refused.value) == (
+        f"{path} is a symbolic link, which the lock never follows (it would write into the file the link points to), "
+        f"so --snapshot_dir {tmp_path} cannot be locked, and an unlocked run could share the directory with a second "
+        f"run that deletes its snapshot files. Remove the link {path} (the file it points to is left as it is), or "
+        "pass another --snapshot_dir; then rerun.")
+
+
+def test_a_lock_file_that_cannot_be_opened_names_the_error_and_the_fix(tmp_path):
+    error = OSError(errno.EROFS, os.strerror(errno.EROFS))
+    assert run_lock.unusable_lock(tmp_path / LOCK_FILE, "--log_dir", error) == (
+        f"{tmp_path / LOCK_FILE} could not be opened or locked (OSError: {os.strerror(errno.EROFS)}), so --log_dir "
+        f"{tmp_path} cannot be locked, and an unlocked run could share the directory with a second run that deletes "
+        f"its snapshot files. Make {tmp_path} writable, or remove {tmp_path / LOCK_FILE} if it is in the way, or pass "
+        "another --log_dir; then rerun.")
+
+
+def test_no_flock_names_the_mount_options_that_give_locks_and_the_flag_that_runs_without(tmp_path):
+    message = run_lock.no_flock(tmp_path / LOCK_FILE, "--snapshot_dir", OSError(errno.ENOLCK, "No locks available"))
+    assert message == (
+        f"{tmp_path / LOCK_FILE} cannot be locked: the filesystem of --snapshot_dir {tmp_path} has no flock(2) "
+        "(OSError: No locks available). Put --snapshot_dir on a filesystem with locks (on Lustre, mount it with the "
+        "`flock` option; NFS has them unless mounted `nolock`), or, if you make sure yourself that no second run "
+        "writes into that directory, pass --no-run_lock to run without the lock.")

@@ -212,7 +212,8 @@ def test_no_snapshot_means_a_fresh_start_and_only_broken_ones_an_error_naming_th
     (tmp_path / "notes.txt").write_text("not a snapshot")
     assert find_latest_snapshot(tmp_path) is None
     garbage(snapshot_path(tmp_path, 1))
-    with pytest.raises(ValueError, match="snapshot_0000001.pt"):
+    with pytest.raises(ValueError, match=re.escape(f"none of the 1 snapshots in {tmp_path} loads: ") +
+                       ".*snapshot_0000001.pt"):
         find_latest_snapshot(tmp_path)
 
 
@@ -585,3 +586,75 @@ def test_a_snapshot_whose_keys_hold_what_this_code_never_writes_is_refused_by_th
         read_model(path)
     for tool in (tools.sample.main, tools.evaluate.main):
         assert named in tool_refusal(tool, ["--ckpt", str(path), "--device", "cpu"], capsys)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# pruning and rollbacks delete only what written_here proves this code wrote (mutation testing: docs/reliability.md)
+
+def test_a_symlink_to_one_of_the_runs_own_snapshots_and_a_named_one_are_never_pruned(tmp_path):
+    kept_elsewhere = snapshot_path(tmp_path / "elsewhere", 1)
+    save_snapshot(fake_snapshot(1), kept_elsewhere)
+    run = tmp_path / "run"
+    for step in (5, 6, 7):
+        save_snapshot(fake_snapshot(step), snapshot_path(run, step))
+    snapshot_path(run, 2).symlink_to(kept_elsewhere)  # loads, and names this timeline: but this code never wrote it
+    prune_snapshots(run, keep_last=1, timeline=TIMELINE, named={snapshot_path(run, 5).resolve()})
+    assert list_snapshots(run) == [snapshot_path(run, s) for s in (7, 5, 2)]
+    assert snapshot_path(run, 2).is_symlink() and load_snapshot(kept_elsewhere)["step"] == 1
+
+
+def test_a_rollback_deletes_the_abandoned_snapshots_it_wrote_and_not_a_symlink_among_them(data, tmp_path):
+    messages = []
+    run = tmp_path / "run"
+    snapshots = tiny_snapshots(data, run, messages.append, every=1, keep_last=5)
+    for step, healthy in ((1, True), (2, False), (3, False)):
+        snapshots.save_if_due(step, last_step=9, stopping=False, healthy=healthy)
+    kept_elsewhere = shutil.copy(snapshot_path(run, 3), tmp_path / "copy.pt")  # unhealthy, and this timeline's
+    snapshot_path(run, 4).symlink_to(kept_elsewhere)
+    step, path = snapshots.rollback()
+    assert (step, path) == (1, str(snapshot_path(run, 1)))
+    snapshots.commit_rollback(step, path)
+    assert list_snapshots(run) == [snapshot_path(run, 4), snapshot_path(run, 1)]
+    assert snapshot_path(run, 4).is_symlink() and load_snapshot(kept_elsewhere)["step"] == 3
+    assert messages[-2:] == [f"removed {snapshot_path(run, s)}: written while updates were being skipped, after {path}"
+                             for s in (3, 2)]
+
+
+def test_a_sharded_snapshot_clears_a_dead_runs_temp_directory_renames_into_place_and_fsyncs_the_directory(
+        tmp_path, monkeypatch):
+    import snapshot
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    meta = {k: v for k, v in fake_snapshot(2).items() if k not in ("model", "optimizer")}
+    path = snapshot_path(tmp_path, 2, sharded=True)
+    dead = tmp_path / "snapshot_0000002.tmp"  # what a run killed mid-write of this step left
+    dead.mkdir()
+    (dead / "__0_0.distcp").write_bytes(b"\0" * 100)
+    (dead / "__1_0.distcp").write_bytes(b"\0" * 100)  # a rank this run does not have
+    synced = []
+    monkeypatch.setattr(snapshot, "fsync_directory", lambda d: synced.append((Path(d), sorted(os.listdir(d)))))
+    snapshot.save_sharded_snapshot(meta, model, [optimizer], path, CPU)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["snapshot_0000002"]
+    assert sorted(p.name for p in path.iterdir()) == [".metadata", "__0_0.distcp", "meta.pt"]
+    assert synced == [(tmp_path, ["snapshot_0000002"])]  # the directory, once the new name is in it
+    assert load_snapshot(path)["step"] == 2
+    # The same step again (a run restarted before its next snapshot): the old one replaced, checksums and all.
+    snapshot.save_sharded_snapshot(meta | {"wandb_id": "again"}, model, [optimizer], path, CPU)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["snapshot_0000002"]
+    assert load_snapshot(path)["wandb_id"] == "again"
+    shard = path / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-1] + bytes([shard.read_bytes()[-1] ^ 1]))
+    with pytest.raises(ValueError, match=re.escape(f"{shard} is missing or its bytes changed since it was written")):
+        load_snapshot(path)
+
+
+def test_a_sharded_snapshot_never_writes_over_a_directory_this_code_did_not_write(tmp_path):
+    import snapshot
+    model = torch.nn.Linear(4, 4)
+    meta = {k: v for k, v in fake_snapshot(3).items() if k not in ("model", "optimizer")}
+    theirs = snapshot_path(tmp_path, 3, sharded=True)
+    theirs.mkdir()
+    (theirs / "photo.jpg").write_bytes(b"\xff\xd8 a photo")
+    with pytest.raises(FileExistsError, match="snapshot_0000003 is in the way of a snapshot"):
+        snapshot.save_sharded_snapshot(meta, model, [torch.optim.AdamW(model.parameters())], theirs, CPU)
+    assert files_under(tmp_path) == {"snapshot_0000003/photo.jpg": b"\xff\xd8 a photo"}

@@ -5,6 +5,7 @@ never resumed, and never written over; a branch from an older snapshot keeps its
 a crash continues the branch, not the timeline it branched from.
 """
 
+import json
 import os
 import shutil
 import signal
@@ -92,8 +93,8 @@ def test_a_branch_from_an_older_snapshot_stops_before_writing_over_the_later_one
     with pytest.raises(UserError) as refused:
         train(data, run, "--resume", str(snapshot_path(run, 3)), "--max_steps", "20", "--snapshot_every", "1",
               "--keep_last", "2")
-    assert "snapshot_0000004.pt, snapshot_0000005.pt, snapshot_0000006.pt, snapshot_0000007.pt, ..." in \
-        str(refused.value)
+    # One directory holds one run: a branch from its older snapshot would write over the later ones, or orphan them.
+    assert f"holds run {read_timeline(run).run}'s snapshots (newest: snapshot_0000009.pt)" in str(refused.value)
     assert f"--snapshot_dir {run / 'branch_0000004'}" in str(refused.value)
     after = contents(run)
     assert {name: after[name] for name in before if name.startswith("snapshot_")} == \
@@ -125,7 +126,10 @@ def test_a_branch_killed_mid_run_resumes_its_own_line_and_never_prunes_its_paren
 
     train(data, run, "--snapshot_dir", str(branch_dir), "--max_steps", "20", "--snapshot_every", "1",
           "--keep_last", "2")  # --resume auto: the branch's newest, not the parent's step 9
-    resumed = [r for r in read_metrics(run) if r.get("event") == "resume"]
+    # The branch's metrics are its own, beside its parent's metrics.jsonl: never spliced into them.
+    assert not any(r.get("step", 0) > 9 for r in read_metrics(run))
+    own_metrics = [json.loads(line) for line in (run / f"metrics_{branch.run}.jsonl").read_text().splitlines()]
+    resumed = [r for r in own_metrics if r.get("event") == "resume"]
     assert resumed[-1]["snapshot"] == str(snapshot_path(branch_dir, 8)) and resumed[-1]["step"] == 9
     assert load_snapshot(snapshot_path(branch_dir, 19))["timeline"]["run"] == branch.run
     after = contents(run)  # every snapshot of the parent, 3 among them, as it was
@@ -138,8 +142,9 @@ def test_resuming_the_newest_snapshot_by_its_path_continues_the_timeline_in_plac
     timeline = read_timeline(run)
     train(data, run, "--resume", str(snapshot_path(run, 9)), "--max_steps", "12", "--snapshot_every", "1",
           "--keep_last", "2")
-    assert read_timeline(run) == timeline  # not a branch: the same line goes on, and prunes as it did
-    assert list_snapshots(run) == [snapshot_path(run, 11), snapshot_path(run, 10)]
+    assert read_timeline(run) == timeline  # not a branch: the same line goes on, and prunes as it did, but for the
+    # snapshot the user named: never deleted
+    assert list_snapshots(run) == [snapshot_path(run, 11), snapshot_path(run, 10), snapshot_path(run, 9)]
 
 
 # A process killed inside its first snapshot's write: timeline.json already names the new timeline, so --resume auto

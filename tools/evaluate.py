@@ -25,12 +25,13 @@ import torch
 import evals
 import hf
 from config import HelpFormatter, TrainConfig, add_flags, check_flag_ranges, validation_steps
-from dataloader import DistributedDataLoader
+from dataloader import DistributedDataLoader, read_data_tokenizer
 from distributed import Distributed, setup_distributed, teardown_distributed
 from errors import UserError, run_entry_point
 from model import GPT
 from precision import pick_dtype
-from snapshot import load_model_snapshot, read_model
+from snapshot import check_tokenizer, load_model_snapshot, load_tokenizer_of, read_model, tokenizer_of
+from tokenizer import TokenizerSpec, gpt2_spec
 from validation import validation_loss
 
 # The training flags that decide the numbers; a snapshot's own values are their defaults.
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true", help="print the results as one JSON line on stdout")
     source_args = parser.parse_known_args(argv)[0]
     task_names(source_args)  # a bad name fails before the model loads
-    model, run_config, step = load_model(source_args.snapshot, source_args.model)
+    model, tokenizer, run_config, step = load_model(source_args.snapshot, source_args.model)
     # A snapshot's run decides the defaults (flags given on the command line still win); hellaswag_limit is the
     # name eval_limit had in runs before evals.py.
     parser.set_defaults(**{k: v for k, v in run_config.items() if k in RUN_FLAGS},
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
 
     dist_env = setup_distributed(args.device)
     try:
-        results = evaluate(model, args, dist_env)
+        results = evaluate(model, tokenizer, args, dist_env)
     finally:
         teardown_distributed()
     if dist_env.is_master:
@@ -80,21 +81,23 @@ def task_names(args: argparse.Namespace) -> list[str]:
     return names + ["hellaswag"] * (args.hellaswag and "hellaswag" not in names)
 
 
-def load_model(snapshot: str | None, hf_name: str | None) -> tuple[GPT, dict, int | None]:
-    """The model on the CPU, with the flags and the last trained step of the run that wrote it (a snapshot of
-    ours; {} and None for OpenAI's weights or a file with just a model)."""
+def load_model(snapshot: str | None, hf_name: str | None) -> tuple[GPT, TokenizerSpec, dict, int | None]:
+    """The model on the CPU, with the tokenizer it was trained with, and the flags and the last trained step of the
+    run that wrote it (a snapshot of ours; GPT-2's tokenizer, {} and None for OpenAI's weights)."""
     if hf_name is not None:
-        return hf.from_pretrained(hf_name), {}, None
+        return hf.from_pretrained(hf_name), gpt2_spec(), {}, None
     try:
         model = read_model(snapshot)
+        saved = load_model_snapshot(snapshot)
+        tokenizer = tokenizer_of(saved, snapshot)
     except (FileNotFoundError, ValueError) as e:  # the message names the file and what to pass instead
         raise UserError(f"--snapshot: {e} (For OpenAI's weights use --model gpt2.)") from e
-    saved = load_model_snapshot(snapshot)
-    return model, saved.get("config", {}), saved.get("step")
+    return model, tokenizer, saved.get("config", {}), saved.get("step")
 
 
-def evaluate(model: GPT, args: argparse.Namespace, dist_env: Distributed) -> dict:
-    """The validation loss and the tasks' metrics, each rank doing its share; every rank returns the same."""
+def evaluate(model: GPT, tokenizer: TokenizerSpec, args: argparse.Namespace, dist_env: Distributed) -> dict:
+    """The validation loss and the tasks' metrics, each rank doing its share; every rank returns the same. tokenizer:
+    the model's, which the val data must have been written with and the tasks are read with."""
     device, results = dist_env.device, {}
     torch.set_float32_matmul_precision("high")  # as in training (TF32 on GPUs that have it)
     dtype = pick_dtype(args.dtype, device)
@@ -113,6 +116,8 @@ def evaluate(model: GPT, args: argparse.Namespace, dist_env: Distributed) -> dic
             raise UserError(f"--seq_len {seq_len} exceeds the model's block_size {model.config.block_size}; pass "
                             f"--seq_len {model.config.block_size} or less.")
         val_steps = validation_steps(cfg, seq_len, dist_env.world_size)
+        check_tokenizer(args.snapshot or args.model, tokenizer, cfg.data_dir, read_data_tokenizer(cfg.data_dir),
+                        "Pass the --data_dir of data written with its tokenizer, or --no-val for the tasks only.")
         loader = DistributedDataLoader(cfg.data_dir, "val", cfg.micro_batch_size, seq_len, dist_env.rank,
                                        dist_env.world_size, vocab_size=model.config.vocab_size)
         val = validation_loss(model, loader, val_steps, device, dtype)
@@ -122,7 +127,8 @@ def evaluate(model: GPT, args: argparse.Namespace, dist_env: Distributed) -> dic
     if names:
         docs = evals.load_tasks(names, cfg.eval_dir, cfg.hellaswag_path, args.limit, dist_env.local_rank, device)
         # Batches of --micro_batch_size × --seq_len tokens: what a training micro-step holds, with its backward.
-        suite = evals.Suite(docs, model.config.block_size, cfg.micro_batch_size * seq_len)
+        suite = evals.Suite(docs, model.config.block_size, cfg.micro_batch_size * seq_len,
+                            load_tokenizer_of(args.snapshot) if args.snapshot else None)  # (None: GPT-2's)
         results |= evals.evaluate(model, suite, device, dtype, dist_env.rank, dist_env.world_size,
                                   progress=dist_env.is_master and not args.json)
         results |= {f"{name}/docs": len(task_docs) for name, task_docs in docs.items()}

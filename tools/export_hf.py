@@ -1,14 +1,19 @@
 """Export a snapshot of this codebase as a Hugging Face model directory: GPT-2 (GPT2LMHeadModel), or, for an
---arch modern run, Qwen3 (Qwen3ForCausalLM, the standard class with the same decoder).
+--arch modern run, Qwen3 (Qwen3ForCausalLM, the standard class with the same decoder), with its tokenizer.
 
     python -m tools.export_hf logs/run/model_19072.pt exported/ --tokenizer_dir ../shared/data/gpt2_tokenizer
 
 The directory then loads anywhere transformers does (and what reads transformers' directories: vLLM, llama.cpp's
 converter), with the same logits as our model:
 
-    from transformers import AutoModelForCausalLM, GPT2TokenizerFast
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     model = AutoModelForCausalLM.from_pretrained("exported/")
-    tokenizer = GPT2TokenizerFast.from_pretrained("exported/")   # only if --tokenizer_dir was given
+    tokenizer = AutoTokenizer.from_pretrained("exported/")   # GPT-2's: only if --tokenizer_dir was given
+
+GPT-2's tokenizer is OpenAI's files from --tokenizer_dir. Any other the run trained with (data/prepare.py
+--tokenizer) is written from the snapshot's record of it as a tokenizer.json that gives our ids on any text: a
+trained BPE as it is, bytes as a byte-level BPE without merges (id = the byte's value), another tiktoken encoding
+converted by transformers' TikTokenConverter; the config's bos and eos ids are its <|endoftext|>.
 
 Weights go through transformers' own save_pretrained (model.safetensors), so the layout is whatever the installed
 transformers writes and reads, not a hand-made imitation of it.
@@ -16,13 +21,20 @@ transformers writes and reads, not a hand-made imitation of it.
 
 import argparse
 import json
+import os
 import shutil
+from contextlib import suppress
 from pathlib import Path
 
-from hf import to_hf
-from snapshot import read_model
+import tiktoken
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+from transformers.convert_slow_tokenizer import TikTokenConverter, bytes_to_unicode
 
-EOT = "<|endoftext|>"
+from errors import run_entry_point
+from hf import to_hf
+from snapshot import load_tokenizer_of, read_model, read_tokenizer
+from tokenizer import EOT_TEXT, TiktokenTokenizer, Tokenizer, gpt2_spec
 
 
 def write_tokenizer(tokenizer_dir: Path, out_dir: Path, model_max_length: int) -> None:
@@ -30,7 +42,48 @@ def write_tokenizer(tokenizer_dir: Path, out_dir: Path, model_max_length: int) -
     shutil.copyfile(tokenizer_dir / "encoder.json", out_dir / "vocab.json")  # token -> id
     shutil.copyfile(tokenizer_dir / "vocab.bpe", out_dir / "merges.txt")  # BPE merges, in rank order
     tokenizer_config = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": model_max_length,
-                        "bos_token": EOT, "eos_token": EOT, "unk_token": EOT, "add_prefix_space": False}
+                        "bos_token": EOT_TEXT, "eos_token": EOT_TEXT, "unk_token": EOT_TEXT, "add_prefix_space": False}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+
+
+def hf_tokenizer_json(tokenizer: Tokenizer) -> str:
+    """A non-GPT-2 tokenizer of ours as a Hugging Face tokenizer.json that gives our ids on any text, where
+    "<|endoftext|>" is the EOT id (as our encode(allow_eot=True))."""
+    if tokenizer.spec.kind == "hf":
+        return tokenizer.spec.definition  # a tokenizer.json already: as it was trained
+    if isinstance(tokenizer, TiktokenTokenizer):
+        return TiktokenToHF(tokenizer.encoding).converted().to_str()
+    # bytes: each byte a token, spelt by the byte-level alphabet (GPT-2's bytes_to_unicode) and none merged
+    alphabet = bytes_to_unicode()
+    bytes_level = HFTokenizer(models.BPE({alphabet[byte]: byte for byte in range(256)}, merges=[]))
+    bytes_level.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    bytes_level.decoder = decoders.ByteLevel()
+    bytes_level.add_special_tokens([AddedToken(EOT_TEXT, special=True, normalized=False)])  # the next id: 256
+    return bytes_level.to_str()
+
+
+class TiktokenToHF(TikTokenConverter):
+    """transformers' TikTokenConverter fed an encoding in memory instead of a .tiktoken file, with its special tokens
+    at their own ids (the converter would number them after the ranks, and an encoding's ids may have gaps). Only
+    <|endoftext|> is special, as in our encode(allow_eot=True): another special token's text is plain text."""
+
+    def __init__(self, encoding: tiktoken.Encoding):
+        super().__init__(encoding, pattern=encoding._pat_str, extra_special_tokens=[EOT_TEXT])
+
+    def load_tiktoken_bpe(self, encoding: tiktoken.Encoding) -> dict[bytes, int]:
+        return encoding._mergeable_ranks
+
+    def extract_vocab_merges_from_model(self, encoding: tiktoken.Encoding):
+        vocab, merges = super().extract_vocab_merges_from_model(encoding)
+        return vocab | encoding._special_tokens, merges  # (special tokens are printable ASCII: spelt as they are)
+
+
+def write_own_tokenizer(tokenizer_json: str, out_dir: Path, model_max_length: int) -> None:
+    """A non-GPT-2 tokenizer as transformers' AutoTokenizer reads it: its tokenizer.json (hf_tokenizer_json), and a
+    tokenizer_config.json whose PreTrainedTokenizerFast has <|endoftext|> as its bos and eos."""
+    (out_dir / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
+                        "bos_token": EOT_TEXT, "eos_token": EOT_TEXT}
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
 
 
@@ -47,18 +100,33 @@ def main(argv: list[str] | None = None) -> None:
         if missing:
             parser.error(f"--tokenizer_dir {args.tokenizer_dir} lacks {' and '.join(missing)}. Point it at a folder "
                          "holding OpenAI's GPT-2 encoder.json and vocab.bpe (shared/data/gpt2_tokenizer has both).")
+    # Before the snapshot is read: a file among its parents, a symlink loop or a name too long raise here, each an
+    # OSError that errors.run_entry_point turns into one paragraph naming out_dir.
+    with suppress(FileNotFoundError):  # (made once the model is read)
+        os.stat(args.out_dir)
     if args.out_dir.exists() and not args.out_dir.is_dir():
         parser.error(f"{args.out_dir} is a file; pass a directory to write the model into (created if missing).")
     try:
         model = read_model(args.snapshot)
+        tokenizer = read_tokenizer(args.snapshot)
     except (FileNotFoundError, ValueError) as e:
         parser.error(str(e))
+    own_tokenizer = tokenizer.sha256 != gpt2_spec().sha256
+    if own_tokenizer and args.tokenizer_dir is not None:
+        parser.error(f"--tokenizer_dir: {args.snapshot} was trained with the tokenizer {tokenizer.describe()}, not "
+                     "GPT-2's, and that is written from the snapshot's record of it. Leave --tokenizer_dir out.")
+    # Converted before anything is written: a tokenizer this node cannot have (a tiktoken encoding offline) stops here
+    tokenizer_json = hf_tokenizer_json(load_tokenizer_of(args.snapshot)) if own_tokenizer else None
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    to_hf(model).save_pretrained(args.out_dir)
+    to_hf(model, tokenizer.eot).save_pretrained(args.out_dir)
     print(f"wrote {args.out_dir}: {model.num_params(non_embedding=False):,} parameters, "
           f"config {model.config}")
-    if args.tokenizer_dir is not None:
+    if tokenizer_json is not None:
+        write_own_tokenizer(tokenizer_json, args.out_dir, model.config.block_size)
+        print(f"wrote its tokenizer, {tokenizer.describe()}: tokenizer.json and tokenizer_config.json "
+              "(AutoTokenizer.from_pretrained reads them)")
+    elif args.tokenizer_dir is not None:
         write_tokenizer(args.tokenizer_dir, args.out_dir, model.config.block_size)
         print(f"wrote the GPT-2 tokenizer (vocab.json, merges.txt, tokenizer_config.json) from {args.tokenizer_dir}")
     else:
@@ -68,4 +136,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_entry_point(main)

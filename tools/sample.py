@@ -1,4 +1,4 @@
-"""Sample text from a snapshot of this codebase or from a Hugging Face GPT-2.
+"""Sample text from a snapshot of this codebase (with the tokenizer its run trained with) or from a Hugging Face GPT-2.
 
     python -m tools.sample --snapshot logs/snapshot_0019072.pt
     python -m tools.sample --model gpt2 --prompt "The meaning of life is" --num_samples 2 --max_new_tokens 64
@@ -16,7 +16,7 @@ import hf
 from config import AT_LEAST_0, AT_LEAST_1, SEEDS, Range, check_range
 from distributed import default_device
 from errors import UserError, run_entry_point
-from snapshot import read_model
+from snapshot import load_tokenizer_of, read_model
 from tokenizer import generate_text
 
 # The values of the sampling flags: outside them sampling crashed (negative counts, a NaN temperature) or sampled
@@ -52,9 +52,11 @@ def main(argv: list[str] | None = None) -> None:
     except RuntimeError as e:
         raise UserError(f"--device {args.device}: not a device torch knows; pass cuda, mps or cpu (or cuda:N).") from e
 
+    tokenizer = None  # GPT-2's, Hugging Face's GPT-2 weights'
     if args.snapshot is not None:
         try:
             model = read_model(args.snapshot)
+            tokenizer = load_tokenizer_of(args.snapshot)
         except (FileNotFoundError, ValueError) as e:
             parser.error(f"--snapshot: {e} (For Hugging Face weights use --model instead.)")
     else:
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     model.to(args.device)
 
     texts = generate_text(model, args.prompt, args.num_samples, args.max_new_tokens, args.temperature,
-                          args.top_k or None, args.seed, args.top_p, args.compile)
+                          args.top_k or None, args.seed, args.top_p, args.compile, tokenizer)
     for i, text in enumerate(texts):
         print(f"--- sample {i} ---\n{text}")
 

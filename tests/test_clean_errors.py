@@ -1,0 +1,286 @@
+"""Issue 55's clean errors, each case a real process (train_gpt2.py or a tool): a path the file system refuses (a name
+longer than it allows, a symbolic link loop, a file where a directory should be), a failing disk (EIO, injected for
+real in the child: EIO_SITECUSTOMIZE), a number flag too large for the libraries it reaches, and a pickle that would
+run code. Each ends with exit status 2 and one `error:` paragraph naming the flag or the path, and no traceback.
+
+Also the class at its one place each: every number flag of TrainConfig bounded (config.check_flag_ranges), an
+OSError on a path the user gave named by its flag (errors.path_error), and every pickle-format file read by
+snapshot.read_torch_file (no other torch.load or unpickler outside tests/)."""
+
+import ast
+import errno
+import os
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import GPT2Config
+
+from config import LARGEST_COUNT, TrainConfig, check_flag_ranges, parse_args, set_type
+from conftest import ROOT, make_shards
+from errors import UserError, path_error
+from helpers_train import TINY_ARGS, TRAIN_SCRIPT, run_train, train_env
+from snapshot import REQUIRED_KEYS
+
+RUN = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "32", "--max_steps", "1", "--val_every",
+       "0", "--dtype", "fp32"]
+TRACEBACK = "Traceback (most recent call last)"
+NAME_MAX = os.pathconf("/tmp", "PC_NAME_MAX")  # 255 on ext4, xfs, tmpfs, btrfs
+
+# Imported by every Python the case starts (its directory first on PYTHONPATH): reads of the file $EIO_PATH fail as
+# a failing disk's do, with EIO from read() (opening it succeeds, and the error names no file, as the kernel's).
+# It stands in for the suite's own sitecustomize (tests/cpu_host), so it imports that too.
+EIO_SITECUSTOMIZE = '''
+import builtins
+import errno
+import io
+import os
+
+import cpu_host  # noqa: F401
+
+FAILING = os.path.realpath(os.environ["EIO_PATH"])
+real_open = io.open
+
+
+class FailingReads(io.BufferedReader):
+    def read(self, *args):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    read1 = readinto = readinto1 = readline = readlines = peek = read
+
+
+def open_failing(file, mode="r", *args, **kwargs):
+    if isinstance(file, (str, bytes, os.PathLike)) and "r" in mode and os.path.realpath(file) == FAILING:
+        return FailingReads(real_open(file, "rb", buffering=0))
+    return real_open(file, mode, *args, **kwargs)
+
+
+builtins.open = io.open = open_failing
+'''
+
+
+class SystemCall:
+    """What a hostile pickle holds: a call of os.system, which any unpickler that allows it runs."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> dict[str, Path]:
+    """Shards, a real snapshot, and the paths each case needs: a symlink loop, a regular file, a name one byte longer
+    than the file system allows, a recipe, hostile pickles, the EIO sitecustomize."""
+    root = tmp_path_factory.mktemp("clean_errors")
+    make_shards(root / "data", "train", [400])
+    make_shards(root / "data", "val", [200], seed=1)
+    run_train(["--data_dir", str(root / "data"), *RUN], root / "run")
+    (snapshot,) = (root / "run").glob("snapshot_*.pt")
+    (root / "loop").mkdir()
+    (root / "loop" / "a").symlink_to(root / "loop" / "b")
+    (root / "loop" / "b").symlink_to(root / "loop" / "a")
+    (root / "a_file").write_text("a regular file\n")
+    (root / "recipe.toml").write_text(f"keep_last = {10**30}\n")
+    (root / "eio").mkdir()
+    (root / "eio" / "sitecustomize.py").write_text(EIO_SITECUSTOMIZE)
+    marker = root / "the payload ran"
+    torch.save({key: SystemCall(marker) if key == "model" else {} for key in REQUIRED_KEYS}, root / "hostile.pt")
+    GPT2Config(vocab_size=50257, n_positions=64, n_embd=64, n_layer=2, n_head=2).save_pretrained(root / "hf_hostile")
+    torch.save({"transformer.wte.weight": torch.zeros(3), "x": SystemCall(marker)},
+               root / "hf_hostile" / "pytorch_model.bin")
+    return {"root": root, "data": root / "data", "snapshot": snapshot, "loop": root / "loop" / "a",
+            "file": root / "a_file", "long": root / ("x" * (NAME_MAX + 1)), "recipe": root / "recipe.toml",
+            "eio": root / "eio", "marker": marker, "hostile": root / "hostile.pt", "hf_hostile": root / "hf_hostile"}
+
+
+def cases(w: dict[str, Path]) -> dict[str, tuple[list[str], dict[str, str] | None, list[str]]]:
+    """case: (the command after `python`, environment added, the words its error paragraph must hold)."""
+    root, long, loop, snapshot = w["root"], str(w["long"]), str(w["loop"]), str(w["snapshot"])
+    too_long = "longer than the file system allows"
+    eio = {"PYTHONPATH": os.pathsep.join([str(w["eio"]), os.environ["PYTHONPATH"]]), "EIO_PATH": snapshot}
+    io_error = "the device reported an I/O error"
+
+    def train(case: str, *args: str) -> list[str]:
+        return [str(TRAIN_SCRIPT), *TINY_ARGS, "--data_dir", str(w["data"]), *RUN, "--log_dir",
+                str(root / "logs" / re.sub(r"\W", "_", case)), *args]
+
+    table = {
+        # a name longer than the file system allows
+        "--log_dir too long": (["--log_dir", long], None, [f"--log_dir {long} cannot be written",
+                                                           "File name too long"]),
+        "--snapshot_dir too long": (["--snapshot_dir", f"{long}/x"], None, [f"--snapshot_dir {long}/x cannot be "
+                                                                             "written", "File name too long"]),
+        "--data_dir too long": (["--data_dir", long], None, [f"--data_dir {long}", too_long]),
+        "--resume too long": (["--resume", f"{long}.pt"], None, [f"--resume {long}.pt", too_long]),
+        "--init_from too long": (["--init_from", long], None, [f"--init_from {long}", too_long]),
+        "--config too long": (["--config", f"{long}.toml"], None, [f"--config {long}.toml", "File name too long"]),
+        # a symbolic link loop
+        "--log_dir a loop": (["--log_dir", loop], None, [f"--log_dir {loop} cannot be written",
+                                                         "Too many levels of symbolic links"]),
+        "--snapshot_dir a loop": (["--snapshot_dir", loop], None, [f"--snapshot_dir {loop} cannot be written"]),
+        "--data_dir a loop": (["--data_dir", loop], None, [loop]),
+        "--resume a loop": (["--resume", loop], None, [f"--resume {loop}"]),
+        "--init_from a loop": (["--init_from", loop], None, [f"--init_from {loop}"]),
+        # a failing disk under a snapshot
+        "--resume EIO": (["--resume", snapshot], eio, [f"--resume {snapshot} could not be used", io_error]),
+        "--init_from EIO": (["--init_from", snapshot], eio, [f"--init_from {snapshot} could not be used", io_error]),
+        # numbers past what the libraries take (--warmup_steps 10**400: "int too large to convert to float")
+        "--warmup_steps 10**400": (["--warmup_steps", str(10**400)], None, ["--warmup_steps 1000", "at most 2147483647",
+                                                                          '(--help: "linear LR warmup steps")']),
+        "--max_steps 10**30": (["--max_steps", str(10**30)], None, [f"--max_steps {10**30}: pass a number at least 1 "
+                                                                    "and at most 2147483647"]),
+        "--keep_last 10**30": (["--keep_last", str(10**30)], None, [f"--keep_last {10**30}", "at most 2147483647"]),
+        "--max_lr 1e400": (["--max_lr", "1e400"], None, ["--max_lr inf: pass a finite number above 0"]),
+        "a recipe's keep_last 10**30": (["--config", str(w["recipe"])], None, [f"--keep_last {10**30}",
+                                                                               "at most 2147483647"]),
+        # pickles that would run code: our snapshot's reader, and Hugging Face's pytorch_model.bin through it
+        "--init_from a hostile snapshot": (["--init_from", str(w["hostile"])], None, [
+            f"{w['hostile']} was refused: its pickle holds the global posix.system"]),
+        "--init_from a hostile pytorch_model.bin": (["--init_from", str(w["hf_hostile"])], None, [
+            f"{w['hf_hostile'] / 'pytorch_model.bin'} was refused: its pickle holds the global posix.system"]),
+    }
+    table = {case: (train(case, *args), env, words) for case, (args, env, words) in table.items()}
+    return table | {
+        "export_hf into a path under a regular file": (
+            ["-m", "tools.export_hf", snapshot, f"{w['file']}/out"], None,
+            [f"{w['file']}/out could not be used: a part of it that should be a directory is a file"]),
+        "export_hf into a name too long": (["-m", "tools.export_hf", snapshot, long], None, [long, too_long]),
+        "export_hf into a loop": (["-m", "tools.export_hf", snapshot, loop], None, [loop, "in a loop"]),
+        "export_hf EIO": (["-m", "tools.export_hf", snapshot, str(root / "exported")], eio, [
+            f"{snapshot} could not be used", io_error]),
+        "sample --snapshot too long": (["-m", "tools.sample", "--snapshot", f"{long}.pt"], None,
+                                       [f"--snapshot {long}.pt", too_long]),
+        "sample --model too long": (["-m", "tools.sample", "--model", long], None, [f"--model {long}", too_long]),
+        "sample EIO": (["-m", "tools.sample", "--snapshot", snapshot], eio, [f"--snapshot {snapshot} could not be "
+                                                                             "used", io_error]),
+        "sample --max_new_tokens 10**30": (["-m", "tools.sample", "--snapshot", snapshot, "--max_new_tokens",
+                                            str(10**30)], None, [f"--max_new_tokens {10**30}", "at most 2147483647"]),
+        "evaluate --snapshot too long": (["-m", "tools.evaluate", "--snapshot", f"{long}.pt"], None,
+                                         [f"--snapshot {long}.pt", too_long]),
+        "evaluate EIO": (["-m", "tools.evaluate", "--snapshot", snapshot], eio, [f"--snapshot {snapshot} could not be "
+                                                                                 "used", io_error]),
+    }
+
+
+CASES = list(cases({name: Path(name) for name in ("root", "data", "snapshot", "loop", "file", "long", "recipe",
+                                                   "eio", "marker", "hostile", "hf_hostile")}))
+
+
+@pytest.fixture(scope="module")
+def runs(world) -> dict[str, subprocess.CompletedProcess | BaseException]:
+    """Every case run to its end, a few at a time (each a fresh Python importing torch)."""
+    def launch(command: list[str], env: dict[str, str] | None) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, *command], cwd=ROOT, env=train_env(env), capture_output=True,
+                              text=True, timeout=180)
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        futures = {case: pool.submit(launch, command, env) for case, (command, env, _) in cases(world).items()}
+        return {case: future.exception() or future.result() for case, future in futures.items()}
+
+
+@pytest.mark.slow  # 32 launches of a fresh Python: a minute or two
+@pytest.mark.parametrize("case", CASES)
+def test_a_path_or_number_the_system_refuses_exits_2_with_one_paragraph_naming_it(world, runs, case):
+    proc = runs[case]
+    if isinstance(proc, BaseException):
+        raise proc
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and TRACEBACK not in output, output[-4000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, proc.stderr[-4000:]
+    missing = [words for words in cases(world)[case][2] if words not in errors[0]]
+    assert not missing, f"{missing} not in: {errors[0]}"
+    assert not world["marker"].exists()  # no pickle ran its call
+
+
+@pytest.mark.slow  # (the runs above)
+def test_our_snapshot_and_a_hugging_face_bin_are_refused_with_the_same_words(world, runs):
+    def refusal(case: str, path: Path) -> str:
+        error = next(line for line in runs[case].stderr.splitlines() if line.startswith("error: "))
+        return error.split(f"{path} ", 1)[1].split(". ")[0]
+
+    ours = refusal("--init_from a hostile snapshot", world["hostile"])
+    theirs = refusal("--init_from a hostile pytorch_model.bin", world["hf_hostile"] / "pytorch_model.bin")
+    assert ours == theirs == ("was refused: its pickle holds the global posix.system, which is not plain data, and "
+                              "unpickling it could run code, so it will not be loaded")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the class, at its one place each
+
+NUMBER_FLAGS = [f.name for f in fields(TrainConfig) if set_type(f.type) in (int, float, int | str)]
+
+
+@pytest.mark.parametrize("flag", NUMBER_FLAGS)
+def test_every_number_flag_refuses_a_value_past_what_the_libraries_take(flag):
+    kind = set_type(next(f.type for f in fields(TrainConfig) if f.name == flag))
+    too_large = "1e400" if kind is float else str(2**64)  # (inf; past every whole-number flag's top, --seed's too)
+    with pytest.raises(UserError, match=rf"^--{flag} (inf|{too_large}): pass a (finite )?number "):
+        check_flag_ranges(parse_args([f"--{flag}", too_large]))
+    if kind is not float and flag != "seed":  # the largest count is taken, one more is not
+        check_flag_ranges(parse_args([f"--{flag}", str(LARGEST_COUNT)]))
+        with pytest.raises(UserError, match=rf"and at most {LARGEST_COUNT}"):
+            check_flag_ranges(parse_args([f"--{flag}", str(LARGEST_COUNT + 1)]))
+
+
+@pytest.mark.parametrize("code, argv, expected", [
+    (errno.ENAMETOOLONG, ["--data_dir", "/d", "--log_dir", "/"], "--data_dir /d: /d/manifest.json could not be used: "
+                                                                 "a name in it is longer than the file system allows"),
+    (errno.ELOOP, ["--log_dir=/d/manifest.json"], "--log_dir /d/manifest.json could not be used: its symbolic links"),
+    (errno.ENOTDIR, ["snapshot.pt", "/d"], "/d: /d/manifest.json could not be used: a part of it that should be a "
+                                           "directory is a file"),
+    (errno.EIO, ["--resume", "/elsewhere"], "/d/manifest.json could not be used: the device reported an I/O error"),
+])
+def test_an_os_error_on_a_path_names_the_argument_it_lies_under(code, argv, expected):
+    error = path_error(OSError(code, os.strerror(code), "/d/manifest.json"), argv)
+    assert str(error).startswith(expected) and str(error).endswith(".") and "\n" not in str(error)
+
+
+def test_an_os_error_that_may_be_a_bug_of_ours_keeps_its_traceback():
+    assert path_error(OSError(errno.ENOENT, os.strerror(errno.ENOENT), "/d"), ["--data_dir", "/d"]) is None
+    assert path_error(OSError(errno.EIO, os.strerror(errno.EIO)), []) is None  # no path to name
+    assert path_error(RuntimeError("a bug of ours"), []) is None
+
+
+def test_pathlibs_symlink_loop_error_is_named_as_the_loop_it_is(tmp_path):
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    try:
+        (tmp_path / "a").resolve()  # RuntimeError before Python 3.13, OSError(ELOOP) from 3.13 on
+    except (RuntimeError, OSError) as e:
+        error = path_error(e, ["--resume", str(tmp_path / "a")])
+    assert str(error).startswith(f"--resume {tmp_path / 'a'} could not be used: its symbolic links point at each other")
+
+
+def test_every_pickle_format_file_is_read_through_snapshots_reader_alone():
+    """No torch.load or unpickler in the code (tests/ aside) but snapshot.py's: read_torch_file (every torch file,
+    ours and a Hugging Face pytorch_model.bin), and a directory snapshot's .metadata and shard values."""
+    found = {}
+    for directory, subdirectories, files in os.walk(ROOT):
+        subdirectories[:] = [d for d in subdirectories if not d.startswith(".") and d not in ("tests", "__pycache__")]
+        for path in (Path(directory) / name for name in files if name.endswith(".py")):
+            if calls := unpickling_calls(ast.parse(path.read_text())):
+                found[str(path.relative_to(ROOT))] = calls
+    assert found == {"snapshot.py": {"read_torch_file", "read_shard_metadata", "PlainDataLoadPlanner.load_bytes"}}
+
+
+def unpickling_calls(node: ast.AST, where: str = "<module>") -> set[str]:
+    """Where (function, or Class.method) a module calls what unpickles: torch.load, pickle.load(s), an Unpickler."""
+    found = set()
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.FunctionDef | ast.ClassDef):
+            found |= unpickling_calls(child, child.name if where == "<module>" else f"{where}.{child.name}")
+            continue
+        if isinstance(child, ast.Call):
+            called = ast.unparse(child.func)
+            if called in ("torch.load", "pickle.load", "pickle.loads") or called.endswith("Unpickler"):
+                found.add(where)
+        found |= unpickling_calls(child, where)
+    return found
