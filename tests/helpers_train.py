@@ -34,6 +34,7 @@ from conftest import ROOT
 from distributed import teardown_distributed
 
 TRAIN_SCRIPT = ROOT / "train_gpt2.py"
+PAUSING = ROOT / "tests" / "train_with_pauses.py"  # train_gpt2.py, held before chosen calls (PAUSES)
 
 # A 2-layer, 64-wide model on the CPU, with the slow or networked extras off. Later flags in a command win, so
 # a test can override any of these by passing the flag again.
@@ -236,3 +237,26 @@ def on_ranks(worker, directory: Path, *args, world_size: int = 2) -> list:
     directory.mkdir(parents=True, exist_ok=True)
     mp.spawn(_rank_main, args=(world_size, str(directory), worker, args), nprocs=world_size)
     return [json.loads((directory / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# runs held at a chosen call (tests/train_with_pauses.py), to change something under them at a known point
+
+def start_paused(args: list[str], log_dir: Path, pauses: list[tuple[str, int]], nproc: int | None = None):
+    """start_train of train_with_pauses.py, held before the call-th call of each (name, call) in pauses."""
+    return start_train(args, log_dir, nproc, env={"PAUSES": json.dumps(pauses)}, script=PAUSING)
+
+
+def wait_for_pause(proc, log_dir: Path, name: str, call: int, ranks: int = 1) -> list[Path]:
+    """Wait until every rank waits before the call-th call of `name`; their markers, to delete to go on."""
+    markers = [log_dir / f"paused_{name}_{call}_rank{rank}" for rank in range(ranks)]
+    deadline = time.monotonic() + 300
+    while not all(marker.exists() for marker in markers):
+        assert proc.poll() is None and time.monotonic() < deadline, (name, call, proc.communicate()[1][-4000:])
+        time.sleep(0.05)
+    return markers
+
+
+def go_on(markers: list[Path]) -> None:
+    for marker in markers:
+        marker.unlink()

@@ -438,7 +438,8 @@ class RunHistories(RuleBasedStateMachine):
     @rule(data=st.data())
     def rerun(self, data):
         """A timeline's directory again: its own command, --resume auto or never, or one of its snapshots. (Its
-        choices are drawn here, not as arguments: hypothesis draws the rules with fewer arguments more often.)"""
+        choices are drawn here, not as arguments: hypothesis orders rules by their number of arguments, and draws
+        the first ones more often in the small histories it tries first.)"""
         t = data.draw(st.sampled_from(self.timelines), label="timeline")
         request = data.draw(st.sampled_from(["same", "auto", "never", "newest", "older"]), label="request")
         fault = data.draw(FAULTS, label="fault")
@@ -523,6 +524,7 @@ class RunHistories(RuleBasedStateMachine):
         t.directory.mkdir()
         shutil.copyfile(path, t.directory / path.name)
         self.adopted.add(t.directory)
+        self.foreign.add(t.directory / path.name)  # continued as a branch of it: never pruned nor changed
         self.timelines.append(t)
         self.run_and_check(t, ["--log_dir", str(t.directory)],
                            Expect("run", "snapshots without timeline.json: continue the newest", step + 1), fault)
@@ -531,8 +533,11 @@ class RunHistories(RuleBasedStateMachine):
     @rule(data=st.data())
     def copy_foreign(self, data):
         """Copy another timeline's snapshot into a timeline's directory (under its own name, where that is free)."""
-        path, _, _ = data.draw(st.sampled_from(self.sources()), label="snapshot")
-        targets = [t for t in self.timelines if t.directory != path.parent and not (t.directory / path.name).exists()]
+        path, lineage, _ = data.draw(st.sampled_from(self.sources()), label="snapshot")
+        # (Not between a directory a snapshot was copied into and the one it came from: whether the continuation
+        # there is the same timeline as its source is the code's to say.)
+        targets = [t for t in self.timelines if t.directory != path.parent and not (t.directory / path.name).exists()
+                   and not ({t.directory, path.parent} & self.adopted and t.lineage == lineage)]
         if not targets:
             return
         t = data.draw(st.sampled_from(targets), label="into")
@@ -540,12 +545,18 @@ class RunHistories(RuleBasedStateMachine):
         shutil.copyfile(path, t.directory / path.name)
         self.foreign.add(t.directory / path.name)
 
-    @precondition(lambda self: not self.over and any(t.origin and t.origin_path.exists() for t in self.timelines))
+    def movable_parents(self) -> list[Timeline]:
+        """The timelines whose parent (--resume PATH, --init_from X) is in place; not one in a directory a snapshot
+        was copied into (as for damage, its timeline could be left with no snapshot and an origin the table does not
+        say)."""
+        return [t for t in self.timelines
+                if t.origin and t.origin_path.exists() and t.origin_path.parent not in self.adopted]
+
+    @precondition(lambda self: not self.over and self.movable_parents())
     @rule(data=st.data())
     def move_parent_away(self, data):
         """Move the snapshot a branch (or an --init_from run) started from out of its directory."""
-        t = data.draw(st.sampled_from([t for t in self.timelines if t.origin and t.origin_path.exists()]),
-                      label="timeline")
+        t = data.draw(st.sampled_from(self.movable_parents()), label="timeline")
         away = self.root / "moved" / f"{len(self.moved)}_{t.origin_path.name}"
         away.parent.mkdir(exist_ok=True)
         self.begin(f"move_parent_away of {t.name}: {t.origin_path.parent.name}/{t.origin_path.name}")
@@ -564,9 +575,10 @@ class RunHistories(RuleBasedStateMachine):
             self.damaged[where] = self.damaged.pop(moved)
 
     def prunable(self) -> list[Timeline]:
-        """The timelines whose next run writes a snapshot and then prunes an older one."""
+        """The timelines whose next run writes a snapshot and then prunes an older one (not in a directory a snapshot
+        was copied into: whether the copy is pruned is the code's to say)."""
         return [t for t in self.timelines if len(self.healthy(t)) > 1 and max(self.healthy(t)) < MAX_STEPS - 1 and
-                self.expect(t, []).action == "run"]
+                t.directory not in self.adopted and self.expect(t, []).action == "run"]
 
     @precondition(lambda self: not self.over and self.prunable())
     @rule(data=st.data())

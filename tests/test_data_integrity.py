@@ -25,12 +25,11 @@ from conftest import ROOT, make_shards
 from data import fineweb, prepare
 from dataloader import HEADER_BYTES, DistributedDataLoader, ShardReadError, write_shard
 from errors import UserError
-from helpers_train import main_in_process, on_ranks, read_metrics, start_train, wait_train
+from helpers_train import go_on, main_in_process, on_ranks, read_metrics, start_paused, wait_for_pause, wait_train
 from model import GPT, PRESETS
 from snapshot import list_snapshots, snapshot_path
 from validation import VAL_STOP_CHECK_EVERY, validation_loss
 
-PAUSING = Path(__file__).resolve().parent / "train_with_pauses.py"
 # 2 micro-batches of 2 × 16 tokens a step, on 1 rank or 2; a train shard of 200 tokens is 3 steps (6 chunks of 32)
 JOB = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "64", "--warmup_steps", "1", "--dtype",
        "fp32", "--no-shuffle", "--max_steps", "6", "--snapshot_every", "100"]
@@ -199,20 +198,6 @@ def test_a_read_failing_on_one_rank_during_a_validation_raises_its_error_on_ever
 # ----------------------------------------------------------------------------------------------------------------
 # real runs: a change at a known step stops every rank with a snapshot; restored, the same command resumes exactly
 
-def start_paused(args: list[str], log_dir: Path, pauses: list[tuple[str, int]], nproc: int | None):
-    return start_train(args, log_dir, nproc, env={"PAUSES": json.dumps(pauses)}, script=PAUSING)
-
-
-def wait_for_pause(proc, log_dir: Path, name: str, call: int, ranks: int) -> list[Path]:
-    """Wait until every rank waits before the call-th call of `name`; their markers, to delete to go on."""
-    markers = [log_dir / f"paused_{name}_{call}_rank{rank}" for rank in range(ranks)]
-    deadline = time.monotonic() + 300
-    while not all(marker.exists() for marker in markers):
-        assert proc.poll() is None and time.monotonic() < deadline, (name, call, proc.communicate()[1][-4000:])
-        time.sleep(0.05)
-    return markers
-
-
 def stopped_with_a_snapshot(data: Path, logs: Path, args: list[str], pause: tuple[str, int], change, shard: Path,
                             nproc: int | None) -> subprocess.CompletedProcess:
     """Start the run, change the shard while every rank waits at `pause`, let it go on; its end, which must be exit 2
@@ -220,8 +205,7 @@ def stopped_with_a_snapshot(data: Path, logs: Path, args: list[str], pause: tupl
     proc = start_paused([*JOB, "--data_dir", str(data), *args], logs, [pause], nproc)
     markers = wait_for_pause(proc, logs, *pause, ranks=nproc or 1)
     change(shard)
-    for marker in markers:
-        marker.unlink()
+    go_on(markers)
     run = wait_train(proc, logs, timeout=300, check=False)
     if nproc is None:
         assert run.proc.returncode == 2 and "Traceback" not in run.proc.stderr, run.output[-4000:]

@@ -7,7 +7,6 @@ Runs that must be real processes (a signal, a SIGBUS, an exit status) run tests/
 a chosen call until the test has acted: the signal lands at a known point of the run, not at a guessed moment.
 """
 
-import json
 import os
 import re
 import signal
@@ -23,16 +22,13 @@ import train_gpt2
 from conftest import fill_up, make_shards, mounted_tmpfs
 from dataloader import HEADER_BYTES, DistributedDataLoader, write_shard
 from errors import UserError
-from helpers_train import main_in_process, read_metrics, start_train, wait_train
+from helpers_train import go_on, main_in_process, read_metrics, start_paused, start_train, wait_for_pause, wait_train
 from model import GPT
 from run_lock import LOCK_FILE
 from snapshot import list_snapshots, load_snapshot, snapshot_path
 
 JOB = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "64", "--warmup_steps", "1",
        "--val_every", "0", "--dtype", "fp32", "--no-shuffle"]  # 2 micro-steps of 32 tokens a step on 1 rank
-PAUSING = Path(__file__).resolve().parent / "train_with_pauses.py"
-
-
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     data = tmp_path_factory.mktemp("data")
@@ -237,25 +233,6 @@ def record_temp_files(torch_save, names: list[str]):
 
 
 # ...and as processes, for their exit status: a real Ctrl-C at a known point of a real run
-
-def start_paused(args: list[str], log_dir: Path, pauses: list[tuple[str, int]], nproc: int | None = None):
-    return start_train(args, log_dir, nproc, env={"PAUSES": json.dumps(pauses)}, script=PAUSING)
-
-
-def wait_for_pause(proc, log_dir: Path, name: str, call: int, ranks: int = 1) -> list[Path]:
-    """Wait until every rank waits before the call-th call of `name`; their markers, to delete to go on."""
-    markers = [log_dir / f"paused_{name}_{call}_rank{rank}" for rank in range(ranks)]
-    deadline = time.monotonic() + 300
-    while not all(marker.exists() for marker in markers):
-        assert proc.poll() is None and time.monotonic() < deadline, (name, call, proc.communicate()[1][-4000:])
-        time.sleep(0.05)
-    return markers
-
-
-def go_on(markers: list[Path]) -> None:
-    for marker in markers:
-        marker.unlink()
-
 
 @pytest.mark.slow  # a process
 def test_a_run_stopped_by_ctrl_c_exits_0_as_on_sigterm_and_a_second_ctrl_c_kills_it_by_sigint(data, tmp_path):

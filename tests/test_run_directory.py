@@ -25,9 +25,11 @@ from timeline import (
     Asks,
     Holds,
     Timeline,
+    adopted_timeline,
     ask,
     decide,
     entries,
+    origin_of_weights,
     read_timeline,
     record_timeline,
     survey,
@@ -173,6 +175,27 @@ def test_a_damaged_snapshot_is_the_timelines_its_pickle_still_names_file_or_dire
     assert row(d) == Holds.DAMAGED and [e.step for e in survey(d).candidates] == [9]
 
 
+def test_a_directory_without_timeline_json_continues_as_a_branch_from_its_newest_snapshot(tmp_path, parent):
+    first = Timeline().branch_at(parent, load_snapshot(parent))
+    copied = fake_snapshot(tmp_path / "copied", 4, first)
+    adopted = adopted_timeline(survey(tmp_path / "copied").newest())
+    assert adopted.branched_from == [*first.branched_from, [first.run, 4]] and adopted.run != first.run
+    assert adopted.resumed_from == str(copied.resolve())
+    older = fake_snapshot(tmp_path / "older", 2, None)  # from before timelines: a branch from it, with no ancestry
+    adopted = adopted_timeline(survey(tmp_path / "older").newest())
+    assert adopted.branched_from == [] and adopted.resumed_from == str(older.resolve())
+    assert Timeline().branch_at(older, load_snapshot(older)).branched_from == []
+
+
+def test_the_same_weights_named_another_way_are_the_same_origin(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("weights.pt").write_bytes(b"x")
+    assert origin_of_weights("weights.pt") == str(tmp_path.resolve() / "weights.pt")
+    assert origin_of_weights("gpt2") == "gpt2" and origin_of_weights("scratch") is None
+    record_timeline(tmp_path / "finetune", Timeline(init_from=origin_of_weights("weights.pt")))
+    assert ask("auto", str(tmp_path / "weights.pt"), survey(tmp_path / "finetune")) == Asks.SAME
+
+
 def test_the_table_as_the_docs_show_it_reads_back_as_the_table():
     """table_markdown() is the docs' table: read back, it is TABLE, every row, column and cell, in order."""
     lines = table_markdown().splitlines()
@@ -252,6 +275,21 @@ def test_a_new_run_in_a_directory_that_holds_one_is_refused_saying_how_to_contin
     flagged.run_config["snapshot_dir"] = str(run)  # the directory named by --snapshot_dir: the fix names that flag
     assert refusal(flagged).endswith("a directory of its own (--snapshot_dir NEW_DIR), or move those files away.")
     assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+
+
+def test_a_refusal_names_the_command_that_continues_the_directorys_run(data, tmp_path, parent):
+    weights = tmp_path / "weights.pt"
+    weights.write_bytes(b"x")
+    started, finetune, branch = Timeline(), Timeline(init_from=str(weights.resolve())), \
+        Timeline().branch_at(parent, load_snapshot(parent))
+    for name, timeline, again in (("started", started, "--resume auto"),
+                                  ("finetune", finetune, f"--resume auto --init_from {weights.resolve()}"),
+                                  ("branch", branch, f"--resume {parent.resolve()}")):
+        record_timeline(tmp_path / name, timeline)
+        assert refusal(snapshots_in(data, tmp_path / name, "never")).startswith(
+            f"--snapshot_dir {tmp_path / name} holds run {timeline.run}, stopped before its first snapshot, and "
+            "--resume never starts a new run: one directory holds one run, so this one stops before it reads or "
+            f"writes anything there. To continue that run, rerun it with {again}; to start this one")
 
 
 def test_a_run_stopped_before_its_first_snapshot_is_refused_naming_its_origin(data, tmp_path, parent):

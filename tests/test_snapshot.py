@@ -5,6 +5,7 @@ Most use small stand-in snapshots; the safety tests use a real fsdp run's (one p
 checks real ones written by train_gpt2.py.
 """
 
+import errno
 import io
 import os
 import pickle
@@ -14,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -658,3 +660,32 @@ def test_a_sharded_snapshot_never_writes_over_a_directory_this_code_did_not_writ
     with pytest.raises(FileExistsError, match="snapshot_0000003 is in the way of a snapshot"):
         snapshot.save_sharded_snapshot(meta, model, [torch.optim.AdamW(model.parameters())], theirs, CPU)
     assert files_under(tmp_path) == {"snapshot_0000003/photo.jpg": b"\xff\xd8 a photo"}
+
+
+@pytest.mark.parametrize("fails", ["dcp.save", "file_crc32"])  # before the temp directory exists; once it holds shards
+def test_a_sharded_snapshot_whose_write_fails_raises_that_error_and_leaves_nothing(tmp_path, monkeypatch, fails):
+    import snapshot
+
+    def eio(*args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(snapshot.dcp if fails == "dcp.save" else snapshot, fails.split(".")[-1], eio)
+    model = torch.nn.Linear(4, 4)
+    meta = {k: v for k, v in fake_snapshot(2).items() if k not in ("model", "optimizer")}
+    with pytest.raises(OSError, match=r"^\[Errno 5\] Input/output error$"):
+        snapshot.save_sharded_snapshot(meta, model, [torch.optim.AdamW(model.parameters())],
+                                       snapshot_path(tmp_path, 2, sharded=True), CPU)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_rollback_with_no_healthy_snapshot_of_the_timeline_finds_none(data, tmp_path):
+    snapshots = tiny_snapshots(data, tmp_path / "run", every=1, keep_last=5)
+    snapshots.save_if_due(1, last_step=9, stopping=False, healthy=False)
+    assert snapshots.newest_healthy() is None and snapshots.rollback() is None
+
+
+def test_a_shard_checksum_is_zlibs_crc32_of_the_files_bytes(tmp_path):
+    """What meta.pt records is the plain CRC-32 any tool computes (zlib.crc32), not one only this code reproduces."""
+    data = bytes(range(256)) * 40
+    (tmp_path / "__0_0.distcp").write_bytes(data)
+    assert file_crc32(tmp_path / "__0_0.distcp") == zlib.crc32(data) == 0xBBCE3B9D
