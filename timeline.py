@@ -15,7 +15,6 @@ that sits at a step the run will write stops it before its first step (snapshot_
 import json
 import sys
 import uuid
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -41,8 +40,7 @@ class Holds(Enum):
     STARTED = "its timeline, started from scratch or a snapshot, no snapshot written yet"
     STARTED_FROM_WEIGHTS = "its timeline, started --init_from X, no snapshot written yet"
     ORIGIN_GONE = "its timeline, a branch whose parent snapshot is gone or damaged, no snapshot written yet"
-    UNRECORDED = ("snapshots without timeline.json (older code's, or copied in), one of which loads: continued as a "
-                  "branch of it, so that none of them is ever pruned")
+    UNRECORDED = "snapshots without timeline.json (older code's, or copied in), one of which loads"
     UNRECORDED_DAMAGED = "snapshots without timeline.json, none of which loads"
 
 
@@ -118,9 +116,6 @@ class Timeline:
     branched_from: list[list] = field(default_factory=list)
     resumed_from: str | None = None
     init_from: str | None = None
-
-    def owns(self, state: dict) -> bool:
-        return is_timeline(recorded := state.get("timeline")) and recorded["run"] == self.run
 
     def branch_at(self, path: str | Path, state: dict) -> "Timeline":
         """A new timeline that continues from the snapshot `state`, read from `path`."""
@@ -284,14 +279,19 @@ def survey(snapshot_dir: str | Path) -> Survey:
 
 
 def adopted_timeline(newest: Entry) -> Timeline:
-    """The timeline of a directory without timeline.json that continues its newest snapshot: a branch from it, so
-    that the snapshots found there (an older version's, or copied in) count as no run's own here: never pruned."""
+    """The timeline of a directory without timeline.json: its newest snapshot's (whose older snapshots it then prunes
+    as its own), or for a snapshot from before timelines, a branch from it."""
+    recorded = newest.state.get("timeline")
+    if is_timeline(recorded):
+        return Timeline(recorded["run"], recorded["branched_from"])
     return Timeline().branch_at(newest.path, newest.state)
 
 
 def origin_loads(path: str) -> bool:
+    """Whether the snapshot a branch started from loads and its bytes check: restarting it from a damaged one would
+    train from other weights than the branch's."""
     try:
-        load_snapshot(path, verify=False)
+        load_snapshot(path)
         return True
     except (ValueError, OSError):
         return False
@@ -320,13 +320,6 @@ def ask(resume: str, init_from: str, found: Survey) -> Asks:
         return Asks.SAME if origin is not None and origin.init_from == origin_of_weights(init_from) else \
             Asks.OTHER_INIT
     return Asks.AUTO
-
-
-def timeline_membership(snapshot_dir: str | Path, timeline: Timeline) -> Iterator[tuple[Path, int, bool]]:
-    """Each snapshot in snapshot_dir, newest first: its path, its step (by its name) and whether it is `timeline`'s
-    own (a damaged one is, if its pickle still names the timeline)."""
-    for entry in entries(snapshot_dir):
-        yield entry.path, entry.step, is_own(entry, timeline)
 
 
 def own_snapshots(snapshot_dir: str | Path, timeline: Timeline) -> list[tuple[Path, dict]]:

@@ -524,7 +524,6 @@ class RunHistories(RuleBasedStateMachine):
         t.directory.mkdir()
         shutil.copyfile(path, t.directory / path.name)
         self.adopted.add(t.directory)
-        self.foreign.add(t.directory / path.name)  # continued as a branch of it: never pruned nor changed
         self.timelines.append(t)
         self.run_and_check(t, ["--log_dir", str(t.directory)],
                            Expect("run", "snapshots without timeline.json: continue the newest", step + 1), fault)

@@ -13,8 +13,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
-from conftest import ROOT, make_shards, tiny_snapshots
+from conftest import ROOT, flip_a_byte_in_tensor_data, make_shards, tiny_snapshots
 from errors import UserError
 from helpers_train import read_metrics, run_train, start_train
 from snapshot import REQUIRED_KEYS, list_snapshots, load_snapshot, save_snapshot, snapshot_path
@@ -119,7 +120,12 @@ def test_the_rows_of_timelines_started_without_a_snapshot(tmp_path, parent):
     parent.rename(tmp_path / "moved.pt")
     assert row(tmp_path / "b") == Holds.ORIGIN_GONE
     (tmp_path / "moved.pt").rename(parent)
-    truncate(parent, keep=0.05)  # back, but it no longer loads
+    state = load_snapshot(parent)
+    save_snapshot(state | {"model": {"w": torch.arange(4096.0)}}, parent)  # (the same snapshot, with a tensor)
+    assert row(tmp_path / "b") == Holds.STARTED
+    flip_a_byte_in_tensor_data(parent)  # back, but its bytes changed: restarting from it would train other weights
+    assert row(tmp_path / "b") == Holds.ORIGIN_GONE
+    truncate(parent, keep=0.05)  # no longer loads at all
     assert row(tmp_path / "b") == Holds.ORIGIN_GONE
 
 
@@ -175,12 +181,12 @@ def test_a_damaged_snapshot_is_the_timelines_its_pickle_still_names_file_or_dire
     assert row(d) == Holds.DAMAGED and [e.step for e in survey(d).candidates] == [9]
 
 
-def test_a_directory_without_timeline_json_continues_as_a_branch_from_its_newest_snapshot(tmp_path, parent):
+def test_a_directory_without_timeline_json_takes_its_newest_snapshots_timeline_or_branches_from_an_older_codes(
+        tmp_path, parent):
     first = Timeline().branch_at(parent, load_snapshot(parent))
-    copied = fake_snapshot(tmp_path / "copied", 4, first)
+    fake_snapshot(tmp_path / "copied", 4, first)
     adopted = adopted_timeline(survey(tmp_path / "copied").newest())
-    assert adopted.branched_from == [*first.branched_from, [first.run, 4]] and adopted.run != first.run
-    assert adopted.resumed_from == str(copied.resolve())
+    assert (adopted.run, adopted.branched_from) == (first.run, first.branched_from)  # the same line goes on
     older = fake_snapshot(tmp_path / "older", 2, None)  # from before timelines: a branch from it, with no ancestry
     adopted = adopted_timeline(survey(tmp_path / "older").newest())
     assert adopted.branched_from == [] and adopted.resumed_from == str(older.resolve())

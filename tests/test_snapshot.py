@@ -689,3 +689,16 @@ def test_a_shard_checksum_is_zlibs_crc32_of_the_files_bytes(tmp_path):
     data = bytes(range(256)) * 40
     (tmp_path / "__0_0.distcp").write_bytes(data)
     assert file_crc32(tmp_path / "__0_0.distcp") == zlib.crc32(data) == 0xBBCE3B9D
+
+
+def test_a_snapshot_that_cannot_be_deleted_is_a_warning_naming_it(tmp_path, monkeypatch, capsys):
+    import snapshot_store
+
+    def busy(path):
+        raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(path))
+
+    monkeypatch.setattr(snapshot_store, "remove", busy)
+    snapshot_store.remove_or_warn(snapshot_path(tmp_path, 1))
+    assert capsys.readouterr().err == (f"WARNING: could not delete {snapshot_path(tmp_path, 1)} (OSError: "
+                                       f"{os.strerror(errno.EBUSY)}); it is left as it is, and training goes on. "
+                                       "Delete it yourself once it can be.\n")
