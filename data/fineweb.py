@@ -39,6 +39,7 @@ from data.tokenize_shards import (
     is_jsonl,
     jsonl_texts,
     shard_paths,
+    shard_size,
     summary,
     tokenize_documents,
     write_progress,
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output_dir", type=Path,
                         help="default: data/fineweb_edu10B, data/fineweb100B, ... after --version and --size; "
                              "data/fineweb_local with --input")
-    parser.add_argument("--shard_size", type=int, default=100_000_000, help="tokens per shard (default 100M)")
+    parser.add_argument("--shard_size", type=shard_size, default=100_000_000, help="tokens per shard (default 100M)")
     parser.add_argument("--num_proc", type=int, default=os.cpu_count(), help="tokenizer processes (default: all cores)")
     parser.add_argument("--max_shards", type=int, help="stop after this many shards, val included")
     parser.add_argument("--tokenizer", default="gpt2",

@@ -40,6 +40,7 @@ from data.tokenize_shards import (
     is_jsonl,
     read_documents,
     shard_paths,
+    shard_size,
     split_val,
     summary,
     tokenize_documents,
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--val_input", type=Path, nargs="+",
                         help="files (as --input) that are the val split, whole; --input is then all train")
     parser.add_argument("--output_dir", type=Path, help="default: data/shakespeare with --source shakespeare")
-    parser.add_argument("--shard_size", type=int, default=100_000_000, help="tokens per shard (default 100M)")
+    parser.add_argument("--shard_size", type=shard_size, default=100_000_000, help="tokens per shard (default 100M)")
     parser.add_argument("--tokenizer", default="gpt2",
                         help="gpt2 (default) | bytes | a directory or file holding a tokenizer.json | a tiktoken "
                              "encoding's name (see tokenizer.load_tokenizer)")
@@ -104,8 +105,6 @@ def main(argv: list[str] | None = None) -> None:
                      "with --output_dir")
     if not 0 <= args.val_fraction < 1:
         parser.error(f"--val_fraction {args.val_fraction}: must be at least 0 and below 1")
-    if args.shard_size < 1:
-        parser.error(f"--shard_size {args.shard_size}: must be a positive number of tokens")
     if args.source == "shakespeare" and args.input and len(args.input) > 1:
         parser.error("--source shakespeare reads one file, a copy of input.txt; for several files of your own leave "
                      "out --source (each file is then a document, preceded by <|endoftext|>)")

@@ -59,6 +59,19 @@ def tokenize_in_worker(text: str, eot: bool) -> np.ndarray:
     return tokenize(text, worker_tokenizer, eot)
 
 
+def shard_size(text: str) -> int:
+    """--shard_size's argparse type: a whole number of tokens a shard header can count (its int32), so that a huge
+    one is an error naming the flag, not numpy's traceback allocating the buffer."""
+    try:
+        size = int(text)
+    except ValueError:
+        size = 0
+    if not 1 <= size <= 2**31 - 1:
+        raise argparse.ArgumentTypeError(f"{text}: a shard holds 1 to 2,147,483,647 tokens (its header counts them in "
+                                         "an int32); the default, 100M, suits most corpora")
+    return size
+
+
 def shard_paths(output_dir: Path, split: str | None = None) -> Callable[[int], Path]:
     """Shard i's path, named <output_dir name>_<split>_NNNNNN.bin. With no split, the stream's first shard is val
     and the rest train (llm.c's convention): val_000000, train_000000, train_000001, ..."""

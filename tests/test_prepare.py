@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import ROOT
 from data import prepare
 from dataloader import HEADER_BYTES, TOKEN_DTYPE, read_shard_header
 from errors import UserError
@@ -226,3 +227,13 @@ def test_enwiki_first_documents(shared_data, gpt2_encoding, tmp_path):
     encode = [[gpt2_encoding.eot_token, *gpt2_encoding.encode_ordinary(text)] for text in texts]
     assert shard_tokens(out / "enwiki_train_000000.bin").tolist() == list(itertools.chain(*encode[:18]))
     assert shard_tokens(out / "enwiki_val_000000.bin").tolist() == list(itertools.chain(*encode[18:]))
+
+
+@pytest.mark.parametrize("tool", ["data.prepare", "data.fineweb"])
+def test_a_shard_size_no_header_can_count_is_exit_2_naming_the_flag(tool, tmp_path):
+    result = subprocess.run([sys.executable, "-m", tool, "--input", str(tmp_path / "a.txt"), "--output_dir",
+                             str(tmp_path / "out"), "--shard_size", str(10**30)], cwd=ROOT, capture_output=True,
+                            text=True)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "argument --shard_size: 1000000000000000000000000000000: a shard holds 1 to 2,147,483,647 tokens" in \
+        result.stderr and not (tmp_path / "out").exists()
