@@ -62,7 +62,6 @@ from timeline import (
     adopted_timeline,
     ask,
     decide,
-    entries,
     first_loadable,
     is_own,
     origin_of_weights,
@@ -96,6 +95,7 @@ class Snapshots:
         self.named = {Path(p).resolve() for p in (resume_from, run_config.get("init_from", "scratch"))
                       if p not in ("auto", "never", "scratch")}
         self.last_saved = -1
+        self.surveyed: list = []  # rank 0: the snapshots in snapshot_dir when the run started (timeline.Entry)
         self.resumed_config: dict | None = None  # the flags of the run that wrote the snapshot resumed from
 
     def resume(self) -> tuple[int, str | None]:
@@ -347,6 +347,7 @@ class Snapshots:
         if self.dist_env.is_master:
             try:
                 found = survey(self.snapshot_dir)
+                self.surveyed = found.entries  # (for _check_the_way: the directory is read once)
                 asks = ask(resume, init_from, found)
                 decision = self._act(decide(found.holds, asks), asks, found, state)
             except ValueError as e:  # timeline.json that is not one, or no snapshot to continue loads
@@ -423,7 +424,7 @@ class Snapshots:
         """Rank 0, before the first step: the snapshots of snapshot_dir that are not this timeline's are named once;
         if this run could write a snapshot under one's name (a step from `start` to --max_steps), the error that
         stops it."""
-        others = [e for e in entries(self.snapshot_dir) if not is_own(e, self.timeline)]
+        others = [e for e in self.surveyed if not is_own(e, self.timeline)]
         if not others:
             return None
         max_steps = self.run_config["max_steps"]

@@ -244,11 +244,12 @@ def is_own(entry: Entry, timeline: Timeline) -> bool:
 
 @dataclass
 class Survey:
-    """What snapshot_dir holds: its row of TABLE, the timeline timeline.json records (None without one), and the
-    snapshots --resume auto would try, newest first (damaged ones among them, to be named)."""
+    """What snapshot_dir holds: its row of TABLE, the timeline timeline.json records (None without one), the
+    snapshots --resume auto would try, newest first (damaged ones among them, to be named), and every snapshot."""
     holds: Holds
     recorded: Timeline | None
     candidates: list[Entry]
+    entries: list[Entry]
 
     def newest(self) -> Entry | None:
         """The newest candidate that loads (without checking its bytes)."""
@@ -263,7 +264,7 @@ def survey(snapshot_dir: str | Path) -> Survey:
     if recorded is None:
         holds = Holds.UNRECORDED if any(e.state is not None for e in found) else \
             Holds.UNRECORDED_DAMAGED if found else Holds.NOTHING
-        return Survey(holds, None, found)
+        return Survey(holds, None, found, found)
     # Its own, and damaged ones whose pickle no longer says whose: one may be the newest of its own, so the run
     # never starts over while there is one.
     candidates = [e for e in found if is_own(e, recorded) or (e.state is None and e.run is None)]
@@ -275,7 +276,7 @@ def survey(snapshot_dir: str | Path) -> Survey:
         holds = Holds.ORIGIN_GONE
     else:
         holds = Holds.STARTED_FROM_WEIGHTS if recorded.init_from else Holds.STARTED
-    return Survey(holds, recorded, candidates)
+    return Survey(holds, recorded, candidates, found)
 
 
 def adopted_timeline(newest: Entry) -> Timeline:
