@@ -11,7 +11,7 @@ import torch
 from dataloader import DistributedDataLoader, ShardReadError
 from distributed import any_rank, average_across_ranks, from_all_ranks, to_device
 from precision import autocast
-from tokenizer import GPT2_SHA256, TiktokenTokenizer, TokenizerSpec, gpt2_encoding, gpt2_spec, tokenizer_from_spec
+from tokenizer import TokenizerSpec, gpt2_spec, tokenizer_from_spec
 
 # A stop check is a collective and a device sync: often enough that a long evaluation notices SIGTERM within
 # seconds (torchrun and SLURM give 30 s before SIGKILL), rarely enough to cost nothing.
@@ -33,8 +33,8 @@ def token_byte_lengths(tokenizer: TokenizerSpec | None = None) -> torch.Tensor |
     still counts). None, with a warning once, where the tokenizer cannot be loaded (a tiktoken encoding offline, not
     in tiktoken's cache): bits per byte are a metric, not a reason to stop a run."""
     spec = tokenizer or gpt2_spec()
-    try:  # (GPT-2's through this module's gpt2_encoding, which tests replace to play a node without tiktoken's cache)
-        loaded = TiktokenTokenizer(gpt2_encoding(), GPT2_SHA256) if spec == gpt2_spec() else tokenizer_from_spec(spec)
+    try:
+        loaded = tokenizer_from_spec(spec)
     except Exception as e:  # tiktoken downloads an encoding's files on first use: anything from DNS to HTTP errors
         print(f"WARNING: val_bpb is left out: the tokenizer {spec.describe()} could not be loaded "
               f"({type(e).__name__}). On a node without network, set TIKTOKEN_CACHE_DIR to a copy of tiktoken's cache "

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import tokenizer
 import validation
 from dataloader import DistributedDataLoader
 from helpers_train import write_text_shards
@@ -87,7 +88,7 @@ def test_without_the_tokenizer_val_bpb_is_none_and_the_loss_still_comes(tmp_path
     def offline():
         raise ConnectionError("no network")
 
-    monkeypatch.setattr(validation, "gpt2_encoding", offline)
+    monkeypatch.setattr(tokenizer, "gpt2_encoding", offline)  # (what tiktoken_tokenizer("gpt2") calls)
     token_byte_lengths.cache_clear()
     try:
         val = validation_loss(GPT(PRESETS["tiny"]), DistributedDataLoader(tmp_path, "val", 1, 16), 2, CPU,
