@@ -85,6 +85,7 @@ class Snapshots:
             raise UserError(f"--keep_last {keep_last} would delete every snapshot, so nothing could resume. Keep at "
                             "least 1 (--snapshot_every 0 leaves only the last step's and a stop's snapshots).")
         self.snapshot_dir, self.every, self.keep_last, self.resume_from = snapshot_dir, every, keep_last, resume_from
+        self.init_from = run_config["init_from"]
         self.trainee, self.train_loader, self.run_config = trainee, train_loader, run_config
         self.dist_env, self.print0 = dist_env, print0
         self.stateful = stateful or {}
@@ -92,7 +93,7 @@ class Snapshots:
         self.wandb_id = self.timeline.run  # a continued run's: its snapshot's
         self.continued = False  # whether this run continues the directory's timeline from one of its snapshots
         # What the user named on the command line is never deleted (pruning, rollbacks), even if it is this run's own.
-        self.named = {Path(p).resolve() for p in (resume_from, run_config.get("init_from", "scratch"))
+        self.named = {Path(p).resolve() for p in (resume_from, self.init_from)
                       if p not in ("auto", "never", "scratch")}
         self.last_saved = -1
         self.surveyed: list = []  # rank 0: the snapshots in snapshot_dir when the run started (timeline.Entry)
@@ -328,7 +329,7 @@ class Snapshots:
         """What TABLE says for this directory and these flags (timeline.decide), done: this run's timeline
         (self.timeline), and the snapshot to restore, or None for a fresh start. Rank 0 decides; every rank reads
         the same snapshot, or raises the same error."""
-        resume, init_from = self.resume_from, self.run_config.get("init_from", "scratch")
+        resume, init_from = self.resume_from, self.init_from
         state = None
         if resume not in ("auto", "never"):
             if init_from != "scratch":
@@ -368,11 +369,10 @@ class Snapshots:
     def _act(self, action: Action, asks: Asks, found: Survey, state: dict | None) -> tuple[Timeline, bool, str | None]:
         """Rank 0: the action's timeline, whether it continues the directory's, and the snapshot to restore (None:
         none). A refusal is a UserError."""
-        resume, init_from = self.resume_from, self.run_config.get("init_from", "scratch")
         if action is Action.START:
-            return Timeline(init_from=origin_of_weights(init_from)), False, None
+            return Timeline(init_from=origin_of_weights(self.init_from)), False, None
         if action is Action.BRANCH:
-            return Timeline().branch_at(resume, state), False, resume
+            return Timeline().branch_at(self.resume_from, state), False, self.resume_from
         if action is Action.CONTINUE:
             entry = first_loadable(found.candidates, f"of this run's timeline in {self.snapshot_dir}")
             timeline = found.recorded or adopted_timeline(entry)
@@ -381,9 +381,11 @@ class Snapshots:
             return found.recorded, False, found.recorded.resumed_from
         if action is Action.REFUSE_DAMAGED:
             first_loadable(found.candidates, f"in {self.snapshot_dir}")  # raises the ValueError naming every one
-        raise UserError(self._refusal(action, asks, found))
+        raise UserError(self._refusal(action, asks, found, state))
 
-    def _refusal(self, action: Action, asks: Asks, found: Survey) -> str:
+    def _refusal(self, action: Action, asks: Asks, found: Survey, state: dict | None) -> str:
+        """A refusal's words. Only a directory whose timeline.json records a run is refused as taken (TABLE);
+        `state` is --resume PATH's snapshot, if that was asked."""
         directory, recorded, own = self.snapshot_dir, found.recorded, self._own_directory_flag()
         if action is Action.REFUSE_ORIGIN:
             return (f"--snapshot_dir {directory} holds a run started with --init_from {recorded.init_from} that was "
@@ -396,26 +398,21 @@ class Snapshots:
                     f"another run in a directory of its own ({own} NEW_DIR).")
         newest = found.newest()
         holds = (f"run {recorded.run}'s snapshots (newest: {newest.path.name})" if newest else
-                 f"run {recorded.run}, stopped before its first snapshot") if recorded else "snapshots"
+                 f"run {recorded.run}, stopped before its first snapshot")
         asked = {Asks.NEVER: "--resume never starts a new run",
-                 Asks.OTHER_INIT: f"--init_from {self.run_config.get('init_from')} starts a new run from those "
+                 Asks.OTHER_INIT: f"--init_from {self.init_from} starts a new run from those "
                                   "weights",
                  Asks.OTHER_PATH: f"--resume {self.resume_from} branches a new run from that snapshot"}[asks]
-        again = (f"--resume auto{' --init_from ' + recorded.init_from if recorded and recorded.init_from else ''}"
-                 if recorded and not recorded.resumed_from else f"--resume {recorded.resumed_from}" if recorded
-                 else "--resume auto")
-        if asks is Asks.OTHER_PATH:  # (its metrics go beside its parent's, in a file of their own: run_logger)
-            own = f"--snapshot_dir {self._branch_directory(self.resume_from)}"
+        again = (f"--resume {recorded.resumed_from}" if recorded.resumed_from else
+                 f"--resume auto{' --init_from ' + recorded.init_from if recorded.init_from else ''}")
+        if asks is Asks.OTHER_PATH:  # a directory named by the branch's first step; its metrics go beside its
+            branch = Path(directory) / f"branch_{state['step'] + 1:07d}"  # parent's, in a file of their own
+            own = f"--snapshot_dir {branch}"
         else:
             own = f"{own} NEW_DIR"
         return (f"--snapshot_dir {directory} holds {holds}, and {asked}: one directory holds one run, so this one "
                 f"stops before it reads or writes anything there. To continue that run, rerun it with {again}; to "
                 f"start this one, give it a directory of its own ({own}), or move those files away.")
-
-    def _branch_directory(self, path: str) -> Path:
-        """Where the refusals suggest a branch from the snapshot at `path` should write its snapshots."""
-        step = load_snapshot(path, verify=False)["step"] + 1 if Path(path).exists() else 0
-        return Path(self.snapshot_dir) / f"branch_{step:07d}"
 
     def _own_directory_flag(self) -> str:
         return "--snapshot_dir" if self.run_config.get("snapshot_dir") else "--log_dir"

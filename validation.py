@@ -74,8 +74,9 @@ def validation_loss(model: torch.nn.Module, loader: DistributedDataLoader, steps
             if should_stop():
                 return None
         batch = attempt(loader.next_batch)
-        if batch is None:
-            continue
+        if batch is None:  # this rank's read failed: it still runs the forward, on zeros, since under FSDP the
+            # forward is a collective (its all-gathers) that the other ranks would wait in until the next check
+            batch = (torch.zeros(loader.B, loader.T, dtype=torch.long),) * 2
         x, y = to_device(*batch, device)
         with autocast(device, dtype):
             _, loss = model(x, y)

@@ -2,6 +2,7 @@
 directories, tiny saved models, perturbed weights and free ports. (Launching train_gpt2.py: helpers_train.py.)"""
 
 import errno
+import json
 import os
 import socket
 import subprocess
@@ -42,6 +43,20 @@ def pytest_report_header() -> str | None:
     return None
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under mutmut (docs/reliability.md, "Mutation testing"), the quickest tests first, a module at a time (its
+    fixtures are built once): pytest stops at a mutant's first failing test, so a killed mutant costs the quick
+    tests before its killer, not every slow one mutmut happened to list first."""
+    stats = Path("mutmut-stats.json")  # mutmut runs the tests in mutants/, beside its timings
+    if os.environ.get("MUTANT_UNDER_TEST", "stats") == "stats" or not stats.is_file():
+        return
+    seconds = json.loads(stats.read_text())["duration_by_test"]
+    per_module: dict[str, float] = {}
+    for item in items:
+        per_module[item.module.__name__] = per_module.get(item.module.__name__, 0) + seconds.get(item.nodeid, 0)
+    items.sort(key=lambda item: (per_module[item.module.__name__], seconds.get(item.nodeid, 0)))
+
+
 @pytest.fixture(params=[pytest.param(True, id="bf16_cpu", marks=pytest.mark.slow), pytest.param(False, id="fp32_cpu")])
 def cpu_bf16(request, monkeypatch) -> bool:
     """The test twice, whatever this machine is: as on a CPU with bf16 arithmetic (AVX512-BF16 or AMX: --dtype auto
@@ -68,15 +83,22 @@ def gpt2_encoding(shared_data):
     return tiktoken.get_encoding("gpt2")
 
 
-def make_shards(directory: Path, split: str, sizes: list[int], seed: int = 0, vocab: int = 50257) -> list[np.ndarray]:
-    """Write random-token shards of the given sizes; returns their token arrays (for checking what was read)."""
-    from dataloader import write_shard
+def make_shards(directory: Path, split: str, sizes: list[int], seed: int = 0, vocab: int = 50257,
+                tokenizer: str = "gpt2") -> list[np.ndarray]:
+    """Write random-token shards of the given sizes; returns their token arrays (for checking what was read).
+    tokenizer="bytes" records them as the bytes tokenizer's (vocab ≤ 257): the model is then 257 ids wide, not
+    50,257, and a test's every step and snapshot several times cheaper."""
+    from dataloader import record_shards, write_shard
+    from tokenizer import load_tokenizer
     directory.mkdir(parents=True, exist_ok=True)
+    names = [f"test_{split}_{i:06d}.bin" for i in range(len(sizes))]
+    if tokenizer != "gpt2":  # (GPT-2's shards need no manifest)
+        record_shards(directory, load_tokenizer(tokenizer).spec, names)
     rng = np.random.default_rng(seed)
     arrays = []
-    for i, n in enumerate(sizes):
+    for name, n in zip(names, sizes):
         tokens = rng.integers(0, vocab, size=n, dtype=np.int64)
-        write_shard(directory / f"test_{split}_{i:06d}.bin", tokens)
+        write_shard(directory / name, tokens)
         arrays.append(tokens)
     return arrays
 

@@ -12,8 +12,6 @@ import errno
 import os
 import re
 import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
 from pathlib import Path
 
@@ -24,6 +22,7 @@ from transformers import GPT2Config
 from config import LARGEST_COUNT, TrainConfig, check_flag_ranges, parse_args, set_type
 from conftest import ROOT, make_shards
 from errors import UserError, path_error
+from forked import Command, run_forked
 from helpers_train import TINY_ARGS, TRAIN_SCRIPT, run_train, train_env
 from snapshot import REQUIRED_KEYS
 
@@ -32,16 +31,13 @@ RUN = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "32",
 TRACEBACK = "Traceback (most recent call last)"
 NAME_MAX = os.pathconf("/tmp", "PC_NAME_MAX")  # 255 on ext4, xfs, tmpfs, btrfs
 
-# Imported by every Python the case starts (its directory first on PYTHONPATH): reads of the file $EIO_PATH fail as
-# a failing disk's do, with EIO from read() (opening it succeeds, and the error names no file, as the kernel's).
-# It stands in for the suite's own sitecustomize (tests/cpu_host), so it imports that too.
-EIO_SITECUSTOMIZE = '''
+# Run first by the case's process (forked.Command's prelude): reads of the file $EIO_PATH fail as a failing disk's do,
+# with EIO from read() (opening it succeeds, and the error names no file, as the kernel's).
+EIO_PRELUDE = '''
 import builtins
 import errno
 import io
 import os
-
-import cpu_host  # noqa: F401
 
 FAILING = os.path.realpath(os.environ["EIO_PATH"])
 real_open = io.open
@@ -77,7 +73,7 @@ class SystemCall:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> dict[str, Path]:
     """Shards, a real snapshot, and the paths each case needs: a symlink loop, a regular file, a name one byte longer
-    than the file system allows, a recipe, hostile pickles, the EIO sitecustomize."""
+    than the file system allows, a recipe, hostile pickles, the EIO prelude."""
     root = tmp_path_factory.mktemp("clean_errors")
     make_shards(root / "data", "train", [400])
     make_shards(root / "data", "val", [200], seed=1)
@@ -88,8 +84,7 @@ def world(tmp_path_factory) -> dict[str, Path]:
     (root / "loop" / "b").symlink_to(root / "loop" / "a")
     (root / "a_file").write_text("a regular file\n")
     (root / "recipe.toml").write_text(f"keep_last = {10**30}\n")
-    (root / "eio").mkdir()
-    (root / "eio" / "sitecustomize.py").write_text(EIO_SITECUSTOMIZE)
+    (root / "eio.py").write_text(EIO_PRELUDE)
     marker = root / "the payload ran"
     torch.save({key: SystemCall(marker) if key == "model" else {} for key in REQUIRED_KEYS}, root / "hostile.pt")
     GPT2Config(vocab_size=50257, n_positions=64, n_embd=64, n_layer=2, n_head=2).save_pretrained(root / "hf_hostile")
@@ -97,14 +92,14 @@ def world(tmp_path_factory) -> dict[str, Path]:
                root / "hf_hostile" / "pytorch_model.bin")
     return {"root": root, "data": root / "data", "snapshot": snapshot, "loop": root / "loop" / "a",
             "file": root / "a_file", "long": root / ("x" * (NAME_MAX + 1)), "recipe": root / "recipe.toml",
-            "eio": root / "eio", "marker": marker, "hostile": root / "hostile.pt", "hf_hostile": root / "hf_hostile"}
+            "eio": root / "eio.py", "marker": marker, "hostile": root / "hostile.pt", "hf_hostile": root / "hf_hostile"}
 
 
 def cases(w: dict[str, Path]) -> dict[str, tuple[list[str], dict[str, str] | None, list[str]]]:
     """case: (the command after `python`, environment added, the words its error paragraph must hold)."""
     root, long, loop, snapshot = w["root"], str(w["long"]), str(w["loop"]), str(w["snapshot"])
     too_long = "longer than the file system allows"
-    eio = {"PYTHONPATH": os.pathsep.join([str(w["eio"]), os.environ["PYTHONPATH"]]), "EIO_PATH": snapshot}
+    eio = {"EIO_PATH": snapshot}
     io_error = "the device reported an I/O error"
 
     def train(case: str, *args: str) -> list[str]:
@@ -174,23 +169,17 @@ CASES = list(cases({name: Path(name) for name in ("root", "data", "snapshot", "l
 
 
 @pytest.fixture(scope="module")
-def runs(world) -> dict[str, subprocess.CompletedProcess | BaseException]:
-    """Every case run to its end, a few at a time (each a fresh Python importing torch)."""
-    def launch(command: list[str], env: dict[str, str] | None) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, *command], cwd=ROOT, env=train_env(env), capture_output=True,
-                              text=True, timeout=180)
-
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        futures = {case: pool.submit(launch, command, env) for case, (command, env, _) in cases(world).items()}
-        return {case: future.exception() or future.result() for case, future in futures.items()}
+def runs(world) -> dict[str, subprocess.CompletedProcess]:
+    """Every case run to its end, a few at a time, each a process forked from one that imported torch once."""
+    commands = {case: Command(command, env or {}, prelude=str(world["eio"]) if env else None)
+                for case, (command, env, _) in cases(world).items()}
+    return run_forked(commands, ["train_gpt2", "tools.export_hf", "tools.sample", "tools.evaluate"], train_env())
 
 
-@pytest.mark.slow  # 32 launches of a fresh Python: a minute or two
+@pytest.mark.slow  # 31 processes: half a minute
 @pytest.mark.parametrize("case", CASES)
 def test_a_path_or_number_the_system_refuses_exits_2_with_one_paragraph_naming_it(world, runs, case):
     proc = runs[case]
-    if isinstance(proc, BaseException):
-        raise proc
     output = proc.stdout + proc.stderr
     assert proc.returncode == 2 and TRACEBACK not in output, output[-4000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.distributed.device_mesh import init_device_mesh
 
 from conftest import ROOT, make_shards
 from data import fineweb, prepare
@@ -27,6 +28,7 @@ from dataloader import HEADER_BYTES, DistributedDataLoader, ShardReadError, writ
 from errors import UserError
 from helpers_train import go_on, main_in_process, on_ranks, read_metrics, start_paused, wait_for_pause, wait_train
 from model import GPT, PRESETS
+from parallel import shard
 from snapshot import list_snapshots, snapshot_path
 from validation import VAL_STOP_CHECK_EVERY, validation_loss
 
@@ -162,8 +164,8 @@ def test_a_val_shard_changed_before_or_during_a_validation_is_a_shard_read_error
 
 
 def validate_with_rank_1_failing(rank: int, data: str, fail_at: int) -> list[dict]:
-    """validation_loss on 2 ranks, rank 1's read of batch `fail_at` failing, with 20 batches (a stop check after 16)
-    and with 8: what each rank raised, and how many batches it read."""
+    """validation_loss of an FSDP model on 2 ranks, rank 1's read of batch `fail_at` failing, with 20 batches (a stop
+    check after 16) and with 8: what each rank raised, and how many batches it read."""
     return [validate_failing(rank, data, fail_at, steps) for steps in (VAL_STOP_CHECK_EVERY + 4, 8)]
 
 
@@ -178,8 +180,10 @@ def validate_failing(rank: int, data: str, fail_at: int, steps: int) -> dict:
         return real_next_batch()
 
     loader.next_batch, error = next_batch, None
+    model = GPT(PRESETS["tiny"])
+    shard(model, torch.float32, init_device_mesh("cpu", (2,)))  # FSDP2: every forward is a collective of the ranks
     try:
-        validation_loss(GPT(PRESETS["tiny"]), loader, steps, torch.device("cpu"), torch.float32)
+        validation_loss(model, loader, steps, torch.device("cpu"), torch.float32)
     except ShardReadError as e:
         error = str(e)
     return {"error": error, "reads": len(reads)}

@@ -7,10 +7,7 @@ single-process cases at once, a few at a time, and each test reads its own resul
 
 import json
 import re
-import subprocess
-import sys
 import textwrap
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +19,8 @@ from transformers import GPT2Config
 import evals
 from conftest import ROOT, make_shards
 from dataloader import write_shard
-from helpers_train import TrainRun, run_train, train_env
+from forked import Command, run_forked
+from helpers_train import TINY_ARGS, TrainRun, main_in_process, read_metrics, run_train, train_command, train_env
 
 pytestmark = pytest.mark.slow  # 25 launches of a fresh Python: about a minute
 
@@ -110,31 +108,26 @@ def bad_magic(path: Path) -> None:
         f.write(np.array([1234], dtype="<i4").tobytes())
 
 
-def run_with_a_bug(data: Path, tmp: Path) -> TrainRun:
-    """train_gpt2.main through run_entry_point, in a fresh Python, with resolve_plan replaced by one that raises a
-    KeyError: the kind of exception a bug of ours raises."""
-    script = textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, {str(ROOT)!r})
+def with_a_bug(data: Path, tmp: Path) -> Command:
+    """train_gpt2.main through run_entry_point, with resolve_plan replaced by one that raises a KeyError: the kind of
+    exception a bug of ours raises."""
+    tmp.mkdir(parents=True)
+    (tmp / "with_a_bug.py").write_text(textwrap.dedent(f"""
         import train_gpt2
         from errors import run_entry_point
         def resolve_plan(*args, **kwargs):
             raise KeyError("a bug of ours")
         train_gpt2.resolve_plan = resolve_plan
-        run_entry_point(lambda: train_gpt2.main({[*RUN, "--model", "tiny", "--device", "cpu", "--hellaswag_every",
-                                                  "0", "--sample_every", "0", "--data_dir", str(data), "--log_dir",
+        run_entry_point(lambda: train_gpt2.main({[*TINY_ARGS, *RUN, "--data_dir", str(data), "--log_dir",
                                                   str(tmp / "logs")]!r}))
-    """)
-    tmp.mkdir(parents=True)
-    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp, env=train_env(), capture_output=True, text=True,
-                          timeout=120)
-    return TrainRun(proc, [])
+    """))
+    return Command([str(tmp / "with_a_bug.py")], cwd=str(tmp))
 
 
 @pytest.fixture(scope="module")
-def runs(data, tmp_path_factory) -> dict[str, TrainRun | BaseException]:
-    """Every case of EXPECTED (HellaSwag's only if its cache is empty), plus "bug", each run to its end (or the
-    exception that stopped it)."""
+def runs(data, tmp_path_factory) -> dict[str, TrainRun]:
+    """Every case of EXPECTED (HellaSwag's only if its cache is empty), plus "bug", each run to its end, a few at a
+    time, each a process forked from one that imported torch once (tests/forked.py)."""
     root = tmp_path_factory.mktemp("errors")
     (root / "empty").mkdir()
     (root / "garbage.pt").write_bytes(b"not a torch file\n" * 100)
@@ -182,29 +175,18 @@ def runs(data, tmp_path_factory) -> dict[str, TrainRun | BaseException]:
     if HELLASWAG_CACHED:
         del cases["hellaswag offline"]
 
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        # A real snapshot from a 1-step run, cut in half for "resume truncated snapshot" once it exists.
-        snapshot_run = pool.submit(run_train, good, root / "snapshot_run")
-
-        def resume_from_truncated(args, env):
-            snapshot_run.result()
-            (whole,) = (root / "snapshot_run").glob("snapshot_*.pt")
-            (root / whole.name).write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
-            return run_train(args, root / "resume truncated snapshot", env=env, check=False, timeout=120)
-
-        futures = {
-            case: pool.submit(resume_from_truncated, args, env) if case == "resume truncated snapshot" else
-            pool.submit(run_train, args, root / case, env=env, check=False, timeout=120)
-            for case, (args, env) in cases.items()}
-        futures["bug"] = pool.submit(run_with_a_bug, data, root / "bug")
-        # A run that failed to launch or ran past its timeout fails its own test, not all of them.
-        return {case: future.exception() or future.result() for case, future in futures.items()}
-
-
-def result(runs: dict, case: str) -> TrainRun:
-    if isinstance(runs[case], BaseException):
-        raise runs[case]
-    return runs[case]
+    # A real snapshot from a 1-step run, cut in half for "resume truncated snapshot".
+    main_in_process([*good, "--log_dir", str(root / "snapshot_run")])
+    (whole,) = (root / "snapshot_run").glob("snapshot_*.pt")
+    (root / whole.name).write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    commands = {}
+    for case, (args, env) in cases.items():
+        (root / case).mkdir()
+        commands[case] = Command(train_command([*args, "--log_dir", str(root / case)])[1:], env or {},
+                                 cwd=str(root / case))
+    commands["bug"] = with_a_bug(data, root / "bug")
+    return {case: TrainRun(proc, read_metrics(root / case)) for case, proc in
+            run_forked(commands, ["train_gpt2"], train_env(), timeout=120).items()}
 
 
 def error_paragraph(run: TrainRun) -> str:
@@ -220,7 +202,7 @@ def error_paragraph(run: TrainRun) -> str:
 def test_a_bad_input_exits_2_with_one_paragraph_naming_it_and_the_fix(runs, case):
     if case == "hellaswag offline" and HELLASWAG_CACHED:
         pytest.skip(f"{HELLASWAG_CACHE} is cached, so a run without --eval_dir never downloads it")
-    run = result(runs, case)
+    run = runs[case]
     error = error_paragraph(run)
     missing = [words for words in EXPECTED[case] if words not in error]
     assert not missing, f"{missing} not in: {error}"
@@ -230,13 +212,13 @@ def test_a_bad_input_exits_2_with_one_paragraph_naming_it_and_the_fix(runs, case
 def test_hellaswag_offline_fails_at_start_up_and_leaves_no_cache_file(runs):
     if HELLASWAG_CACHED:
         pytest.skip(f"{HELLASWAG_CACHE} is cached, so a run without --eval_dir never downloads it")
-    run = result(runs, "hellaswag offline")
+    run = runs["hellaswag offline"]
     assert run.proc.returncode == 2 and run.records == []  # before step 0: nothing logged
     assert not HELLASWAG_CACHE.exists() and not list(HELLASWAG_CACHE.parent.glob("*.tmp"))
 
 
 def test_a_bug_keeps_its_traceback(runs):
-    run = result(runs, "bug")
+    run = runs["bug"]
     assert run.proc.returncode == 1, run.output[-4000:]
     assert TRACEBACK in run.proc.stderr and "KeyError: 'a bug of ours'" in run.proc.stderr, run.proc.stderr[-4000:]
     assert "error: " not in run.proc.stderr

@@ -48,8 +48,9 @@ JOB = ["--micro_batch_size", str(B), "--seq_len", str(T), "--total_batch_size", 
 def data(tmp_path_factory) -> Path:
     """One shard of 40,000 tokens: 625 steps, so no test reaches an epoch boundary."""
     directory = tmp_path_factory.mktemp("guards") / "data"
-    make_shards(directory, "train", [40_000], vocab=100)  # a small vocabulary: the loss falls, steps differ
-    make_shards(directory, "val", [500], seed=1, vocab=100)
+    # A small vocabulary: the loss falls, steps differ (and the model is 257 ids wide, its steps quick).
+    make_shards(directory, "train", [40_000], vocab=100, tokenizer="bytes")
+    make_shards(directory, "val", [500], seed=1, vocab=100, tokenizer="bytes")
     return directory
 
 
@@ -288,7 +289,7 @@ def test_a_nan_loss_skips_that_update_and_training_goes_on_as_without_it(data, t
     got = losses(records)
     assert got[5] is None  # NaN is logged as null
     assert {s: v for s, v in got.items() if s != 5} == {s: v for s, v in reference.items() if s != 5}
-    assert got[7] < got[0] - 0.2  # and the run really trained (by 0.24)
+    assert got[7] < got[0] - 0.1  # and the run really trained (by 0.13)
 
 
 @pytest.mark.slow  # over 3 s: keeps `-m 'not slow'` under 90 s

@@ -5,6 +5,7 @@ check the row survey() reads, the column ask() reads for each request, and the c
 train_gpt2.py for real, with faults, on the cases issue 55 found broken.
 """
 
+import errno
 import json
 import os
 import shutil
@@ -15,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import snapshot_store
+import timeline
 from conftest import ROOT, flip_a_byte_in_tensor_data, make_shards, tiny_snapshots
 from errors import UserError
 from helpers_train import read_metrics, run_train, start_train
@@ -109,6 +112,23 @@ def test_the_rows_of_a_directory(tmp_path, parent):
     assert row(d) == Holds.DAMAGED
 
 
+def test_a_timeline_json_this_code_did_not_write_is_refused_naming_it(tmp_path):
+    path = tmp_path / "timeline.json"
+    older = {"run": "abc", "branched_from": [["xyz", 3]], "resumed_from": None}  # older code's: no init_from
+    path.write_text(json.dumps(older))
+    assert read_timeline(tmp_path) == Timeline("abc", [["xyz", 3]], None, None)
+    for other in ("not JSON", json.dumps(older | {"notes": "mine"}), json.dumps(older | {"resumed_from": 5}),
+                  json.dumps(older | {"init_from": ["gpt2"]}), json.dumps({"run": "abc", "branched_from": []}),
+                  *(json.dumps(older | {"branched_from": [pair]}) for pair in (["xyz", "3"], [5, 3], ["xyz", 3, 4]))):
+        path.write_text(other)
+        with pytest.raises(ValueError) as refused:
+            read_timeline(tmp_path)
+        assert str(refused.value) == (
+            f"{path} does not name a timeline as this code writes it (at a run's start, to say which snapshots "
+            "--resume auto continues). Move it away to resume the newest snapshot in the directory, whatever run "
+            "wrote it."), other
+
+
 def test_the_rows_of_timelines_started_without_a_snapshot(tmp_path, parent):
     weights = tmp_path / "weights.pt"
     weights.write_bytes(b"x")
@@ -130,8 +150,9 @@ def test_the_rows_of_timelines_started_without_a_snapshot(tmp_path, parent):
 
 
 def test_the_rows_of_snapshots_without_timeline_json(tmp_path):
-    older = fake_snapshot(tmp_path, 2, None)  # from before timelines
+    older = fake_snapshot(tmp_path, 2, None)  # from before timelines, and flags: its config is {}
     assert row(tmp_path) == Holds.UNRECORDED and survey(tmp_path).newest().path == older
+    assert ask("auto", "scratch", survey(tmp_path)) == Asks.AUTO
     truncate(older)
     assert row(tmp_path) == Holds.UNRECORDED_DAMAGED
 
@@ -153,6 +174,15 @@ def test_the_columns_against_what_the_directory_records(tmp_path, parent):
     # A copy of the newest kept elsewhere is another snapshot: a branch, not a continuation.
     copy = shutil.copy(newest, tmp_path / newest.name)
     assert ask(str(copy), "scratch", survey(d)) == Asks.OTHER_PATH
+    # Without timeline.json: the flags its newest snapshot was written with (a branch's --resume PARENT) say it.
+    copied = tmp_path / "copied"
+    save_snapshot(load_snapshot(newest) | {"config": {"resume": str(parent), "init_from": "scratch"}},
+                  snapshot_path(copied, 5))
+    assert ask(str(parent), "scratch", survey(copied)) == Asks.SAME
+    save_snapshot(load_snapshot(newest) | {"config": {"resume": "auto", "init_from": str(weights)}},
+                  snapshot_path(copied, 6))  # ...or a finetune's --init_from W
+    assert ask("auto", str(weights), survey(copied)) == Asks.SAME
+    assert ask("auto", "gpt2", survey(copied)) == Asks.OTHER_INIT
     e = tmp_path / "finetune"
     record_timeline(e, Timeline(init_from=str(weights.resolve())))
     assert ask("auto", str(weights), survey(e)) == Asks.SAME
@@ -179,6 +209,23 @@ def test_a_damaged_snapshot_is_the_timelines_its_pickle_still_names_file_or_dire
     (d / "snapshot_0000009").mkdir()
     fake_snapshot(tmp_path, 9, mine).rename(d / "snapshot_0000009" / "meta.pt")
     assert row(d) == Holds.DAMAGED and [e.step for e in survey(d).candidates] == [9]
+
+
+def test_a_snapshot_that_does_not_load_is_listed_with_why_a_read_error_with_its_file(tmp_path, monkeypatch):
+    unreadable, cut = fake_snapshot(tmp_path, 2, None), fake_snapshot(tmp_path, 1, None)
+    truncate(cut)
+    load = timeline.load_snapshot
+
+    def eio_for_unreadable(path, verify=True):
+        if path == unreadable:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return load(path, verify)
+
+    monkeypatch.setattr(timeline, "load_snapshot", eio_for_unreadable)
+    with pytest.raises(ValueError) as not_ours:
+        load(cut)
+    assert [e.problem for e in entries(tmp_path)] == [
+        f"{unreadable} (OSError: [Errno {errno.EIO}] {os.strerror(errno.EIO)})", str(not_ours.value)]
 
 
 def test_a_directory_without_timeline_json_takes_its_newest_snapshots_timeline_or_branches_from_an_older_codes(
@@ -288,12 +335,12 @@ def test_a_refusal_names_the_command_that_continues_the_directorys_run(data, tmp
     weights.write_bytes(b"x")
     started, finetune, branch = Timeline(), Timeline(init_from=str(weights.resolve())), \
         Timeline().branch_at(parent, load_snapshot(parent))
-    for name, timeline, again in (("started", started, "--resume auto"),
+    for name, recorded, again in (("started", started, "--resume auto"),
                                   ("finetune", finetune, f"--resume auto --init_from {weights.resolve()}"),
                                   ("branch", branch, f"--resume {parent.resolve()}")):
-        record_timeline(tmp_path / name, timeline)
+        record_timeline(tmp_path / name, recorded)
         assert refusal(snapshots_in(data, tmp_path / name, "never")).startswith(
-            f"--snapshot_dir {tmp_path / name} holds run {timeline.run}, stopped before its first snapshot, and "
+            f"--snapshot_dir {tmp_path / name} holds run {recorded.run}, stopped before its first snapshot, and "
             "--resume never starts a new run: one directory holds one run, so this one stops before it reads or "
             f"writes anything there. To continue that run, rerun it with {again}; to start this one")
 
@@ -319,13 +366,86 @@ def test_a_run_stopped_before_its_first_snapshot_is_refused_naming_its_origin(da
 def test_another_timelines_snapshot_stops_a_run_only_at_a_step_it_would_write(data, tmp_path, capsys):
     run = tmp_path / "run"
     record_timeline(run, Timeline())
-    fake_snapshot(run, 5, Timeline())  # another timeline's, at step 5
+    fake_snapshot(run, 5, Timeline())  # other timelines', at steps 5 and 6
+    fake_snapshot(run, 6, Timeline())
     assert "snapshot_0000005.pt" in refusal(snapshots_in(data, run, "auto", max_steps=6))
     assert not (run / "snapshot_0000000.pt").exists()
     capsys.readouterr()
     assert snapshots_in(data, run, "auto", max_steps=5).resume() == (0, None)  # steps 0-4: not in its way
-    assert f"note: {run} also holds snapshots this run's timeline did not write: snapshot_0000005.pt." in \
+    assert f"note: {run} also holds snapshots this run's timeline did not write: snapshot_0000006.pt, " \
+        "snapshot_0000005.pt. They are left as they are: never resumed by --resume auto, never pruned." in \
         capsys.readouterr().out
+
+
+def test_a_new_run_records_its_origin_before_its_first_step(data, tmp_path):
+    weights = tmp_path / "weights.pt"
+    weights.write_bytes(b"x")
+    for name, init_from, origin in (("finetune", str(weights), str(weights.resolve())), ("fresh", "scratch", None)):
+        run = snapshots_in(data, tmp_path / name, "auto", init_from=init_from)
+        assert run.resume() == (0, None)
+        assert read_timeline(tmp_path / name) == Timeline(run.timeline.run, [], None, origin)
+
+
+def test_a_timeline_whose_every_own_snapshot_fails_its_checksums_is_refused_naming_them(data, tmp_path, written):
+    run = tmp_path / "run"
+    changed = {step: flip_a_byte_in_tensor_data(snapshot_path(run, step)) for step in (3, 2)}
+    refused = refusal(snapshots_in(data, run, "auto"))
+    assert refused.startswith(
+        f"--resume auto: none of the 2 snapshots of this run's timeline in {run} loads: {snapshot_path(run, 3)}: the "
+        f"bytes of its record {changed[3]} changed since it was written")
+    assert refused.endswith("bit flip or a bad copy. Nothing was deleted. Repair or move them away (a copy of a good "
+                            "snapshot elsewhere: --resume PATH), or start over with --resume never in a fresh "
+                            "--log_dir.")
+
+
+def test_keep_last_0_is_refused_saying_what_keeps_the_final_weights(data, tmp_path):
+    tiny = tiny_snapshots(data, tmp_path / "run")
+    with pytest.raises(UserError) as refused:
+        Snapshots(str(tmp_path / "run"), 1, 0, "auto", tiny.trainee, tiny.train_loader, tiny.run_config,
+                  tiny.dist_env, print)
+    assert str(refused.value) == ("--keep_last 0 would delete every snapshot, so nothing could resume. Keep at least 1 "
+                                  "(--snapshot_every 0 leaves only the last step's and a stop's snapshots).")
+
+
+def test_resume_path_and_init_from_together_or_a_missing_path_are_refused_in_words(data, tmp_path, parent):
+    both = snapshots_in(data, tmp_path / "run", str(parent), init_from="gpt2")
+    assert refusal(both) == (
+        f"--resume {parent} and --init_from gpt2 both name the weights to start from. Pass --resume PATH to continue "
+        "or branch from a snapshot with its optimizer and data position, or --init_from to start a new run from "
+        "weights alone, not both.")
+    assert refusal(snapshots_in(data, tmp_path / "run", str(tmp_path / "nowhere.pt"))) == (
+        f"--resume {tmp_path / 'nowhere.pt'}: no such file. Pass the path of a snapshot_* file, 'auto' (the newest "
+        "valid snapshot in --snapshot_dir) or 'never' (start fresh).")
+    assert not (tmp_path / "run").exists()  # refused before it wrote anything
+
+
+def test_a_timeline_json_that_cannot_be_written_stops_the_run_before_its_first_step(data, tmp_path, monkeypatch):
+    def disk_full(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(snapshot_store, "record_timeline", disk_full)
+    assert refusal(snapshots_in(data, tmp_path / "run", "auto")) == (
+        f"{tmp_path / 'run' / 'timeline.json'} could not be written (OSError: [Errno {errno.ENOSPC}] "
+        f"{os.strerror(errno.ENOSPC)}), so this run stops before its first step. Free space, or point --snapshot_dir "
+        "at a directory that can be written.")
+
+
+def test_the_snapshots_in_a_runs_way_are_named_the_first_four_and_a_damaged_ones_run_as_unknown(data, tmp_path):
+    run = tmp_path / "run"
+    first = snapshots_in(data, run, "auto")
+    first.resume()
+    first.save_if_due(1, last_step=9, stopping=False)  # continued from: its steps from 2 on meet the ones below
+    for step in (2, 3, 5, 6, 7):
+        fake_snapshot(run, step, Timeline())  # other timelines'
+    (run / "snapshot_0000004.pt").write_bytes(b"PK\x03\x04" + b"\0" * 26)  # damaged: whose is unknown
+    assert refusal(snapshots_in(data, run, "auto", max_steps=8)) == (
+        f"--snapshot_dir {run} holds snapshots this run did not write, at steps it will write (snapshot_0000002.pt, "
+        "snapshot_0000003.pt, snapshot_0000004.pt (damaged: which run wrote it is unknown), snapshot_0000005.pt, ...): "
+        "another run's, or the later snapshots of the timeline this run branched from. Writing over them would "
+        "destroy them, so this run stops before its first step. Give it a directory of its own (e.g. --snapshot_dir "
+        f"{run / 'branch_0000002'}; the snapshot it resumes from can stay where it is), or move them out of the way.")
+    assert "snapshot_0000005.pt, ...): another" in refusal(snapshots_in(data, run, "auto", max_steps=7))  # 5 of them
+    assert "snapshot_0000005.pt): another" in refusal(snapshots_in(data, run, "auto", max_steps=6))  # 4: no "..."
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -340,8 +460,8 @@ JOB = ["--micro_batch_size", str(B), "--seq_len", str(T), "--total_batch_size", 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("run_directory_data")
-    make_shards(directory, "train", [4000], vocab=100)
-    make_shards(directory, "val", [500], seed=1, vocab=100)
+    make_shards(directory, "train", [4000], vocab=100, tokenizer="bytes")
+    make_shards(directory, "val", [500], seed=1, vocab=100, tokenizer="bytes")
     return directory
 
 

@@ -2,10 +2,12 @@
 naming the holder, and touches nothing there; the lock dies with its holder, however it ends."""
 
 import errno
+import fcntl
 import os
 import re
 import signal
 import socket
+import stat
 import subprocess
 import time
 from collections.abc import Iterator
@@ -29,8 +31,8 @@ HOLDER = r"pid {pid} on host {host}, since \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d"
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     data = tmp_path_factory.mktemp("data")
-    make_shards(data, "train", [600], seed=0)
-    make_shards(data, "val", [200], seed=1)
+    make_shards(data, "train", [600], seed=0, vocab=257, tokenizer="bytes")
+    make_shards(data, "val", [200], seed=1, vocab=257, tokenizer="bytes")
     return data
 
 
@@ -220,9 +222,16 @@ def test_a_directory_that_cannot_be_made_names_what_stands_in_its_way(tmp_path):
         with pytest.raises(UserError, match=re.escape(f"--log_dir {tmp_path / blocker / 'run'} cannot be written "
                                                       f"({tmp_path / blocker} {what}), so the run")):
             run_lock.check_writable(tmp_path / blocker / "run", "--log_dir")
-    # Nothing in the way: the error itself, by its class and words.
-    denied = OSError(errno.EACCES, os.strerror(errno.EACCES))  # (Python makes it a PermissionError)
-    assert run_lock.unwritable_reason(tmp_path / "run", denied) == f"PermissionError: {os.strerror(errno.EACCES)}"
+    # Nothing in the way: the error itself, by its class and words. (Root writes anywhere: the denial is planted.)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "open", failing(errno.EACCES))  # (Python makes it a PermissionError)
+        with pytest.raises(UserError) as refused:
+            run_lock.check_writable(tmp_path / "run", "--log_dir")
+    assert str(refused.value) == (
+        f"--log_dir {tmp_path / 'run'} cannot be written (PermissionError: {os.strerror(errno.EACCES)}), so the run "
+        "would train and lose every snapshot (or metrics.jsonl line) it writes there; it stops before training. Pass "
+        "a --log_dir that this user can write, on a filesystem mounted read-write (or move the file in the way, or "
+        "make the directory writable), then rerun.")
 
 
 def test_a_symlinked_run_lock_is_refused_saying_the_link_is_removed_and_its_target_kept(tmp_path):
@@ -238,15 +247,6 @@ def test_a_symlinked_run_lock_is_refused_saying_the_link_is_removed_and_its_targ
         "pass another --snapshot_dir; then rerun.")
 
 
-def test_a_lock_file_that_cannot_be_opened_names_the_error_and_the_fix(tmp_path):
-    error = OSError(errno.EROFS, os.strerror(errno.EROFS))
-    assert run_lock.unusable_lock(tmp_path / LOCK_FILE, "--log_dir", error) == (
-        f"{tmp_path / LOCK_FILE} could not be opened or locked (OSError: {os.strerror(errno.EROFS)}), so --log_dir "
-        f"{tmp_path} cannot be locked, and an unlocked run could share the directory with a second run that deletes "
-        f"its snapshot files. Make {tmp_path} writable, or remove {tmp_path / LOCK_FILE} if it is in the way, or pass "
-        "another --log_dir; then rerun.")
-
-
 def test_no_flock_names_the_mount_options_that_give_locks_and_the_flag_that_runs_without(tmp_path):
     message = run_lock.no_flock(tmp_path / LOCK_FILE, "--snapshot_dir", OSError(errno.ENOLCK, "No locks available"))
     assert message == (
@@ -254,3 +254,112 @@ def test_no_flock_names_the_mount_options_that_give_locks_and_the_flag_that_runs
         "(OSError: No locks available). Put --snapshot_dir on a filesystem with locks (on Lustre, mount it with the "
         "`flock` option; NFS has them unless mounted `nolock`), or, if you make sure yourself that no second run "
         "writes into that directory, pass --no-run_lock to run without the lock.")
+
+
+EARLIER_HOLDER = "pid 4242 on host node7, since 2025-06-01 10:00:00 UTC\n"
+
+
+def failing(error_number: int):
+    def fail(*args):
+        raise OSError(error_number, os.strerror(error_number))
+    return fail
+
+
+@pytest.mark.parametrize("broken", ["write fails", "short write", "nothing works"])
+def test_a_holder_line_not_written_whole_leaves_no_part_of_a_line_and_the_lock_held(tmp_path, monkeypatch, broken):
+    # A full disk (or an I/O error) while the lock writes its holder's name: the lock is taken all the same, and
+    # run.lock holds no half line (which the next run would refuse as not ours) and not the earlier holder's name.
+    path = tmp_path / LOCK_FILE
+    path.write_text(EARLIER_HOLDER)
+    real_pwrite = os.pwrite
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "pwrite", lambda fd, line, at: real_pwrite(fd, line[:10], at) if broken == "short write"
+                      else failing(errno.ENOSPC)())
+        if broken == "nothing works":  # not even the truncation: the earlier holder's line stays, whole
+            patch.setattr(os, "ftruncate", failing(errno.EIO))
+        lock = lock_directory(tmp_path, "--log_dir")
+    with lock:
+        assert path.read_text() == (EARLIER_HOLDER if broken == "nothing works" else "")
+        with pytest.raises(UserError, match=re.escape("is in use by another run (" + (
+                EARLIER_HOLDER.strip() if broken == "nothing works" else
+                "a process that has not written its name yet") + "; its lock")):
+            lock_directory(tmp_path, "--log_dir")  # (flock: a second open file of this process is refused too)
+    lock_directory(tmp_path, "--log_dir").close()  # and the next run takes it over
+
+
+def test_the_lock_file_is_opened_without_blocking_or_being_inherited_and_readable_by_all(tmp_path):
+    # O_NONBLOCK: a FIFO put in place of run.lock between its check and its open cannot hang the run; close-on-exec:
+    # the processes a run starts (a torch compile worker, a data tool) never hold its lock after it has ended.
+    umask = os.umask(0o022)
+    try:
+        with lock_directory(tmp_path, "--log_dir") as lock:
+            assert fcntl.fcntl(lock.fileno(), fcntl.F_GETFL) & os.O_NONBLOCK
+            assert fcntl.fcntl(lock.fileno(), fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+        assert stat.S_IMODE((tmp_path / LOCK_FILE).stat().st_mode) == 0o644  # whoever can read the directory sees
+    finally:  # who holds it
+        os.umask(umask)
+
+
+@pytest.mark.parametrize("fails, error, flag", [("open", errno.EROFS, "--log_dir"), ("flock", errno.EIO,
+                                                                                      "--snapshot_dir")])
+def test_a_lock_file_that_cannot_be_opened_or_locked_is_refused_naming_it_and_the_error(tmp_path, monkeypatch, fails,
+                                                                                        error, flag):
+    # (flock's errors that mean "no locks on this filesystem" have their own words: the test above)
+    with monkeypatch.context() as patch:
+        patch.setattr(os if fails == "open" else fcntl, fails, failing(error))
+        with pytest.raises(UserError) as refused:
+            lock_directory(tmp_path, flag)
+    assert str(refused.value) == (
+        f"{tmp_path / LOCK_FILE} could not be opened or locked (OSError: {os.strerror(error)}), so {flag} {tmp_path} "
+        "cannot be locked, and an unlocked run could share the directory with a second run that deletes its snapshot "
+        f"files. Make {tmp_path} writable, or remove {tmp_path / LOCK_FILE} if it is in the way, or pass another "
+        f"{flag}; then rerun.")
+
+
+def test_a_hard_link_made_between_the_check_and_the_open_is_refused_by_the_opened_files_own_check(tmp_path,
+                                                                                                  monkeypatch):
+    make_hard_link(tmp_path / LOCK_FILE)
+    before = files(tmp_path)
+    with monkeypatch.context() as patch:  # the check before opening found no run.lock; the link came just after
+        patch.setattr(os, "lstat", failing(errno.ENOENT))
+        with pytest.raises(UserError) as refused:
+            lock_directory(tmp_path, "--snapshot_dir")
+    assert str(refused.value) == (
+        f"{tmp_path / LOCK_FILE} has 2 names (it is hard-linked to another file), and the lock of --snapshot_dir "
+        f"{tmp_path} writes into it, which would change that other file too. Remove {tmp_path / LOCK_FILE} (the other "
+        "name keeps its contents), then rerun.")
+    assert files(tmp_path) == before
+
+
+def test_a_holder_line_that_is_not_utf8_is_still_shown(tmp_path):
+    with lock_directory(tmp_path, "--log_dir") as lock:
+        os.ftruncate(lock.fileno(), 0)
+        os.pwrite(lock.fileno(), b"pid 7 on host n\xe9ud-3\n", 0)  # (a Latin-1 host name)
+        with pytest.raises(UserError) as refused:
+            lock_directory(tmp_path, "--log_dir")
+    assert str(refused.value) == (
+        f"--log_dir {tmp_path} is in use by another run (pid 7 on host n\ufffdud-3; its lock: {tmp_path / LOCK_FILE}). "
+        "Two runs writing into one directory delete each other's snapshot files and mix their metrics.jsonl lines, so "
+        "this run stops before touching it. Wait for that run to end or stop it (a requeued SLURM job can start while "
+        "the old job's processes are still ending), or give this run another --log_dir. The lock goes when the "
+        "process holding it exits, however it ends: after a crash there is nothing to delete.")
+
+
+@pytest.mark.parametrize("length", [60, 61])
+def test_a_foreign_run_lock_is_shown_up_to_60_bytes(tmp_path, length):
+    contents = b"x" * length
+    (tmp_path / LOCK_FILE).write_bytes(contents)
+    with pytest.raises(UserError, match=re.escape(f"holds something this code did not write ({contents[:60]!r}"
+                                                  f"{'...' if length > 60 else ''}): the lock")):
+        lock_directory(tmp_path, "--log_dir")
+
+
+def test_a_directory_to_write_is_made_with_its_parents_and_a_full_disk_only_warns(tmp_path, monkeypatch, capsys):
+    run_lock.check_writable(tmp_path / "a" / "b" / "run", "--log_dir")
+    assert (tmp_path / "a" / "b" / "run").is_dir() and list((tmp_path / "a" / "b" / "run").iterdir()) == []
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "open", failing(errno.ENOSPC))
+        run_lock.check_writable(tmp_path / "a", "--snapshot_dir")
+    assert capsys.readouterr().err == (f"WARNING: --snapshot_dir {tmp_path / 'a'}: the disk is full "
+                                       f"({os.strerror(errno.ENOSPC)}). Training starts; writes there fail until "
+                                       "there is room again.\n")

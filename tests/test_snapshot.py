@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import zipfile
 import zlib
 from pathlib import Path
 
@@ -26,6 +27,9 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 from torch.utils._pytree import tree_leaves
 
+import snapshot
+import snapshot_store
+import timeline
 import tools.evaluate
 import tools.sample
 from conftest import (
@@ -46,13 +50,16 @@ from snapshot import (
     file_crc32,
     list_snapshots,
     load_snapshot,
+    pickle_strings,
     read_model,
     restore_rng_state,
     save_snapshot,
     snapshot_path,
     torch_save,
+    verify_checksums,
+    written_here,
 )
-from snapshot_store import prune_snapshots
+from snapshot_store import newest_healthy_snapshot, prune_snapshots
 from timeline import TIMELINE_FILE, Timeline, find_latest_snapshot, read_timeline
 
 TIMELINE = Timeline("snapshottests", [])  # the fake snapshots' timeline
@@ -68,6 +75,13 @@ def fake_snapshot(step: int) -> dict:
     state.update(model=model.state_dict(), step=step, rng=[capture_rng_state(CPU)], wandb_id="abc123",
                  timeline={"run": TIMELINE.run, "branched_from": []})
     return state
+
+
+def save_fake_sharded_snapshot(path: Path, step: int, **changes) -> None:
+    """fake_snapshot(step) (with `changes`) as a directory snapshot, as one process writes it."""
+    model = torch.nn.Linear(4, 4)
+    meta = {k: v for k, v in fake_snapshot(step).items() if k not in ("model", "optimizer")} | changes
+    snapshot.save_sharded_snapshot(meta, model, [torch.optim.AdamW(model.parameters())], path, CPU)
 
 
 def test_snapshot_round_trips_through_weights_only_loading(tmp_path):
@@ -183,7 +197,7 @@ def test_a_write_error_inside_torch_save_surfaces_as_the_oserror_behind_it(tmp_p
 
 @pytest.fixture
 def data(tmp_path) -> Path:
-    make_shards(tmp_path / "data", "train", [2000], vocab=100)
+    make_shards(tmp_path / "data", "train", [2000], vocab=100, tokenizer="bytes")
     return tmp_path / "data"
 
 
@@ -192,12 +206,15 @@ def test_a_failed_write_is_not_reported_as_written_and_a_stop_at_that_step_write
     writes, messages = eio_the_first_time(monkeypatch), []
     snapshots = tiny_snapshots(data, tmp_path / "run", messages.append, every=5)
     assert snapshots.save_if_due(4, last_step=9, stopping=False) is None  # due, and failed: training goes on
-    assert "WARNING: the snapshot of step 4 could not be written" in capsys.readouterr().err
+    assert f"WARNING: the snapshot of step 4 could not be written to {tmp_path / 'run'} (OSError: [Errno 5] " \
+        "Input/output error; " in capsys.readouterr().err
     assert messages == [] and list_snapshots(tmp_path / "run") == []
     # A SIGTERM during the evaluation before step 5: the stop's snapshot is of step 4 again, and this time written.
     path = snapshots.save_if_due(4, last_step=9, stopping=True)
     assert path == snapshot_path(tmp_path / "run", 4) and list_snapshots(tmp_path / "run") == [path]
     assert writes == [4, 4] and messages == [f"snapshot written: {path}"]
+    # Another stop at that step (during the next evaluation): nothing trained since, nothing written again.
+    assert snapshots.save_if_due(4, last_step=9, stopping=True) is None and writes == [4, 4]
 
 
 @pytest.mark.parametrize("step, stopping", [(9, False), (2, True)])  # the run's last step; a stop on SIGTERM
@@ -278,7 +295,7 @@ def fsdp_run(tmp_path_factory) -> Path:
     """A real --parallel fsdp run of 3 steps on one process (a process group of one): its data in data/, and in run/
     its directory snapshots of steps 0, 1 and 2 and its metrics.jsonl."""
     root = tmp_path_factory.mktemp("fsdp_snapshots")
-    make_shards(root / "data", "train", [4000], vocab=100)
+    make_shards(root / "data", "train", [4000], vocab=100)  # (GPT-2's: the model files saved beside it are its)
     make_shards(root / "data", "val", [500], seed=1, vocab=100)
     main_in_process([*JOB, "--data_dir", str(root / "data"), "--parallel", "fsdp", "--log_dir", str(root / "run")])
     return root
@@ -624,10 +641,6 @@ def test_a_rollback_deletes_the_abandoned_snapshots_it_wrote_and_not_a_symlink_a
 
 def test_a_sharded_snapshot_clears_a_dead_runs_temp_directory_renames_into_place_and_fsyncs_the_directory(
         tmp_path, monkeypatch):
-    import snapshot
-    model = torch.nn.Linear(4, 4)
-    optimizer = torch.optim.AdamW(model.parameters())
-    meta = {k: v for k, v in fake_snapshot(2).items() if k not in ("model", "optimizer")}
     path = snapshot_path(tmp_path, 2, sharded=True)
     dead = tmp_path / "snapshot_0000002.tmp"  # what a run killed mid-write of this step left
     dead.mkdir()
@@ -635,13 +648,13 @@ def test_a_sharded_snapshot_clears_a_dead_runs_temp_directory_renames_into_place
     (dead / "__1_0.distcp").write_bytes(b"\0" * 100)  # a rank this run does not have
     synced = []
     monkeypatch.setattr(snapshot, "fsync_directory", lambda d: synced.append((Path(d), sorted(os.listdir(d)))))
-    snapshot.save_sharded_snapshot(meta, model, [optimizer], path, CPU)
+    save_fake_sharded_snapshot(path, 2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["snapshot_0000002"]
     assert sorted(p.name for p in path.iterdir()) == [".metadata", "__0_0.distcp", "meta.pt"]
     assert synced == [(tmp_path, ["snapshot_0000002"])]  # the directory, once the new name is in it
     assert load_snapshot(path)["step"] == 2
     # The same step again (a run restarted before its next snapshot): the old one replaced, checksums and all.
-    snapshot.save_sharded_snapshot(meta | {"wandb_id": "again"}, model, [optimizer], path, CPU)
+    save_fake_sharded_snapshot(path, 2, wandb_id="again")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["snapshot_0000002"]
     assert load_snapshot(path)["wandb_id"] == "again"
     shard = path / "__0_0.distcp"
@@ -651,30 +664,24 @@ def test_a_sharded_snapshot_clears_a_dead_runs_temp_directory_renames_into_place
 
 
 def test_a_sharded_snapshot_never_writes_over_a_directory_this_code_did_not_write(tmp_path):
-    import snapshot
-    model = torch.nn.Linear(4, 4)
-    meta = {k: v for k, v in fake_snapshot(3).items() if k not in ("model", "optimizer")}
     theirs = snapshot_path(tmp_path, 3, sharded=True)
     theirs.mkdir()
     (theirs / "photo.jpg").write_bytes(b"\xff\xd8 a photo")
-    with pytest.raises(FileExistsError, match="snapshot_0000003 is in the way of a snapshot"):
-        snapshot.save_sharded_snapshot(meta, model, [torch.optim.AdamW(model.parameters())], theirs, CPU)
+    with pytest.raises(FileExistsError) as refused:
+        save_fake_sharded_snapshot(theirs, 3)
+    assert str(refused.value) == (f"{theirs} is in the way of a snapshot and was not written by this code, so it is "
+                                  "left as it is: move it out of --snapshot_dir")
     assert files_under(tmp_path) == {"snapshot_0000003/photo.jpg": b"\xff\xd8 a photo"}
 
 
 @pytest.mark.parametrize("fails", ["dcp.save", "file_crc32"])  # before the temp directory exists; once it holds shards
 def test_a_sharded_snapshot_whose_write_fails_raises_that_error_and_leaves_nothing(tmp_path, monkeypatch, fails):
-    import snapshot
-
     def eio(*args, **kwargs):
         raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(snapshot.dcp if fails == "dcp.save" else snapshot, fails.split(".")[-1], eio)
-    model = torch.nn.Linear(4, 4)
-    meta = {k: v for k, v in fake_snapshot(2).items() if k not in ("model", "optimizer")}
     with pytest.raises(OSError, match=r"^\[Errno 5\] Input/output error$"):
-        snapshot.save_sharded_snapshot(meta, model, [torch.optim.AdamW(model.parameters())],
-                                       snapshot_path(tmp_path, 2, sharded=True), CPU)
+        save_fake_sharded_snapshot(snapshot_path(tmp_path, 2, sharded=True), 2)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -692,7 +699,6 @@ def test_a_shard_checksum_is_zlibs_crc32_of_the_files_bytes(tmp_path):
 
 
 def test_a_snapshot_that_cannot_be_deleted_is_a_warning_naming_it(tmp_path, monkeypatch, capsys):
-    import snapshot_store
 
     def busy(path):
         raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(path))
@@ -702,3 +708,119 @@ def test_a_snapshot_that_cannot_be_deleted_is_a_warning_naming_it(tmp_path, monk
     assert capsys.readouterr().err == (f"WARNING: could not delete {snapshot_path(tmp_path, 1)} (OSError: "
                                        f"{os.strerror(errno.EBUSY)}); it is left as it is, and training goes on. "
                                        "Delete it yourself once it can be.\n")
+
+
+def test_a_directory_snapshot_whose_shard_changed_is_skipped_by_a_resume_and_by_a_rollback(tmp_path, capsys):
+    save_snapshot(fake_snapshot(1), snapshot_path(tmp_path, 1))
+    newest = snapshot_path(tmp_path, 2, sharded=True)
+    save_fake_sharded_snapshot(newest, 2)
+    shard = newest / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-1] + bytes([shard.read_bytes()[-1] ^ 1]))  # its meta.pt as it was
+    assert find_latest_snapshot(tmp_path)[0] == snapshot_path(tmp_path, 1)
+    assert f"WARNING: skipping snapshot: {shard} is missing or its bytes changed since it was written (CRC-32 " \
+        "mismatch): a bit flip or a bad copy. Trying the next older one." in capsys.readouterr().err
+    assert newest_healthy_snapshot(tmp_path, TIMELINE) == snapshot_path(tmp_path, 1)
+    verify_checksums(newest, {"step": 2})  # (a directory snapshot from before shard checksums: its meta.pt alone)
+
+
+def test_a_file_that_is_no_zip_container_fails_its_checksums_naming_it(tmp_path):
+    garbage(tmp_path / "snapshot_0000001.pt")
+    with pytest.raises(ValueError) as refused:
+        verify_checksums(tmp_path / "snapshot_0000001.pt")
+    assert str(refused.value) == (f"{tmp_path / 'snapshot_0000001.pt'} could not be read as a snapshot (BadZipFile: "
+                                  "File is not a zip file); it is truncated, corrupt or not a torch file.")
+
+
+def test_each_snapshot_a_resume_skips_is_named_with_why_and_a_read_error_with_its_error(tmp_path, monkeypatch,
+                                                                                        capsys):
+    for step in (1, 2, 3):
+        save_snapshot(fake_snapshot(step), snapshot_path(tmp_path, step))
+    changed = {step: flip_a_byte_in_tensor_data(snapshot_path(tmp_path, step)) for step in (3,)}
+    unreadable, verify = snapshot_path(tmp_path, 2), timeline.verify_checksums
+
+    def eio_for_unreadable(path, state=None):
+        if path == unreadable:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        verify(path, state)
+
+    monkeypatch.setattr(timeline, "verify_checksums", eio_for_unreadable)
+    assert find_latest_snapshot(tmp_path)[0] == snapshot_path(tmp_path, 1)
+
+    def flipped(step: int) -> str:
+        return (f"{snapshot_path(tmp_path, step)}: the bytes of its record {changed[step]} changed since it was "
+                "written (CRC-32 mismatch): a bit flip or a bad copy.")
+
+    read_error = f"{unreadable} (OSError: [Errno {errno.EIO}] {os.strerror(errno.EIO)})"
+    assert capsys.readouterr().err.splitlines() == [f"WARNING: skipping snapshot: {problem} Trying the next older one."
+                                                    for problem in (flipped(3), read_error)]
+    changed[1] = flip_a_byte_in_tensor_data(snapshot_path(tmp_path, 1))
+    with pytest.raises(ValueError) as none_loads:
+        find_latest_snapshot(tmp_path)
+    assert str(none_loads.value) == (f"none of the 3 snapshots in {tmp_path} loads: {flipped(3)} {read_error} "
+                                     f"{flipped(1)}")
+
+
+def test_removing_a_file_someone_deleted_first_is_no_error(tmp_path):
+    snapshot.remove(snapshot_path(tmp_path, 1))  # (a prune that another process, or the user, got to first)
+
+
+def test_a_torch_files_pickle_strings_are_read_in_order_and_only_from_a_whole_stored_pickle(tmp_path):
+    path = tmp_path / "snapshot.pt"
+    torch.save({"run": "abc", "again": "abc", "n": 3, "timeline": {"run": "abc", "x": [1, "yz"]}}, path)
+    # Each string where it stands, one met again (a memo GET) too: no unpickling, so nothing runs.
+    assert pickle_strings(path) == ["run", "abc", "again", "abc", "n", "timeline", "run", "abc", "x", "yz"]
+    whole = path.read_bytes()
+    path.write_bytes(whole[:120])  # cut short inside the pickle: nothing proven
+    assert pickle_strings(path) is None
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:  # a pickle, but compressed (torch never is)
+        archive.writestr("archive/data.pkl", pickle.dumps({"run": "abc"}))
+    assert pickle_strings(path) is None
+    with zipfile.ZipFile(path, "w") as archive:  # stored, but not first
+        archive.writestr("archive/version", "3")
+        archive.writestr("archive/data.pkl", pickle.dumps({"run": "abc"}))
+    assert pickle_strings(path) is None
+    many = [f"s{i}" for i in range(300)]  # past 256 memo entries: LONG_BINPUT and LONG_BINGET
+    for protocol, obj, strings in ((0, {"run": "abc", "again": "abc"}, ["run", "abc", "again", "abc"]),  # PUT, GET
+                                   (2, many + [many[-1]], many + ["s299"]),
+                                   (4, {"run": "abc", "again": "abc"}, ["run", "abc", "again", "abc"])):  # MEMOIZE
+        with zipfile.ZipFile(path, "w") as archive:
+            archive.writestr("archive/data.pkl", pickle.dumps(obj, protocol=protocol))
+        assert pickle_strings(path) == strings, protocol
+    path.write_bytes(b"PK\x03\x05" + path.read_bytes()[4:])  # no zip record's signature
+    assert pickle_strings(path) is None
+    garbage(path)
+    assert pickle_strings(path) is None and pickle_strings(tmp_path / "missing.pt") is None
+
+
+def test_pruning_with_nothing_to_delete_reads_no_snapshot_through(tmp_path, monkeypatch):
+    # Its health check reads a snapshot whole (checksums): gigabytes at every snapshot for nothing, were it run.
+    for step in (1, 2):
+        save_snapshot(fake_snapshot(step), snapshot_path(tmp_path, step))
+    monkeypatch.setattr(snapshot_store, "verify_checksums", lambda *args: pytest.fail("a snapshot was read through"))
+    prune_snapshots(tmp_path, keep_last=2, timeline=TIMELINE)
+    assert list_snapshots(tmp_path) == [snapshot_path(tmp_path, 2), snapshot_path(tmp_path, 1)]
+
+
+def test_a_file_or_directory_named_as_a_directory_snapshot_is_ours_only_with_our_meta_pt(tmp_path):
+    (tmp_path / "snapshot_0000005").write_bytes(b"a file, named as an fsdp snapshot's directory")
+    no_meta = tmp_path / "snapshot_0000007"  # shards alone: no meta.pt says a run of ours wrote them
+    no_meta.mkdir()
+    (no_meta / "__0_0.distcp").write_bytes(b"shards?")
+    not_our_meta = tmp_path / "snapshot_0000008.tmp"  # a temp directory whose meta.pt is someone else's
+    not_our_meta.mkdir()
+    torch.save({"epoch": 3}, not_our_meta / "meta.pt")
+    assert [written_here(p) for p in (tmp_path / "snapshot_0000005", no_meta, not_our_meta)] == [False] * 3
+
+
+def test_a_snapshot_file_without_a_key_or_with_a_key_of_another_type_is_refused_naming_it(tmp_path):
+    no_model, step_as_text = fake_snapshot(3), fake_snapshot(3) | {"step": "3"}
+    del no_model["model"]  # (what only a directory snapshot's meta.pt may lack: its shards hold the weights)
+    for name, state in (("no_model.pt", no_model), ("step_as_text.pt", step_as_text)):
+        save_snapshot(state, tmp_path / name)
+    with pytest.raises(ValueError) as refused:
+        load_snapshot(tmp_path / "no_model.pt")
+    assert str(refused.value) == (f"{tmp_path / 'no_model.pt'} is not a training snapshot of this codebase "
+                                  "(missing ['model']).")
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'step_as_text.pt'} is not a snapshot this code "
+                                                   "wrote: step is a str, where")):
+        load_snapshot(tmp_path / "step_as_text.pt")

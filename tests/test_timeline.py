@@ -29,8 +29,8 @@ JOB = ["--micro_batch_size", str(B), "--seq_len", str(T), "--total_batch_size", 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("timeline_data")
-    make_shards(directory, "train", [4000], vocab=100)
-    make_shards(directory, "val", [500], seed=1, vocab=100)
+    make_shards(directory, "train", [4000], vocab=100, tokenizer="bytes")
+    make_shards(directory, "val", [500], seed=1, vocab=100, tokenizer="bytes")
     return directory
 
 
