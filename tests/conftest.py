@@ -168,6 +168,13 @@ def tiny_snapshots(data: Path, snapshot_dir: Path, log=print, guard=None, every:
                      stateful)
 
 
+def failing(error_number: int):
+    """A stand-in for a system call (os.open, fcntl.flock, ...) that fails with error_number, as the kernel's does."""
+    def fail(*args, **kwargs):
+        raise OSError(error_number, os.strerror(error_number))
+    return fail
+
+
 def eio_the_first_time(monkeypatch) -> list[int]:
     """snapshot.torch_save failing with EIO (half a file written) the first time; returns the steps it was given."""
     import snapshot

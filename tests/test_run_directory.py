@@ -18,7 +18,7 @@ import torch
 
 import snapshot_store
 import timeline
-from conftest import ROOT, flip_a_byte_in_tensor_data, make_shards, tiny_snapshots
+from conftest import ROOT, failing, flip_a_byte_in_tensor_data, make_shards, tiny_snapshots
 from errors import UserError
 from helpers_train import read_metrics, run_train, start_train
 from snapshot import REQUIRED_KEYS, list_snapshots, load_snapshot, save_snapshot, snapshot_path
@@ -420,10 +420,7 @@ def test_resume_path_and_init_from_together_or_a_missing_path_are_refused_in_wor
 
 
 def test_a_timeline_json_that_cannot_be_written_stops_the_run_before_its_first_step(data, tmp_path, monkeypatch):
-    def disk_full(*args):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    monkeypatch.setattr(snapshot_store, "record_timeline", disk_full)
+    monkeypatch.setattr(snapshot_store, "record_timeline", failing(errno.ENOSPC))
     assert refusal(snapshots_in(data, tmp_path / "run", "auto")) == (
         f"{tmp_path / 'run' / 'timeline.json'} could not be written (OSError: [Errno {errno.ENOSPC}] "
         f"{os.strerror(errno.ENOSPC)}), so this run stops before its first step. Free space, or point --snapshot_dir "

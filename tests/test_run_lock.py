@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import run_lock
-from conftest import make_shards
+from conftest import failing, make_shards
 from errors import UserError
 from helpers_train import main_in_process, read_metrics, records_so_far, run_train, start_train
 from run_lock import LOCK_FILE, lock_directory
@@ -26,6 +26,7 @@ from snapshot import list_snapshots
 JOB = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "64", "--warmup_steps", "1",
        "--val_every", "0", "--dtype", "fp32"]
 HOLDER = r"pid {pid} on host {host}, since \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d"
+EARLIER_HOLDER = "pid 4242 on host node7, since 2025-06-01 10:00:00 UTC\n"  # a run.lock an earlier run left
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +137,7 @@ def test_a_run_lock_this_code_did_not_create_is_refused_and_left_as_it_is(data, 
 
 
 def test_a_run_lock_left_by_an_earlier_run_is_taken_over(data, tmp_path):
-    (tmp_path / LOCK_FILE).write_text("pid 4242 on host node7, since 2025-06-01 10:00:00 UTC\n")
+    (tmp_path / LOCK_FILE).write_text(EARLIER_HOLDER)
     main_in_process([*JOB, "--data_dir", str(data), "--max_steps", "1", "--log_dir", str(tmp_path)])
     assert re.fullmatch(HOLDER.format(pid=os.getpid(), host=re.escape(socket.gethostname())) + r" \S+\n",
                         (tmp_path / LOCK_FILE).read_text())
@@ -254,15 +255,6 @@ def test_no_flock_names_the_mount_options_that_give_locks_and_the_flag_that_runs
         "(OSError: No locks available). Put --snapshot_dir on a filesystem with locks (on Lustre, mount it with the "
         "`flock` option; NFS has them unless mounted `nolock`), or, if you make sure yourself that no second run "
         "writes into that directory, pass --no-run_lock to run without the lock.")
-
-
-EARLIER_HOLDER = "pid 4242 on host node7, since 2025-06-01 10:00:00 UTC\n"
-
-
-def failing(error_number: int):
-    def fail(*args):
-        raise OSError(error_number, os.strerror(error_number))
-    return fail
 
 
 @pytest.mark.parametrize("broken", ["write fails", "short write", "nothing works"])

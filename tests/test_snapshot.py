@@ -35,6 +35,7 @@ import tools.sample
 from conftest import (
     ROOT,
     eio_the_first_time,
+    failing,
     flip_a_byte_in_tensor_data,
     make_shards,
     save_tiny_model,
@@ -676,10 +677,7 @@ def test_a_sharded_snapshot_never_writes_over_a_directory_this_code_did_not_writ
 
 @pytest.mark.parametrize("fails", ["dcp.save", "file_crc32"])  # before the temp directory exists; once it holds shards
 def test_a_sharded_snapshot_whose_write_fails_raises_that_error_and_leaves_nothing(tmp_path, monkeypatch, fails):
-    def eio(*args, **kwargs):
-        raise OSError(errno.EIO, "Input/output error")
-
-    monkeypatch.setattr(snapshot.dcp if fails == "dcp.save" else snapshot, fails.split(".")[-1], eio)
+    monkeypatch.setattr(snapshot.dcp if fails == "dcp.save" else snapshot, fails.split(".")[-1], failing(errno.EIO))
     with pytest.raises(OSError, match=r"^\[Errno 5\] Input/output error$"):
         save_fake_sharded_snapshot(snapshot_path(tmp_path, 2, sharded=True), 2)
     assert list(tmp_path.iterdir()) == []
