@@ -53,10 +53,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from errors import UserError
-from files import atomic_write
-from parsing import PARSE_ERRORS, parse_problem
-from tokenizer import TokenizerSpec, gpt2_spec
+from training.errors import UserError
+from training.files import atomic_write
+from training.parsing import PARSE_ERRORS, parse_problem
+from training.tokenizer import TokenizerSpec, gpt2_spec
 
 MAGIC = 20240520
 VERSION = 1

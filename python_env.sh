@@ -28,7 +28,7 @@ if missing:
           f"(the versions tested are in {requirements}), or leave USE_CURRENT_PYTHON out to install everything into "
           ".venv.", file=sys.stderr)
     sys.exit(2)
-import errors  # noqa: E402,F401  (on import: exits 2 naming the version needed if torch is older than 2.11)
+import training.errors  # noqa: E402,F401  (on import: exits 2 naming the version needed if torch is older than 2.11)
 PY
   echo "USE_CURRENT_PYTHON=1: $PYTHON (torch $("$PYTHON" -c 'import torch; print(torch.__version__)')), no venv"
 }

@@ -23,26 +23,26 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import evals
-import hf
-from config import HF_MODELS, Plan, TrainConfig, parse_args, resolve_plan, row_length
 from dataloader import DistributedDataLoader, ShardReadError
-from distributed import Distributed, hangs_reported, setup_distributed, synchronize, teardown_distributed
-from divergence import DivergenceGuard, DivergenceResponse, StopRequest
-from errors import UserError, run_entry_point
-from memory import choose_micro_batch, keep_freed_memory
-from mfu import Peak, peak_flops
+from evaluation import tasks as evals
+from evaluation.validation import validation_loss
 from model import GPT
-from optim import get_lr, get_muon_momentum, schedule_change
-from parallel import TrainingModel, build_training_model
-from precision import dtype_name, pick_dtype, set_deterministic
-from run_lock import lock_run_directories
-from run_logger import RunLogger
-from snapshot import read_model
-from snapshot_store import Snapshots
-from tokenizer import Tokenizer, generate_text, tokenizer_from_spec
-from training import StepResult, train_step
-from validation import validation_loss
+from rundir.lock import lock_run_directories
+from rundir.snapshot import read_model
+from rundir.store import Snapshots
+from training import hf
+from training.config import HF_MODELS, Plan, TrainConfig, parse_args, resolve_plan, row_length
+from training.distributed import Distributed, hangs_reported, setup_distributed, synchronize, teardown_distributed
+from training.divergence import DivergenceGuard, DivergenceResponse, StopRequest
+from training.errors import UserError, run_entry_point
+from training.memory import choose_micro_batch, keep_freed_memory
+from training.mfu import Peak, peak_flops
+from training.optim import get_lr, get_muon_momentum, schedule_change
+from training.parallel import TrainingModel, build_training_model
+from training.precision import dtype_name, pick_dtype, set_deterministic
+from training.run_logger import RunLogger
+from training.step import StepResult, train_step
+from training.tokenizer import Tokenizer, generate_text, tokenizer_from_spec
 
 
 def main(argv: list[str] | None = None) -> None:

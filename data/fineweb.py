@@ -45,8 +45,8 @@ from data.tokenize_shards import (
     write_progress,
 )
 from dataloader import read_shard_header, record_shards
-from errors import UserError, run_entry_point
-from tokenizer import load_tokenizer
+from training.errors import UserError, run_entry_point
+from training.tokenizer import load_tokenizer
 
 DATASETS = {"edu": ("HuggingFaceFW/fineweb-edu", "fineweb_edu"), "classic": ("HuggingFaceFW/fineweb", "fineweb")}
 DATA_DIR = Path(__file__).resolve().parent

@@ -47,9 +47,9 @@ from data.tokenize_shards import (
     write_progress,
 )
 from dataloader import record_shards
-from errors import UserError, run_entry_point
-from files import atomic_write
-from tokenizer import load_tokenizer
+from training.errors import UserError, run_entry_point
+from training.files import atomic_write
+from training.tokenizer import load_tokenizer
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 DATA_DIR = Path(__file__).resolve().parent

@@ -23,10 +23,10 @@ import numpy as np
 from tqdm import tqdm
 
 from dataloader import record_shards, shard_names, write_shard
-from errors import UserError
-from files import atomic_write
-from parsing import PARSE_ERRORS, parse_problem
-from tokenizer import Tokenizer, TokenizerSpec, gpt2_spec, tokenizer_from_spec
+from training.errors import UserError
+from training.files import atomic_write
+from training.parsing import PARSE_ERRORS, parse_problem
+from training.tokenizer import Tokenizer, TokenizerSpec, gpt2_spec, tokenizer_from_spec
 
 worker_tokenizer: Tokenizer | None = None  # a pool worker's, built once from its spec (start_worker)
 

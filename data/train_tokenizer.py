@@ -25,9 +25,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 
 from data.tokenize_shards import check_input_files, check_output_dir, is_jsonl, read_documents, split_val
-from errors import UserError, run_entry_point
-from files import atomic_write
-from tokenizer import EOT_TEXT, load_tokenizer
+from training.errors import UserError, run_entry_point
+from training.files import atomic_write
+from training.tokenizer import EOT_TEXT, load_tokenizer
 
 MIN_VOCAB = 257  # the 256 byte values and <|endoftext|>
 

@@ -8,9 +8,9 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from config import parse_short_rows
 from dev.curves import steps_to_reach
-from metrics_log import read_metrics
+from training.config import parse_short_rows
+from training.metrics_log import read_metrics
 
 ROOT = Path(os.environ.get("SWEEP_ROOT", "logs/arch_sweep"))
 STEPS = 245  # × 8,192 tokens = 2,007,040

@@ -13,12 +13,12 @@ import argparse
 import tempfile
 import time
 
-import evals
-from config import TrainConfig
-from distributed import setup_distributed
+from evaluation import tasks as evals
 from model import GPT, PRESETS
-from precision import dtype_name, pick_dtype
-from tools.bench_step import make_workload, time_config, write_random_shard
+from tools.bench.step import make_workload, time_config, write_random_shard
+from training.config import TrainConfig
+from training.distributed import setup_distributed
+from training.precision import dtype_name, pick_dtype
 
 
 def main() -> None:

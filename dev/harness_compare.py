@@ -20,8 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import evals
-import hf
+from evaluation import tasks as evals
+from training import hf
 
 
 def task_files(eval_dirs: list[Path], hellaswag_path: Path | None) -> dict[str, Path]:

@@ -9,9 +9,9 @@ import argparse
 
 import torch
 
-from distributed import setup_distributed
-from tools.bench_loss import time_loss
-from tools.bench_step import make_workload
+from tools.bench.loss import time_loss
+from tools.bench.step import make_workload
+from training.distributed import setup_distributed
 
 
 def main() -> None:

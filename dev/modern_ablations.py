@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import model
-import optim
+from training import optim
 
 TRAIN_SCRIPT = str(Path(__file__).resolve().parent.parent / "train_gpt2.py")
 

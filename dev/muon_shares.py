@@ -21,11 +21,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-import optim
-from config import TrainConfig
-from distributed import setup_distributed, synchronize, teardown_distributed
 from model import GPT, PRESETS, GPTConfig
-from parallel import shard
+from training import optim
+from training.config import TrainConfig
+from training.distributed import setup_distributed, synchronize, teardown_distributed
+from training.parallel import shard
 
 VARIANTS = {"every rank all matrices (ddp)": ("ddp", False),
             "each rank its share (ddp)": ("ddp", True),

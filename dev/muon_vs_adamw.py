@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from dev.curves import steps_to_reach
-from metrics_log import read_metrics
+from training.metrics_log import read_metrics
 
 ROOT = Path(os.environ.get("SWEEP_ROOT", "logs/sweep"))
 STEPS = {"small": 120, "narrow6": 120}

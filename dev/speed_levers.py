@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import optim
 from model import GPT, PRESETS
-from tools.bench_step import time_ms
+from tools.bench.step import time_ms
+from training import optim
 
 NS_ARGS = ((3.4445, -4.7750, 2.0315), 5, 1e-7)  # torch.optim.Muon's coefficients, steps and eps
 

@@ -14,10 +14,10 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from distributed import synchronize
 from model import GPT, PRESETS, with_arch
-from precision import autocast
-from tools.bench_step import time_ms
+from tools.bench.step import time_ms
+from training.distributed import synchronize
+from training.precision import autocast
 
 
 def timed_and_profiled_micro_step(arch: str, args: argparse.Namespace) -> tuple[float, profile]:

@@ -25,8 +25,8 @@ import numpy as np
 from data.tokenize_shards import PROGRESS, read_progress
 from dataloader import Shard, find_shards, read_data_tokenizer, read_shard_layout
 from dev.tokenizer_compare import SHARED_ENWIKI
-from metrics_log import read_metrics
-from validation import token_byte_lengths
+from evaluation.validation import token_byte_lengths
+from training.metrics_log import read_metrics
 
 BPE_DIR = Path("tokenizers/enwiki32k")
 RUNS = {"gpt2": Path("data/enwiki"), str(BPE_DIR): Path("data/enwiki32k")}  # --tokenizer: its shards

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from data.tokenize_shards import jsonl_texts
 from data.train_tokenizer import train_bpe
-from tokenizer import HFTokenizer, Tokenizer, load_tokenizer
+from training.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 
 SHARED_ENWIKI = Path(__file__).resolve().parents[2] / "shared" / "data" / "enwiki"
 

@@ -89,7 +89,7 @@ def make_shards(directory: Path, split: str, sizes: list[int], seed: int = 0, vo
     tokenizer="bytes" records them as the bytes tokenizer's (vocab ≤ 257): the model is then 257 ids wide, not
     50,257, and a test's every step and snapshot several times cheaper."""
     from dataloader import record_shards, write_shard
-    from tokenizer import load_tokenizer
+    from training.tokenizer import load_tokenizer
     directory.mkdir(parents=True, exist_ok=True)
     names = [f"test_{split}_{i:06d}.bin" for i in range(len(sizes))]
     if tokenizer != "gpt2":  # (GPT-2's shards need no manifest)
@@ -151,12 +151,12 @@ def save_tiny_model(path: Path, block_size: int = 64, perturb: float = 0.0, arch
 def tiny_snapshots(data: Path, snapshot_dir: Path, log=print, guard=None, every: int = 1, keep_last: int = 2):
     """The Snapshots of a one-process CPU run of the tiny model (fp32, AdamW), its train loader reading data's shards
     2 × 16 tokens at a time: to test writing, pruning and rolling back without training."""
-    from config import TrainConfig, resolve_plan
     from dataloader import DistributedDataLoader
-    from distributed import Distributed
     from model import GPT
-    from parallel import build_training_model
-    from snapshot_store import Snapshots
+    from rundir.store import Snapshots
+    from training.config import TrainConfig, resolve_plan
+    from training.distributed import Distributed
+    from training.parallel import build_training_model
 
     cfg = TrainConfig(data_dir=str(data), model="tiny", micro_batch_size=2, seq_len=16, total_batch_size=32,
                       dtype="fp32", device="cpu", val_every=0)
@@ -177,7 +177,7 @@ def failing(error_number: int):
 
 def eio_the_first_time(monkeypatch) -> list[int]:
     """snapshot.torch_save failing with EIO (half a file written) the first time; returns the steps it was given."""
-    import snapshot
+    from rundir import snapshot
 
     writes, real_torch_save = [], snapshot.torch_save
 

@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 
 import train_gpt2
 from conftest import ROOT
-from distributed import teardown_distributed
+from training.distributed import teardown_distributed
 
 TRAIN_SCRIPT = ROOT / "train_gpt2.py"
 PAUSING = ROOT / "tests" / "train_with_pauses.py"  # train_gpt2.py, held before chosen calls (PAUSES)

@@ -8,14 +8,14 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from config import TrainConfig, parse_args
 from conftest import perturb_
-from distributed import Distributed
 from helpers_train import RandomBatches, on_ranks
-from memory import auto_micro_batch, measure_activation_bytes_per_sequence
 from model import GPT, GPTConfig
-from parallel import build_training_model
-from training import train_step
+from training.config import TrainConfig, parse_args
+from training.distributed import Distributed
+from training.memory import auto_micro_batch, measure_activation_bytes_per_sequence
+from training.parallel import build_training_model
+from training.step import train_step
 
 CONFIG = GPTConfig(block_size=32, vocab_size=256, n_layer=2, n_head=2, n_embd=32)
 MODES = ("none", "blocks", "selective")
@@ -57,7 +57,7 @@ def test_checkpointing_gives_the_same_loss_and_gradients_and_recomputes_what_it_
 
 
 def test_less_is_kept_for_backward_and_auto_micro_batch_fits_more_sequences(monkeypatch):
-    import memory
+    from training import memory
     per_sequence = {mode: measure_activation_bytes_per_sequence(CONFIG, CONFIG.block_size, torch.float32,
                                                                 activation_checkpointing=mode) for mode in MODES}
     assert per_sequence["blocks"] < per_sequence["selective"] < per_sequence["none"]

@@ -4,7 +4,9 @@ fallback where it is missing), and torch.compile keeping the kernel in force whe
 import pytest
 import torch
 
-from attention_kernels import (
+from model import GPT, GPTConfig
+from tools.bench.step import profiled
+from training.attention_kernels import (
     attention_kernel,
     available_kernels,
     kernel_of_op,
@@ -12,8 +14,6 @@ from attention_kernels import (
     preferred_kernel,
     resolve_kernel,
 )
-from model import GPT, GPTConfig
-from tools.bench_step import profiled
 
 HOPPER, AMPERE, ADA = (9, 0), (8, 0), (8, 9)
 

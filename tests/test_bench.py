@@ -68,7 +68,7 @@ def test_bench_times_ours_against_the_full_logits_loss_and_generation_with_and_w
 
 
 def test_the_full_logits_baseline_is_cross_entropy_over_every_padded_column():
-    from tools.bench_step import FullLogitsGPT
+    from tools.bench.step import FullLogitsGPT
 
     torch.manual_seed(0)
     config = PRESETS["tiny"]
@@ -107,8 +107,9 @@ def test_compiled_training_with_validation_and_sampling_matches_eager(tmp_path, 
 
 def test_a_configuration_that_runs_out_of_memory_is_reported_and_the_rest_still_measured(monkeypatch, capsys):
     """On an 80 GB GPU the fp32 baseline at the CUDA defaults (B=64, T=1024) needs ~87 GiB."""
-    from distributed import Distributed
-    from tools import bench, bench_step
+    from tools.bench import __main__ as bench
+    from tools.bench import step as bench_step
+    from training.distributed import Distributed
 
     real_time_config = bench_step.time_config
 
@@ -131,9 +132,9 @@ def test_a_configuration_that_runs_out_of_memory_is_reported_and_the_rest_still_
 @pytest.mark.slow  # about 10 s: the activations of 1-, 2- and 6-layer models, three ways each
 def test_the_memory_plans_numbers_agree_with_the_budget_memory_py_measures_on_the_whole_model():
     """bench.py --plan extrapolates the activations from 1- and 2-layer models; memory.py measures the whole one."""
-    from memory import GiB, fixed_bytes, largest_micro_batch, measure_activation_bytes_per_sequence
     from model import ACTIVATION_CHECKPOINTING, GPTConfig
-    from tools import bench_memory
+    from tools.bench import memory as bench_memory
+    from training.memory import GiB, fixed_bytes, largest_micro_batch, measure_activation_bytes_per_sequence
 
     # The loss and the embedding count, too; a vocabulary of 8,192, not 50,257: the activations per sequence are the
     # same (the loss's chunk is fixed), and bf16's matmuls, which the plan measures in, are emulated on many CPUs.

@@ -19,12 +19,12 @@ import pytest
 import torch
 from transformers import GPT2Config
 
-from config import LARGEST_COUNT, TrainConfig, check_flag_ranges, parse_args, set_type
 from conftest import ROOT, make_shards
-from errors import UserError, path_error
 from forked import Command, run_forked
 from helpers_train import TINY_ARGS, TRAIN_SCRIPT, run_train, train_env
-from snapshot import REQUIRED_KEYS
+from rundir.snapshot import REQUIRED_KEYS
+from training.config import LARGEST_COUNT, TrainConfig, check_flag_ranges, parse_args, set_type
+from training.errors import UserError, path_error
 
 RUN = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "32", "--max_steps", "1", "--val_every",
        "0", "--dtype", "fp32"]
@@ -258,7 +258,8 @@ def test_every_pickle_format_file_is_read_through_snapshots_reader_alone():
     for name in listed:
         if not name.startswith("tests/") and (calls := unpickling_calls(ast.parse((ROOT / name).read_text()))):
             found[name] = calls
-    assert found == {"snapshot.py": {"read_torch_file", "read_shard_metadata", "PlainDataLoadPlanner.load_bytes"}}
+    assert found == {"rundir/snapshot.py": {"read_torch_file", "read_shard_metadata",
+                                            "PlainDataLoadPlanner.load_bytes"}}
 
 
 def unpickling_calls(node: ast.AST, where: str = "<module>") -> set[str]:

@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from config import FLAG_RANGES, TrainConfig, check_flag_ranges, parse_args, resolve_plan, set_type
 from conftest import ROOT, make_shards
-from errors import UserError
 from model import PRESETS
+from training.config import FLAG_RANGES, TrainConfig, check_flag_ranges, parse_args, resolve_plan, set_type
+from training.errors import UserError
 
 RECIPES = sorted((ROOT / "recipes").glob("*.toml"))
 

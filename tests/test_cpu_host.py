@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-import precision
 from conftest import ROOT
 from helpers_train import train_env
+from training import precision
 
 ASK = "import precision; print(precision.cpu_has_bf16_arithmetic())"
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import errors
 from conftest import ROOT
-from errors import UserError, check_torch_version, run_entry_point
+from training import errors
+from training.errors import UserError, check_torch_version, run_entry_point
 
 
 @pytest.mark.parametrize("version", ["2.11.0", "2.12.1+cu128", "2.11.0a0+gitabc1234", "2.13.0+cpu", "3.0.0"])
@@ -40,7 +40,7 @@ def test_an_entry_point_checks_the_torch_version_before_it_runs(monkeypatch, cap
 
 def copy_of_the_project(directory: Path) -> Path:
     """The scripts, modules and recipes, without .venv, data or logs: a fresh checkout."""
-    for pattern in ("*.py", "*.sh", "requirements*.txt", "pyproject.toml", "recipes/*.toml", "data/*.py", "tools/*.py"):
+    for pattern in ("*.py", "*.sh", "requirements*.txt", "pyproject.toml", "recipes/*.toml", "*/*.py", "tools/*/*.py"):
         for path in ROOT.glob(pattern):
             (directory / path.relative_to(ROOT)).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, directory / path.relative_to(ROOT))

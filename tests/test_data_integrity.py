@@ -25,12 +25,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from conftest import ROOT, make_shards
 from data import fineweb, prepare
 from dataloader import HEADER_BYTES, DistributedDataLoader, ShardReadError, write_shard
-from errors import UserError
+from evaluation.validation import VAL_STOP_CHECK_EVERY, validation_loss
 from helpers_train import go_on, main_in_process, on_ranks, read_metrics, start_paused, wait_for_pause, wait_train
 from model import GPT, PRESETS
-from parallel import shard
-from snapshot import list_snapshots, snapshot_path
-from validation import VAL_STOP_CHECK_EVERY, validation_loss
+from rundir.snapshot import list_snapshots, snapshot_path
+from training.errors import UserError
+from training.parallel import shard
 
 # 2 micro-batches of 2 × 16 tokens a step, on 1 rank or 2; a train shard of 200 tokens is 3 steps (6 chunks of 32)
 JOB = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "64", "--warmup_steps", "1", "--dtype",

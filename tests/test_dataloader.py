@@ -23,7 +23,7 @@ from dataloader import (
     read_shard_header,
     write_shard,
 )
-from errors import UserError
+from training.errors import UserError
 
 B, T = 2, 4  # one chunk = B·T = 8 tokens (+1 for the last target)
 

@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import save_file
 from transformers import GPT2Config
 
-import evals
 from conftest import ROOT, make_shards
 from dataloader import write_shard
+from evaluation import tasks as evals
 from forked import Command, run_forked
 from helpers_train import TINY_ARGS, TrainRun, main_in_process, read_metrics, run_train, train_command, train_env
 
@@ -114,7 +114,7 @@ def with_a_bug(data: Path, tmp: Path) -> Command:
     tmp.mkdir(parents=True)
     (tmp / "with_a_bug.py").write_text(textwrap.dedent(f"""
         import train_gpt2
-        from errors import run_entry_point
+        from training.errors import run_entry_point
         def resolve_plan(*args, **kwargs):
             raise KeyError("a bug of ours")
         train_gpt2.resolve_plan = resolve_plan

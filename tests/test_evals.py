@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import evals
-from errors import UserError
+from evaluation import tasks as evals
 from helpers_train import on_ranks
 from model import GPT
+from training.errors import UserError
 
 FIXTURES = Path(__file__).resolve().parent / "data" / "evals"  # hand-made arc_easy, arc_challenge, sciq documents
 SHARED_TASKS = ["hellaswag", "lambada_openai", "piqa", "winogrande", "openbookqa", "copa", "boolq"]
@@ -102,8 +102,8 @@ def hf_model(tmp_path_factory, shared_data):
     from the offline GPT-2 files, and the same weights as our GPT."""
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-    from hf import from_pretrained
     from tools.export_hf import write_tokenizer
+    from training.hf import from_pretrained
     directory = tmp_path_factory.mktemp("hf")
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, n_positions=64, vocab_size=50257)).eval()

@@ -14,9 +14,9 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from conftest import ROOT, SHARED_DATA, make_shards, perturb_
 from dataloader import DistributedDataLoader, write_shard
-from errors import run_entry_point
 from helpers_train import main_in_process, read_metrics, train_env
 from tools.evaluate import main
+from training.errors import run_entry_point
 
 HELLASWAG = SHARED_DATA / "hellaswag" / "hellaswag_val.jsonl"
 EVAL_FILES = ["--eval_dir", str(SHARED_DATA / "evals"), "--hellaswag_path", str(HELLASWAG)]
@@ -105,8 +105,8 @@ def test_hugging_face_weights_get_hugging_faces_own_loss(tmp_path, capsys, share
                   (loader.next_batch() for _ in range(3))]
     assert result["val_tokens"] == 96 and result["step"] is None
     assert result["val_loss"] == pytest.approx(torch.stack(losses).mean().item(), rel=1e-5)
-    import evals
-    import hf as hf_weights
+    from evaluation import tasks as evals
+    from training import hf as hf_weights
     suite = evals.Suite({"copa": evals.load_docs("copa", SHARED_DATA / "evals" / "copa.jsonl", 5)}, 32, 32)
     ours = hf_weights.from_pretrained(str(tmp_path / "hf"))
     assert result["copa/acc"] == evals.evaluate(ours, suite, "cpu")["copa/acc"]

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from conftest import save_tiny_model
-from snapshot import read_model
+from rundir.snapshot import read_model
 from tools.export_hf import main
 
 

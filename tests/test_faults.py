@@ -17,15 +17,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import snapshot
 import train_gpt2
 from conftest import fill_up, make_shards, mounted_tmpfs
 from dataloader import HEADER_BYTES, DistributedDataLoader, write_shard
-from errors import UserError
 from helpers_train import go_on, main_in_process, read_metrics, start_paused, start_train, wait_for_pause, wait_train
 from model import GPT
-from run_lock import LOCK_FILE
-from snapshot import list_snapshots, load_snapshot, snapshot_path
+from rundir import snapshot
+from rundir.lock import LOCK_FILE
+from rundir.snapshot import list_snapshots, load_snapshot, snapshot_path
+from training.errors import UserError
 
 JOB = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "64", "--warmup_steps", "1",
        "--val_every", "0", "--dtype", "fp32", "--no-shuffle"]  # 2 micro-steps of 32 tokens a step on 1 rank

@@ -17,7 +17,7 @@ import pytest
 from data import fineweb
 from data.tokenize_shards import ShardWriter, shard_paths
 from dataloader import HEADER_BYTES, TOKEN_DTYPE, read_shard_header
-from errors import UserError
+from training.errors import UserError
 
 SHARD_SIZE = 1000  # small, so a corpus of a few thousand tokens makes several shards
 

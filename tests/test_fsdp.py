@@ -15,12 +15,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
-import parallel
-from config import TrainConfig
 from conftest import make_shards
 from dataloader import DistributedDataLoader
-from distributed import Distributed, teardown_distributed
-from errors import UserError
 from helpers_train import (
     RandomBatches,
     TrainRun,
@@ -34,10 +30,14 @@ from helpers_train import (
     worker_pids,
 )
 from model import GPT, GPTConfig
-from parallel import build_training_model
-from snapshot import list_snapshots, load_snapshot, read_model, snapshot_path
-from timeline import find_latest_snapshot
-from training import train_step
+from rundir.snapshot import list_snapshots, load_snapshot, read_model, snapshot_path
+from rundir.timeline import find_latest_snapshot
+from training import parallel
+from training.config import TrainConfig
+from training.distributed import Distributed, teardown_distributed
+from training.errors import UserError
+from training.parallel import build_training_model
+from training.step import train_step
 
 pytestmark = pytest.mark.slow  # torchrun and spawned process groups
 
@@ -172,7 +172,7 @@ def fsdp_worker(rank: int, store: str, out_dir: str, sync_gate: bool) -> None:
         _fsdp_param_group.foreach_reduce = counting_reduce
         if not sync_gate:  # the control: a train_step that never turns the sync off
             parallel.set_gradient_sync = lambda model, sync: None
-            import training
+            from training import step as training
             training.set_gradient_sync = parallel.set_gradient_sync
         torch.manual_seed(0)
         trainee = build_training_model(GPT(CONFIG), Distributed(rank, rank, 2, torch.device("cpu")), torch.float32,
@@ -280,7 +280,7 @@ def test_a_flipped_byte_in_a_shard_file_is_found_and_the_older_fsdp_snapshot_use
 
 def test_a_failed_fsdp_snapshot_write_removes_its_directory_and_training_goes_on(runs, tmp_path, monkeypatch,
                                                                                  capsys):
-    import snapshot
+    from rundir import snapshot
     real_crc32, calls = snapshot.file_crc32, []
 
     def eio_the_first_time(path):

@@ -15,16 +15,18 @@ import pytest
 import torch
 
 import cpu_host
-from config import TrainConfig
 from conftest import ROOT, SHARED_DATA
-from distributed import Distributed
 from helpers_train import train_env
-from memory import MiB, compiled_loss_bytes_per_sequence
 from model import PRESETS
-from tools import gpu_check_bench, gpu_check_report, gpu_check_train
-from tools.gpu_check_report import Report
-from tools.gpu_check_scale import CPU_SMOKE, GPU, Scale
-from tools.gpu_check_tests import junit_row
+from tools.gpu_check import bench as gpu_check_bench
+from tools.gpu_check import report as gpu_check_report
+from tools.gpu_check import train as gpu_check_train
+from tools.gpu_check.report import Report
+from tools.gpu_check.scale import CPU_SMOKE, GPU, Scale
+from tools.gpu_check.tests import junit_row
+from training.config import TrainConfig
+from training.distributed import Distributed
+from training.memory import MiB, compiled_loss_bytes_per_sequence
 
 # What an offline GPU machine with a bare PyTorch lacks; gpu_check.py and everything it starts must not need them.
 ABSENT_PACKAGES = ("wandb", "datasets", "transformers")
@@ -203,7 +205,7 @@ def a_run(tokens_per_sec: float, memory_mib: float = 30_000.0, **extra) -> dict:
 
 
 def test_the_perf_verdicts_hold_each_variant_to_issue_52s_goal():
-    from tools.gpu_check_perf import against_baseline, kernel_against_default, modern_against_gpt2, muon_against_adamw
+    from tools.gpu_check.perf import against_baseline, kernel_against_default, modern_against_gpt2, muon_against_adamw
 
     baseline, ours = {"tokens_per_sec": 518_000.0, "peak_memory_mib": 29_600.0}, a_run(516_000.0)
     assert against_baseline(a_run(600_000.0), baseline, ours, GOAL.fp8_speed)[2]  # 1.158x
@@ -222,7 +224,7 @@ def test_the_perf_verdicts_hold_each_variant_to_issue_52s_goal():
 
 
 def test_the_short_runs_pass_within_001_of_bf16s_val_loss_and_without_fp8_say_why():
-    from tools.gpu_check_perf import short_runs_compared
+    from tools.gpu_check.perf import short_runs_compared
 
     def runs(fp8_val_loss: float | None) -> dict:
         bf16 = {"losses": [10.9] * 100, "val_loss": 6.500, "tokens": 6_553_600, "train_seconds": 14.0}
@@ -236,7 +238,7 @@ def test_the_short_runs_pass_within_001_of_bf16s_val_loss_and_without_fp8_say_wh
 
 
 def test_the_leanest_schedule_peaks_lowest_within_5_percent_of_inlines_time():
-    from tools.gpu_check_perf import leanest_schedule
+    from tools.gpu_check.perf import leanest_schedule
 
     schedules = {"inline": {"ms": 30.0, "peak_bytes": 9e9}, "grad_w_op": {"ms": 31.0, "peak_bytes": 2e9},
                  "eager": {"ms": 45.0, "peak_bytes": 1e9}, "compiled_chunks": {"ms": 31.4, "peak_bytes": 1.5e9}}
@@ -247,7 +249,7 @@ def test_the_leanest_schedule_peaks_lowest_within_5_percent_of_inlines_time():
 
 
 def test_a_row_that_would_not_fit_the_time_left_is_skipped_and_the_later_ones_still_run(tmp_path, monkeypatch):
-    from tools import gpu_check_perf
+    from tools.gpu_check import perf as gpu_check_perf
 
     ran = []
     rows = {name: (title, lambda perf, title, name=name: ran.append(name))
@@ -266,7 +268,7 @@ def test_a_row_that_would_not_fit_the_time_left_is_skipped_and_the_later_ones_st
 
 
 def test_buffers_alive_follows_inductors_allocations_reuses_and_frees():
-    from tools.bench_loss_memory import buffers_alive
+    from tools.bench.loss_memory import buffers_alive
 
     code = """
     def call(self, args):
@@ -292,9 +294,9 @@ HOST_SPEED_FORCED = """
 import sys
 from dataclasses import replace
 
-import tools.gpu_check as gpu_check
-import tools.gpu_check_perf as gpu_check_perf
-from errors import run_entry_point
+import tools.gpu_check.__main__ as gpu_check
+import tools.gpu_check.perf as gpu_check_perf
+from training.errors import run_entry_point
 
 gpu_check.CPU_SMOKE = replace(gpu_check.CPU_SMOKE, perf=replace(gpu_check.CPU_SMOKE.perf, seconds=10**6))
 measured = gpu_check_perf.leanest_schedule
@@ -319,7 +321,7 @@ def test_generation_speeds_are_judged_on_a_gpu_and_the_same_tokens_everywhere():
 
 
 def test_the_leanest_step_row_without_a_schedule_that_fits_says_so_and_runs_nothing():
-    from tools.gpu_check_perf import leanest_step
+    from tools.gpu_check.perf import leanest_step
 
     checks = []
     perf = types.SimpleNamespace(schedules={"inline": {"ms": 30.0, "peak_bytes": None},

@@ -10,17 +10,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import distributed
-import memory
-import mfu
-import parallel
-import precision
-import snapshot
 import train_gpt2
-from config import TrainConfig, parse_args
-from distributed import Distributed, teardown_distributed
-from errors import UserError
 from model import GPT, PRESETS
+from rundir import snapshot
+from training import distributed, memory, mfu, parallel, precision
+from training.config import TrainConfig, parse_args
+from training.distributed import Distributed, teardown_distributed
+from training.errors import UserError
 
 CUDA = torch.device("cuda", 0)
 MPS = torch.device("mps")
@@ -241,7 +237,7 @@ def test_auto_micro_batch_counts_the_compiled_losss_chunks_on_a_gpu(monkeypatch)
     """Compiled on a GPU a sequence costs eager's activations plus its share of the loss's chunks, which the compiled
     step holds at once (117 MiB at 124M, T=1024, bf16): on a card with 100 GiB free, 256 sequences fit eager's count
     but not compiled's, where the H200's compiled step at B=256 peaked at 113 GiB."""
-    from memory import GiB, MiB, auto_micro_batch
+    from training.memory import GiB, MiB, auto_micro_batch
     monkeypatch.setattr(memory, "available_bytes", lambda device, ranks_on_node: 100 * GiB)
     monkeypatch.setattr(memory, "measure_activation_bytes_per_sequence", lambda *args, **kwargs: 320 * MiB)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
@@ -254,7 +250,7 @@ def test_auto_micro_batch_counts_the_compiled_losss_chunks_on_a_gpu(monkeypatch)
 
 
 def test_auto_micro_batch_counts_a_ranks_shard_under_fsdp_gpt2_xl_fits_8_24gb_gpus(monkeypatch):
-    from memory import GiB, MiB, auto_micro_batch, fixed_bytes
+    from training.memory import GiB, MiB, auto_micro_batch, fixed_bytes
     config, cuda, world_size = PRESETS["gpt2-xl"], torch.device("cuda", 0), 8
     # What a 24 GB card has free, and gpt2-xl's activations per sequence of 1,024 tokens in bf16 (from the 774M
     # figure in the README, per layer and width: ≈ 2.4 GiB).
@@ -294,7 +290,7 @@ def oom_on_rank_1_worker(rank: int, store: str, out_dir: str) -> None:
     from datetime import timedelta
     from pathlib import Path
 
-    from memory import MicroBatch
+    from training.memory import MicroBatch
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
@@ -328,7 +324,7 @@ def test_an_out_of_memory_probe_on_one_rank_stops_every_rank_with_the_error_and_
 
 
 def test_the_auto_probe_warms_up_before_its_measured_passes(monkeypatch):
-    import memory
+    from training import memory
     # The first pass of a process pays for cuBLAS's workspaces: here 900 bytes that must not enter the slope.
     peaks, calls = iter([1000, 100, 300]), []
 

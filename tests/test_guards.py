@@ -20,21 +20,21 @@ from pathlib import Path
 import pytest
 import torch
 
-import divergence
-import snapshot_store
 import train_gpt2
-from config import TrainConfig, parse_args
 from conftest import flip_a_byte_in_tensor_data, make_shards, tiny_snapshots
 from dataloader import DistributedDataLoader
-from distributed import Distributed
-from divergence import DivergenceGuard
-from errors import UserError
 from helpers_train import TINY_ARGS, read_metrics, run_train
 from model import GPT
-from run_logger import RunLogger
-from snapshot import list_snapshots, load_snapshot, save_snapshot, snapshot_path
-from snapshot_store import is_healthy, newest_healthy_snapshot, prune_snapshots
-from timeline import Timeline
+from rundir import store as snapshot_store
+from rundir.snapshot import list_snapshots, load_snapshot, save_snapshot, snapshot_path
+from rundir.store import is_healthy, newest_healthy_snapshot, prune_snapshots
+from rundir.timeline import Timeline
+from training import divergence
+from training.config import TrainConfig, parse_args
+from training.distributed import Distributed
+from training.divergence import DivergenceGuard
+from training.errors import UserError
+from training.run_logger import RunLogger
 
 TIMELINE = Timeline("guardtests", [])  # the fake snapshots' timeline
 
@@ -173,7 +173,7 @@ def test_the_spike_windows_hold_the_last_spike_window_steps_also_after_a_load():
 # healthy snapshots
 
 def fake_snapshot(step: int, healthy: bool) -> dict:
-    from snapshot import REQUIRED_KEYS
+    from rundir.snapshot import REQUIRED_KEYS
     return {key: {} for key in REQUIRED_KEYS} | {"step": step, "rng": [], "wandb_id": "x", "healthy": healthy,
                                                  "timeline": {"run": TIMELINE.run, "branched_from": []}}
 

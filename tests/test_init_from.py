@@ -13,13 +13,13 @@ import torch
 from safetensors.torch import save_file
 from transformers import GPT2Config, GPT2LMHeadModel
 
-import hf
-from config import model_config, parse_args
 from conftest import make_shards, perturb_
 from dataloader import DistributedDataLoader
-from errors import UserError
 from helpers_train import run_train
-from snapshot import list_snapshots, read_model, snapshot_path
+from rundir.snapshot import list_snapshots, read_model, snapshot_path
+from training import hf
+from training.config import model_config, parse_args
+from training.errors import UserError
 
 B, T = 2, 16
 ARGS = ["--micro_batch_size", str(B), "--seq_len", str(T), "--total_batch_size", str(B * T), "--warmup_steps", "2",

@@ -11,10 +11,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import GPT2Config, GPT2LMHeadModel
 
-import hf
-from distributed import teardown_distributed
 from fp8_emulation import cpu_scaled_mm_problem, emulated_fp8_loss, fp8_case, reference_scaled_mm, relative_error
 from model import GPT, GPTConfig, linear_cross_entropy, loss_chunk_tokens
+from training import hf
+from training.distributed import teardown_distributed
 
 # vocab 97 is padded to 128 rows, so the padding rows' gradient is checked too.
 TINY = GPTConfig(block_size=16, vocab_size=97, n_layer=2, n_head=2, n_embd=16)
@@ -378,8 +378,8 @@ def test_validation_with_the_fp8_head_runs_in_the_autocast_dtype(monkeypatch):
 
 
 def test_the_fp8_head_refuses_a_cpu_an_older_gpu_and_another_dtype_naming_the_flag(monkeypatch):
-    from errors import UserError
-    from fp8 import check_fp8_head, fp8_head_problem
+    from training.errors import UserError
+    from training.fp8 import check_fp8_head, fp8_head_problem
 
     assert "CUDA GPU with FP8 tensor cores" in fp8_head_problem(torch.device("cpu"), torch.bfloat16)
     # CUDA's answers faked (this torch build has none), both sides of sm89: an A100 and an H100.
@@ -439,7 +439,7 @@ def test_every_loss_schedule_gives_todays_loss_and_gradients_uncompiled():
 @pytest.mark.slow  # about a minute: three compilations of the loss alone
 def test_every_compiled_loss_schedule_gives_eagers_loss_and_gradients_and_inline_holds_every_product():
     from model import LOSS_SCHEDULES
-    from tools.bench_loss_memory import buffers_alive, generated_code, loss_function, loss_inputs, loss_step
+    from tools.bench.loss_memory import buffers_alive, generated_code, loss_function, loss_inputs, loss_step
 
     vocab, chunk = 1000, 128
     inputs = loss_inputs(512, 64, 1024, vocab, torch.device("cpu"))  # 4 chunks

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 
 import cpu_host
 import model
-from memory import MiB, largest_micro_batch, measure_activation_bytes_per_sequence, state_bytes
 from model import GPT, PRESETS, GPTConfig
+from training.memory import MiB, largest_micro_batch, measure_activation_bytes_per_sequence, state_bytes
 
 
 def test_largest_micro_batch_is_the_largest_divisor_of_the_rank_batch_that_fits():
@@ -93,13 +93,13 @@ def test_gpt2_124m_takes_under_450_mib_of_activations_per_sequence_in_bf16_and_c
 # --micro_batch_size auto
 
 def fake_device_memory(monkeypatch, available: int, per_sequence: int) -> None:
-    import memory
+    from training import memory
     monkeypatch.setattr(memory, "available_bytes", lambda device, ranks_on_node: available)
     monkeypatch.setattr(memory, "measure_activation_bytes_per_sequence", lambda *args, **kwargs: per_sequence)
 
 
 def test_auto_micro_batch_fits_the_memory_and_divides_the_ranks_share(monkeypatch):
-    from memory import GiB, auto_micro_batch
+    from training.memory import GiB, auto_micro_batch
     config = PRESETS["tiny"]
     with torch.device("meta"):
         fixed = state_bytes(GPT(config)) * 5 // 4  # 2 ranks: DDP's gradient buckets on top
@@ -115,11 +115,11 @@ def test_auto_micro_batch_fits_the_memory_and_divides_the_ranks_share(monkeypatc
 
 
 def test_a_run_with_micro_batch_size_auto_logs_its_choice_and_trains_with_it(tmp_path, monkeypatch, capsys):
-    from config import parse_args
     from conftest import make_shards
-    from distributed import Distributed
-    from memory import GiB
     from train_gpt2 import run
+    from training.config import parse_args
+    from training.distributed import Distributed
+    from training.memory import GiB
 
     make_shards(tmp_path / "data", "train", [5000])
     fake_device_memory(monkeypatch, 2 * GiB, 100 * MiB)  # (1.8 GiB - 0.05 GiB) / 100 MiB: 17 fit, 16 divides 32
@@ -134,7 +134,7 @@ def test_a_run_with_micro_batch_size_auto_logs_its_choice_and_trains_with_it(tmp
 
 
 def test_a_number_given_for_micro_batch_size_is_kept_and_a_word_is_refused(capsys):
-    from config import parse_args
+    from training.config import parse_args
     assert parse_args(["--micro_batch_size", "12"]).micro_batch_size == 12
     assert parse_args(["--micro_batch_size", "auto"]).micro_batch_size == "auto"
     with pytest.raises(SystemExit):

@@ -5,8 +5,8 @@ import math
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-import mfu
 from model import GPT, GPTConfig
+from training import mfu
 
 # Small enough to count by hand: vocabulary 100 (padded to 128 inside), 2 layers, 2 heads, 8 wide.
 HAND_CONFIG = GPTConfig(block_size=8, vocab_size=100, n_layer=2, n_head=2, n_embd=8)

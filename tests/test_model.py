@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-import hf
 from conftest import perturb_
 from model import GPT, PRESETS, GPTConfig, KVCache, sample_next_token
-from snapshot import read_model
+from rundir.snapshot import read_model
+from training import hf
 
 # Full GPT-2 vocabulary (so the internal padding 50257 -> 50304 is exercised), everything else small.
 PARITY_CONFIG = GPTConfig(block_size=32, vocab_size=50257, n_layer=2, n_head=4, n_embd=32)

@@ -17,18 +17,18 @@ from test_activation_checkpointing import loss_gradients_and_flops
 from test_model import generate_without_cache
 from torch._inductor.utils import run_and_get_code
 
-import evals
-import hf
-from config import TrainConfig, model_config, parse_args, resolve_plan
 from conftest import ROOT, make_document_shards, make_shards, perturb_, save_tiny_model
-from errors import UserError
+from evaluation import tasks as evals
 from helpers_train import main_in_process, read_metrics, run_train
 from model import GPT, PRESETS, GPTConfig, rotate, rotation_table
-from optim import Optimizers, adamw, build_optimizers, split_for_muon
-from snapshot import load_snapshot, read_model, snapshot_path
+from rundir.snapshot import load_snapshot, read_model, snapshot_path
 from tools import export_hf
 from train_gpt2 import initial_model
-from training import train_step
+from training import hf
+from training.config import TrainConfig, model_config, parse_args, resolve_plan
+from training.errors import UserError
+from training.optim import Optimizers, adamw, build_optimizers, split_for_muon
+from training.step import train_step
 
 CPU = torch.device("cpu")
 FP32_NEWTON_SCHULZ = ROOT / "tests" / "train_with_fp32_newton_schulz.py"

@@ -17,12 +17,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import distribute_tensor
 
 import cpu_host
-import optim
 import train_gpt2
-from config import TrainConfig
 from conftest import ROOT, make_shards
-from distributed import Distributed, teardown_distributed
-from errors import UserError
 from helpers_train import (
     RandomBatches,
     launched,
@@ -35,11 +31,15 @@ from helpers_train import (
     worker_pids,
 )
 from model import GPT, PRESETS
-from optim import Muon, build_optimizers, get_lr, muon_owners, newton_schulz, schedule_change, split_for_muon
-from parallel import build_training_model, shard
-from precision import pick_dtype
-from snapshot import list_snapshots, load_snapshot, read_shard_metadata, snapshot_path
-from training import train_step
+from rundir.snapshot import list_snapshots, load_snapshot, read_shard_metadata, snapshot_path
+from training import optim
+from training.config import TrainConfig
+from training.distributed import Distributed, teardown_distributed
+from training.errors import UserError
+from training.optim import Muon, build_optimizers, get_lr, muon_owners, newton_schulz, schedule_change, split_for_muon
+from training.parallel import build_training_model, shard
+from training.precision import pick_dtype
+from training.step import train_step
 
 TINY = PRESETS["tiny"]
 FP32_NEWTON_SCHULZ = ROOT / "tests" / "train_with_fp32_newton_schulz.py"

@@ -3,8 +3,8 @@ import math
 
 import pytest
 
-from metrics_log import read_metrics
 from tools.plot import main, run_label
+from training.metrics_log import read_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -16,7 +16,7 @@ import pytest
 from conftest import ROOT
 from data import prepare
 from dataloader import HEADER_BYTES, TOKEN_DTYPE, read_shard_header
-from errors import UserError
+from training.errors import UserError
 
 
 def shard_tokens(path) -> np.ndarray:
@@ -190,7 +190,7 @@ def test_no_tokenizer_is_one_paragraph_saying_to_set_tiktoken_cache_dir(tmp_path
     import requests
     import tiktoken
 
-    import tokenizer
+    from training import tokenizer
 
     def offline(name):
         raise requests.exceptions.ConnectionError("Failed to resolve 'openaipublic.blob.core.windows.net'")

@@ -28,7 +28,6 @@ from conftest import (
     mounted_tmpfs,
 )
 from dataloader import DistributedDataLoader
-from errors import UserError
 from helpers_train import (
     TrainRun,
     launched,
@@ -39,7 +38,8 @@ from helpers_train import (
     wait_until,
     worker_pids,
 )
-from snapshot import SNAPSHOT_NAME, list_snapshots, load_snapshot, read_model, save_snapshot, snapshot_path
+from rundir.snapshot import SNAPSHOT_NAME, list_snapshots, load_snapshot, read_model, save_snapshot, snapshot_path
+from training.errors import UserError
 
 LAST_STEP = 11
 JOB = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "64", "--max_steps", str(LAST_STEP + 1),

@@ -16,14 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import snapshot_store
-import timeline
 from conftest import ROOT, failing, flip_a_byte_in_tensor_data, make_shards, tiny_snapshots
-from errors import UserError
 from helpers_train import read_metrics, run_train, start_train
-from snapshot import REQUIRED_KEYS, list_snapshots, load_snapshot, save_snapshot, snapshot_path
-from snapshot_store import Snapshots
-from timeline import (
+from rundir import store as snapshot_store
+from rundir import timeline
+from rundir.snapshot import REQUIRED_KEYS, list_snapshots, load_snapshot, save_snapshot, snapshot_path
+from rundir.store import Snapshots
+from rundir.timeline import (
     TABLE,
     Action,
     Asks,
@@ -39,6 +38,7 @@ from timeline import (
     survey,
     table_markdown,
 )
+from training.errors import UserError
 
 
 def test_the_docs_show_the_table_the_code_decides_from():

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-import run_lock
 from conftest import failing, make_shards
-from errors import UserError
 from helpers_train import main_in_process, read_metrics, records_so_far, run_train, start_train
-from run_lock import LOCK_FILE, lock_directory
-from snapshot import list_snapshots
+from rundir import lock as run_lock
+from rundir.lock import LOCK_FILE, lock_directory
+from rundir.snapshot import list_snapshots
+from training.errors import UserError
 
 JOB = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "64", "--warmup_steps", "1",
        "--val_every", "0", "--dtype", "fp32"]

@@ -17,10 +17,10 @@ import wandb
 
 import train_gpt2
 from conftest import make_shards
-from distributed import Distributed
 from helpers_train import TINY_ARGS, TrainRun, read_metrics, run_train
-from run_logger import INIT_TIMEOUT_S, RunLogger, wandb_key
-from snapshot import load_snapshot, snapshot_path
+from rundir.snapshot import load_snapshot, snapshot_path
+from training.distributed import Distributed
+from training.run_logger import INIT_TIMEOUT_S, RunLogger, wandb_key
 
 OFFLINE_ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_ERROR_REPORTING": "false"}
 # 1 rank, one 32-token micro-batch per step: a few seconds per run, most of it starting Python.

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from conftest import ROOT, save_tiny_model
-from errors import run_entry_point
-from snapshot import read_model
-from tokenizer import generate_text
+from rundir.snapshot import read_model
 from tools.sample import main
+from training.errors import run_entry_point
+from training.tokenizer import generate_text
 
 PROMPT = "Hello, I'm a language model,"
 

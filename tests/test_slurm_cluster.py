@@ -22,8 +22,8 @@ import pytest
 
 from conftest import ROOT, free_port, make_shards
 from helpers_train import TINY_ARGS, TrainRun, read_metrics, records_so_far, run_train, train_env
+from rundir.snapshot import SNAPSHOT_NAME, list_snapshots, snapshot_path
 from slurm_cluster import UNFINISHED, SlurmCluster, SlurmUnavailable, one_node_cluster
-from snapshot import SNAPSHOT_NAME, list_snapshots, snapshot_path
 
 pytestmark = pytest.mark.slow  # each test runs SLURM jobs of two torchrun workers
 

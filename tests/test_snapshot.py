@@ -27,9 +27,6 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 from torch.utils._pytree import tree_leaves
 
-import snapshot
-import snapshot_store
-import timeline
 import tools.evaluate
 import tools.sample
 from conftest import (
@@ -41,11 +38,12 @@ from conftest import (
     save_tiny_model,
     tiny_snapshots,
 )
-from errors import UserError
 from helpers_train import main_in_process, read_metrics
 from model import GPT, GPTConfig
-from run_lock import LOCK_FILE
-from snapshot import (
+from rundir import snapshot, timeline
+from rundir import store as snapshot_store
+from rundir.lock import LOCK_FILE
+from rundir.snapshot import (
     REQUIRED_KEYS,
     capture_rng_state,
     file_crc32,
@@ -60,8 +58,9 @@ from snapshot import (
     verify_checksums,
     written_here,
 )
-from snapshot_store import newest_healthy_snapshot, prune_snapshots
-from timeline import TIMELINE_FILE, Timeline, find_latest_snapshot, read_timeline
+from rundir.store import newest_healthy_snapshot, prune_snapshots
+from rundir.timeline import TIMELINE_FILE, Timeline, find_latest_snapshot, read_timeline
+from training.errors import UserError
 
 TIMELINE = Timeline("snapshottests", [])  # the fake snapshots' timeline
 
@@ -122,7 +121,7 @@ def test_failed_write_leaves_previous_snapshot_and_no_temp_file(tmp_path, monkey
 # A process killed half-way through a write has no chance to clean up: run one and SIGKILL it mid-write.
 KILLED_MID_WRITE = """
 import os, signal, sys, torch
-import snapshot
+from rundir import snapshot
 from test_snapshot import fake_snapshot, save_half
 torch.save = lambda obj, f: save_half(obj, f, then=lambda: os.kill(os.getpid(), signal.SIGKILL))
 snapshot.save_snapshot(fake_snapshot(4), snapshot.snapshot_path(sys.argv[1], 4))
@@ -263,7 +262,7 @@ def test_rng_state_restores_every_generator_after_a_save(tmp_path):
 
 
 def test_a_snapshot_is_fsynced_before_its_rename_and_the_directory_after(tmp_path, monkeypatch):
-    import files
+    from training import files
     events, real_fsync, real_replace = [], os.fsync, os.replace
 
     def fsync(fd):

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, make_shards
-from errors import UserError
 from helpers_train import main_in_process, read_metrics
-from snapshot import list_snapshots, load_snapshot, snapshot_path
-from timeline import TIMELINE_FILE, read_timeline
+from rundir.snapshot import list_snapshots, load_snapshot, snapshot_path
+from rundir.timeline import TIMELINE_FILE, read_timeline
+from training.errors import UserError
 
 B, T = 2, 16
 JOB = ["--micro_batch_size", str(B), "--seq_len", str(T), "--total_batch_size", str(B * T), "--warmup_steps", "2",

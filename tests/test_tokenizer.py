@@ -14,8 +14,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import tokenizer
-from config import TrainConfig, model_config
 from conftest import ROOT
 from data import prepare, train_tokenizer
 from dataloader import (
@@ -27,9 +25,11 @@ from dataloader import (
     read_shard_layout,
     write_shard,
 )
-from errors import UserError
 from helpers_train import run_train
-from tokenizer import TokenizerSpec, bytes_spec, gpt2_spec, load_tokenizer, tokenizer_from_spec
+from training import tokenizer
+from training.config import TrainConfig, model_config
+from training.errors import UserError
+from training.tokenizer import TokenizerSpec, bytes_spec, gpt2_spec, load_tokenizer, tokenizer_from_spec
 
 # Text a tokenizer must give back exactly: emoji (a ZWJ sequence, a flag), CJK, combining marks, right-to-left,
 # control characters, whitespace runs, and the delimiter's text as plain text.

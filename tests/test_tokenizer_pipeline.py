@@ -17,16 +17,17 @@ import tiktoken
 import torch
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-import evals
-from config import parse_args, resolve_plan
 from conftest import ROOT, SHARED_DATA, perturb_
 from data import prepare, train_tokenizer
 from dataloader import DistributedDataLoader, read_data_tokenizer
-from errors import UserError
+from evaluation import tasks as evals
 from helpers_train import main_in_process, read_metrics, run_train, train_env
 from model import GPT, PRESETS
-from snapshot import read_model
-from tokenizer import (
+from rundir.snapshot import read_model
+from tools import evaluate, export_hf, sample
+from training.config import parse_args, resolve_plan
+from training.errors import UserError
+from training.tokenizer import (
     ByteTokenizer,
     TiktokenTokenizer,
     TokenizerSpec,
@@ -36,7 +37,6 @@ from tokenizer import (
     load_tokenizer,
     tokenizer_from_spec,
 )
-from tools import evaluate, export_hf, sample
 
 PROMPT = "Hello, I'm a language model,"  # what a run samples from
 # An emoji with a skin tone, CJK, a combining accent, the delimiter, control and Latin-1 characters, runs of spaces

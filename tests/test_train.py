@@ -16,15 +16,15 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from config import TrainConfig, grad_accum_steps_for, model_config, parse_args, resolve_plan
 from conftest import make_shards
-from distributed import Distributed, average_across_ranks, teardown_distributed
-from errors import UserError
 from helpers_train import run_train, write_text_shards
 from model import GPT, GPTConfig
-from optim import Muon, build_optimizers
 from train_gpt2 import run
-from training import train_step
+from training.config import TrainConfig, grad_accum_steps_for, model_config, parse_args, resolve_plan
+from training.distributed import Distributed, average_across_ranks, teardown_distributed
+from training.errors import UserError
+from training.optim import Muon, build_optimizers
+from training.step import train_step
 
 CPU = torch.device("cpu")
 # For the in-process tests: a small vocabulary, because the 50,257-way output layer is most of tiny's cost.

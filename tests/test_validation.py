@@ -6,12 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import tokenizer
-import validation
 from dataloader import DistributedDataLoader
+from evaluation import validation
+from evaluation.validation import token_byte_lengths, validation_loss
 from helpers_train import write_text_shards
 from model import GPT, PRESETS
-from validation import token_byte_lengths, validation_loss
+from training import tokenizer
 
 CPU = torch.device("cpu")
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project root, as conftest.py does
 
-import optim  # noqa: E402
 import train_gpt2  # noqa: E402
-from errors import run_entry_point  # noqa: E402
+from training import optim  # noqa: E402
+from training.errors import run_entry_point  # noqa: E402
 
 optim.bf16_matmul_is_slow = lambda device: True  # what optim.newton_schulz asks before it picks its precision
 

@@ -16,10 +16,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project root, as conftest.py does
 
-import snapshot  # noqa: E402
 import train_gpt2  # noqa: E402
 from dataloader import DistributedDataLoader  # noqa: E402
 from model import GPT  # noqa: E402
+from rundir import snapshot  # noqa: E402
 
 HOOKS = {"initial_model": train_gpt2, "validation_loss": train_gpt2, "read_ahead": DistributedDataLoader,
          "forward": GPT, "torch_save": snapshot}

@@ -18,8 +18,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project root, as conftest.py does
 
 import train_gpt2  # noqa: E402
-from errors import run_entry_point  # noqa: E402
 from model import GPT  # noqa: E402
+from training.errors import run_entry_point  # noqa: E402
 
 KEY_TOKENS = 8
 BAD_BATCHES = {tuple(key) for key in json.loads(os.environ["PLANTED_NAN_BATCHES"])}

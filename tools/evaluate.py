@@ -22,17 +22,17 @@ from dataclasses import fields
 
 import torch
 
-import evals
-import hf
-from config import HelpFormatter, TrainConfig, add_flags, check_flag_ranges, validation_steps
 from dataloader import DistributedDataLoader, read_data_tokenizer
-from distributed import Distributed, setup_distributed, teardown_distributed
-from errors import UserError, run_entry_point
+from evaluation import tasks as evals
+from evaluation.validation import validation_loss
 from model import GPT
-from precision import pick_dtype
-from snapshot import check_tokenizer, load_model_snapshot, load_tokenizer_of, read_model, tokenizer_of
-from tokenizer import TokenizerSpec, gpt2_spec
-from validation import validation_loss
+from rundir.snapshot import check_tokenizer, load_model_snapshot, load_tokenizer_of, read_model, tokenizer_of
+from training import hf
+from training.config import HelpFormatter, TrainConfig, add_flags, check_flag_ranges, validation_steps
+from training.distributed import Distributed, setup_distributed, teardown_distributed
+from training.errors import UserError, run_entry_point
+from training.precision import pick_dtype
+from training.tokenizer import TokenizerSpec, gpt2_spec
 
 # The training flags that decide the numbers; a snapshot's own values are their defaults.
 RUN_FLAGS = ["data_dir", "micro_batch_size", "seq_len", "val_tokens", "val_steps", "dtype", "eval_dir",

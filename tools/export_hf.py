@@ -31,10 +31,10 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 from transformers.convert_slow_tokenizer import TikTokenConverter, bytes_to_unicode
 
-from errors import run_entry_point
-from hf import to_hf
-from snapshot import load_tokenizer_of, read_model, read_tokenizer
-from tokenizer import EOT_TEXT, TiktokenTokenizer, Tokenizer, gpt2_spec
+from rundir.snapshot import load_tokenizer_of, read_model, read_tokenizer
+from training.errors import run_entry_point
+from training.hf import to_hf
+from training.tokenizer import EOT_TEXT, TiktokenTokenizer, Tokenizer, gpt2_spec
 
 
 def write_tokenizer(tokenizer_dir: Path, out_dir: Path, model_max_length: int) -> None:

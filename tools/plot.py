@@ -28,7 +28,7 @@ import matplotlib
 matplotlib.use("Agg")  # render to a file; no display needed
 import matplotlib.pyplot as plt
 
-from metrics_log import read_metrics
+from training.metrics_log import read_metrics
 
 GPT2_124M_VAL_LOSS = 3.2924
 GPT2_124M_HELLASWAG = 0.3114  # acc_norm, lm-evaluation-harness

@@ -12,12 +12,12 @@ import sys
 
 import torch
 
-import hf
-from config import AT_LEAST_0, AT_LEAST_1, SEEDS, Range, check_range
-from distributed import default_device
-from errors import UserError, run_entry_point
-from snapshot import load_tokenizer_of, read_model
-from tokenizer import generate_text
+from rundir.snapshot import load_tokenizer_of, read_model
+from training import hf
+from training.config import AT_LEAST_0, AT_LEAST_1, SEEDS, Range, check_range
+from training.distributed import default_device
+from training.errors import UserError, run_entry_point
+from training.tokenizer import generate_text
 
 # The values of the sampling flags: outside them sampling crashed (negative counts, a NaN temperature) or sampled
 # nonsense (a negative temperature favours the least likely tokens).

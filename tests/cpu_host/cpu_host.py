@@ -43,7 +43,7 @@ def forced_bf16_arithmetic() -> bool:
 
 def detected_bf16_arithmetic() -> bool:
     """precision.cpu_has_bf16_arithmetic's own answer, unforced: this CPU's (or, under TESTS_CPU=avx2, that one's)."""
-    import precision
+    from training import precision
     return precision.cpu_has_bf16_arithmetic.__wrapped__()
 
 
@@ -90,7 +90,7 @@ def run_as_avx2_only() -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache if cache.endswith(AVX2_CACHE) else cache + AVX2_CACHE
 
 
-patches = {"precision": force_the_question}
+patches = {"training.precision": force_the_question}
 if os.environ.get("TESTS_CPU") == "avx2":
     run_as_avx2_only()
     patches["torch.cpu"] = answer_as_avx2_only

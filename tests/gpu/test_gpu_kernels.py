@@ -18,18 +18,18 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from attention_kernels import BACKENDS, available_kernels, kernels_in_profile
-from config import TrainConfig
 from conftest import make_shards, perturb_
 from dataloader import DistributedDataLoader, write_shard
-from distributed import Distributed, teardown_distributed
-from fp8 import fp8_head_problem
+from evaluation.validation import validation_loss
 from fp8_emulation import emulated_fp8_loss, fp8_case, relative_error
 from model import GPT, PRESETS, GPTConfig, linear_cross_entropy, with_arch
-from parallel import build_training_model
-from precision import DTYPES, autocast
-from training import train_step
-from validation import validation_loss
+from training.attention_kernels import BACKENDS, available_kernels, kernels_in_profile
+from training.config import TrainConfig
+from training.distributed import Distributed, teardown_distributed
+from training.fp8 import fp8_head_problem
+from training.parallel import build_training_model
+from training.precision import DTYPES, autocast
+from training.step import train_step
 
 pytestmark = pytest.mark.gpu
 

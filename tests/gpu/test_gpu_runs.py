@@ -21,15 +21,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from config import TrainConfig
 from conftest import ROOT, make_shards
 from dataloader import DistributedDataLoader
 from helpers_train import TrainRun, run_train, train_env
 from model import GPT, GPTConfig
-from optim import bf16_matmul_is_slow
-from snapshot import load_snapshot, save_snapshot, snapshot_path
-from timeline import find_latest_snapshot
-from tools.gpu_check_train import SAMPLE_PROMPT, printed_samples
+from rundir.snapshot import load_snapshot, save_snapshot, snapshot_path
+from rundir.timeline import find_latest_snapshot
+from tools.gpu_check.train import SAMPLE_PROMPT, printed_samples
+from training.config import TrainConfig
+from training.optim import bf16_matmul_is_slow
 
 pytestmark = pytest.mark.gpu
 

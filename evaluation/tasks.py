@@ -1,0 +1,465 @@
+"""Zero-shot evaluation scored as EleutherAI's lm-evaluation-harness 0.4 scores it, so that the numbers are the ones
+published tables use: evaluate.py --tasks, and in training --eval_tasks / --eval_every.
+
+A task turns each document into requests, (context, continuation) strings whose log-likelihood the model gives:
+- multiple choice (hellaswag, piqa, arc_easy, arc_challenge, openbookqa, sciq, copa, boolq): one request per choice,
+  the context being the task's prompt (the harness's doc_to_text) and the continuation " " + the choice (its target
+  delimiter). winogrande the other way round (partial scoring): one context per option, the rest of the sentence
+  as the shared continuation. acc: the request with the highest summed log-likelihood is the gold one; acc_norm:
+  the same after dividing each by its choice's length in characters. A tie goes to the first (numpy's argmax).
+- lambada_openai: one request, the text's last word after the rest. acc: every continuation token is the model's
+  greedy (argmax) token; perplexity: exp(-mean log-likelihood) over the documents.
+Tokens are the harness's Hugging Face model's: trailing whitespace of the context moves to the continuation, whose
+tokens are enc(context + continuation)[len(enc(context)):]; an empty context is the EOT token; a row longer than the
+model's context loses tokens from the left (so the continuation is always kept).
+
+The aggregate, eval_score, is the mean over the tasks of each task's accuracy centred on chance, (a - c) / (1 - c),
+as nanochat's CORE does: a is acc_norm where the harness reports it, else acc; c is the accuracy of guessing
+uniformly, the mean of 1/choices over the documents (0 for LAMBADA). 0 is chance, 1 every answer right.
+
+The data are <task>.jsonl files, one document a line, with the fields of the Hugging Face dataset the harness task
+loads and the split it scores (SOURCES); in data/evals/ (downloaded on first use) or any --eval_dir.
+"""
+
+import hashlib
+import json
+import math
+import re
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from training.distributed import any_rank
+from training.errors import UserError
+from training.files import atomic_write
+from training.parsing import PARSE_ERRORS, parse_problem
+from training.precision import autocast
+from training.tokenizer import Tokenizer, tiktoken_tokenizer
+
+DEFAULT_DIR = Path(__file__).resolve().parents[1] / "data" / "evals"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the tasks: each document as the harness's task YAML (and its utils.py) renders it
+
+@dataclass(frozen=True)
+class Doc:
+    requests: tuple[tuple[str, str], ...]  # (context, continuation) pairs, one per choice (LAMBADA: one)
+    gold: int  # the index of the right request
+    choices: tuple[str, ...]  # what acc_norm divides by the length of (the harness's doc_to_choice)
+
+
+def multiple_choice(context: str, choices: list[str], gold: int) -> Doc:
+    return Doc(tuple((context, " " + choice) for choice in choices), gold, tuple(choices))
+
+
+def hellaswag_text(text: str) -> str:
+    """The harness's hellaswag preprocess: WikiHow's "[title]" and other bracketed artefacts removed."""
+    text = text.strip().replace(" [title]", ". ")
+    text = re.sub(r"\[.*?\]", "", text)
+    return text.replace("  ", " ")
+
+
+def hellaswag(row: dict) -> Doc:
+    context = hellaswag_text(row["activity_label"] + ": " + row["ctx_a"] + " " + row["ctx_b"].capitalize())
+    return multiple_choice(context, [hellaswag_text(ending) for ending in row["endings"]], int(row["label"]))
+
+
+def lambada(row: dict) -> Doc:
+    *words, last = row["text"].split(" ")
+    return Doc(((" ".join(words), " " + last),), 0, ())
+
+
+def piqa(row: dict) -> Doc:
+    return multiple_choice(f"Question: {row['goal']}\nAnswer:", [row["sol1"], row["sol2"]], row["label"])
+
+
+def winogrande(row: dict) -> Doc:
+    sentence = row["sentence"]
+    blank = sentence.index("_")
+    contexts = tuple(sentence[:blank] + row[option] for option in ("option1", "option2"))
+    continuation = " " + sentence[blank + 1:].strip()
+    return Doc(tuple((context, continuation) for context in contexts), {"1": 0, "2": 1}[row["answer"]], contexts)
+
+
+def arc(row: dict) -> Doc:
+    choices = row["choices"]
+    return multiple_choice(f"Question: {row['question']}\nAnswer:", choices["text"],
+                           choices["label"].index(row["answerKey"]))
+
+
+def openbookqa(row: dict) -> Doc:
+    choices = row["choices"]
+    return multiple_choice(row["question_stem"], choices["text"], choices["label"].index(row["answerKey"].lstrip()))
+
+
+def sciq(row: dict) -> Doc:
+    choices = [row["distractor1"], row["distractor2"], row["distractor3"], row["correct_answer"]]
+    return multiple_choice(f"{row['support'].lstrip()}\nQuestion: {row['question']}\nAnswer:", choices, 3)
+
+
+def copa(row: dict) -> Doc:
+    connector = {"cause": "because", "effect": "therefore"}[row["question"]]
+    # The choices start with a space and the target delimiter adds another: the harness scores "  the sun rose."
+    choices = [" " + choice[0].lower() + choice[1:] for choice in (row["choice1"], row["choice2"])]
+    # Its gold is the right choice's text, looked up in the choices: the first of two equal ones.
+    return multiple_choice(row["premise"].strip()[:-1] + f" {connector}", choices,
+                           choices.index(choices[row["label"]]))
+
+
+def boolq(row: dict) -> Doc:
+    return multiple_choice(f"{row['passage']}\nQuestion: {row['question']}?\nAnswer:", ["no", "yes"], row["label"])
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    split: str  # the split the harness scores, which the file holds
+    fields: dict[str, type | tuple[type, ...]]  # what a line must hold
+    to_doc: Callable[[dict], Doc]
+    metrics: tuple[str, ...]  # as the harness's metric_list
+
+
+TASKS = {task.name: task for task in [
+    Task("hellaswag", "validation", {"activity_label": str, "ctx_a": str, "ctx_b": str, "endings": list,
+                                     "label": (int, str)}, hellaswag, ("acc", "acc_norm")),
+    Task("lambada_openai", "test", {"text": str}, lambada, ("acc", "perplexity")),
+    Task("piqa", "validation", {"goal": str, "sol1": str, "sol2": str, "label": int}, piqa, ("acc", "acc_norm")),
+    Task("winogrande", "validation (winogrande_xl)", {"sentence": str, "option1": str, "option2": str, "answer": str},
+         winogrande, ("acc",)),
+    Task("arc_easy", "test", {"question": str, "choices": dict, "answerKey": str}, arc, ("acc", "acc_norm")),
+    Task("arc_challenge", "test", {"question": str, "choices": dict, "answerKey": str}, arc, ("acc", "acc_norm")),
+    Task("openbookqa", "test", {"question_stem": str, "choices": dict, "answerKey": str}, openbookqa,
+         ("acc", "acc_norm")),
+    Task("sciq", "test", {"question": str, "support": str, "correct_answer": str, "distractor1": str,
+                          "distractor2": str, "distractor3": str}, sciq, ("acc", "acc_norm")),
+    Task("copa", "validation", {"premise": str, "choice1": str, "choice2": str, "question": str, "label": int}, copa,
+         ("acc",)),
+    Task("boolq", "validation", {"passage": str, "question": str, "label": int}, boolq, ("acc",)),
+]}
+
+
+def parse_task_names(text: str, flag: str) -> list[str]:
+    """"hellaswag,piqa" or "all" -> task names, checked."""
+    names = list(TASKS) if text.strip() == "all" else [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in TASKS]
+    if unknown or not names:
+        raise UserError(f"{flag} {text!r}: {'unknown task ' + ', '.join(unknown) if unknown else 'no task'}. Pass a "
+                        f"comma-separated list of {', '.join(TASKS)}, or all.")
+    return names
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the data files
+
+@dataclass(frozen=True)
+class Url:
+    url: str
+    sha256: str
+
+
+@dataclass(frozen=True)
+class HubDataset:  # what the harness's task YAML loads: dataset_path, dataset_name, and the split it scores
+    path: str
+    name: str | None
+    split: str
+
+
+SOURCES = {
+    "hellaswag": Url("https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl",
+                     "0aa3b88843990f3f10a97b9575c94d7b71fb2205240ba04ae4884d9e9c992588"),
+    "lambada_openai": Url("https://openaipublic.blob.core.windows.net/gpt-2/data/lambada_test.jsonl",
+                          "4aa8d02cd17c719165fc8a7887fddd641f43fcafa4b1c806ca8abc31fabdb226"),
+    "piqa": HubDataset("baber/piqa", None, "validation"),
+    "winogrande": HubDataset("allenai/winogrande", "winogrande_xl", "validation"),
+    "arc_easy": HubDataset("allenai/ai2_arc", "ARC-Easy", "test"),
+    "arc_challenge": HubDataset("allenai/ai2_arc", "ARC-Challenge", "test"),
+    "openbookqa": HubDataset("allenai/openbookqa", "main", "test"),
+    "sciq": HubDataset("allenai/sciq", None, "test"),
+    "copa": HubDataset("aps/super_glue", "copa", "validation"),
+    "boolq": HubDataset("aps/super_glue", "boolq", "validation"),
+}
+
+
+def leave_out(name: str) -> str:
+    return f"leave {name} out of --eval_tasks (evaluate.py: --tasks; --eval_every 0 turns them all off)"
+
+
+def task_file(name: str, eval_dir: str | None, hellaswag_path: str | None = None) -> Path:
+    if name == "hellaswag" and hellaswag_path:
+        return Path(hellaswag_path)
+    return (DEFAULT_DIR if eval_dir is None else Path(eval_dir)) / f"{name}.jsonl"
+
+
+def download(name: str, path: Path) -> None:
+    """Write the task's file, atomically (a crash, or another node writing the same shared file, never leaves half a
+    file). Raises UserError, one paragraph, if it cannot be had."""
+    source = SOURCES[name]
+    print(f"downloading {name} to {path}")
+    try:
+        if isinstance(source, Url):
+            with urllib.request.urlopen(source.url, timeout=60) as response:
+                data = response.read()
+            if hashlib.sha256(data).hexdigest() != source.sha256:
+                raise OSError(f"the file at {source.url} is not the expected one (sha256 mismatch)")
+        else:
+            import datasets
+            rows = datasets.load_dataset(source.path, source.name, split=source.split)
+            data = b"".join(json.dumps(row).encode() + b"\n" for row in rows)
+    except Exception as e:  # urllib and datasets raise many kinds: no network, no such dataset, HTTP errors
+        where = source.url if isinstance(source, Url) else f"the Hugging Face dataset {source.path}"
+        reason = (str(e).splitlines() or [""])[0]
+        raise UserError(f"could not download {name} from {where} ({type(e).__name__}: {reason}). "
+                        "On a node without network, run the same command on one that has (it downloads to "
+                        f"{DEFAULT_DIR}), copy {path.name} over and pass its directory with --eval_dir; or "
+                        f"{leave_out(name)}.") from e
+    atomic_write(path, lambda f: f.write(data))
+
+
+def load_docs(name: str, path: Path, limit: int | None = None) -> list[Doc]:
+    """The task's documents in file order (the first `limit` if given), each line checked."""
+    task = TASKS[name]
+    if not path.is_file():
+        raise UserError(f"{name}: the data file {path} does not exist. Point --eval_dir at a directory holding "
+                        f"{name}.jsonl (the harness's {task.split} split, one JSON document a line), leave --eval_dir "
+                        f"out to download it to {DEFAULT_DIR}, or {leave_out(name)}.")
+    docs = []
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, start=1):
+            if limit is not None and len(docs) == limit:
+                break
+            line = line.strip()
+            if not line:
+                continue
+            doc, problem = None, None
+            try:
+                row = json.loads(line)
+            except PARSE_ERRORS as e:
+                problem = parse_problem(e)
+            else:
+                problem = wrong_fields(row, task)
+                if problem is None:
+                    try:
+                        doc = task.to_doc(row)
+                    except (KeyError, ValueError, IndexError, TypeError, AttributeError) as e:
+                        problem = f"{type(e).__name__}: {e}"
+                    else:
+                        problem = wrong_doc(doc)
+            if problem:
+                fields = ", ".join(f"{key} ({kind_name(kind)})" for key, kind in task.fields.items())
+                raise UserError(f"{path}, line {number}: {problem}. A {name} document is a JSON object with {fields}, "
+                                f"as in the harness's {task.split} split, one a line. Point --eval_dir (or, for "
+                                "hellaswag, --hellaswag_path) at the right file, or leave --eval_dir out to download "
+                                f"it, or {leave_out(name)}.")
+            docs.append(doc)
+    if not docs:
+        raise UserError(f"{path} holds no {name} document. Point --eval_dir (or, for hellaswag, --hellaswag_path) at "
+                        f"the harness's {task.split} split, one JSON document a line, or {leave_out(name)}.")
+    return docs
+
+
+def kind_name(kind: type | tuple[type, ...]) -> str:
+    return " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+
+
+def wrong_fields(row, task: Task) -> str | None:
+    if not isinstance(row, dict):
+        return "not a JSON object"
+    for key, kind in task.fields.items():
+        if key not in row:
+            return f"no field {key!r}"
+        if not isinstance(row[key], kind) or isinstance(row[key], bool):
+            return f"{key} is {type(row[key]).__name__}, not {kind_name(kind)}"
+    return None
+
+
+def wrong_doc(doc: Doc) -> str | None:
+    strings = [text for request in doc.requests for text in request] + list(doc.choices)
+    if not all(isinstance(text, str) for text in strings):
+        return "a choice is not a string"
+    if not 0 <= doc.gold < len(doc.requests):
+        return f"the answer is choice {doc.gold}, but there are {len(doc.requests)}"
+    return None
+
+
+def load_tasks(names: list[str], eval_dir: str | None, hellaswag_path: str | None, limit: int | None,
+               local_rank: int = 0, device: torch.device | str = "cpu") -> dict[str, list[Doc]]:
+    """Each task's documents. A file missing from the default directory is downloaded first, by local rank 0 of
+    each node (the other ranks would fetch the same bytes); then all ranks agree on whether that worked (a
+    collective, so that none waits for one that failed), and a failure is a UserError on every rank."""
+    reason = None
+    if eval_dir is None and local_rank == 0:
+        try:
+            for name in names:
+                path = task_file(name, eval_dir, hellaswag_path)
+                if not path.exists() and not (name == "hellaswag" and hellaswag_path):
+                    download(name, path)
+        except UserError as e:
+            reason = str(e)
+    if any_rank(reason is not None, torch.device(device)):
+        if not dist.is_initialized():
+            raise UserError(reason)
+        reasons = [None] * dist.get_world_size()
+        dist.all_gather_object(reasons, reason)  # only on failure: the reason is text, not a tensor
+        rank, reason = next((r, text) for r, text in enumerate(reasons) if text is not None)
+        raise UserError(f"rank {rank} (local rank 0 of its node): {reason}")
+    return {name: load_docs(name, task_file(name, eval_dir, hellaswag_path), limit) for name in names}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# requests as tokens, in batches
+
+@dataclass(frozen=True)
+class Request:
+    tokens: list[int]  # the model's input row
+    targets: list[int]  # the continuation's tokens, predicted at the row's last len(targets) positions
+
+
+def tokenize(encode: Callable[[str], tuple[int, ...]], eot: int, context: str, continuation: str,
+             block_size: int) -> Request:
+    """The harness's split of a request into tokens (its HFLM.loglikelihood, _encode_pair, _loglikelihood_tokens)."""
+    stripped = context.rstrip()
+    context, continuation = stripped, context[len(stripped):] + continuation  # "Answer: " + "x" -> "Answer:" + " x"
+    if context:
+        context_tokens = encode(context)
+        continuation_tokens = encode(context + continuation)[len(context_tokens):]
+    else:  # EOT stands in for the empty context
+        whole = encode(continuation)
+        context_tokens, continuation_tokens = ((eot,), whole) if whole[0] != eot else (whole[:1], whole[1:])
+    row = (context_tokens + continuation_tokens)[-(block_size + 1):][:-1]
+    # A continuation longer than the context (small models only: PIQA's longest solution is 246 tokens) keeps its
+    # last block_size tokens; the harness stops at an assertion there.
+    return Request(list(row), list(continuation_tokens[-block_size:]))
+
+
+class Suite:
+    """The tasks' documents, tokenized once, and the batches their requests are scored in: longest rows first, up to
+    batch_tokens padded tokens a batch. The batches depend on nothing else, so each request is computed the same
+    way on any number of ranks (each scores every world_size-th batch), and so are the results, bit for bit.
+    tokenizer: the model's (None: GPT-2's)."""
+
+    def __init__(self, docs: dict[str, list[Doc]], block_size: int, batch_tokens: int,
+                 tokenizer: Tokenizer | None = None):
+        self.docs = docs
+        tokenizer = tokenizer or tiktoken_tokenizer("gpt2")
+        # allow_eot: "<|endoftext|>" in a text is the EOT token, as Hugging Face's tokenizer reads it.
+        encode = lru_cache(maxsize=16)(lambda text: tuple(tokenizer.encode(text, allow_eot=True)))
+        self.requests = [tokenize(encode, tokenizer.eot, context, continuation, block_size)
+                         for task_docs in docs.values() for doc in task_docs for context, continuation in doc.requests]
+        order = sorted(range(len(self.requests)), key=lambda i: -len(self.requests[i].tokens))
+        self.batches: list[list[int]] = []
+        while order:
+            rows = max(1, batch_tokens // len(self.requests[order[0]].tokens))
+            self.batches.append(order[:rows])
+            order = order[rows:]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# scoring
+
+# A stop check is a collective: every this many batches, so that SIGTERM during an evaluation is noticed in seconds.
+STOP_CHECK_EVERY = 8
+# Positions whose (vocabulary-wide) log-softmax is computed at once, so that memory stays bounded.
+LOGIT_ROWS = 2048
+
+
+def score_batch(model: torch.nn.Module, requests: list[Request], device: torch.device,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each request's summed log-likelihood of its targets (float32, as the harness's sum) and whether every target
+    is the argmax of its log-softmax; one forward pass over the right-padded rows (causal: padding changes nothing
+    before it), the LM head only at the target positions."""
+    T = max(len(request.tokens) for request in requests)
+    idx = torch.tensor([request.tokens + [0] * (T - len(request.tokens)) for request in requests])
+    row = torch.tensor([i for i, request in enumerate(requests) for _ in request.targets])
+    column = torch.tensor([len(request.tokens) - len(request.targets) + j
+                           for request in requests for j in range(len(request.targets))])
+    targets = torch.tensor([token for request in requests for token in request.targets], device=device)
+    row, column = row.to(device), column.to(device)
+    with autocast(device, dtype):
+        hidden = model.hidden_states(idx.to(device))[row, column]  # (targets, n_embd)
+        token_ll, hits = [], []
+        for h, t in zip(hidden.split(LOGIT_ROWS), targets.split(LOGIT_ROWS)):
+            logprobs = F.log_softmax(model.logits(h).float(), dim=-1)
+            token_ll.append(logprobs.gather(1, t[:, None])[:, 0])
+            hits.append(logprobs.argmax(dim=-1) == t)
+    ll = torch.zeros(len(requests), device=device).index_add_(0, row, torch.cat(token_ll))
+    misses = torch.zeros(len(requests), dtype=torch.long, device=device).index_add_(0, row, (~torch.cat(hits)).long())
+    return ll, misses == 0
+
+
+def evaluate(model: torch.nn.Module, suite: Suite, device: torch.device | str, dtype: torch.dtype = torch.float32,
+             rank: int = 0, world_size: int = 1, progress: bool = False,
+             should_stop: Callable[[], bool] | None = None) -> dict[str, float] | None:
+    """{"<task>/<metric>": value, ..., "eval_score": the aggregate}, the same on every rank (see score)."""
+    results = score(model, suite, device, dtype, rank, world_size, progress, should_stop)
+    return None if results is None else metrics(suite.docs, results)
+
+
+def score(model: torch.nn.Module, suite: Suite, device: torch.device | str, dtype: torch.dtype = torch.float32,
+          rank: int = 0, world_size: int = 1, progress: bool = False,
+          should_stop: Callable[[], bool] | None = None) -> list[tuple[float, float]] | None:
+    """(log-likelihood, greedy 1/0) of every request of the suite, on every rank: rank r scores batches r,
+    r + world_size, ..., and the results are summed across ranks. `model` is a plain GPT (not compiled or
+    DDP-wrapped); its train/eval mode is restored afterwards. dtype is the autocast dtype (torch.float32: none).
+
+    should_stop, if given, is called every STOP_CHECK_EVERY batches on every rank (in training a collective that
+    agrees on a SIGTERM); when it returns True the evaluation ends at once and returns None."""
+    device = torch.device(device)
+    results = torch.zeros(len(suite.requests), 2, dtype=torch.float64)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            # Every rank goes round the same number of times, so the stop checks happen at the same points.
+            turns = math.ceil(len(suite.batches) / world_size)
+            for turn in tqdm(range(turns), desc="evals", disable=not progress):
+                if should_stop is not None and turn % STOP_CHECK_EVERY == 0 and turn > 0 and should_stop():
+                    return None
+                if turn * world_size + rank >= len(suite.batches):
+                    continue
+                batch = suite.batches[turn * world_size + rank]
+                ll, greedy = score_batch(model, [suite.requests[i] for i in batch], device, dtype)
+                results[batch] = torch.stack([ll.double(), greedy.double()], dim=1).cpu()
+    finally:
+        model.train(was_training)
+    if world_size > 1:  # each request was scored on one rank, and is 0 on the others
+        results = results.to(device)
+        dist.all_reduce(results, op=dist.ReduceOp.SUM)
+    return [tuple(result) for result in results.cpu().tolist()]
+
+
+def metrics(docs: dict[str, list[Doc]], results: list[tuple[float, float]]) -> dict[str, float]:
+    """Each task's metrics from its requests' (log-likelihood, greedy) results, in Suite.requests' order, and the
+    aggregate."""
+    out, centred = {}, []
+    start = 0
+    for name, task_docs in docs.items():
+        task = TASKS[name]
+        hits = {metric: 0.0 for metric in task.metrics}
+        chance = 0.0
+        for doc in task_docs:
+            lls = np.array([ll for ll, _ in results[start: start + len(doc.requests)]])
+            if "perplexity" in task.metrics:  # LAMBADA: one request
+                hits["perplexity"] += lls[0]
+                hits["acc"] += results[start][1]
+            else:
+                hits["acc"] += np.argmax(lls) == doc.gold
+                if "acc_norm" in task.metrics:
+                    hits["acc_norm"] += np.argmax(lls / np.array([float(len(c)) for c in doc.choices])) == doc.gold
+                chance += 1 / len(doc.requests)
+            start += len(doc.requests)
+        n = len(task_docs)
+        for metric, total in hits.items():
+            out[f"{name}/{metric}"] = math.exp(-total / n) if metric == "perplexity" else float(total / n)
+        main, chance = out[f"{name}/{'acc_norm' if 'acc_norm' in task.metrics else 'acc'}"], chance / n
+        centred.append((main - chance) / (1 - chance))
+    out["eval_score"] = sum(centred) / len(centred)
+    return out

@@ -1,0 +1,458 @@
+"""The flags of a training run, recipes (TOML files of flags), and the plan they resolve to.
+
+    python train_gpt2.py --config recipes/shakespeare_small.toml --max_steps 50   # a recipe; flags override it
+
+`TrainConfig` is what the user asked for; `resolve_plan` turns it into a `Plan` (the model's shape, the sequence
+length, the accumulation steps, the validation steps, the snapshot directory), and every check of the flags
+happens there, before any process group, model or data loader exists.
+"""
+
+import argparse
+import math
+import typing
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+import tomllib
+
+from dataloader import find_shards, read_data_tokenizer, read_shard_header
+from evaluation.tasks import parse_task_names
+from model import ACTIVATION_CHECKPOINTING, ARCHITECTURES, PRESETS, GPTConfig, with_arch
+from rundir.snapshot import check_tokenizer, is_snapshot_directory, read_model_config, read_tokenizer
+from training.errors import UserError
+from training.hf import local_config
+from training.parsing import PARSE_ERRORS, parse_problem
+from training.tokenizer import TokenizerSpec, gpt2_spec
+
+HF_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+
+
+def arg(default, help: str, choices: tuple[str, ...] | None = None):
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class TrainConfig:
+    # data
+    data_dir: str = arg("data/fineweb_edu10B", "directory of *_train_*.bin / *_val_*.bin shards")
+    shuffle: bool = arg(True, "shuffle shard and chunk order each epoch (seeded; validation never shuffles)")
+    align_bos: bool | None = arg(None, "train rows start at a document's first token, documents packed best-fit (see "
+                                       "dataloader.py; validation reads the plain stream). Default: on for --arch "
+                                       "modern, off for gpt2")
+    # model
+    arch: str | None = arg(None, "gpt2 (OpenAI's, exactly) | modern: rotary positions, RMSNorm, QK-norm, SwiGLU, "
+                                 "untied embeddings, biases on attention only (model.py; exports as Qwen3). Default: "
+                                 "gpt2, or the --init_from weights'", choices=ARCHITECTURES)
+    attention_bias: bool | None = arg(None, "--arch modern: biases on attention's q, k, v and output projections. "
+                                            "Default: on (--no-attention_bias is modern as it was before 2026-11-27, "
+                                            "and resumes its snapshots)")
+    model: str | None = arg(None, f"size preset: {', '.join(PRESETS)} (default: gpt2; with --init_from: the "
+                                  "shape of those weights)")
+    init_from: str = arg("scratch", f"start from: scratch (random weights) | {' | '.join(HF_MODELS)} (OpenAI's, from "
+                                    "the Hugging Face hub) | a Hugging Face model directory | a snapshot_*.pt of ours")
+    n_layer: int | None = arg(None, "override the preset's number of layers")
+    n_head: int | None = arg(None, "override the preset's number of attention heads")
+    n_embd: int | None = arg(None, "override the preset's embedding width")
+    block_size: int | None = arg(None, "override the preset's context length (with --init_from: crop it)")
+    # batch: total_batch_size tokens per optimizer step = micro_batch_size·seq_len·world_size·grad_accum_steps
+    seq_len: int | None = arg(None, "training sequence length T (≤ block_size; default: block_size)")
+    short_rows: str = arg("", "a sequence-length schedule, LENGTH:UNTIL_STEP pairs: '64:50,128:100' cuts each "
+                              "training row into rows of 64 tokens before step 50, of 128 before step 100, then "
+                              "trains on whole --seq_len rows (the same tokens per step, in the same order; each "
+                              "LENGTH divides --seq_len). Empty: whole rows throughout")
+    micro_batch_size: int | str = arg(64, "sequences per rank per micro-step B; lower it if you run out of memory, "
+                                          "or 'auto': the largest that fits this device's memory")
+    total_batch_size: int = arg(524288, "tokens per optimizer step (GPT-2 used ~0.5M)")
+    # optimization
+    max_steps: int = arg(19073, "optimizer steps (19,073 × 524,288 ≈ 10B tokens, one FineWeb-Edu 10B epoch)")
+    warmup_steps: int = arg(715, "linear LR warmup steps")
+    max_lr: float = arg(6e-4, "peak learning rate")
+    min_lr_ratio: float = arg(0.1, "final learning rate as a fraction of max_lr")
+    weight_decay: float = arg(0.1, "AdamW weight decay on matrices")
+    adam_beta1: float = arg(0.9, "AdamW's first-moment decay (its second is 0.95); 0.8, modded-nanogpt's, averages "
+                                 "the last ~5 gradients instead of ~10")
+    lr_schedule: str = arg("cosine", "after the warmup: cosine decay to min_lr_ratio·max_lr | wsd: hold max_lr, then "
+                                     "decay linearly over the last --warmdown_frac of the steps (a run can be extended "
+                                     "from a snapshot taken before the decay)", choices=("cosine", "wsd"))
+    warmdown_frac: float = arg(0.2, "wsd: the fraction of --max_steps over which the LR decays at the end")
+    optimizer: str = arg("adamw", "adamw (GPT-2's) | muon: torch.optim.Muon for the 2-D weights in the blocks, AdamW "
+                                  "for embeddings, biases and LayerNorms", choices=("adamw", "muon"))
+    embed_lr: float | None = arg(None, "peak learning rate of the untied input embedding of --arch modern (AdamW, on "
+                                       "the same schedule; gpt2's is its output layer too, at --max_lr). Default: "
+                                       "10 × --max_lr (README, Architectures)")
+    muon_lr: float = arg(0.01, "muon: peak learning rate of the Muon-updated matrices (follows the same schedule; "
+                               "0.01 was best of 0.005-0.04 on two small models, see the README)")
+    muon_momentum: float = arg(0.95, "muon: Nesterov momentum")
+    muon_momentum_warmup: int = arg(0, "muon: the momentum rises linearly from 0.85 to --muon_momentum over the first "
+                                       "N steps (modded-nanogpt's; 0: --muon_momentum from the first step)")
+    muon_weight_decay: float = arg(0.0, "muon: decoupled weight decay, applied as muon_lr·decay per step")
+    muon_adjust_lr: str = arg("original", "muon: per-shape LR scaling: original (√max(1, out/in), Keller Jordan's; "
+                                          "tune --muon_lr) | match_rms_adamw (0.2·√max(out, in), Moonshot's: updates "
+                                          "of AdamW's size, so --muon_lr = --max_lr is a start)",
+                              choices=("original", "match_rms_adamw"))
+    grad_clip: float = arg(1.0, "clip the global gradient norm to this (0 = off)")
+    # speed and precision
+    dtype: str = arg("auto", "autocast dtype (fp16 adds a GradScaler; auto: bf16 where the hardware has it, "
+                             "else fp16 on GPUs, else fp32)", choices=("auto", "bf16", "fp16", "fp32"))
+    device: str = arg("auto", "where to train (auto: cuda, else mps, else cpu)", choices=("auto", "cuda", "mps", "cpu"))
+    compile: bool = arg(False, "torch.compile the model")
+    fp8_head: bool = arg(False, "the output layer's three matmuls (logits, gradients of hidden states and weight) in "
+                                "FP8 inside the training loss: e4m3 operands, e5m2 gradient, fp32 accumulation "
+                                "(fp8.py); needs a GPU with FP8 tensor cores (sm89+: Ada, Hopper) and bf16. "
+                                "Validation stays in bf16")
+    parallel: str = arg("ddp", "ddp: every GPU holds the whole model | fsdp: weights, gradients and AdamW state "
+                               "sharded across the ranks, for models that do not fit one GPU", choices=("ddp", "fsdp"))
+    activation_checkpointing: str = arg("none", "recompute activations in backward instead of keeping them: none | "
+                                                "blocks (keep each block's input only: the least memory, a second "
+                                                "forward of the blocks) | selective (keep the matmuls' and attention's "
+                                                "outputs, recompute LayerNorms, GELU and casts)",
+                                        choices=ACTIVATION_CHECKPOINTING)
+    deterministic: bool = arg(False, "bitwise-repeatable GPU runs (strictly deterministic kernels; slower)")
+    seed: int = arg(1337, "random seed (weights init, data shuffling)")
+    # evaluation and logging
+    val_every: int = arg(250, "validate every N steps (0 = never)")
+    val_tokens: int = arg(10_485_760, "tokens per validation (same for any world size)")
+    val_steps: int | None = arg(None, "validation micro-batches per rank; overrides --val_tokens")
+    eval_tasks: str = arg("hellaswag", "zero-shot tasks scored as lm-evaluation-harness 0.4 does (evals.py): a "
+                                       "comma-separated list of hellaswag, lambada_openai, piqa, winogrande, arc_easy, "
+                                       "arc_challenge, openbookqa, sciq, copa, boolq, or all")
+    eval_every: int = arg(250, "the --eval_tasks every N steps (0 = never); old name --hellaswag_every")
+    eval_limit: int | None = arg(None, "only the first N documents of each task; old name --hellaswag_limit")
+    eval_dir: str | None = arg(None, "directory of the tasks' <task>.jsonl files (default: data/evals/, each "
+                                     "downloaded on first use)")
+    hellaswag_path: str | None = arg(None, "HellaSwag's file (hellaswag_val.jsonl) instead of --eval_dir's")
+    sample_every: int = arg(250, "rank 0 prints sampled text every N steps (0 = never)")
+    log_dir: str = arg("logs", "metrics.jsonl (and, by default, snapshots) go here")
+    wandb_project: str | None = arg(None, "wandb project; logging to wandb is on when this is set")
+    wandb_mode: str | None = arg(None, "online|offline|disabled (default: online with a project, else disabled)",
+                                 choices=("online", "offline", "disabled"))
+    wandb_run_name: str | None = arg(None, "wandb run name")
+    # fault tolerance
+    snapshot_dir: str | None = arg(None, "snapshot directory (default: --log_dir)")
+    snapshot_every: int = arg(500, "snapshot every N steps (0: none on a beat); the last step and a stop always do")
+    keep_last: int = arg(2, "keep this many newest snapshots")
+    resume: str = arg("auto", "auto (newest valid snapshot in --snapshot_dir) | never | PATH to a snapshot")
+    dist_timeout: int = arg(600, "seconds a rank waits for the others in a collective before it exits, so that a "
+                                 "stopped or stuck rank ends the job (to be restarted) instead of hanging it; longer "
+                                 "than any snapshot write or evaluation that only some ranks do")
+    skip_zscore: float = arg(0.0, "also skip an update whose loss or grad norm is more than this many standard "
+                                  "deviations above its mean over the last 100 applied steps (0 = off; NaN/inf "
+                                  "updates are always skipped)")
+    on_divergence: str = arg("stop", "after --max_skips skipped updates in a row: stop (exit, naming the newest "
+                                     "healthy snapshot) | rollback (reload it, skip the data in between, train on)",
+                             choices=("stop", "rollback"))
+    max_skips: int = arg(10, "skipped updates in a row that count as a divergence")
+    max_rollbacks: int = arg(3, "with --on_divergence rollback: roll back at most this many times, then stop")
+    run_lock: bool = arg(True, "hold a lock (flock on <dir>/run.lock) on --log_dir and --snapshot_dir for the "
+                               "whole run, so that a second run on them exits 2 at once; --no-run_lock only where the "
+                               "filesystem has no flock (the error says so): then nothing stops two runs from "
+                               "writing into one directory")
+
+
+# The --help sections, named at the first flag of each (the comments in TrainConfig).
+FLAG_GROUPS = {"data_dir": "data", "arch": "model", "seq_len": "batch", "max_steps": "optimization",
+               "dtype": "speed and precision", "val_every": "evaluation and logging",
+               "snapshot_dir": "fault tolerance"}
+# Flags by their old names, still accepted on the command line and in recipes.
+OLD_NAMES = {"ckpt_dir": "snapshot_dir", "ckpt_every": "snapshot_every", "hellaswag_every": "eval_every",
+             "hellaswag_limit": "eval_limit"}
+
+
+# The top of a whole-number flag whose range names none: C's int, the most any library we hand a count to takes (a
+# timedelta's seconds, CUDA's grid, NCCL's counts), and small enough that the product of two fits in int64 (torch's
+# and numpy's integers). Above it, a run crashed with a traceback part way (--warmup_steps 10**400: "int too large to
+# convert to float") or never ended; no real run comes near it.
+LARGEST_COUNT = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a number flag takes: finite, from low to high, either end left out where it is open; a whole
+    number's at most LARGEST_COUNT where high is left out."""
+    low: float
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+
+    def top(self, value: float) -> float:
+        return LARGEST_COUNT if isinstance(value, int) and self.high == math.inf else self.high
+
+    def __contains__(self, value: float) -> bool:
+        above_low = value > self.low if self.low_open else value >= self.low
+        below_high = value < self.top(value) if self.high_open else value <= self.top(value)
+        return (isinstance(value, int) or math.isfinite(value)) and above_low and below_high  # (NaN fails both)
+
+    def describe(self, value: float) -> str:
+        """The range, to a user who passed `value`: its top only where it is the flag's own, or what value passed."""
+        low = f"above {self.low}" if self.low_open else f"at least {self.low}"
+        top = self.top(value)
+        shown = self.high != math.inf or (top != math.inf and value > top)
+        return low + (f" and {'below' if self.high_open else 'at most'} {top}" if shown else "")
+
+
+AT_LEAST_0, AT_LEAST_1, ABOVE_0 = Range(0), Range(1), Range(0, low_open=True)
+BELOW_1 = Range(0, 1, high_open=True)
+SEEDS = Range(0, 2**64, high_open=True)  # numpy's generators take no negative seed, torch's none of 2**64 or more
+# The values of each number flag (None, a flag's "not set", is not checked). Outside them a run crashed part way,
+# or went on meaning something else: --val_every -1 validated at every step, --grad_clip nan clipped nothing.
+FLAG_RANGES = {
+    "n_layer": AT_LEAST_1, "n_head": AT_LEAST_1, "n_embd": AT_LEAST_1, "block_size": AT_LEAST_1, "seq_len": AT_LEAST_1,
+    "micro_batch_size": AT_LEAST_1, "total_batch_size": AT_LEAST_1, "max_steps": AT_LEAST_1,
+    "warmup_steps": AT_LEAST_0, "max_lr": ABOVE_0, "min_lr_ratio": Range(0, 1), "weight_decay": AT_LEAST_0,
+    "adam_beta1": BELOW_1, "warmdown_frac": Range(0, 1, low_open=True), "embed_lr": ABOVE_0, "muon_lr": ABOVE_0,
+    "muon_momentum": BELOW_1, "muon_momentum_warmup": AT_LEAST_0, "muon_weight_decay": AT_LEAST_0,
+    "grad_clip": AT_LEAST_0, "seed": SEEDS, "val_every": AT_LEAST_0, "val_tokens": AT_LEAST_1,
+    "val_steps": AT_LEAST_1, "eval_every": AT_LEAST_0, "eval_limit": AT_LEAST_1, "sample_every": AT_LEAST_0,
+    "snapshot_every": AT_LEAST_0, "dist_timeout": AT_LEAST_1, "skip_zscore": AT_LEAST_0, "max_skips": AT_LEAST_1,
+    "max_rollbacks": AT_LEAST_0, "keep_last": AT_LEAST_1,
+}
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and every flag's default in --help."""
+
+
+def add_flags(parser: argparse.ArgumentParser, names: list[str] | None = None, defaults: dict | None = None) -> None:
+    """A --flag per TrainConfig field (or the named ones, for bench.py), grouped as in TrainConfig."""
+    group = parser
+    for f in fields(TrainConfig):
+        if f.name in FLAG_GROUPS and names is None:
+            group = parser.add_argument_group(FLAG_GROUPS[f.name])
+        if names is not None and f.name not in names:
+            continue
+        default = (defaults or {}).get(f.name, f.default)
+        flags = [f"--{f.name}", *(f"--{old}" for old, new in OLD_NAMES.items() if new == f.name)]
+        if set_type(f.type) is bool:
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"])
+        else:
+            kind = int_or_auto if f.type == int | str else set_type(f.type)
+            group.add_argument(*flags, type=kind, default=default, choices=f.metadata["choices"],
+                               help=f.metadata["help"])
+
+
+def set_type(field_type: type) -> type:
+    """The type of a flag's value when it is given: X for a field typed X | None (None is its default's)."""
+    types = [t for t in typing.get_args(field_type) if t is not type(None)]
+    return types[0] if len(types) == 1 else field_type
+
+
+def int_or_auto(text: str) -> int | str:
+    if text == "auto" or text.isdigit():
+        return text if text == "auto" else int(text)
+    raise argparse.ArgumentTypeError(f"{text!r} is neither a number of sequences nor 'auto'")
+
+
+def parse_args(argv: list[str] | None = None, description: str = __doc__) -> TrainConfig:
+    """Flags, on top of the recipe that --config names (if any), on top of TrainConfig's defaults."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
+    parser.add_argument("--config", help="a recipe: a TOML file of flag = value lines (see recipes/); flags given on "
+                                         "the command line override it")
+    add_flags(parser)
+    recipe_path = parser.parse_known_args(argv)[0].config
+    if recipe_path:
+        parser.set_defaults(**load_recipe(recipe_path))
+    values = vars(parser.parse_args(argv))
+    values.pop("config")
+    return TrainConfig(**values)
+
+
+def load_recipe(path: str) -> dict:
+    """The flags in a recipe file, checked against TrainConfig's names, types and choices."""
+    try:
+        with open(path, "rb") as f:
+            recipe = tomllib.load(f)
+    except FileNotFoundError as e:
+        raise UserError(f"--config {path}: no such file. Pass a recipe such as "
+                        "recipes/gpt2_124m_fineweb_edu.toml.") from e
+    except OSError as e:  # a directory, no permission to read it
+        raise UserError(f"--config {path} could not be read ({e.strerror}). Pass a recipe file such as "
+                        "recipes/gpt2_124m_fineweb_edu.toml.") from e
+    except PARSE_ERRORS as e:
+        raise UserError(f"--config {path} is {parse_problem(e)}. Each line is `flag = value`, e.g. "
+                        "`max_steps = 100` or `data_dir = \"data/shakespeare\"`.") from e
+    known = {f.name: f for f in fields(TrainConfig)}
+    recipe = {OLD_NAMES.get(key, key): value for key, value in recipe.items()}
+    for key, value in recipe.items():
+        if key not in known:
+            raise UserError(f"--config {path}: unknown setting {key!r}. A recipe sets the flags of "
+                            "`python train_gpt2.py --help`, without the leading dashes.")
+        value_type = set_type(known[key].type)
+        expected = {float: (float, int), int | str: (int, str)}.get(value_type, value_type)
+        choices = known[key].metadata["choices"]
+        if not isinstance(value, expected) or isinstance(value, bool) != (expected is bool) or \
+                (choices and value not in choices):
+            raise UserError(f"--config {path}: {key} = {value!r} is not a valid value for --{key} "
+                            f"({'one of ' + ', '.join(choices) if choices else known[key].type}).")
+    return recipe
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the plan
+
+@dataclass(frozen=True)
+class Plan:
+    model_config: GPTConfig
+    align_bos: bool  # --align_bos, or its default for the architecture
+    seq_len: int
+    short_rows: tuple[tuple[int, int], ...]  # --short_rows: (row length, until which step), the steps increasing
+    grad_accum_steps: int
+    val_steps: int  # validation micro-batches per rank (0: no validation)
+    snapshot_dir: str
+
+
+def resolve_plan(cfg: TrainConfig, world_size: int) -> Plan:
+    """Everything the flags imply, checked: the first bad flag raises a UserError naming it and the fix."""
+    check_flag_ranges(cfg)
+    config = model_config(cfg)
+    if not isinstance(cfg.micro_batch_size, int):  # (a number's range: check_flag_ranges)
+        raise UserError(f"--micro_batch_size {cfg.micro_batch_size!r}: pass a number of sequences (1 or more) or "
+                        "'auto'.")
+    seq_len = cfg.seq_len or config.block_size
+    if seq_len > config.block_size:
+        raise UserError(f"--seq_len {seq_len} exceeds the model's --block_size {config.block_size}; lower --seq_len "
+                        "or raise --block_size.")
+    short_rows = parse_short_rows(cfg.short_rows, seq_len)
+    grad_accum_steps = grad_accum_steps_for(cfg, seq_len, world_size)
+    val_steps = validation_steps(cfg, seq_len, world_size) if cfg.val_every else 0
+    if cfg.eval_every:
+        parse_task_names(cfg.eval_tasks, "--eval_tasks")
+    if cfg.on_divergence == "rollback" and not cfg.snapshot_every:
+        raise UserError("--on_divergence rollback reloads the newest healthy snapshot, and --snapshot_every 0 writes "
+                        "none. Pass --snapshot_every N (e.g. 500), or --on_divergence stop.")
+    if cfg.embed_lr is not None and config.arch == "gpt2":
+        raise UserError(f"--embed_lr {cfg.embed_lr}: gpt2's token embedding is also its output layer (tied), so it "
+                        "learns at --max_lr. Leave --embed_lr out, or train --arch modern, whose embedding is its own.")
+    if cfg.attention_bias is not None and config.arch == "gpt2":
+        raise UserError(f"--{'' if cfg.attention_bias else 'no-'}attention_bias: gpt2 has biases on every layer, "
+                        "attention's included, as OpenAI's. Leave the flag out, or train --arch modern.")
+    align_bos = cfg.align_bos if cfg.align_bos is not None else config.arch == "modern"
+    return Plan(config, align_bos, seq_len, short_rows, grad_accum_steps, val_steps, cfg.snapshot_dir or cfg.log_dir)
+
+
+def check_flag_ranges(cfg: TrainConfig) -> None:
+    """A UserError naming the first number flag outside its FLAG_RANGES, quoting its --help. Not the flags left
+    unset (None) or 'auto' (--micro_batch_size)."""
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name in FLAG_RANGES and isinstance(value, int | float):
+            check_range(f.name, value, FLAG_RANGES[f.name], f.metadata["help"])
+
+
+def check_range(flag: str, value: float, allowed: Range, help: str | None = None) -> None:
+    """A UserError naming --flag (and quoting its --help, if given) unless value is in the allowed range."""
+    if value not in allowed:
+        finite = "finite " if isinstance(value, float) and not math.isfinite(value) else ""
+        raise UserError(f"--{flag} {value}: pass a {finite}number {allowed.describe(value)}" +
+                        (f' (--help: "{help}")' if help else "") + ".")
+
+
+def parse_short_rows(schedule: str, seq_len: int) -> tuple[tuple[int, int], ...]:
+    """--short_rows '64:50,128:100' as ((64, 50), (128, 100)), checked against --seq_len."""
+    try:
+        pairs = tuple(tuple(int(number) for number in pair.split(":", 1)) for pair in schedule.split(",")) \
+            if schedule else ()
+        ok = all(len(pair) == 2 for pair in pairs)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise UserError(f"--short_rows {schedule!r}: pass LENGTH:UNTIL_STEP pairs separated by commas, e.g. "
+                        "'64:50,128:100' (rows of 64 tokens before step 50, of 128 before step 100, then whole rows).")
+    lengths, steps = [length for length, _ in pairs], [step for _, step in pairs]
+    if any(length < 1 or seq_len % length for length in lengths) or steps != sorted(set(steps)) or \
+            any(step < 1 for step in steps):
+        raise UserError(f"--short_rows {schedule!r}: each LENGTH must divide --seq_len {seq_len} (a row is cut into "
+                        "shorter ones), and the UNTIL_STEPs must rise, from 1 on: e.g. '64:50,128:100' for --seq_len "
+                        "256 or 1024.")
+    return pairs
+
+
+def row_length(step: int, plan: Plan) -> int:
+    """The length of the rows the model trains on at `step` (--short_rows), a divisor of --seq_len."""
+    return next((length for length, until in plan.short_rows if step < until), plan.seq_len)
+
+
+def model_config(cfg: TrainConfig) -> GPTConfig:
+    """The model's shape: a preset with the shape flags applied, or the shape of the --init_from weights."""
+    if cfg.model is not None and cfg.model not in PRESETS:
+        raise UserError(f"--model {cfg.model!r} is not a known preset; choose one of {', '.join(PRESETS)}.")
+    overrides = {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd", "block_size") if getattr(cfg, k)}
+    if cfg.init_from == "scratch":
+        # the data's tokenizer's vocabulary (GPT-2's 50,257 without a manifest); the model pads it to a multiple of 128
+        vocab_size = read_data_tokenizer(cfg.data_dir).vocab_size
+        config = replace(with_arch(PRESETS[cfg.model or "gpt2"], cfg.arch or "gpt2", cfg.attention_bias), **overrides,
+                         vocab_size=vocab_size)
+        if config.n_embd % config.n_head:
+            raise UserError(f"--n_embd {config.n_embd} must be a multiple of --n_head {config.n_head}.")
+        return config
+    weights = init_weights_config(cfg.init_from)
+    check_tokenizer(f"--init_from {cfg.init_from}", init_weights_tokenizer(cfg.init_from), cfg.data_dir,
+                    read_data_tokenizer(cfg.data_dir), "Start from weights trained with this data's tokenizer, train "
+                    "them on data written with theirs (data/prepare.py --tokenizer), or train from scratch "
+                    "(--init_from scratch).")
+    asked = {k: v for k, v in overrides.items() if k != "block_size"} | ({"arch": cfg.arch} if cfg.arch else {}) | \
+        ({"attention_bias": cfg.attention_bias} if cfg.attention_bias is not None else {})
+    if cfg.model is not None:  # a preset named on purpose must be the weights' shape
+        preset = PRESETS[cfg.model]
+        asked = {"n_layer": preset.n_layer, "n_head": preset.n_head, "n_embd": preset.n_embd} | asked
+    conflicts = {k: v for k, v in asked.items() if getattr(weights, k) != v}
+    if conflicts:
+        flags = ", ".join(f"--{k} {v} (the weights have {getattr(weights, k)})" for k, v in conflicts.items())
+        raise UserError(f"--init_from {cfg.init_from}: the model's shape comes from those weights, but {flags}. "
+                        "Leave out the shape flags (and --model) when starting from pretrained weights.")
+    block_size = cfg.block_size or weights.block_size
+    if block_size > weights.block_size:
+        raise UserError(f"--block_size {block_size} is longer than the {weights.block_size} positions the "
+                        f"--init_from {cfg.init_from} weights were trained with; it can only be lowered (the position "
+                        "embeddings are cropped).")
+    return replace(weights, block_size=block_size)
+
+
+def init_weights_config(init_from: str) -> GPTConfig:
+    """The shape of the weights --init_from names, read without loading them."""
+    if init_from in HF_MODELS:
+        return PRESETS[init_from]  # OpenAI's GPT-2 sizes are our presets of the same names
+    path = Path(init_from)
+    if path.is_file() or is_snapshot_directory(path):  # a snapshot of ours (a file, or an fsdp run's directory)
+        try:
+            return read_model_config(path)
+        except ValueError as e:  # the reader's message names the file and what is wrong with it
+            raise UserError(f"--init_from: {e} (Or a Hugging Face model directory, or gpt2 / gpt2-medium / ...)") from e
+        except TypeError as e:  # (an OSError, EIO say, is the disk's, not the file's: errors.path_error says so)
+            raise UserError(f"--init_from {init_from} is not a snapshot of this codebase ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''}). Pass a snapshot_*.pt written by "
+                            "train_gpt2.py, a Hugging Face model directory, or gpt2 / gpt2-medium / ...") from e
+    if path.is_dir():  # a Hugging Face model directory: its config.json, checked against its weight file
+        return local_config(path)
+    raise UserError(f"--init_from {init_from}: no such file or directory, and not one of scratch, "
+                    f"{', '.join(HF_MODELS)}. Pass a Hugging Face model directory or a snapshot_*.pt.")
+
+
+def init_weights_tokenizer(init_from: str) -> TokenizerSpec:
+    """The tokenizer the --init_from weights were trained with: a snapshot's record of it; OpenAI's GPT-2's for
+    Hugging Face weights."""
+    path = Path(init_from)
+    if path.is_file() or is_snapshot_directory(path):
+        try:
+            return read_tokenizer(path)
+        except ValueError as e:  # the reader's message names the file and what is wrong with its record
+            raise UserError(f"--init_from: {e}") from e
+    return gpt2_spec()
+
+
+def grad_accum_steps_for(cfg: TrainConfig, seq_len: int, world_size: int) -> int:
+    tokens_per_micro_step = cfg.micro_batch_size * seq_len * world_size
+    if cfg.total_batch_size % tokens_per_micro_step:
+        raise UserError(
+            f"--total_batch_size {cfg.total_batch_size} is not a multiple of --micro_batch_size × --seq_len × ranks "
+            f"= {cfg.micro_batch_size} × {seq_len} × {world_size} = {tokens_per_micro_step}. Pick a total batch that "
+            "is, e.g. " f"{max(1, cfg.total_batch_size // tokens_per_micro_step) * tokens_per_micro_step}.")
+    return cfg.total_batch_size // tokens_per_micro_step
+
+
+def validation_steps(cfg: TrainConfig, seq_len: int, world_size: int) -> int:
+    """Micro-batches per rank per validation: --val_tokens worth, at most one pass over the val shards."""
+    if cfg.val_steps:
+        return cfg.val_steps
+    tokens_per_micro_step = cfg.micro_batch_size * seq_len * world_size
+    available = sum((read_shard_header(p) - 1) // tokens_per_micro_step for p in find_shards(cfg.data_dir, "val"))
+    return max(1, min(cfg.val_tokens // tokens_per_micro_step, available))

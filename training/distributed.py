@@ -1,0 +1,180 @@
+"""Processes and devices: torchrun's environment, the process group (NCCL on GPUs, gloo elsewhere), the collectives
+every rank takes part in, and moving work to the device."""
+
+import gc
+import linecache
+import os
+import sys
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from training.errors import UserError
+
+PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # to find our own frames in a traceback
+
+
+@dataclass
+class Distributed:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_master(self) -> bool:
+        return self.rank == 0
+
+
+def default_device() -> str:
+    if torch.cuda.is_available():
+        return "cuda"
+    if torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def setup_distributed(device_arg: str, parallel: str = "ddp", timeout_s: float = 600) -> Distributed:
+    """One process per device. torchrun sets RANK/LOCAL_RANK/WORLD_SIZE; without them we are the only process
+    (with --parallel fsdp, in a process group of one, which FSDP needs). timeout_s: how long a collective waits
+    for a peer before it raises (--dist_timeout)."""
+    rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in
+                                    (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
+    device_type = default_device() if device_arg == "auto" else device_arg
+    if device_type == "mps" and world_size > 1:
+        # gloo cannot reduce MPS tensors, so DDP and the loss average would fail at the first step.
+        raise UserError(f"--device mps with {world_size} processes: a Mac has one GPU, and torch.distributed cannot "
+                        "work on MPS tensors. Run one process (`python train_gpt2.py ...`, no torchrun), or "
+                        "--device cpu for several CPU processes.")
+    device = torch.device(f"cuda:{local_rank}" if device_type == "cuda" else device_type)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world_size == 1 and parallel == "fsdp":
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1, device_id=device if device.type == "cuda" else None)
+    elif world_size > 1:
+        store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(minutes=10)))
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun's agent keeps one TCPStore for the whole job, where a dead round's addresses are still
+            # stored after a restart; a per-restart prefix makes each round meet only its own peers. (With
+            # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 every round gets a fresh store instead, and needs no prefix.)
+            store = dist.PrefixStore(f"restart_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+            nodes, max_restarts = int(os.environ["GROUP_WORLD_SIZE"]), int(os.environ["TORCHELASTIC_MAX_RESTARTS"])
+            if rank == 0 and nodes > 1 and max_restarts > 0:
+                # A node whose workers are restarted for another node's failure keeps its restart count, so
+                # after a failure the nodes' prefixes can differ and their workers never meet.
+                print("WARNING: restarts of a multi-node job need a fresh store per restart: export "
+                      "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node before torchrun (see README, Multi-node).",
+                      file=sys.stderr)
+        # A timeout, so that ranks whose peer died or hangs raise instead of waiting forever in a collective (gloo
+        # raises; NCCL's watchdog aborts the process). device_id
+        # binds NCCL to this rank's GPU, so its barriers need not guess the device (and warn).
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    return Distributed(rank, local_rank, world_size, device)
+
+
+def teardown_distributed() -> None:
+    """Destroy the process group (if any) so that its threads end now, not while Python shuts down. Call it once the
+    run's model is gone.
+
+    With FSDP, destroy_process_group alone leaves gloo's worker threads running: the group is still held by device
+    meshes that DTensor's caches keep (and by the model's FSDP state until the garbage collector frees it). Threads
+    alive at interpreter shutdown can abort the process at exit ("terminate called without an active exception": rank
+    1 of a finished 2-rank FSDP run, about 1 run in 100), a run that did everything right failing. DDP's group has no
+    such holders, and its threads end in destroy_process_group."""
+    if not dist.is_initialized():
+        return
+    gc.collect()  # the model's FSDP state, in reference cycles, holds the group
+    dist.destroy_process_group()
+    for mesh in [obj for obj in gc.get_objects() if isinstance(obj, DeviceMesh)]:
+        getattr(mesh, "_pg_registry", {}).clear()  # private: where torch 2.13's meshes keep their groups
+
+
+@contextmanager
+def hangs_reported(timeout_s: float, rank: int):
+    """Turn a collective's timeout in the block (a peer stopped: SIGSTOP, a stuck filesystem, a dead link) into one
+    paragraph naming the step and the line of ours that waited, so that the rank exits non-zero and torchrun
+    (--max-restarts) restarts the job from the newest snapshot. Other errors pass through untouched."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "timed out" not in str(e).lower():  # gloo: "Timed out waiting 10000ms for recv operation to complete"
+            raise
+        # Read from the traceback rather than passed in, so that no phase of the run needs wrapping: the innermost
+        # line of ours is the collective (or the backward pass, for DDP's gradient all-reduce), and the nearest
+        # `step` variable is the training step.
+        frames = [(frame, line) for frame, line in traceback.walk_tb(e.__traceback__)
+                  if frame.f_code.co_filename.startswith(PROJECT_DIR + os.sep)
+                  and "site-packages" not in frame.f_code.co_filename]
+        steps = [frame.f_locals["step"] for frame, _ in frames if isinstance(frame.f_locals.get("step"), int)]
+        where = ""
+        if frames:
+            frame, line = frames[-1]
+            code = linecache.getline(frame.f_code.co_filename, line).strip()
+            where = f" in {frame.f_code.co_name} ({os.path.basename(frame.f_code.co_filename)}:{line}: `{code}`)"
+        raise UserError(
+            f"rank {rank} waited {timeout_s:g} s{f' at step {steps[-1]}' if steps else ''} for the other ranks in a "
+            f"collective{where} and gave up ({str(e).strip().splitlines()[0]}). Another rank stopped making progress "
+            "(a stopped or swapped-out process, a stuck filesystem, a dead network link). This rank exits so that "
+            "torchrun --max-restarts can restart the job, which resumes from the newest snapshot; without restarts, "
+            "rerun the same command. If a rank legitimately needs longer here (a long snapshot write, a slow first "
+            "torch.compile), raise --dist_timeout.") from e
+
+
+def average_across_ranks(value: torch.Tensor) -> torch.Tensor:
+    """Mean of a tensor over ranks, for logging (gloo's AVG is right in torch 2.13: tests/test_train.py checks)."""
+    if dist.is_initialized():
+        dist.all_reduce(value, op=dist.ReduceOp.AVG)
+    return value
+
+
+def from_rank_0(value):
+    """Rank 0's value (any picklable object) on every rank (a collective: every rank must call it)."""
+    if dist.is_initialized():
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        value = box[0]
+    return value
+
+
+def from_all_ranks(value) -> list:
+    """Every rank's value (any picklable object), by rank, on every rank (a collective: every rank must call it)."""
+    if not dist.is_initialized():
+        return [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def max_across_ranks(value: int, device: torch.device) -> int:
+    """The largest of the ranks' values, on every rank (a collective: every rank must call it)."""
+    tensor = torch.tensor(float(value), device=device)  # (exact for any int below 2**24)
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank if `flag` is True on any rank (a collective: every rank must call it)."""
+    return bool(max_across_ranks(int(flag), device))
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so that a wall-clock time covers it (GPUs run asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def to_device(x: torch.Tensor, y: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    if device.type == "cuda":  # pinned memory lets the copy run asynchronously with the GPU's work
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.to(device), y.to(device)

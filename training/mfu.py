@@ -1,0 +1,104 @@
+"""Model FLOPs utilisation: the FLOPs a step needs (model.GPT.flops_per_token) over what the hardware can do.
+
+The hardware peak comes from a table of datasheet dense tensor-core numbers for known GPUs, in the run's dtype:
+the 16-bit peak for bf16/fp16, the TF32 peak for fp32 (train_gpt2.py turns TF32 on). Otherwise (CPU, MPS, GPUs not in
+the table, fp32 without TF32) it is measured by timing matmuls at start-up in the training dtype, so MFU there is
+relative to what this machine's matmul actually reaches. `Peak.source` says which, and the run prints it.
+"""
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from training.distributed import synchronize
+
+# Datasheet dense (no sparsity) FLOP/s: (name, bf16/fp16, TF32). Matched in order against
+# torch.cuda.get_device_name(), so the more specific names come first ("H100 NVL" and "H100 PCIe" before "H100",
+# "GH200" before "H200", "A100" before "A10", "L40S" and "L40" before "L4"). V100 and T4 have no TF32: their fp32
+# figure is the plain fp32 peak. The NVL cards run at lower clocks than the SXM ones of the same chip.
+GPU_PEAK_FLOPS = [
+    ("B200", 2250e12, 1100e12),
+    ("GH200", 989e12, 494e12),
+    ("H200 NVL", 835e12, 418e12),
+    ("H200", 989e12, 494e12),  # SXM
+    ("H100 NVL", 835e12, 418e12),
+    ("H100 PCIe", 756e12, 378e12),
+    ("H100", 989e12, 494e12),  # SXM
+    ("A100", 312e12, 156e12),
+    ("A10G", 125e12, 62.5e12),
+    ("A10", 125e12, 62.5e12),
+    ("L40S", 362e12, 183e12),
+    ("L40", 181e12, 90.5e12),
+    ("L4", 121e12, 60e12),
+    ("RTX 4090", 165e12, 82.6e12),
+    ("RTX 3090", 71e12, 35.6e12),
+    ("V100", 125e12, 15.7e12),  # 16-bit: fp16 (V100 has no bf16)
+    ("T4", 65e12, 8.1e12),  # 16-bit: fp16
+]
+
+
+@dataclass(frozen=True)
+class Peak:
+    flops: float  # FLOP/s of one device
+    source: str  # where the number comes from, for the start-up log line
+
+
+def table_peak_flops(device_name: str, dtype: torch.dtype) -> tuple[str, float] | None:
+    """(table name, datasheet peak in dtype) of a GPU named as torch.cuda.get_device_name() returns, or None."""
+    for key, half_flops, tf32_flops in GPU_PEAK_FLOPS:
+        if key in device_name:
+            return key, tf32_flops if dtype == torch.float32 else half_flops
+    return None
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.3) -> float:
+    """The best FLOP/s of a square matmul in dtype on device, over about `seconds` of repeats.
+
+    The fastest repeat, not the mean: on a shared machine the slow ones measure the neighbours, not the hardware.
+    On a CPU, 512 already reaches a core's peak (on the AMD EPYC this was tuned on, larger sizes are 5-10% slower)
+    and takes ~3 ms, short enough for some repeats to run between other processes' time slices; GPUs need 4096
+    to fill their cores. The operands come from a private generator: drawing from the global one would change the
+    random stream of a run that measures after restoring its RNG state from a snapshot.
+    """
+    size = 512 if device.type == "cpu" else 4096
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
+    b = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
+    for _ in range(2):  # warm-up: the first calls pay for kernel selection and allocation
+        a @ b
+    synchronize(device)
+    best, start = math.inf, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        t0 = time.perf_counter()
+        a @ b
+        synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * size**3 / best
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> Peak:
+    """Peak FLOP/s of one device (for a CPU: of the threads torch uses) in dtype: from the table for known GPUs,
+    else measured."""
+    dtype_label = {torch.float32: "tf32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    if device.type == "cuda":
+        tf32_on = torch.get_float32_matmul_precision() != "highest"
+        found = table_peak_flops(torch.cuda.get_device_name(device), dtype)
+        if found is not None and (dtype != torch.float32 or tf32_on):
+            name, flops = found
+            return Peak(flops, f"datasheet, {name} {dtype_label} dense")
+    if device.type == "cpu":
+        # One thread's peak times the threads: a single thread finds a free core between its neighbours' work far
+        # more often than all threads at once do, and matmuls scale about linearly in cores (bf16 on the 2-core
+        # machine this was tuned on: 210 GFLOP/s on 1 thread, 420 on 2).
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            flops = measure_matmul_flops(device, dtype) * threads
+        finally:
+            torch.set_num_threads(threads)
+    else:
+        flops = measure_matmul_flops(device, dtype)
+    dtype_label = "fp32" if dtype == torch.float32 else dtype_label
+    return Peak(flops, f"measured, {dtype_label} matmul on this {device.type}")

@@ -1,0 +1,388 @@
+"""How the model learns: which optimizer updates which parameter (AdamW, or Muon for the block matrices and AdamW
+for the rest), and the learning-rate schedule every one of them follows (warmup + cosine, or warmup-stable-decay).
+
+    --optimizer adamw   GPT-2's: AdamW for every parameter, decay on matrices only.
+    --optimizer muon    torch.optim.Muon for the 2-D weights inside the blocks (c_attn, attn.c_proj, c_fc,
+                        mlp.c_proj); AdamW as above for the tied wte/lm_head, wpe, biases and LayerNorms (with
+                        --arch modern: the untied wte, at --embed_lr, and lm_head, and the RMSNorm gains, QK-norm's
+                        too), which Muon is not for (an embedding row is a lookup, not a linear map, and 1-D tensors
+                        have no orthogonal update). optim.Muon: torch's update, its Newton–Schulz batched by
+                        shape; on several ranks, and under fsdp, each rank orthogonalising its share of the matrices.
+"""
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from training.config import TrainConfig
+from training.precision import pick_dtype
+
+# A relative change of the learning rate at a resume beyond this is a jump worth a warning.
+LR_JUMP_TOLERANCE = 0.03
+# The flag behind each optimizer setting that one sets (the rest, such as AdamW's eps, are set in this file).
+SETTING_FLAGS = {("adamw", "weight_decay"): "--weight_decay", ("muon", "weight_decay"): "--muon_weight_decay",
+                 ("muon", "momentum"): "--muon_momentum", ("muon", "adjust_lr_fn"): "--muon_adjust_lr",
+                 ("adamw", "lr_ratio"): "--embed_lr (as a ratio to --max_lr)", ("adamw", "betas"): "--adam_beta1"}
+# modern's untied input embedding learns at this multiple of --max_lr unless --embed_lr says otherwise: a row is
+# updated only where its token occurs. On enwiki 10× ended 0.125 lower in val loss than 1×, and 30× another 0.011
+# (within seed noise), so 10× (README, Architectures).
+EMBED_LR_RATIO = 10.0
+# --muon_momentum_warmup starts Muon's momentum here: early gradients change fast, and a shorter average follows them.
+MUON_MOMENTUM_START = 0.85
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the optimizers
+
+class Optimizers:
+    """The run's optimizers seen as one: the learning rate, zero_grad and the snapshot state go through here.
+    Iterating gives the real torch optimizers, one by one: the GradScaler unscales and steps each of them, and
+    fsdp's get_state_dict takes them as a list."""
+
+    def __init__(self, optimizers: dict[str, torch.optim.Optimizer], lr_ratios: dict[str, float],
+                 scheduled_momentum: bool = False):
+        self.by_name, self.lr_ratios = optimizers, lr_ratios
+        # A loaded state brings the settings of the run that saved it (weight decay, betas, momentum, ...) in its
+        # param_groups; this run's flags win, and what they replaced is kept for the resume to say: {flag: (saved,
+        # this run's)}. The learning rate is set_lr's, and the schedule's change is told apart (schedule_change);
+        # so is Muon's momentum under --muon_momentum_warmup (set_muon_momentum's, a snapshot holds that step's).
+        scheduled = ("params", "lr", "momentum") if scheduled_momentum else ("params", "lr")
+        self.run_settings = {name: [{k: v for k, v in group.items() if k not in scheduled}
+                                    for group in optimizer.param_groups] for name, optimizer in optimizers.items()}
+        self.replaced_settings: dict[str, tuple] = {}
+        for name, optimizer in optimizers.items():
+            # A hook rather than code in load_state_dict: with fsdp, set_state_dict loads each torch optimizer itself.
+            optimizer.register_load_state_dict_post_hook(functools.partial(self._keep_run_settings, name))
+
+    def __iter__(self):
+        return iter(self.by_name.values())
+
+    def set_lr(self, lr: float) -> None:
+        """The schedule's learning rate; Muon's groups take it scaled by --muon_lr / --max_lr, and a group with an
+        lr_ratio (modern's embedding: --embed_lr / --max_lr) by that, so that every group warms up and decays
+        together."""
+        for name, optimizer in self.by_name.items():
+            for group in optimizer.param_groups:
+                group["lr"] = lr * self.lr_ratios[name] * group.get("lr_ratio", 1.0)
+
+    def set_muon_momentum(self, momentum: float) -> None:
+        for group in getattr(self.by_name.get("muon"), "param_groups", []):
+            group["momentum"] = momentum
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {name: optimizer.state_dict() for name, optimizer in self.by_name.items()}
+
+    def _keep_run_settings(self, name: str, optimizer: torch.optim.Optimizer) -> None:
+        for group, settings in zip(optimizer.param_groups, self.run_settings[name]):
+            for key, value in settings.items():
+                if group.get(key) != value:
+                    self.replaced_settings[SETTING_FLAGS.get((name, key), f"{name} {key}")] = (group.get(key), value)
+            group.update(settings)
+
+    def load_state_dict(self, state: dict) -> None:
+        if "param_groups" in state:  # a snapshot from before there was a choice: AdamW's own state
+            state = {"adamw": state}
+        if state.keys() != self.by_name.keys():
+            raise ValueError(f"the optimizer state holds {sorted(state)}, this run has {sorted(self.by_name)}")
+        for name, optimizer in self.by_name.items():
+            saved, mine = len(state[name]["param_groups"]), len(optimizer.param_groups)
+            if saved != mine:  # (torch would say only that the numbers differ)
+                raise ValueError(f"the snapshot's {name} state has {saved} parameter groups, this run's {mine}: it "
+                                 "was written by a version of this code that split the parameters differently "
+                                 "(--arch modern's token embedding has had a group of its own, at --embed_lr, since "
+                                 "2026-11-26). Start from its weights with --init_from (a fresh optimizer), or resume "
+                                 "it with the code that wrote it.")
+            optimizer.load_state_dict(state[name])
+
+
+def build_optimizers(model: torch.nn.Module, cfg: TrainConfig, device_type: str, fused: bool = True,
+                     shared: bool = False) -> Optimizers:
+    """AdamW, or Muon + AdamW (see the module docstring), at the schedule's peak learning rate. shared: Muon's
+    Newton–Schulz work is split over the ranks (several ranks, or a model sharded by fsdp)."""
+    embedding = model.transformer.wte.weight if model.config.arch == "modern" else None  # (gpt2's is lm_head too)
+    if cfg.optimizer == "adamw":
+        return Optimizers({"adamw": adamw(list(model.parameters()), cfg, device_type, fused, embedding)},
+                          {"adamw": 1.0})
+    matrices, rest = split_for_muon(model)
+    # Muon's adjust_lr_fn reads the shape as (A, B) = (rows, columns) = (out, in) for nn.Linear: "original" scales
+    # the step by sqrt(max(1, out/in)), more for the matrices that widen (c_fc ×2, c_attn ×√3), which is the
+    # RMS-to-RMS operator-norm scaling it is meant to be. HF's Conv1D stores (in, out) and would scale the others.
+    muon = Muon(matrices, shared=shared, lr=cfg.muon_lr, weight_decay=cfg.muon_weight_decay, momentum=cfg.muon_momentum,
+                adjust_lr_fn=cfg.muon_adjust_lr)
+    return Optimizers({"muon": muon, "adamw": adamw(rest, cfg, device_type, fused, embedding)},
+                      {"muon": cfg.muon_lr / cfg.max_lr, "adamw": 1.0}, scheduled_momentum=cfg.muon_momentum_warmup > 0)
+
+
+def split_for_muon(model: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+    """(the 2-D weights inside the transformer blocks, everything else). named_parameters lists the tied
+    wte/lm_head weight once, so every parameter is in exactly one of the two."""
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    in_muon = [".h." in f".{name}" and p.dim() == 2 for name, p in named]
+    return [p for (_, p), m in zip(named, in_muon) if m], [p for (_, p), m in zip(named, in_muon) if not m]
+
+
+def adamw(params: list[torch.nn.Parameter], cfg: TrainConfig, device_type: str, fused: bool,
+          embedding: torch.nn.Parameter | None = None) -> torch.optim.AdamW:
+    """AdamW for params; embedding (an untied input embedding, one of params) in a group of its own, at --embed_lr."""
+    # Decay only matrices (matmul weights, embeddings); biases and LayerNorm gains stay free.
+    groups = [{"params": [p for p in params if p.dim() >= 2 and p is not embedding], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    if embedding is not None:
+        embed_lr = cfg.embed_lr if cfg.embed_lr is not None else EMBED_LR_RATIO * cfg.max_lr
+        groups.append({"params": [embedding], "weight_decay": cfg.weight_decay, "lr_ratio": embed_lr / cfg.max_lr})
+    # The fused kernel does the whole update in one pass per tensor instead of a dozen; on a CPU that is
+    # 12 ms instead of 70 ms per step for the small preset. fused=False is the plain loop (bench.py's baseline).
+    fused = fused and device_type in ("cuda", "mps", "cpu")
+    return torch.optim.AdamW(groups, lr=cfg.max_lr, betas=(cfg.adam_beta1, 0.95), eps=1e-8, fused=fused)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Muon: torch's update, its Newton–Schulz batched by shape and, on several ranks, shared
+
+class Muon(torch.optim.Muon):
+    """torch.optim.Muon's update (momentum, Nesterov, decoupled weight decay, the per-shape learning rate, the same
+    state in snapshots), with its Newton–Schulz iteration run once per shape over the stack of that shape's updates
+    instead of once per matrix: GPT-2 124M's 48 matrices make 3 stacks (a tall matrix joins the wide ones of its
+    transposed shape), and on an H200 the 3 batched iterations took 3.8 ms where the 48 single ones took 24.6
+    (`python -m dev.speed_levers`), with bitwise the same result.
+
+    shared (several ranks, or a model sharded by fsdp): each matrix has one owner (muon_owners), which alone
+    orthogonalises the matrix's update, and every rank receives what it holds of the result. The momentum stays
+    where torch.optim.Muon keeps it, beside its parameter (under fsdp resharded, like AdamW's moments).
+
+    ddp: every rank holds the whole all-reduced gradient and momentum, so each owner broadcasts its results.
+    fsdp: a rank holds rows of every matrix (FSDP2 shards dim 0), and of its momentum. The owner gathers the rows of
+    its matrices' updates from every rank, orthogonalises them, and sends each rank its rows of the result back: one
+    all-to-all each way, each rank receiving about 1/world of the matrices.
+    """
+
+    def __init__(self, params, shared: bool = False, **settings):
+        super().__init__(params, **settings)
+        self.shared = shared  # an attribute, not a setting: snapshots hold what torch.optim.Muon's hold
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._step_group(group)
+        return loss
+
+    def _step_group(self, group: dict) -> None:
+        params, grads, buffers = [], [], []
+        self._init_group(group, params, grads, buffers)
+        grads, buffers = [local(g) for g in grads], [local(b) for b in buffers]  # what this rank holds of them
+        momentum = group["momentum"]
+        for grad, buffer in zip(grads, buffers):  # elementwise
+            buffer.lerp_(grad, 1 - momentum)
+
+        def update(i: int) -> torch.Tensor:  # made where it is needed (under ddp: by the owner alone)
+            return grads[i].lerp(buffers[i], momentum) if group["nesterov"] else buffers[i]
+
+        def orthogonalise(updates: list[torch.Tensor]) -> list[torch.Tensor]:
+            return orthogonalise_by_shape(updates, group["ns_coefficients"], group["ns_steps"], group["eps"])
+
+        shapes = [p.shape for p in params]  # the whole matrices' shapes, also of fsdp's shards
+        if any(isinstance(p, DTensor) for p in params):
+            exchange = orthogonalise_sharded
+        else:
+            exchange = orthogonalise_replicated if self.shared else orthogonalise_here
+        for p, shape, orthogonal in zip(params, shapes, exchange(shapes, grads, update, orthogonalise)):
+            p = local(p)
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+            p.add_(orthogonal, alpha=-group["lr"] * muon_lr_scale(group["adjust_lr_fn"], shape))
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of a tensor: its shard of an fsdp DTensor (a view: in-place changes reach the DTensor)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def muon_lr_scale(adjust_lr_fn: str | None, shape: torch.Size) -> float:
+    """torch.optim.Muon's per-shape factor of the learning rate, the two rules its documentation gives, for a matrix
+    of (rows, columns)."""
+    rows, columns = shape[:2]
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, columns))
+    return math.sqrt(max(1, rows / columns))  # "original" (and torch's default, None)
+
+
+def muon_owners(shapes: list[torch.Size], world_size: int) -> list[int]:
+    """The rank that orthogonalises each matrix: the largest first, each to the rank with the least work so far (the
+    lowest such rank on a tie), so that every rank computes the same answer. The work of Newton–Schulz on an (m, n)
+    matrix, m <= n, is about m²(2n + m) multiply-adds per iteration (X Xᵀ, its square, and the product with X)."""
+    def work(shape: torch.Size) -> int:
+        m, n = sorted(shape[:2])
+        return m * m * (2 * n + m)
+
+    owners, load = [0] * len(shapes), [0] * world_size
+    for i in sorted(range(len(shapes)), key=lambda i: -work(shapes[i])):  # (a stable sort: ties by position)
+        owners[i] = min(range(world_size), key=lambda r: load[r])
+        load[owners[i]] += work(shapes[i])
+    return owners
+
+
+# The three ways of Muon.step to the orthogonalised updates: given the shapes of the whole matrices, what this rank
+# holds of their gradients (whole, or fsdp's rows), update(i) (what it holds of matrix i's update) and orthogonalise
+# (Newton–Schulz over a list of matrices), they return what this rank holds of each orthogonalised update.
+
+def orthogonalise_here(shapes: list[torch.Size], held: list[torch.Tensor], update: Callable,
+                       orthogonalise: Callable) -> list[torch.Tensor]:
+    """One process, or every rank all of the matrices: each update orthogonalised here."""
+    return orthogonalise([update(i) for i in range(len(shapes))])
+
+
+def orthogonalise_replicated(shapes: list[torch.Size], held: list[torch.Tensor], update: Callable,
+                             orthogonalise: Callable) -> list[torch.Tensor]:
+    """ddp: every rank holds every whole matrix; each owner orthogonalises its own and broadcasts the results."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    owners = muon_owners(shapes, world_size)
+    mine = [i for i, owner in enumerate(owners) if owner == rank]
+    results = [torch.empty_like(t, dtype=torch.float32) for t in held]
+    for i, result in zip(mine, orthogonalise([update(i) for i in mine])):
+        results[i] = result
+    for work in [dist.broadcast(r, src=owner, async_op=True) for r, owner in zip(results, owners)]:
+        work.wait()
+    return results
+
+
+def orthogonalise_sharded(shapes: list[torch.Size], held: list[torch.Tensor], update: Callable,
+                          orthogonalise: Callable) -> list[torch.Tensor]:
+    """fsdp: every rank holds some rows of each matrix (torch.chunk's split of dim 0, as FSDP2 shards: ceil(rows /
+    world) to each rank in turn, the last ones fewer or none). Each rank's rows are padded to that chunk, so that a
+    matrix's pieces line up: rank r's piece of every matrix is row r of the (world, chunk) view of the padded whole."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    owners = muon_owners(shapes, world_size)
+    chunk_rows = [math.ceil(shape[0] / world_size) for shape in shapes]
+    owned = [[i for i, owner in enumerate(owners) if owner == r] for r in range(world_size)]
+    chunk_sizes = [rows * shape[1] for rows, shape in zip(chunk_rows, shapes)]
+
+    def size(matrices: list[int]) -> int:
+        return sum(chunk_sizes[i] for i in matrices)
+
+    def padded(t: torch.Tensor, rows: int) -> torch.Tensor:
+        return F.pad(t.float(), (0, 0, 0, rows - t.size(0)))
+
+    # To the owners: rank r's rows of every matrix that owner o holds go to o, in order; o gets them from each rank.
+    send = torch.cat([padded(update(i), chunk_rows[i]).flatten() for owner in owned for i in owner])
+    received = send.new_empty(world_size * size(owned[rank]))
+    dist.all_to_all_single(received, send, [size(owned[rank])] * world_size, [size(o) for o in owned])
+    pieces = received.view(world_size, -1).split([chunk_sizes[i] for i in owned[rank]], dim=1)
+    wholes = [piece.reshape(-1, shapes[i][1])[:shapes[i][0]] for piece, i in zip(pieces, owned[rank])]
+    # Back: the owner's results, each rank's rows to that rank.
+    results = [padded(result, world_size * chunk_rows[i]).reshape(world_size, -1)
+               for result, i in zip(orthogonalise(wholes), owned[rank])]
+    send = torch.cat(results, dim=1).flatten() if results else send.new_empty(0)
+    received = send.new_empty(sum(size(o) for o in owned))
+    dist.all_to_all_single(received, send, [size(o) for o in owned], [size(owned[rank])] * world_size)
+    order = [i for owner in owned for i in owner]
+    mine = dict(zip(order, received.split([chunk_sizes[i] for i in order])))
+    return [mine[i].view(chunk_rows[i], -1)[:rows.size(0)] for i, rows in enumerate(held)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Muon's Newton–Schulz iteration
+
+def orthogonalise_by_shape(updates: list[torch.Tensor], ns_coefficients: tuple[float, float, float], ns_steps: int,
+                           eps: float) -> list[torch.Tensor]:
+    """newton_schulz of each update, run once per shape on the stack of that shape's updates, a tall matrix
+    transposed to join the wide ones of its shape (Newton–Schulz iterates on the wide form anyway); in fp32 (exact for
+    a bf16 result, and what a broadcast sends), contiguous, in the updates' order."""
+    wide = [u if u.size(0) <= u.size(1) else u.T for u in updates]
+    by_shape: dict[torch.Size, list[int]] = {}
+    for i, w in enumerate(wide):
+        by_shape.setdefault(w.shape, []).append(i)
+    results: list[torch.Tensor] = [torch.empty(0)] * len(updates)
+    for indices in by_shape.values():
+        stack = newton_schulz(torch.stack([wide[i] for i in indices]), ns_coefficients, ns_steps, eps).float()
+        for i, result in zip(indices, stack.unbind()):
+            results[i] = (result if result.shape == updates[i].shape else result.T).contiguous()
+    return results
+
+
+def bf16_matmul_is_slow(device: torch.device) -> bool:
+    """Where --dtype auto does not pick bf16, bf16 matmuls are emulated or unsafe: CPUs without AVX512-BF16 or AMX
+    (several times slower than fp32), pre-Ampere GPUs, MPS."""
+    return pick_dtype("auto", device) != torch.bfloat16
+
+
+def newton_schulz(grad: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
+                  eps: float) -> torch.Tensor:
+    """torch.optim.Muon's orthogonalisation (torch.optim._muon._zeropower_via_newtonschulz: the same quintic
+    iteration, coefficients and normalisation) of a matrix (rows, columns), or of a stack of same-shaped ones
+    (matrices, rows, columns) at once. In bf16 as torch's, but in fp32 where bf16 matmuls are slow (torch has no
+    option for that)."""
+    a, b, c = ns_coefficients
+    x = grad.to(torch.float32 if bf16_matmul_is_slow(grad.device) else torch.bfloat16)
+    x = x if grad.dim() == 3 else x.unsqueeze(0)  # a stack of one
+    tall = x.size(1) > x.size(2)
+    x = x.mT if tall else x  # iterate on the (small, small) Gram matrix
+    x = x / x.norm(dim=(1, 2), keepdim=True).clamp(min=eps)  # spectral norm ≤ Frobenius norm = 1
+    for _ in range(ns_steps):
+        gram = x @ x.mT
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    x = x.mT if tall else x
+    return x if grad.dim() == 3 else x.squeeze(0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the learning-rate schedule
+
+def get_lr(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to max_lr, then
+    cosine: cosine decay to min_lr_ratio·max_lr at the last step;
+    wsd: max_lr held, then over the last --warmdown_frac of the steps a linear decay to min_lr_ratio·max_lr at the
+    last step. Only wsd's warmdown depends on max_steps, so a longer run continues a stable-phase snapshot as is."""
+    min_lr = cfg.max_lr * cfg.min_lr_ratio
+    if step < cfg.warmup_steps:
+        return cfg.max_lr * (step + 1) / cfg.warmup_steps
+    if step >= cfg.max_steps - 1:
+        return min_lr
+    if cfg.lr_schedule == "wsd":
+        warmdown_steps = max(1, round(cfg.warmdown_frac * cfg.max_steps))
+        steps_left = cfg.max_steps - 1 - step  # 0 at the last step
+        return min_lr + min(1.0, steps_left / warmdown_steps) * (cfg.max_lr - min_lr)
+    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - 1 - cfg.warmup_steps)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.max_lr - min_lr)
+
+
+def get_muon_momentum(step: int, cfg: TrainConfig) -> float:
+    """Muon's momentum at `step`: from MUON_MOMENTUM_START up to --muon_momentum over --muon_momentum_warmup steps."""
+    if step >= cfg.muon_momentum_warmup:
+        return cfg.muon_momentum
+    return MUON_MOMENTUM_START + step / cfg.muon_momentum_warmup * (cfg.muon_momentum - MUON_MOMENTUM_START)
+
+
+def schedule_change(step: int, snapshot_config: dict, cfg: TrainConfig) -> tuple[str, bool] | None:
+    """On a resume at `step` with another schedule than the snapshot's run had (max_steps or any schedule flag):
+    a line saying what the LR was going to be and what it is now, and whether that is a jump. None if unchanged."""
+    schedule_flags = ("lr_schedule", "max_steps", "warmup_steps", "max_lr", "min_lr_ratio", "warmdown_frac")
+    old = replace(cfg, **{k: snapshot_config[k] for k in schedule_flags if k in snapshot_config})
+    if all(getattr(old, k) == getattr(cfg, k) for k in schedule_flags):
+        return None
+    old_lr, new_lr = get_lr(step, old), get_lr(step, cfg)
+    line = (f"the LR schedule changed since the snapshot (--max_steps {old.max_steps} → {cfg.max_steps}, "
+            f"--lr_schedule {old.lr_schedule} → {cfg.lr_schedule}): at step {step} the old schedule gives "
+            f"{old_lr:.3e}, the new one {new_lr:.3e}")
+    jump = abs(new_lr - old_lr) > LR_JUMP_TOLERANCE * old_lr
+    if jump and cfg.lr_schedule == "cosine":
+        line += (". Cosine stretches over --max_steps, so the LR jumps here and the weights get a shock: the loss "
+                 "rises before it falls again. To extend a run without a jump, train with --lr_schedule wsd from "
+                 "the start and resume from a snapshot taken before its warmdown; or keep --max_steps.")
+    elif jump:
+        line += (". The snapshot is past the point where the new schedule's warmdown starts (or inside the old "
+                 "one's), so the LR jumps: resume from a snapshot taken in the stable phase, before step "
+                 f"{cfg.max_steps - round(cfg.warmdown_frac * cfg.max_steps)}, to continue without one.")
+    return line, jump

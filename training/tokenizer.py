@@ -1,0 +1,291 @@
+"""The tokenizers (GPT-2's, the default; tiktoken's other encodings; bytes; a byte-level BPE of your own in a
+Hugging Face tokenizer.json, see data/train_tokenizer.py) behind one small interface, and text through the model: a
+prompt in, sampled continuations out (generate_text, around model.GPT.generate).
+
+A TokenizerSpec is what data (the manifest beside the shards, dataloader.py) and snapshots record of the tokenizer
+that wrote them: its kind, name, a sha256 of its definition (two tokenizers of one name are told apart), its vocabulary
+and <|endoftext|>'s id (the document delimiter); a Hugging Face one also carries its tokenizer.json, so that data and
+snapshots are self-contained. Data without a manifest (today's shards, llm.c's) is GPT-2's: gpt2_spec(), known without
+loading anything.
+
+tiktoken downloads an encoding's files on first use, into its cache ($TIKTOKEN_CACHE_DIR); offline, point that at a
+copy (README, "tiktoken without network").
+"""
+
+import base64
+import functools
+import hashlib
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import tiktoken
+import torch
+
+from model import GPT
+from training.errors import UserError
+
+EOT_TEXT = "<|endoftext|>"
+KINDS = ("tiktoken", "bytes", "hf")
+# sha256 of GPT-2's definition as tiktoken_sha256 computes it (tests/test_tokenizer.py checks it against tiktoken's
+# files): GPT-2's spec is known without its files, as data and snapshots without a record of their tokenizer are GPT-2's
+GPT2_SHA256 = "7affe1cd36b71600cd9b24913aaf649c85add537821d00f06d8f5a7abd186fdc"
+BYTES_DEFINITION = "bytes: ids 0-255 are the byte values, 256 is <|endoftext|>"
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """What a data directory's manifest and every snapshot record of a tokenizer."""
+    kind: str  # "tiktoken" (gpt2 and other tiktoken encodings), "bytes", or "hf" (a tokenizer.json)
+    name: str  # "gpt2", "bytes", the tiktoken encoding's name, or the name the user gave (its directory)
+    sha256: str  # of its definition: two tokenizers of one name are told apart
+    vocab_size: int  # ids 0..vocab_size-1
+    eot: int  # <|endoftext|>'s id, the document delimiter
+    definition: str | None = None  # "hf": the tokenizer.json text
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, recorded, where: str) -> "TokenizerSpec":
+        """The spec `where` (a file, a snapshot) recorded; ValueError naming `where` and the problem if malformed."""
+        expected = {"kind": str, "name": str, "sha256": str, "vocab_size": int, "eot": int, "definition": str}
+        if not isinstance(recorded, dict) or not set(expected) - {"definition"} <= recorded.keys() <= set(expected):
+            raise ValueError(f"{where}: its tokenizer record is not an object with the fields {', '.join(expected)}")
+        problems = [f"{key} is {value!r}, not {'an' if expected[key] is int else 'a'} {expected[key].__name__}"
+                    for key, value in recorded.items()
+                    if type(value) is not expected[key] and not (key == "definition" and value is None)]
+        if not problems:
+            spec = cls(**recorded)
+            if spec.kind not in KINDS:
+                problems.append(f"kind {spec.kind!r} is not one of {', '.join(KINDS)}")
+            if not re.fullmatch(r"[0-9a-f]{64}", spec.sha256):
+                problems.append(f"sha256 {spec.sha256!r} is not 64 hex digits")
+            if not 0 <= spec.eot < spec.vocab_size:
+                problems.append(f"eot {spec.eot} is not an id of a vocabulary of {spec.vocab_size:,}")
+            if (spec.kind == "hf") != (spec.definition is not None):
+                problems.append("definition (the tokenizer.json text) must be there for kind hf, and only for it")
+            elif spec.kind == "hf" and hashlib.sha256(spec.definition.encode()).hexdigest() != spec.sha256:
+                problems.append("the definition's sha256 is not the one recorded (the record was altered)")
+        if problems:
+            raise ValueError(f"{where}: its tokenizer record is malformed: {'; '.join(problems)}")
+        return spec
+
+    def describe(self) -> str:
+        """e.g. "gpt2 (tiktoken, 50,257 ids, sha256 7affe1cd…)", for messages that name two tokenizers."""
+        return f"{self.name} ({self.kind}, {self.vocab_size:,} ids, sha256 {self.sha256[:8]}…)"
+
+
+class Tokenizer:
+    """Text to ids and back with one tokenizer; TiktokenTokenizer, ByteTokenizer and HFTokenizer say how."""
+    spec: TokenizerSpec
+
+    def __init__(self, spec: TokenizerSpec):
+        self.spec, self.eot, self.vocab_size = spec, spec.eot, spec.vocab_size
+
+    def encode(self, text: str, allow_eot: bool = False) -> list[int]:
+        """The ids of text. allow_eot: "<|endoftext|>" in text is the EOT id (as evals and prompts need); else it is
+        plain text (as data preparation needs: a document that mentions it is not cut in two)."""
+        raise NotImplementedError
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of ids; bytes that are not valid UTF-8 (a token sequence cut mid-character) become U+FFFD."""
+        raise NotImplementedError
+
+    def token_byte_lengths(self) -> list[int]:
+        """The number of UTF-8 bytes each id stands for (0 for special tokens such as EOT), for bits per byte."""
+        raise NotImplementedError
+
+
+class TiktokenTokenizer(Tokenizer):
+    def __init__(self, encoding: tiktoken.Encoding, sha256: str | None = None):
+        eot = encoding._special_tokens.get(EOT_TEXT)
+        if eot is None:
+            raise UserError(f"--tokenizer {encoding.name}: this tiktoken encoding has no {EOT_TEXT} token, which "
+                            "separates documents here. Pick one that has (gpt2, r50k_base, cl100k_base, o200k_base).")
+        super().__init__(TokenizerSpec("tiktoken", encoding.name, sha256 or tiktoken_sha256(encoding),
+                                       encoding.n_vocab, eot))
+        self.encoding = encoding
+
+    def encode(self, text: str, allow_eot: bool = False) -> list[int]:
+        if allow_eot:
+            return self.encoding.encode(text, allowed_special={EOT_TEXT}, disallowed_special=())
+        return self.encoding.encode_ordinary(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.encoding.decode(list(ids))  # (errors="replace" is tiktoken's default)
+
+    def token_byte_lengths(self) -> list[int]:
+        special = set(self.encoding._special_tokens.values())
+        tokens = {rank: token for token, rank in self.encoding._mergeable_ranks.items()}  # (some encodings have gaps)
+        return [0 if i in special else len(tokens.get(i, b"")) for i in range(self.vocab_size)]
+
+
+class ByteTokenizer(Tokenizer):
+    """Ids 0..255 are the UTF-8 bytes of the text, 256 is <|endoftext|>: the character-level path, no vocabulary."""
+
+    def __init__(self):
+        super().__init__(bytes_spec())
+
+    def encode(self, text: str, allow_eot: bool = False) -> list[int]:
+        if not allow_eot:
+            return list(text.encode("utf-8"))
+        pieces = [list(piece.encode("utf-8")) for piece in text.split(EOT_TEXT)]
+        return [token for i, piece in enumerate(pieces) for token in ([self.eot] if i else []) + piece]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        ids = list(ids)
+        pieces, start = [], 0
+        for i in [i for i, token in enumerate(ids) if token == self.eot] + [len(ids)]:
+            pieces.append(bytes(ids[start:i]).decode("utf-8", errors="replace"))
+            start = i + 1
+        return EOT_TEXT.join(pieces)
+
+    def token_byte_lengths(self) -> list[int]:
+        return [1] * 256 + [0]
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face tokenizer.json (data/train_tokenizer.py writes byte-level BPEs) with an <|endoftext|> token."""
+
+    def __init__(self, definition: str, name: str):
+        import tokenizers  # here: GPT-2's and bytes' paths (the quickstart) do without it
+        self.tokenizer = tokenizers.Tokenizer.from_str(definition)  # (exceptions: load_tokenizer says what is wrong)
+        self.ordinary = tokenizers.Tokenizer.from_str(definition)
+        self.ordinary.encode_special_tokens = True  # special tokens' text is plain text, as tiktoken's encode_ordinary
+        eot = self.tokenizer.token_to_id(EOT_TEXT)
+        if eot is None:
+            raise ValueError(f"it has no {EOT_TEXT} token, which separates documents here; add it as a special token "
+                             "(data/train_tokenizer.py does)")
+        vocab_size = max(self.tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+        super().__init__(TokenizerSpec("hf", name, hashlib.sha256(definition.encode()).hexdigest(), vocab_size, eot,
+                                       definition))
+
+    def encode(self, text: str, allow_eot: bool = False) -> list[int]:
+        return (self.tokenizer if allow_eot else self.ordinary).encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def token_byte_lengths(self) -> list[int]:
+        special = {i for i, token in self.tokenizer.get_added_tokens_decoder().items() if token.special}
+        lengths = [0] * self.vocab_size
+        if json.loads(self.spec.definition).get("decoder", {}).get("type") == "ByteLevel":
+            # a byte-level token's text spells its bytes, a character each (GPT-2's bytes_to_unicode)
+            from tokenizers.pre_tokenizers import ByteLevel
+            alphabet = set(ByteLevel.alphabet())
+            for token, i in self.tokenizer.get_vocab(with_added_tokens=True).items():
+                lengths[i] = 0 if i in special or not set(token) <= alphabet else len(token)
+            return lengths
+        for i in range(self.vocab_size):  # other kinds: each token as decoded alone
+            lengths[i] = 0 if i in special else len(self.tokenizer.decode([i]).encode("utf-8"))
+        return lengths
+
+
+def tiktoken_sha256(encoding: tiktoken.Encoding) -> str:
+    """sha256 of a tiktoken encoding's definition: its pattern, its ranks as a .tiktoken file lists them, its
+    special tokens."""
+    digest = hashlib.sha256(encoding._pat_str.encode())
+    for token, rank in sorted(encoding._mergeable_ranks.items(), key=lambda item: item[1]):
+        digest.update(base64.b64encode(token) + f" {rank}\n".encode())
+    digest.update(json.dumps(encoding._special_tokens, sort_keys=True).encode())
+    return digest.hexdigest()
+
+
+def gpt2_spec() -> TokenizerSpec:
+    """GPT-2's, the default: what data without a manifest and snapshots without a record were written with."""
+    return TokenizerSpec("tiktoken", "gpt2", GPT2_SHA256, 50257, 50256)
+
+
+def bytes_spec() -> TokenizerSpec:
+    return TokenizerSpec("bytes", "bytes", hashlib.sha256(BYTES_DEFINITION.encode()).hexdigest(), 257, 256)
+
+
+def load_tiktoken(name: str) -> tiktoken.Encoding:
+    """A tiktoken encoding, or a UserError saying how to get it where there is no network."""
+    try:
+        return tiktoken.get_encoding(name)
+    except Exception as e:  # tiktoken downloads the files on first use: anything from DNS to HTTP errors
+        reason = (str(e).strip().splitlines() or [""])[0]
+        if name == "gpt2":
+            raise UserError(f"the GPT-2 tokenizer could not be loaded ({type(e).__name__}: {reason}): tiktoken "
+                            "downloads its two files on first use into its cache. On a node without network, set "
+                            "TIKTOKEN_CACHE_DIR to a copy of that cache (README, \"tiktoken without network\"; "
+                            "../shared/data/gpt2_tokenizer/tiktoken_cache holds one), or run once where there is "
+                            "network.") from e
+        raise UserError(f"the tiktoken encoding {name!r} could not be loaded ({type(e).__name__}: {reason}): tiktoken "
+                        "downloads an encoding's files on first use into its cache (TIKTOKEN_CACHE_DIR, now "
+                        "unset or without it). On a node without network, run once where there is network with "
+                        "TIKTOKEN_CACHE_DIR set, and copy that directory here.") from e
+
+
+@functools.cache  # one per process: data/tokenize_shards.py's pool workers build their own on first use
+def gpt2_encoding() -> tiktoken.Encoding:
+    return load_tiktoken("gpt2")
+
+
+def tiktoken_tokenizer(name: str) -> TiktokenTokenizer:
+    if name == "gpt2":  # (tiktoken checks the files' sha256; tests check GPT2_SHA256 against them)
+        return TiktokenTokenizer(gpt2_encoding(), GPT2_SHA256)
+    return TiktokenTokenizer(load_tiktoken(name))
+
+
+def load_tokenizer(name: str) -> Tokenizer:
+    """--tokenizer's value: gpt2, bytes, a directory or file holding a tokenizer.json, or a tiktoken encoding's name.
+    A UserError naming it and the fix otherwise (unknown, malformed, not in tiktoken's cache offline)."""
+    if name == "bytes":
+        return ByteTokenizer()
+    if name in tiktoken.list_encoding_names():  # before paths: a directory named gpt2 (./gpt2 names it) changes nothing
+        return tiktoken_tokenizer(name)
+    path = Path(name)
+    if path.exists():
+        file = path / "tokenizer.json" if path.is_dir() else path
+        try:
+            definition = file.read_text(encoding="utf-8")
+            return HFTokenizer(definition, file.resolve().parent.name if file.name == "tokenizer.json" else file.stem)
+        except Exception as e:  # tokenizers raises its own (unnamed) error kinds for a malformed file
+            reason = (str(e).strip().splitlines() or [""])[0]
+            raise UserError(f"--tokenizer {name}: {file} is not a Hugging Face tokenizer.json that can be used here "
+                            f"({type(e).__name__}: {reason}). Pass a directory written by `python -m "
+                            "data.train_tokenizer`, or a tokenizer.json with an <|endoftext|> token.") from e
+    raise UserError(f"--tokenizer {name}: no such file or directory, and not a tokenizer's name. Pass gpt2 (the "
+                    "default), bytes (a token per byte), a directory holding a tokenizer.json (`python -m "
+                    "data.train_tokenizer` writes one), or a tiktoken encoding: "
+                    f"{', '.join(tiktoken.list_encoding_names())}.")
+
+
+def tokenizer_from_spec(spec: TokenizerSpec) -> Tokenizer:
+    """The tokenizer a manifest or snapshot recorded. A UserError if it cannot be had here, or is not the same."""
+    if spec.kind == "bytes":
+        tokenizer = ByteTokenizer()
+    elif spec.kind == "hf":
+        tokenizer = HFTokenizer(spec.definition, spec.name)
+    else:
+        tokenizer = tiktoken_tokenizer(spec.name)
+    if tokenizer.spec.sha256 != spec.sha256:
+        raise UserError(f"the tokenizer recorded as {spec.describe()} is not the one of that name here, "
+                        f"{tokenizer.spec.describe()}: another version of its files. Use the files it was recorded "
+                        "with.")
+    return tokenizer
+
+
+def generate_text(model: GPT, prompt: str, num_samples: int = 4, max_new_tokens: int = 32,
+                  temperature: float = 1.0, top_k: int | None = 50, seed: int = 42,
+                  top_p: float | None = None, compile: bool = False, tokenizer: Tokenizer | None = None) -> list[str]:
+    """num_samples continuations of prompt, each returned with the prompt in front. tokenizer: the model's (None:
+    GPT-2's).
+
+    Runs on the device the model's weights are on. The generator is private, so sampling neither reads nor
+    advances the global RNG: calling this in the middle of training leaves the training run unchanged.
+    An empty prompt samples from <|endoftext|>, i.e. the start of a new document. compile: see GPT.generate.
+    """
+    tokenizer = tokenizer or tiktoken_tokenizer("gpt2")
+    prompt_tokens = tokenizer.encode(prompt, allow_eot=True) or [tokenizer.eot]
+    device = next(model.parameters()).device
+    idx = torch.tensor(prompt_tokens, dtype=torch.long, device=device).repeat(num_samples, 1)  # (B, T)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator,
+                         compile=compile)
+    return [prompt + tokenizer.decode(row[len(prompt_tokens):].tolist()) for row in out]
