@@ -11,7 +11,7 @@ from conftest import ROOT
 from helpers_train import train_env
 from training import precision
 
-ASK = "import precision; print(precision.cpu_has_bf16_arithmetic())"
+ASK = "from training import precision; print(precision.cpu_has_bf16_arithmetic())"
 
 
 def python(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
