@@ -1,6 +1,8 @@
-"""Writing files so that a crash never leaves a half-written one where a whole one is expected."""
+"""Writing files and directories so that a crash never leaves a half-written one where a whole one is expected, and a
+failed write (a full disk) is an OSError naming the path it was for."""
 
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,6 +14,16 @@ def fsync_directory(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def raise_for(path: Path, temporary: Path, error: BaseException) -> None:
+    """Raise `error`, as an OSError naming `path` where it is one that names no file or names `temporary` (or a file
+    in it): a write or an fsync that fails (ENOSPC) names none, and the temp file is no name the user gave.
+    errors.run_entry_point then reports it as one paragraph naming the flag the path came from."""
+    if isinstance(error, OSError) and error.errno is not None and (
+            error.filename is None or Path(os.fsdecode(error.filename)).is_relative_to(temporary)):
+        raise OSError(error.errno, error.strerror or os.strerror(error.errno), str(path)) from error
+    raise error
 
 
 def atomic_write(path: str | Path, write: Callable) -> None:
@@ -29,7 +41,35 @@ def atomic_write(path: str | Path, write: Callable) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+        fsync_directory(path.parent)
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
-        raise
+        raise_for(path, tmp, e)
+
+
+def replace_directory(path: str | Path, fill: Callable[[Path], None]) -> None:
+    """Write a directory so that `path` holds either what it held before (or nothing) or the complete new one.
+
+    fill(tmp) writes the files into a new directory beside `path`; each is fsynced, then the new directory takes
+    `path`'s place (the old one renamed aside first, then removed). On any failure the new directory is removed and
+    `path` is as it was. Between the two renames a crash leaves the old one beside, as <name>.<pid>.old.
+    """
+    path = Path(os.path.abspath(path))  # (".": a name to put the new one beside)
+    tmp, old = (path.with_name(f"{path.name}.{os.getpid()}.{end}") for end in ("tmp", "old"))
+    try:
+        tmp.mkdir(parents=True)
+        fill(tmp)
+        for file in tmp.iterdir():
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
+        fsync_directory(tmp)
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not path.exists():
+            old.rename(path)
+        raise_for(path, tmp, e)
+    shutil.rmtree(old, ignore_errors=True)
     fsync_directory(path.parent)
