@@ -160,7 +160,7 @@ def jsonl_texts(path: Path) -> Iterator[str]:
                     elif not isinstance(row["text"], str):
                         problem = f'has a "text" that is {type(row["text"]).__name__}, not a string'
                     else:
-                        yield row["text"]
+                        yield without_lone_surrogates(row["text"])
                         continue
                 raise UserError(f'{path}, line {line_number} {problem}. Each line of a JSON-lines file must be one '
                                 'JSON object whose "text" field holds a document, e.g. {"text": "Anarchism is ..."}; '
@@ -168,6 +168,18 @@ def jsonl_texts(path: Path) -> Iterator[str]:
     except (OSError, EOFError, zlib.error) as e:  # gzip's errors for a file that is not gzip, or is cut short
         raise UserError(f"{path} could not be read ({type(e).__name__}: {e}): a truncated or corrupt file, or, for "
                         "a name ending in .gz, not gzip-compressed. Copy or download it again.") from e
+
+
+def without_lone_surrogates(text: str) -> str:
+    """text with each lone surrogate as U+FFFD, the replacement character. JSON's escapes can spell one ("\\ud800"),
+    which is no character and has no UTF-8: tiktoken replaces it so as it encodes, and the tokenizers' and the bytes'
+    encoders would fail on it mid-corpus. Replaced here, as JSON lines are read, every tokenizer sees the same text,
+    and GPT-2's shards are what tiktoken made of it before."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # (a valid pair is one character already: json.loads joins "\\ud83d\\ude42")
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")  # tiktoken's own replacement
+    return text
 
 
 def read_documents(path: Path) -> list[str]:
