@@ -5,6 +5,7 @@ import torch
 from conftest import save_tiny_model
 from rundir.snapshot import read_model
 from tools.export_hf import main
+from training.errors import UserError
 
 
 @pytest.fixture
@@ -61,8 +62,6 @@ def test_missing_or_foreign_snapshot_is_refused_clearly(tmp_path, capsys):
 
 def test_an_out_dir_that_is_a_file_is_refused_clearly(perturbed_ckpt, tmp_path, capsys):
     (tmp_path / "taken").write_text("a file")
-    with pytest.raises(SystemExit) as exit_info:  # a FileExistsError traceback before
+    with pytest.raises(UserError, match=f"^{tmp_path / 'taken'} is a file; pass a directory"):
         main([str(perturbed_ckpt), str(tmp_path / "taken")])
-    assert exit_info.value.code == 2
-    assert f"{tmp_path / 'taken'} is a file; pass a directory" in capsys.readouterr().err
     assert (tmp_path / "taken").read_text() == "a file"
