@@ -219,6 +219,7 @@ def check_output_dir(parser: argparse.ArgumentParser, output_dir: Path) -> None:
 
 
 PROGRESS = "progress.json"  # beside the shards: the corpus they are (source, --shard_size) and how far it got
+PROGRESS_VERSION = 1  # of its format: PROGRESS_KEYS and "version"
 PROGRESS_KEYS = {"source", "shard_size", "shards", "documents", "offset", "complete"}  # what write_progress writes
 
 
@@ -252,6 +253,9 @@ def read_progress(path: Path) -> dict:
             f"not what this script writes (an object with {', '.join(sorted(PROGRESS_KEYS))})"
     except PARSE_ERRORS as e:
         problem = parse_problem(e)
+    if not problem and progress.get("version") != PROGRESS_VERSION:
+        version = f"version {progress['version']!r}" if "version" in progress else "no version (it is older)"
+        problem = f"of {version}, and this code reads progress files of version {PROGRESS_VERSION} only"
     if problem:
         raise UserError(f"{path} is {problem}. Delete it, and the shards of {path.parent}, to write them all again.")
     return progress
@@ -259,7 +263,8 @@ def read_progress(path: Path) -> dict:
 
 def write_progress(output_dir: Path, progress: dict) -> None:
     """Record progress (PROGRESS_KEYS) in output_dir, atomically, like the shards."""
-    atomic_write(output_dir / PROGRESS, lambda f: f.write(json.dumps(progress, indent=1).encode()))
+    text = json.dumps({"version": PROGRESS_VERSION} | progress, indent=1)
+    atomic_write(output_dir / PROGRESS, lambda f: f.write(text.encode()))
 
 
 def summary(documents: int, tokens: int, shards: int, seconds: float, output_dir: Path) -> str:

@@ -5,7 +5,7 @@ prompt in, sampled continuations out (generate_text, around model.GPT.generate).
 A TokenizerSpec is what data (the manifest beside the shards, dataloader.py) and snapshots record of the tokenizer
 that wrote them: its kind, name, a sha256 of its definition (two tokenizers of one name are told apart), its vocabulary
 and <|endoftext|>'s id (the document delimiter); a Hugging Face one also carries its tokenizer.json, so that data and
-snapshots are self-contained. Data without a manifest (today's shards, llm.c's) is GPT-2's: gpt2_spec(), known without
+snapshots are self-contained. Data without a manifest (llm.c's shards) is GPT-2's: gpt2_spec(), known without
 loading anything.
 
 tiktoken downloads an encoding's files on first use, into its cache ($TIKTOKEN_CACHE_DIR); offline, point that at a
