@@ -192,9 +192,9 @@ def record_shards(data_dir: Path, tokenizer: TokenizerSpec, names: Sequence[str]
     """Before shards of `tokenizer` named `names` are written into data_dir: its manifest names the tokenizer and
     lists them (listed first, a crash leaves a name without a file, never a file of no listed tokenizer). A UserError
     if data_dir holds another tokenizer's shards, or shards without a manifest."""
-    manifest = read_manifest(data_dir)
-    if manifest is None and shard_names(data_dir):
-        raise UserError(f"{data_dir} holds shards ({shard_names(data_dir)[0]}, ...) but no {MANIFEST} naming their "
+    manifest, existing = read_manifest(data_dir), shard_names(data_dir)
+    if manifest is None and existing:
+        raise UserError(f"{data_dir} holds shards ({existing[0]}, ...) but no {MANIFEST} naming their "
                         "tokenizer (llm.c's, another tool's, or its manifest deleted), so the shards written now could "
                         "not be told apart from them. Pass another --output_dir (or delete this one to start over).")
     if manifest and manifest[0].sha256 != tokenizer.sha256:

@@ -314,6 +314,11 @@ def test_bad_tokenizer_names_are_one_paragraph_naming_them(tmp_path):
     with pytest.raises(UserError, match=rf"^--tokenizer {words}: .* \(ValueError: its model is WordLevel, not BPE; "
                                         r"this code reads byte-level BPEs only"):
         load_tokenizer(str(words))
+    definition = (words / "tokenizer.json").read_text()
+    recorded = TokenizerSpec("hf", "words", hashlib.sha256(definition.encode()).hexdigest(), 3, 2, definition)
+    with pytest.raises(UserError, match=r"^the tokenizer recorded as words \(hf, 3 ids, .*\) cannot be used here: its "
+                                        r"model is WordLevel, not BPE"):  # as a manifest or a snapshot has it
+        tokenizer_from_spec(recorded)
 
 
 @pytest.mark.slow  # each a fresh interpreter importing torch: about 4 s

@@ -57,6 +57,7 @@ def replace_directory(path: str | Path, fill: Callable[[Path], None]) -> None:
     path = Path(os.path.abspath(path))  # (".": a name to put the new one beside)
     tmp, old = (path.with_name(f"{path.name}.{os.getpid()}.{end}") for end in ("tmp", "old"))
     try:
+        shutil.rmtree(tmp, ignore_errors=True)  # a dead process's of the same pid
         tmp.mkdir(parents=True)
         fill(tmp)
         for file in tmp.iterdir():

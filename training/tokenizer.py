@@ -309,7 +309,11 @@ def tokenizer_from_spec(spec: TokenizerSpec) -> Tokenizer:
     if spec.kind == "bytes":
         tokenizer = ByteTokenizer()
     elif spec.kind == "hf":
-        tokenizer = HFTokenizer(spec.definition, spec.name)
+        try:
+            tokenizer = HFTokenizer(spec.definition, spec.name)
+        except ValueError as e:  # (a recorded tokenizer.json of a kind this code does not read)
+            raise UserError(f"the tokenizer recorded as {spec.describe()} cannot be used here: {e}. Prepare the data "
+                            "again with one it reads (`python -m data.train_tokenizer` trains one).") from e
     else:
         tokenizer = tiktoken_tokenizer(spec.name)
     if tokenizer.spec.sha256 != spec.sha256:
