@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from training.errors import UserError
-from training.files import atomic_write
+from training.files import atomic_write, version_problem
 from training.packing import pack_rows
 from training.parsing import PARSE_ERRORS, parse_problem
 from training.tokenizer import TokenizerSpec, gpt2_spec
@@ -168,10 +168,8 @@ def read_manifest(data_dir: str | Path) -> tuple[TokenizerSpec, list[str]] | Non
     except OSError as e:
         link = f", a symbolic link to {os.readlink(path)}" if path.is_symlink() else ""
         raise UserError(f"{path}{link}, could not be read ({e.strerror}). {fix}") from e
-    if isinstance(manifest, dict) and manifest.get("version") != MANIFEST_VERSION:
-        version = f"version {manifest['version']!r}" if "version" in manifest else "no version (it is older)"
-        raise UserError(f"{path} has {version}, and this code reads manifests of version {MANIFEST_VERSION} only. "
-                        f"{fix}")
+    if isinstance(manifest, dict) and (problem := version_problem(manifest, MANIFEST_VERSION, "manifests")):
+        raise UserError(f"{path} {problem}. {fix}")
     if not (isinstance(manifest, dict) and manifest.keys() == {"version", "tokenizer", "shards"}
             and isinstance(manifest["shards"], list) and all(isinstance(name, str) for name in manifest["shards"])):
         raise UserError(f'{path} is not what data/prepare.py and data/fineweb.py write (an object with "version", '

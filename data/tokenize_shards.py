@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from dataloader import record_shards, shard_names, write_shard
 from training.errors import UserError
-from training.files import atomic_write
+from training.files import atomic_write, version_problem
 from training.parsing import PARSE_ERRORS, parse_problem
 from training.tokenizer import Tokenizer, TokenizerSpec, gpt2_spec, tokenizer_from_spec
 
@@ -250,14 +250,12 @@ def read_progress(path: Path) -> dict:
     try:
         progress = json.loads(path.read_bytes())
         problem = None if isinstance(progress, dict) and PROGRESS_KEYS <= progress.keys() else \
-            f"not what this script writes (an object with {', '.join(sorted(PROGRESS_KEYS))})"
+            f"is not what this script writes (an object with {', '.join(sorted(PROGRESS_KEYS))})"
     except PARSE_ERRORS as e:
-        problem = parse_problem(e)
-    if not problem and progress.get("version") != PROGRESS_VERSION:
-        version = f"version {progress['version']!r}" if "version" in progress else "no version (it is older)"
-        problem = f"of {version}, and this code reads progress files of version {PROGRESS_VERSION} only"
+        problem = f"is {parse_problem(e)}"
+    problem = problem or version_problem(progress, PROGRESS_VERSION, "progress files")
     if problem:
-        raise UserError(f"{path} is {problem}. Delete it, and the shards of {path.parent}, to write them all again.")
+        raise UserError(f"{path} {problem}. Delete it, and the shards of {path.parent}, to write them all again.")
     return progress
 
 

@@ -198,8 +198,8 @@ def test_a_manifest_that_cannot_be_read_or_is_of_another_version_or_size_is_refu
             f"{world['root'] / 'no_such_manifest.json'}, could not be read (No such file or directory)")
     refused(runs["train with a manifest: vocab"], f"{manifest['vocab'] / MANIFEST}: its tokenizer record is "
             "malformed: vocab_size 3,000,000,000 is not 1 to 16,777,216")
-    refused(runs["train with a manifest: unversioned"], f"{manifest['unversioned'] / MANIFEST} has no version (it is "
-            "older), and this code reads manifests of version 1 only")
+    refused(runs["train with a manifest: unversioned"], f"{manifest['unversioned'] / MANIFEST} has no version, and "
+            "this code reads manifests of version 1 only")
     refused(runs["train with a manifest: version 2"], f"{manifest['version 2'] / MANIFEST} has version 2, and this "
             "code reads manifests of version 1 only")
 

@@ -1,4 +1,6 @@
 
+import json
+
 import pytest
 import torch
 
@@ -65,3 +67,21 @@ def test_an_out_dir_that_is_a_file_is_refused_clearly(perturbed_ckpt, tmp_path, 
     with pytest.raises(UserError, match=f"^{tmp_path / 'taken'} is a file; pass a directory"):
         main([str(perturbed_ckpt), str(tmp_path / "taken")])
     assert (tmp_path / "taken").read_text() == "a file"
+
+
+def test_an_out_dir_that_is_no_export_of_this_version_is_refused_and_left_as_it_was(perturbed_ckpt, tmp_path):
+    out = tmp_path / "hf"
+    main([str(perturbed_ckpt), str(out)])
+    record = json.loads((out / "export_hf.json").read_text())
+    assert record["version"] == 1 and record["files"] == ["config.json", "generation_config.json", "model.safetensors"]
+    (out / "README.md").write_text("my notes")
+    with pytest.raises(UserError, match=rf"^{out} is an earlier export, and also holds what it did not write: "
+                                        rf"README.md. The export replaces {out} whole"):
+        main([str(perturbed_ckpt), str(out)])
+    (out / "README.md").unlink()
+    (out / "export_hf.json").write_text(json.dumps(record | {"version": 2}))
+    with pytest.raises(UserError, match=rf"^{out / 'export_hf.json'} has version 2, and this code reads export "
+                                        rf"records of version 1 only, so {out} is no export this tool replaces"):
+        main([str(perturbed_ckpt), str(out)])
+    assert sorted(path.name for path in out.iterdir()) == ["config.json", "export_hf.json", "generation_config.json",
+                                                           "model.safetensors"]

@@ -40,7 +40,7 @@ from transformers.convert_slow_tokenizer import TikTokenConverter, bytes_to_unic
 
 from rundir.snapshot import load_tokenizer_of, read_model, read_tokenizer
 from training.errors import UserError, run_entry_point
-from training.files import replace_directory
+from training.files import replace_directory, version_problem
 from training.hf import to_hf
 from training.parsing import PARSE_ERRORS, parse_problem
 from training.tokenizer import EOT_TEXT, TiktokenTokenizer, Tokenizer, gpt2_spec
@@ -117,10 +117,10 @@ def check_out_dir(out_dir: Path) -> None:
         recorded = json.loads(record.read_bytes())
     except PARSE_ERRORS as e:
         raise UserError(f"{record} is {parse_problem(e)}, so {out_dir} is no export of this tool. {fix}") from e
-    version = recorded.get("version") if isinstance(recorded, dict) else None
-    if version != EXPORT_VERSION or not isinstance(recorded.get("files"), list):
-        raise UserError(f"{record} is not an export record of version {EXPORT_VERSION} (its version: {version!r}), "
-                        f"the only one this tool replaces. {fix}")
+    problem = version_problem(recorded, EXPORT_VERSION, "export records")
+    if problem or not isinstance(recorded.get("files"), list):
+        raise UserError(f"{record} {problem or 'lists no files'}, so {out_dir} is no export this tool replaces. "
+                        f"{fix}")
     others = sorted(set(present) - set(recorded["files"]) - {EXPORT_RECORD})
     if others:
         raise UserError(f"{out_dir} is an earlier export, and also holds what it did not write: "

@@ -1,5 +1,5 @@
 """Writing files and directories so that a crash never leaves a half-written one where a whole one is expected, and a
-failed write (a full disk) is an OSError naming the path it was for."""
+failed write (a full disk) is an OSError naming the path it was for; and the version check of our JSON files."""
 
 import os
 import shutil
@@ -14,6 +14,16 @@ def fsync_directory(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def version_problem(record: object, version: int, kind: str) -> str | None:
+    """None where `record` (one of our JSON files, parsed) is of format `version`; else, for the refusal naming the
+    file, e.g. "has version 2, and this code reads manifests of version 1 only". An older or other version is refused,
+    never read: there is no code path for the files of our earlier versions."""
+    if isinstance(record, dict) and record.get("version") == version:
+        return None
+    found = f"version {record['version']!r}" if isinstance(record, dict) and "version" in record else "no version"
+    return f"has {found}, and this code reads {kind} of version {version} only"
 
 
 def raise_for(path: Path, temporary: Path, error: BaseException) -> None:
