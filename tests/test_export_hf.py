@@ -85,3 +85,13 @@ def test_an_out_dir_that_is_no_export_of_this_version_is_refused_and_left_as_it_
         main([str(perturbed_ckpt), str(out)])
     assert sorted(path.name for path in out.iterdir()) == ["config.json", "export_hf.json", "generation_config.json",
                                                            "model.safetensors"]
+
+
+def test_an_export_through_a_symbolic_link_replaces_the_directory_it_names(perturbed_ckpt, tmp_path):
+    main([str(perturbed_ckpt), str(tmp_path / "real")])
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    (tmp_path / "real" / "config.json").write_text("{}")  # so that the new export shows
+    main([str(perturbed_ckpt), str(tmp_path / "link")])
+    assert (tmp_path / "link").readlink() == tmp_path / "real"
+    assert json.loads((tmp_path / "real" / "config.json").read_text())["n_layer"] == 2
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["link", "model.pt", "real"]  # nothing left beside

@@ -64,7 +64,7 @@ def replace_directory(path: str | Path, fill: Callable[[Path], None]) -> None:
     `path`'s place (the old one renamed aside first, then removed). On any failure the new directory is removed and
     `path` is as it was. Between the two renames a crash leaves the old one beside, as <name>.<pid>.old.
     """
-    path = Path(os.path.abspath(path))  # (".": a name to put the new one beside)
+    path = Path(os.path.realpath(path))  # (".": a name to put the new one beside; a link: the directory it names)
     tmp, old = (path.with_name(f"{path.name}.{os.getpid()}.{end}") for end in ("tmp", "old"))
     try:
         shutil.rmtree(tmp, ignore_errors=True)  # a dead process's of the same pid
