@@ -132,6 +132,8 @@ def cases(w: dict) -> dict[str, Command]:
                                                        str(root / "full_tok" / "tok")]),
             "export on a full disk": Command(["-m", "tools.export_hf", str(w["bytes_snapshot"]),
                                               str(root / "full_export" / "hf")]),
+            "export on a full disk, a new directory": Command(["-m", "tools.export_hf", snapshot,
+                                                               str(root / "full_export" / "new")]),
         }
     return commands
 
@@ -244,5 +246,6 @@ def test_a_full_disk_is_an_error_naming_the_path_and_leaves_every_file_whole_or_
     hf = root / "full_export" / "hf"
     refused(runs["export on a full disk"], f"{hf} {FULL}")
     assert {path: path.read_bytes() for path in hf.glob("*")} == world["export_before"]  # the earlier export, whole
-    assert left_behind(hf.parent) == []
+    refused(runs["export on a full disk, a new directory"], f"{hf.parent / 'new'} {FULL}")
+    assert sorted(path.name for path in hf.parent.iterdir()) == ["hf"]  # no config.json without its weights
 
