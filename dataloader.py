@@ -3,9 +3,9 @@
 Shard format (llm.c's, so data is interchangeable with it): a header of 256 little-endian int32
 [MAGIC, VERSION, num_tokens, 0, ...] followed by num_tokens little-endian uint16 token ids; for a vocabulary of over
 65,536 ids, [MAGIC_32, VERSION_32, ...] and uint32 ids (llm.c's Llama 3 shards). Shards live in one directory as
-<anything>_train_<NNNNNN>.bin and <anything>_val_<NNNNNN>.bin, beside a manifest.json naming the tokenizer that wrote
-them (a TokenizerSpec, tokenizer.py) and listing them: one directory, one tokenizer. A directory without one (llm.c's,
-and ours from before 2026-11-29) holds GPT-2's tokens.
+<anything>_train_<NNNNNN>.bin and <anything>_val_<NNNNNN>.bin, beside a manifest.json (version MANIFEST_VERSION)
+naming the tokenizer that wrote them (a TokenizerSpec, tokenizer.py) and listing them: one directory, one tokenizer.
+A directory without one (llm.c's) holds GPT-2's tokens.
 
 The stream is cut into chunks of B·T tokens (plus the one next token as the last target). Every micro-step
 consumes world_size consecutive chunks, rank r taking the r-th; every optimizer step consumes
@@ -14,15 +14,10 @@ steps, then all ranks move to the next shard together. So the chunks a step trai
 the total batch, never on how they are split across ranks, and the loader's position is the same on every
 rank: a 2-rank snapshot resumes on 1 rank at exactly the next tokens.
 
-Document-aligned batches (align_bos=True): every row starts at a document's first token, the token after an EOT (or
-a shard's first token, unless that is an EOT), or continues a document longer than a row. Each shard's documents are
-packed into rows of T+1 tokens (x and its shifted y) by pack_rows, before and independently of the ranks: best fit
-from a window of the next PACK_WINDOW documents, the largest that fits the row's space left; when none fits, the
-shortest is cropped to fill the row and its rest dropped. A document longer than a row is first cut into rows of its
-own, each continuing it, and a shorter tail that ends a row started by another document. No token is padding; the
-share cropped is pack_rows' second result (dev/align_bos_waste.py measures it on enwiki). A chunk is then B
-consecutive packed rows instead of B·T consecutive tokens, and everything above (chunk order, ranks, steps, state)
-is unchanged.
+Document-aligned batches (align_bos=True): every row starts at a document's first token, or continues a document
+longer than a row. Each shard's documents are packed into rows of T+1 tokens (x and its shifted y) by
+training/packing.py's pack_rows, before and independently of the ranks; a chunk is then B consecutive packed rows
+instead of B·T consecutive tokens, and everything above (chunk order, ranks, steps, state) is unchanged.
 
 Shards are read with plain reads, each checked to return every byte asked for, never through a memory map: a shard
 truncated under a running job (a copy or a download over it in place) is then a ShardReadError naming it, where a
@@ -40,7 +35,6 @@ reads, a change during one is seen before the step trains on what it read. A chm
 ctime too, and stops the run just the same: the check cannot tell them from a write.
 """
 
-import bisect
 import hashlib
 import json
 import os
@@ -54,7 +48,8 @@ import numpy as np
 import torch
 
 from training.errors import UserError
-from training.files import atomic_write
+from training.files import atomic_write, version_problem
+from training.packing import pack_rows
 from training.parsing import PARSE_ERRORS, parse_problem
 from training.tokenizer import TokenizerSpec, gpt2_spec
 
@@ -69,7 +64,7 @@ MAGIC_32, VERSION_32 = 20240801, 7
 TOKEN_DTYPES = {(MAGIC, VERSION): TOKEN_DTYPE, (MAGIC_32, VERSION_32): np.dtype("<u4")}
 EOT = 50256  # GPT-2's <|endoftext|>, before every document (data/tokenize_shards.py); other data: its manifest's eot
 MANIFEST = "manifest.json"  # beside the shards: the tokenizer that wrote them and their names (read_data_tokenizer)
-PACK_WINDOW = 1000  # documents pack_rows chooses from: a wider window wastes less and packs slower
+MANIFEST_VERSION = 1  # of its format: {"version", "tokenizer", "shards"}
 SCAN_TOKENS = 2**20  # tokens read at a time when the loader checks a whole shard (2 MiB)
 
 
@@ -158,9 +153,11 @@ def shard_names(data_dir: Path) -> list[str]:
 
 
 def read_manifest(data_dir: str | Path) -> tuple[TokenizerSpec, list[str]] | None:
-    """data_dir's manifest: (the tokenizer that wrote its shards, their names); None where there is none."""
+    """data_dir's manifest: (the tokenizer that wrote its shards, their names); None where there is none. One that is
+    there but cannot be read (a symbolic link to nothing, say) is a UserError: taken as none, its shards would be
+    read as GPT-2's."""
     path = Path(data_dir) / MANIFEST
-    if not path.exists():
+    if not os.path.lexists(path):
         return None
     fix = ("It records the tokenizer that wrote the shards beside it; write them again with data/prepare.py or "
            "data/fineweb.py into a new --output_dir.")
@@ -169,11 +166,14 @@ def read_manifest(data_dir: str | Path) -> tuple[TokenizerSpec, list[str]] | Non
     except PARSE_ERRORS as e:
         raise UserError(f"{path} is {parse_problem(e)}. {fix}") from e
     except OSError as e:
-        raise UserError(f"{path} could not be read ({e.strerror}). {fix}") from e
-    if not (isinstance(manifest, dict) and manifest.keys() == {"tokenizer", "shards"}
+        link = f", a symbolic link to {os.readlink(path)}" if path.is_symlink() else ""
+        raise UserError(f"{path}{link}, could not be read ({e.strerror}). {fix}") from e
+    if isinstance(manifest, dict) and (problem := version_problem(manifest, MANIFEST_VERSION, "manifests")):
+        raise UserError(f"{path} {problem}. {fix}")
+    if not (isinstance(manifest, dict) and manifest.keys() == {"version", "tokenizer", "shards"}
             and isinstance(manifest["shards"], list) and all(isinstance(name, str) for name in manifest["shards"])):
-        raise UserError(f'{path} is not what data/prepare.py and data/fineweb.py write (an object with "tokenizer" '
-                        f'and "shards", a list of file names). {fix}')
+        raise UserError(f'{path} is not what data/prepare.py and data/fineweb.py write (an object with "version", '
+                        f'"tokenizer" and "shards", a list of file names). {fix}')
     try:
         return TokenizerSpec.from_dict(manifest["tokenizer"], str(path)), manifest["shards"]
     except ValueError as e:  # the message names the file and what is wrong
@@ -181,8 +181,7 @@ def read_manifest(data_dir: str | Path) -> tuple[TokenizerSpec, list[str]] | Non
 
 
 def read_data_tokenizer(data_dir: str | Path) -> TokenizerSpec:
-    """The tokenizer of data_dir's shards: its manifest's, or GPT-2's where it has none (llm.c's shards, and ours
-    from before manifests)."""
+    """The tokenizer of data_dir's shards: its manifest's, or GPT-2's where it has none (llm.c's shards)."""
     manifest = read_manifest(data_dir)
     return manifest[0] if manifest else gpt2_spec()
 
@@ -190,19 +189,21 @@ def read_data_tokenizer(data_dir: str | Path) -> TokenizerSpec:
 def record_shards(data_dir: Path, tokenizer: TokenizerSpec, names: Sequence[str] = ()) -> None:
     """Before shards of `tokenizer` named `names` are written into data_dir: its manifest names the tokenizer and
     lists them (listed first, a crash leaves a name without a file, never a file of no listed tokenizer). A UserError
-    if data_dir holds another tokenizer's shards (without a manifest, shards are GPT-2's: GPT-2's adopts them)."""
-    manifest = read_manifest(data_dir)
-    existing = shard_names(data_dir)
-    recorded, listed = manifest or (gpt2_spec(), existing)
-    if recorded.sha256 != tokenizer.sha256 and (manifest or existing):
-        where = f"see {data_dir / MANIFEST}" if manifest else "shards without a manifest are GPT-2's"
-        raise UserError(f"{data_dir} holds shards written with the tokenizer {recorded.describe()} ({where}), not "
-                        f"with {tokenizer.describe()}: one directory holds the shards of one tokenizer, or the loader "
-                        "could not tell them apart. Pass another --output_dir (or delete this one to start over).")
-    if manifest is None or not set(names) <= set(listed):
-        shards = sorted(set(listed) | set(names))
-        text = json.dumps({"tokenizer": tokenizer.to_dict(), "shards": shards}, indent=1).encode()
-        atomic_write(data_dir / MANIFEST, lambda f: f.write(text))
+    if data_dir holds another tokenizer's shards, or shards without a manifest."""
+    manifest, existing = read_manifest(data_dir), shard_names(data_dir)
+    if manifest is None and existing:
+        raise UserError(f"{data_dir} holds shards ({existing[0]}, ...) but no {MANIFEST} naming their "
+                        "tokenizer (llm.c's, another tool's, or its manifest deleted), so the shards written now could "
+                        "not be told apart from them. Pass another --output_dir (or delete this one to start over).")
+    if manifest and manifest[0].sha256 != tokenizer.sha256:
+        raise UserError(f"{data_dir} holds shards written with the tokenizer {manifest[0].describe()} (see "
+                        f"{data_dir / MANIFEST}), not with {tokenizer.describe()}: one directory holds the shards of "
+                        "one tokenizer, or the loader could not tell them apart. Pass another --output_dir (or delete "
+                        "this one to start over).")
+    if manifest is None or not set(names) <= set(manifest[1]):
+        shards = sorted(set(manifest[1] if manifest else []) | set(names))
+        text = json.dumps({"version": MANIFEST_VERSION, "tokenizer": tokenizer.to_dict(), "shards": shards}, indent=1)
+        atomic_write(data_dir / MANIFEST, lambda f: f.write(text.encode()))
 
 
 class ShardReadError(UserError):
@@ -304,62 +305,6 @@ def check_token_ids(shard: Shard, vocab_size: int) -> None:
                         "data/fineweb.py (--tokenizer: the model's), or move it out of the data directory.")
 
 
-def document_starts(tokens: np.ndarray, eot: int = EOT) -> np.ndarray:
-    """Where the shard's documents start: after each EOT (the data's tokenizer's), and at 0 unless the shard opens
-    with an EOT."""
-    starts = np.flatnonzero(tokens[:-1] == eot) + 1
-    return starts if tokens[0] == eot else np.concatenate([[0], starts])
-
-
-def pack_rows(tokens: np.ndarray, row_len: int, split_long: bool = True, eot: int = EOT) -> tuple[list[np.ndarray],
-                                                                                                   int]:
-    """Best-fit packing of the shard's documents into rows of row_len tokens (see the module doc).
-
-    A document longer than a row is cut into row_len pieces and a shorter tail (split_long; without it, cropped
-    like any document that does not fit): its first piece is a row starting at its first token, each later piece a
-    row of its own continuing it, and the tail fills the end of a row that starts with another document, never a
-    row's start. Returns (rows, cropped): rows[i] is row i's (start, length) pieces of `tokens` in order, an int64
-    array (pieces, 2), and cropped the number of the shard's tokens in no row. Deterministic: it depends only on
-    the tokens, row_len, split_long and eot (the data's tokenizer's <|endoftext|>).
-    """
-    starts = document_starts(tokens, eot)
-    lengths = np.diff(np.append(starts, tokens.size))
-    # (length, start) sorted, ties to the later start: documents (may start a row) and tails (may not)
-    documents: list[tuple[int, int]] = []
-    tails: list[tuple[int, int]] = []
-    next_document, rows, row, space = 0, [], [], row_len
-    while True:
-        # (tails cannot start a row: a window of only tails reads on)
-        while (len(documents) + len(tails) < PACK_WINDOW or not documents) and next_document < starts.size:
-            start, length = int(starts[next_document]), int(lengths[next_document])
-            next_document += 1
-            if split_long and length > row_len:
-                rows += [[(piece, row_len)] for piece in range(start, start + length - row_len + 1, row_len)]
-                start, length = start + length // row_len * row_len, length % row_len
-                if length:
-                    bisect.insort(tails, (length, start))
-            else:
-                bisect.insort(documents, (length, start))
-        candidates = [documents] if space == row_len else [documents, tails]
-        candidates = [units for units in candidates if units]
-        if not candidates:
-            break
-        fits = [(units[i], units, i) for units in candidates
-                if (i := bisect.bisect_right(units, (space, tokens.size)) - 1) >= 0]
-        if fits:
-            _, units, i = max(fits)
-        else:  # nothing fits: crop the shortest
-            _, units, i = min((units[0], units, 0) for units in candidates)
-        length, start = units.pop(i)
-        taken = min(length, space)
-        row.append((start, taken))
-        space -= taken
-        if space == 0:
-            rows.append(row)
-            row, space = [], row_len
-    return [np.array(row, dtype=np.int64) for row in rows], tokens.size - len(rows) * row_len
-
-
 class DistributedDataLoader:
     def __init__(self, data_dir: str | Path, split: str, B: int, T: int, rank: int = 0, world_size: int = 1,
                  grad_accum_steps: int = 1, shuffle: bool = False, seed: int = 0, vocab_size: int | None = None,
@@ -416,7 +361,7 @@ class DistributedDataLoader:
         if self.align_bos:  # the whole shard in memory: packing reads every token anyway
             self.tokens = self.shard.read(0, num_tokens)
             # rebuilt on every opening: resuming needs no more
-            self.rows, _ = pack_rows(self.tokens, self.T + 1, eot=self.tokenizer.eot)
+            self.rows, _ = pack_rows(self.tokens, self.T + 1, self.tokenizer.eot)
             num_chunks = len(self.rows) // self.B
             if num_chunks < self.chunks_per_step:
                 raise UserError(f"{self.shards[shard_index]}: its documents pack into {len(self.rows)} rows of "
@@ -495,8 +440,7 @@ class DistributedDataLoader:
 
     def load_state_dict(self, state: dict[str, int | str]) -> None:
         mine = self.state_dict()
-        # (a snapshot from before the fingerprint and seq_len were kept passes those two checks)
-        if state.get("data_fingerprint", self.data_fingerprint) != self.data_fingerprint:
+        if state["data_fingerprint"] != self.data_fingerprint:
             raise UserError(
                 f"cannot resume the data loader: the snapshot's run read other shards (--data_dir {state['data_dir']}, "
                 f"{state['num_shards']} shards) than this run's --data_dir {self.data_dir} holds ({len(self.shards)} "
@@ -504,13 +448,13 @@ class DistributedDataLoader:
                 "the --data_dir of the snapshot's run (a copy of its shards elsewhere resumes as well), or start a "
                 "new run on this data from the snapshot's weights with --init_from SNAPSHOT.")
         for key in ("chunk_tokens", "chunks_per_step", "num_shards", "shuffle", "seed", "align_bos"):
-            if state.get(key, 0) != mine[key]:  # (snapshots from before --align_bos had none: 0)
+            if state[key] != mine[key]:
                 raise UserError(
-                    f"cannot resume the data loader: the snapshot was taken with {key}={state.get(key, 0)}, this run "
+                    f"cannot resume the data loader: the snapshot was taken with {key}={state[key]}, this run "
                     f"has {key}={mine[key]}. Resuming would re-read or skip data. Keep --micro_batch_size·--seq_len, "
                     "--total_batch_size, the data directory, --shuffle, --seed and --align_bos as they were (the "
                     "number of ranks may change), or start a fresh run with --resume never.")
-        if state.get("seq_len", self.T) != self.T:
+        if state["seq_len"] != self.T:
             raise UserError(
                 f"cannot resume the data loader: the snapshot's run cut its chunks of {self.B * self.T} tokens into "
                 f"sequences of --seq_len {state['seq_len']}, and this run into sequences of --seq_len {self.T}: the "

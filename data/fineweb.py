@@ -104,7 +104,7 @@ def load_progress(output_dir: Path, source: str | list[str], shard_size: int,
     return progress
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", choices=["edu", "classic"], default="edu", help="FineWeb-Edu or FineWeb")
     parser.add_argument("--size", choices=["10B", "100B"], default="10B", help="the sample-10BT or sample-100BT subset")
@@ -123,6 +123,11 @@ def main(argv: list[str] | None = None) -> None:
     for flag in ("shard_size", "num_proc", "max_shards"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             parser.error(f"--{flag} {getattr(args, flag)}: must be at least 1")
+    return parser, args
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser, args = parse_args(argv)
     if args.input:
         check_input_files(parser, args.input)
         for path in args.input:

@@ -79,7 +79,7 @@ def corpus_source(args: argparse.Namespace) -> str:
     return " ".join(["data.prepare", *words])
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--source", choices=["shakespeare"],
                         help="Tiny Shakespeare, downloaded (and cached in --output_dir) unless --input is given")
@@ -108,6 +108,25 @@ def main(argv: list[str] | None = None) -> None:
     if args.source == "shakespeare" and args.input and len(args.input) > 1:
         parser.error("--source shakespeare reads one file, a copy of input.txt; for several files of your own leave "
                      "out --source (each file is then a document, preceded by <|endoftext|>)")
+    return parser, args
+
+
+def document_streams(args: argparse.Namespace, inputs: list[Path], files: list[list[str]],
+                     output_dir: Path) -> dict[str, tuple]:
+    """{name: (shard_paths, documents)}: val's and train's, or one stream whose first shard is val."""
+    if args.val_input:
+        val = [d for path in args.val_input for d in read_documents(path)]
+        return {"val": (shard_paths(output_dir, "val"), val),
+                "train": (shard_paths(output_dir, "train"), [d for documents in files for d in documents])}
+    if args.val_fraction > 0:
+        splits = [split_val(documents, not is_jsonl(path), args.val_fraction) for path, documents in zip(inputs, files)]
+        return {"val": (shard_paths(output_dir, "val"), [d for val, _ in splits for d in val]),
+                "train": (shard_paths(output_dir, "train"), [d for _, train in splits for d in train])}
+    return {"val+train": (shard_paths(output_dir), [d for documents in files for d in documents])}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser, args = parse_args(argv)
     output_dir = args.output_dir or DATA_DIR / "shakespeare"
     tokenizer = load_tokenizer(args.tokenizer)
     check_output_dir(parser, output_dir)
@@ -124,16 +143,7 @@ def main(argv: list[str] | None = None) -> None:
 
     t0 = time.time()
     files = [read_documents(path) for path in inputs]
-    if args.val_input:
-        val = [d for path in args.val_input for d in read_documents(path)]
-        streams = {"val": (shard_paths(output_dir, "val"), val),
-                   "train": (shard_paths(output_dir, "train"), [d for documents in files for d in documents])}
-    elif args.val_fraction > 0:
-        splits = [split_val(documents, not is_jsonl(path), args.val_fraction) for path, documents in zip(inputs, files)]
-        streams = {"val": (shard_paths(output_dir, "val"), [d for val, _ in splits for d in val]),
-                   "train": (shard_paths(output_dir, "train"), [d for _, train in splits for d in train])}
-    else:
-        streams = {"val+train": (shard_paths(output_dir), [d for documents in files for d in documents])}
+    streams = document_streams(args, inputs, files, output_dir)
     progress = {"source": source, "shard_size": args.shard_size, "shards": 0, "documents": 0, "offset": 0,
                 "complete": False}
     write_progress(output_dir, progress)  # before the first shard: no shard here without the record of its corpus

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from dataloader import record_shards, shard_names, write_shard
 from training.errors import UserError
-from training.files import atomic_write
+from training.files import atomic_write, version_problem
 from training.parsing import PARSE_ERRORS, parse_problem
 from training.tokenizer import Tokenizer, TokenizerSpec, gpt2_spec, tokenizer_from_spec
 
@@ -160,7 +160,7 @@ def jsonl_texts(path: Path) -> Iterator[str]:
                     elif not isinstance(row["text"], str):
                         problem = f'has a "text" that is {type(row["text"]).__name__}, not a string'
                     else:
-                        yield row["text"]
+                        yield without_lone_surrogates(row["text"])
                         continue
                 raise UserError(f'{path}, line {line_number} {problem}. Each line of a JSON-lines file must be one '
                                 'JSON object whose "text" field holds a document, e.g. {"text": "Anarchism is ..."}; '
@@ -168,6 +168,18 @@ def jsonl_texts(path: Path) -> Iterator[str]:
     except (OSError, EOFError, zlib.error) as e:  # gzip's errors for a file that is not gzip, or is cut short
         raise UserError(f"{path} could not be read ({type(e).__name__}: {e}): a truncated or corrupt file, or, for "
                         "a name ending in .gz, not gzip-compressed. Copy or download it again.") from e
+
+
+def without_lone_surrogates(text: str) -> str:
+    """text with each lone surrogate as U+FFFD, the replacement character. JSON's escapes can spell one ("\\ud800"),
+    which is no character and has no UTF-8: tiktoken replaces it so as it encodes, and the tokenizers' and the bytes'
+    encoders would fail on it mid-corpus. Replaced here, as JSON lines are read, every tokenizer sees the same text,
+    and GPT-2's shards are what tiktoken made of it before."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # (a valid pair is one character already: json.loads joins "\\ud83d\\ude42")
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")  # tiktoken's own replacement
+    return text
 
 
 def read_documents(path: Path) -> list[str]:
@@ -207,6 +219,7 @@ def check_output_dir(parser: argparse.ArgumentParser, output_dir: Path) -> None:
 
 
 PROGRESS = "progress.json"  # beside the shards: the corpus they are (source, --shard_size) and how far it got
+PROGRESS_VERSION = 1  # of its format: PROGRESS_KEYS and "version"
 PROGRESS_KEYS = {"source", "shard_size", "shards", "documents", "offset", "complete"}  # what write_progress writes
 
 
@@ -237,17 +250,19 @@ def read_progress(path: Path) -> dict:
     try:
         progress = json.loads(path.read_bytes())
         problem = None if isinstance(progress, dict) and PROGRESS_KEYS <= progress.keys() else \
-            f"not what this script writes (an object with {', '.join(sorted(PROGRESS_KEYS))})"
+            f"is not what this script writes (an object with {', '.join(sorted(PROGRESS_KEYS))})"
     except PARSE_ERRORS as e:
-        problem = parse_problem(e)
+        problem = f"is {parse_problem(e)}"
+    problem = problem or version_problem(progress, PROGRESS_VERSION, "progress files")
     if problem:
-        raise UserError(f"{path} is {problem}. Delete it, and the shards of {path.parent}, to write them all again.")
+        raise UserError(f"{path} {problem}. Delete it, and the shards of {path.parent}, to write them all again.")
     return progress
 
 
 def write_progress(output_dir: Path, progress: dict) -> None:
     """Record progress (PROGRESS_KEYS) in output_dir, atomically, like the shards."""
-    atomic_write(output_dir / PROGRESS, lambda f: f.write(json.dumps(progress, indent=1).encode()))
+    text = json.dumps({"version": PROGRESS_VERSION} | progress, indent=1)
+    atomic_write(output_dir / PROGRESS, lambda f: f.write(text.encode()))
 
 
 def summary(documents: int, tokens: int, shards: int, seconds: float, output_dir: Path) -> str:

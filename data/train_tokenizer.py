@@ -21,27 +21,27 @@ import argparse
 import time
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from tqdm import tqdm
-
 from data.tokenize_shards import check_input_files, check_output_dir, is_jsonl, read_documents, split_val
 from training.errors import UserError, run_entry_point
 from training.files import atomic_write
-from training.tokenizer import EOT_TEXT, load_tokenizer
+from training.tokenizer import EOT_TEXT, MAX_VOCAB_SIZE, load_tokenizer, train_bpe
 
 MIN_VOCAB = 257  # the 256 byte values and <|endoftext|>
 
 
-def train_bpe(documents: list[str], vocab_size: int) -> Tokenizer:
-    """A byte-level BPE of at most vocab_size tokens (the 256 bytes, <|endoftext|>, merges) trained on documents."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # GPT-2's regex
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT_TEXT], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # every byte, seen or not
-    documents_read = tqdm(documents, desc="counting words", unit="doc", dynamic_ncols=True)
-    tokenizer.train_from_iterator(documents_read, trainer=trainer, length=len(documents))
-    return tokenizer
+def bpe_vocab_size(text: str) -> int:
+    """--vocab_size's argparse type: MIN_VOCAB to MAX_VOCAB_SIZE ids, so that a huge one is an error naming the flag,
+    not the trainer's abort as it reserves memory for that many ids."""
+    try:
+        size = int(text)
+    except ValueError:
+        size = 0
+    if not MIN_VOCAB <= size <= MAX_VOCAB_SIZE:
+        raise argparse.ArgumentTypeError(
+            f"{text}: a byte-level BPE has {MIN_VOCAB:,} to {MAX_VOCAB_SIZE:,} tokens, the 256 byte values and "
+            "<|endoftext|> included (at 257 it has no merges: pass --tokenizer bytes to data/prepare.py for that); "
+            "pass e.g. 8192 or 32768.")
+    return size
 
 
 def bytes_per_token(encode, documents: list[str]) -> float:
@@ -54,18 +54,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", type=Path, nargs="+", required=True,
                         help="text files (UTF-8), a document each, or .jsonl/.jsonl.gz files, a document a line")
-    parser.add_argument("--vocab_size", type=int, required=True,
-                        help=f"tokens in all, the 256 bytes and <|endoftext|> included (at least {MIN_VOCAB}); "
-                             "over 65,536 makes 32-bit shards")
+    parser.add_argument("--vocab_size", type=bpe_vocab_size, required=True,
+                        help=f"tokens in all, the 256 bytes and <|endoftext|> included ({MIN_VOCAB:,} to "
+                             f"{MAX_VOCAB_SIZE:,}); over 65,536 makes 32-bit shards")
     parser.add_argument("--output", type=Path, required=True, help="directory for tokenizer.json (created)")
     parser.add_argument("--held_out", type=float, default=0.01,
                         help="fraction of each file, from its end, kept out of training to measure bytes per token "
                              "(default 0.01)")
     args = parser.parse_args(argv)
-    if args.vocab_size < MIN_VOCAB:
-        parser.error(f"--vocab_size {args.vocab_size}: a byte-level BPE needs at least {MIN_VOCAB} tokens, the 256 "
-                     "byte values and <|endoftext|> (then it has no merges: pass --tokenizer bytes to data/prepare.py "
-                     "for that); pass e.g. 8192 or 32768.")
     if not 0 <= args.held_out < 1:
         parser.error(f"--held_out {args.held_out}: must be at least 0 and below 1")
     check_input_files(parser, args.input)

@@ -1,4 +1,4 @@
-"""--align_bos's cost in tokens: the share of a train shard's tokens that dataloader.pack_rows crops (in no row), at
+"""--align_bos's cost in tokens: the share of a train shard's tokens that packing.pack_rows crops (in no row), at
 several sequence lengths, with long documents cut into row-sized pieces (the loader's packing) and without (every
 row strictly starting at a document's first token, the rest of a long document dropped). Also the share of rows
 that start at a document's first token, and the packing time. The figures behind README's --align_bos paragraph.
@@ -10,10 +10,12 @@ that start at a document's first token, and the packing time. The figures behind
 
 import argparse
 import time
+from pathlib import Path
 
 import numpy as np
 
-from dataloader import Shard, document_starts, pack_rows, read_shard_header
+from dataloader import Shard, read_data_tokenizer, read_shard_layout
+from training.packing import document_starts, pack_rows
 
 
 def main() -> None:
@@ -21,19 +23,20 @@ def main() -> None:
     parser.add_argument("--shard", required=True)
     parser.add_argument("--seq_len", type=int, nargs="+", default=[256, 512, 1024, 2048])
     args = parser.parse_args()
-    num_tokens = read_shard_header(args.shard)
-    tokens = Shard(args.shard, num_tokens).read(0, num_tokens)
-    starts = document_starts(tokens)
+    num_tokens, dtype = read_shard_layout(args.shard)
+    tokens = Shard(args.shard, num_tokens, dtype).read(0, num_tokens)
+    eot = read_data_tokenizer(Path(args.shard).parent).eot
+    starts = document_starts(tokens, eot)
     lengths = np.diff(np.append(starts, tokens.size))
     print(f"{args.shard}: {tokens.size:,} tokens, {starts.size:,} documents, median {np.median(lengths):,.0f} "
           f"tokens, mean {lengths.mean():,.0f}")
     print("seq_len | cropped (long documents in pieces) | rows starting a document | cropped (strict) | pack s")
     for seq_len in args.seq_len:
         t0 = time.perf_counter()
-        rows, cropped = pack_rows(tokens, seq_len + 1)
+        rows, cropped = pack_rows(tokens, seq_len + 1, eot)
         seconds = time.perf_counter() - t0
         starting = np.isin([row[0, 0] for row in rows], starts).mean()
-        _, strict = pack_rows(tokens, seq_len + 1, split_long=False)
+        _, strict = pack_rows(tokens, seq_len + 1, eot, split_long=False)
         print(f"{seq_len:7d} | {cropped / tokens.size:34.1%} | {starting:24.1%} | {strict / tokens.size:16.1%} | "
               f"{seconds:.2f}")
 

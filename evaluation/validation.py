@@ -23,7 +23,8 @@ class Validation:
     loss: float  # mean cross-entropy per target token, in nats
     bpb: float | None  # bits per UTF-8 byte of the target text: the same nats per byte instead of per token, in
     #                    bits; unlike the loss it does not depend on the tokenizer, so models with other vocabularies
-    #                    compare. None where the data's tokenizer cannot be loaded (offline, no tiktoken cache)
+    #                    compare. None where the data's tokenizer cannot be loaded (offline, no tiktoken cache), or
+    #                    where the targets have no bytes (empty documents: every target <|endoftext|>)
 
 
 @functools.cache
@@ -89,7 +90,18 @@ def validation_loss(model: torch.nn.Module, loader: DistributedDataLoader, steps
     # (Both collectives always run, so that every rank joins them.)
     loss = average_across_ranks(loss_sum / steps).item()
     bytes_per_token = average_across_ranks(bytes_sum.float() / (steps * y.numel())).item()
-    return Validation(loss, loss / math.log(2) / bytes_per_token if byte_lengths is not None else None)
+    if byte_lengths is None:
+        return Validation(loss, None)
+    if bytes_per_token == 0:  # (the same on every rank: the mean over ranks)
+        warn_once("WARNING: val_bpb is left out: the validation's targets hold no text, only <|endoftext|> (its "
+                  "documents are empty), so there are no bytes to count bits per. Its loss still counts.")
+        return Validation(loss, None)
+    return Validation(loss, loss / math.log(2) / bytes_per_token)
+
+
+@functools.cache  # once a process: a run validates hundreds of times
+def warn_once(message: str) -> None:
+    print(message, file=sys.stderr)
 
 
 def raise_on_every_rank(failure: ShardReadError | None, device: torch.device) -> None:

@@ -19,11 +19,11 @@ from dataloader import (
     MAGIC,
     VERSION,
     DistributedDataLoader,
-    pack_rows,
     read_shard_header,
     write_shard,
 )
 from training.errors import UserError
+from training.packing import pack_rows
 
 B, T = 2, 4  # one chunk = B·T = 8 tokens (+1 for the last target)
 
@@ -402,14 +402,14 @@ def aligned_loaders(data_dir: Path, world_size: int, grad_accum_steps: int, **kw
 def test_pack_rows_best_fit_by_hand():
     #          0    1  2  3    4  5  6  7  8  9  10 11   12 13   14 15 16
     tokens = [EOT, 1, 1, EOT, 2, 2, 2, 2, 2, 2, 2, EOT, 3, EOT, 4, 4, 4]  # documents of 3, 8, 2, 3 tokens
-    rows, cropped = pack_rows(np.array(tokens), 5)
+    rows, cropped = pack_rows(np.array(tokens), 5, EOT)
     # The 8-token document: a row of its first 5, and its tail (9, 3 tokens) fills the end of a row; rows start
     # with the largest document that fits (ties: the later one), then the largest that fits what is left, else the
     # shortest cropped; the shard's leading EOT and the tail's last token are cropped.
     assert [row.tolist() for row in rows] == [[[4, 5]], [[14, 3], [12, 2]], [[1, 3], [9, 2]]]
     assert cropped == 2
     # Without splitting long documents, the 8-token one is cropped to 2 and the rest of it lost.
-    rows, cropped = pack_rows(np.array(tokens), 5, split_long=False)
+    rows, cropped = pack_rows(np.array(tokens), 5, EOT, split_long=False)
     assert [row.tolist() for row in rows] == [[[14, 3], [12, 2]], [[1, 3], [4, 2]]] and cropped == 7
 
 
@@ -438,7 +438,7 @@ def test_aligned_rows_start_at_document_starts_or_continue_a_long_one(tmp_path):
             assert seen.isdisjoint(row)  # no token read twice in an epoch
             seen |= set(row)
             rows += 1
-    counts = [(len(a), pack_rows(a, ROW)[1]) for a in arrays]
+    counts = [(len(a), pack_rows(a, ROW, EOT)[1]) for a in arrays]
     packed = sum(n - cropped for n, cropped in counts)
     assert packed >= rows * ROW >= packed - len(arrays) * B * ROW  # all but each shard's leftover part of a chunk
 

@@ -1,10 +1,13 @@
 
+import json
+
 import pytest
 import torch
 
 from conftest import save_tiny_model
 from rundir.snapshot import read_model
 from tools.export_hf import main
+from training.errors import UserError
 
 
 @pytest.fixture
@@ -61,8 +64,34 @@ def test_missing_or_foreign_snapshot_is_refused_clearly(tmp_path, capsys):
 
 def test_an_out_dir_that_is_a_file_is_refused_clearly(perturbed_ckpt, tmp_path, capsys):
     (tmp_path / "taken").write_text("a file")
-    with pytest.raises(SystemExit) as exit_info:  # a FileExistsError traceback before
+    with pytest.raises(UserError, match=f"^{tmp_path / 'taken'} is a file; pass a directory"):
         main([str(perturbed_ckpt), str(tmp_path / "taken")])
-    assert exit_info.value.code == 2
-    assert f"{tmp_path / 'taken'} is a file; pass a directory" in capsys.readouterr().err
     assert (tmp_path / "taken").read_text() == "a file"
+
+
+def test_an_out_dir_that_is_no_export_of_this_version_is_refused_and_left_as_it_was(perturbed_ckpt, tmp_path):
+    out = tmp_path / "hf"
+    main([str(perturbed_ckpt), str(out)])
+    record = json.loads((out / "export_hf.json").read_text())
+    assert record["version"] == 1 and record["files"] == ["config.json", "generation_config.json", "model.safetensors"]
+    (out / "README.md").write_text("my notes")
+    with pytest.raises(UserError, match=rf"^{out} is an earlier export, and also holds what it did not write: "
+                                        rf"README.md. The export replaces {out} whole"):
+        main([str(perturbed_ckpt), str(out)])
+    (out / "README.md").unlink()
+    (out / "export_hf.json").write_text(json.dumps(record | {"version": 2}))
+    with pytest.raises(UserError, match=rf"^{out / 'export_hf.json'} has version 2, and this code reads export "
+                                        rf"records of version 1 only, so {out} is no export this tool replaces"):
+        main([str(perturbed_ckpt), str(out)])
+    assert sorted(path.name for path in out.iterdir()) == ["config.json", "export_hf.json", "generation_config.json",
+                                                           "model.safetensors"]
+
+
+def test_an_export_through_a_symbolic_link_replaces_the_directory_it_names(perturbed_ckpt, tmp_path):
+    main([str(perturbed_ckpt), str(tmp_path / "real")])
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    (tmp_path / "real" / "config.json").write_text("{}")  # so that the new export shows
+    main([str(perturbed_ckpt), str(tmp_path / "link")])
+    assert (tmp_path / "link").readlink() == tmp_path / "real"
+    assert json.loads((tmp_path / "real" / "config.json").read_text())["n_layer"] == 2
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["link", "model.pt", "real"]  # nothing left beside

@@ -203,6 +203,10 @@ def test_changed_shard_size_is_refused_naming_the_progress_file(corpus, tmp_path
     ("[1]", "is not what this script writes (an object with complete, documents, offset, shard_size, shards, source)"),
     ('{"source": "x"}', "is not what this script writes (an object with complete, documents, offset, shard_size, "
                         "shards, source)"),
+    (json.dumps(dict.fromkeys(["source", "shard_size", "shards", "documents", "offset", "complete"], 0)),
+     "has no version, and this code reads progress files of version 1 only"),
+    (json.dumps(dict.fromkeys(["source", "shard_size", "shards", "documents", "offset", "complete"], 0)
+                | {"version": 2}), "has version 2, and this code reads progress files of version 1 only"),
 ])
 def test_a_damaged_progress_file_is_named_with_the_fix(corpus, tmp_path, text, problem):
     (tmp_path / "out").mkdir()

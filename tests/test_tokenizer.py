@@ -19,6 +19,7 @@ from data import prepare, train_tokenizer
 from dataloader import (
     HEADER_BYTES,
     MANIFEST,
+    MANIFEST_VERSION,
     DistributedDataLoader,
     find_shards,
     read_data_tokenizer,
@@ -127,6 +128,7 @@ def test_a_spec_round_trips_through_its_dict_and_a_malformed_one_is_named(traine
     for change, problem in [({"kind": "sentencepiece"}, "kind 'sentencepiece' is not one of"),
                             ({"vocab_size": "1000"}, "vocab_size is '1000', not an int"),
                             ({"eot": 1000}, "eot 1000 is not an id of a vocabulary of 1,000"),
+                            ({"vocab_size": 3 * 10**9}, "vocab_size 3,000,000,000 is not 1 to 16,777,216"),
                             ({"definition": spec.definition + " "}, "the definition's sha256 is not the one recorded")]:
         with pytest.raises(ValueError, match=f"^snapshot.pt: its tokenizer record is malformed: {problem}"):
             TokenizerSpec.from_dict(spec.to_dict() | change, "snapshot.pt")
@@ -144,7 +146,8 @@ def test_gpt2_shards_are_byte_identical_with_and_without_the_flag(tmp_path, gpt2
     for name in ("d_val_000000.bin", "d_train_000000.bin"):
         assert (tmp_path / "default" / "d" / name).read_bytes() == (tmp_path / "flag" / "d" / name).read_bytes()
     manifest = json.loads((tmp_path / "flag" / "d" / MANIFEST).read_text())
-    assert manifest == {"tokenizer": gpt2_spec().to_dict(), "shards": ["d_train_000000.bin", "d_val_000000.bin"]}
+    assert manifest == {"version": MANIFEST_VERSION, "tokenizer": gpt2_spec().to_dict(),
+                        "shards": ["d_train_000000.bin", "d_val_000000.bin"]}
     stream = shard_tokens(tmp_path / "flag" / "d" / "d_train_000000.bin")
     cut = [int(len(text) * 0.9) for text in texts]  # the last 10 % of each text is val
     assert stream == [t for text, c in zip(texts, cut) for t in [50256, *gpt2_encoding.encode_ordinary(text[:c])]]
@@ -197,13 +200,15 @@ def test_align_bos_rows_start_after_the_datas_own_eot(tmp_path, shared_data):
             assert bytes(row[:9]) == b"Document " or row[0] == 256  # a document's first byte, never mid-document
 
 
-def wide_tokenizer(path: Path, size: int = 70_000, eot: bool = True) -> Path:
-    """A word-level tokenizer.json of `size` words w0, w1, ... and <|endoftext|> (unless eot=False): with the default
-    size, more ids than uint16 holds."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    vocab = {f"w{i}": i for i in range(size)} | ({"<|endoftext|>": size} if eot else {})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+def byte_level_bpe(path: Path, size: int = 70_000, eot: bool = True) -> Path:
+    """A byte-level BPE's tokenizer.json of `size` ids (each byte its own value's id, then tokens no merge makes) and
+    <|endoftext|> as id `size` (unless eot=False): with the default size, more ids than uint16 holds."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    vocab = {char: byte for byte, char in bytes_to_unicode().items()} | {f"unused{i}": i for i in range(256, size)}
+    tok = Tokenizer(models.BPE(vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
     if eot:
         tok.add_special_tokens(["<|endoftext|>"])
     path.mkdir(parents=True)
@@ -211,22 +216,33 @@ def wide_tokenizer(path: Path, size: int = 70_000, eot: bool = True) -> Path:
     return path
 
 
+def word_level(path: Path) -> Path:
+    """A valid tokenizer.json that is no byte-level BPE: words, with no unknown token (an unseen word fails)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({"some": 0, "text": 1}))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<|endoftext|>"])
+    path.mkdir(parents=True)
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
 def test_32_bit_shards_above_65536_ids_are_written_and_read_back_exactly(tmp_path):
-    ids = np.random.default_rng(0).integers(0, 70_000, size=300).tolist()
-    (tmp_path / "a.txt").write_text(" ".join(f"w{i}" for i in ids))
-    (tmp_path / "b.txt").write_text("w65536 w1")
-    wide = wide_tokenizer(tmp_path / "wide")
+    text = "naïve text, 🙂 " * 30
+    (tmp_path / "a.txt").write_text(text)
+    (tmp_path / "b.txt").write_text("val")
+    wide = byte_level_bpe(tmp_path / "wide")
     prepare.main(["--input", str(tmp_path / "a.txt"), "--val_input", str(tmp_path / "b.txt"), "--output_dir",
                   str(tmp_path / "d"), "--tokenizer", str(wide)])
     path = tmp_path / "d" / "d_train_000000.bin"
     header = np.fromfile(path, dtype="<i4", count=3).tolist()
     assert header[:2] == [20240801, 7]  # llm.c's header for uint32 tokens
-    assert shard_tokens(path) == [70_000, *ids]  # EOT, then the document
-    assert shard_tokens(tmp_path / "d" / "d_val_000000.bin") == [70_000, 65_536, 1]
+    assert shard_tokens(path) == [70_000, *text.encode()]  # EOT, then the document's bytes
+    assert shard_tokens(tmp_path / "d" / "d_val_000000.bin") == [70_000, *b"val"]
     assert path.stat().st_size == HEADER_BYTES + 4 * header[2]
     loader = DistributedDataLoader(tmp_path / "d", "train", 1, 8, vocab_size=70_001)
     x, _ = loader.next_batch()
-    assert x.flatten().tolist() == shard_tokens(path)[:8] and max(shard_tokens(path)) > 65_535
+    assert x.flatten().tolist() == shard_tokens(path)[:8] and x[0, 0] == 70_000
     assert model_config(TrainConfig(data_dir=str(tmp_path / "d"), model="tiny")).vocab_size == 70_001
     write_shard(tmp_path / "x_val_000000.bin", np.array([0, 2**32 - 1]), vocab_size=2**32)
     assert shard_tokens(tmp_path / "x_val_000000.bin") == [0, 2**32 - 1]
@@ -245,31 +261,47 @@ def test_a_directory_holds_one_tokenizers_shards(tmp_path, gpt2_encoding):
     with pytest.raises(UserError, match=rf"^{tmp_path / 'd' / 'b_train_000000.bin'} is not one of the shards that "
                                         r".*manifest.json lists as written with the tokenizer gpt2"):
         find_shards(tmp_path / "d", "train")
-    (tmp_path / "b" / MANIFEST).write_text('{"tokenizer": {"kind": "bytes"}, "shards": []}')
+    (tmp_path / "b" / MANIFEST).write_text('{"version": 1, "tokenizer": {"kind": "bytes"}, "shards": []}')
     with pytest.raises(UserError, match=r"manifest.json: its tokenizer record is not an object with the fields"):
         DistributedDataLoader(tmp_path / "b", "train", 1, 8)
 
 
-def test_shards_without_a_manifest_are_gpt2s_and_adopted_only_by_gpt2(tmp_path, gpt2_encoding):
+def test_shards_without_a_manifest_are_gpt2s_and_no_command_writes_beside_them(tmp_path, gpt2_encoding):
     (tmp_path / "a.txt").write_text("some text " * 50)
     old = ["--input", str(tmp_path / "a.txt"), "--output_dir", str(tmp_path / "old")]
     prepare.main(old)
-    (tmp_path / "old" / MANIFEST).unlink()  # as written before manifests
+    (tmp_path / "old" / MANIFEST).unlink()  # as llm.c's shards come
     assert read_data_tokenizer(tmp_path / "old") == gpt2_spec()
-    with pytest.raises(UserError, match=r"holds shards written with the tokenizer gpt2 .*\(shards without a manifest "
-                                        r"are GPT-2's\), not with bytes"):
-        prepare.main([*old, "--tokenizer", "bytes"])
+    for tokenizer_name in ("gpt2", "bytes"):
+        with pytest.raises(UserError, match=rf"^{tmp_path / 'old'} holds shards \(old_train_000000.bin, ...\) but no "
+                                            r"manifest.json naming their tokenizer"):
+            prepare.main([*old, "--tokenizer", tokenizer_name])
     assert not (tmp_path / "old" / MANIFEST).exists()
-    write_shard(tmp_path / "old" / "old_train_000001.bin", np.arange(100))  # say, the rest of a fineweb download
-    prepare.main(old)  # GPT-2's adopts them
-    assert json.loads((tmp_path / "old" / MANIFEST).read_text())["shards"] == [
-        "old_train_000000.bin", "old_train_000001.bin", "old_val_000000.bin"]
+
+
+def test_a_manifest_of_another_version_or_none_or_a_link_to_nothing_is_refused_naming_it(tmp_path):
+    (tmp_path / "a.txt").write_text("some text " * 50)
+    prepare.main(["--input", str(tmp_path / "a.txt"), "--output_dir", str(tmp_path / "d"), "--tokenizer", "bytes"])
+    path = tmp_path / "d" / MANIFEST
+    manifest = json.loads(path.read_text())
+    assert manifest["version"] == MANIFEST_VERSION == 1
+    for version, named in [(None, "has no version"), (2, "has version 2"), ("1", "has version '1'")]:
+        path.write_text(json.dumps({key: value for key, value in (manifest | {"version": version}).items()
+                                    if value is not None}))
+        with pytest.raises(UserError, match=rf"^{path} {named}.*, and this code reads manifests of version 1 only"):
+            read_data_tokenizer(tmp_path / "d")
+    path.unlink()
+    path.symlink_to(tmp_path / "gone.json")
+    with pytest.raises(UserError, match=rf"^{path}, a symbolic link to {tmp_path / 'gone.json'}, could not be read "
+                                        r"\(No such file or directory\)"):
+        DistributedDataLoader(tmp_path / "d", "train", 1, 8)  # (taken as no manifest, its bytes would be GPT-2's)
 
 
 def test_bad_tokenizer_names_are_one_paragraph_naming_them(tmp_path):
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "tokenizer.json").write_text('{"model": ')
-    no_eot = wide_tokenizer(tmp_path / "no_eot", 10, eot=False)
+    no_eot = byte_level_bpe(tmp_path / "no_eot", 300, eot=False)
+    words = word_level(tmp_path / "words")
     with pytest.raises(UserError, match=r"^--tokenizer nosuch: no such file or directory, and not a tokenizer's name. "
                                         r"Pass gpt2 .* or a tiktoken encoding: gpt2, r50k_base"):
         load_tokenizer("nosuch")
@@ -279,6 +311,14 @@ def test_bad_tokenizer_names_are_one_paragraph_naming_them(tmp_path):
     with pytest.raises(UserError, match=rf"^--tokenizer {no_eot}: .* \(ValueError: it has no <\|endoftext\|> token, "
                                         "which separates documents here"):
         load_tokenizer(str(no_eot))
+    with pytest.raises(UserError, match=rf"^--tokenizer {words}: .* \(ValueError: its model is WordLevel, not BPE; "
+                                        r"this code reads byte-level BPEs only"):
+        load_tokenizer(str(words))
+    definition = (words / "tokenizer.json").read_text()
+    recorded = TokenizerSpec("hf", "words", hashlib.sha256(definition.encode()).hexdigest(), 3, 2, definition)
+    with pytest.raises(UserError, match=r"^the tokenizer recorded as words \(hf, 3 ids, .*\) cannot be used here: its "
+                                        r"model is WordLevel, not BPE"):  # as a manifest or a snapshot has it
+        tokenizer_from_spec(recorded)
 
 
 @pytest.mark.slow  # each a fresh interpreter importing torch: about 4 s
@@ -295,7 +335,7 @@ def test_each_bad_input_exits_2_naming_it(case, tmp_path, gpt2_encoding):
                               "Hugging Face tokenizer.json"),
         "vocab_size": lambda: (cli("data.train_tokenizer", "--input", tmp_path / "a.txt", "--vocab_size", "256",
                                    "--output", tmp_path / "tok"),
-                               "error: --vocab_size 256: a byte-level BPE needs at least 257 tokens"),
+                               "error: argument --vocab_size: 256: a byte-level BPE has 257 to 16,777,216 tokens"),
         # a proxy that refuses: no download even where there is network
         "not_cached": lambda: (cli("data.prepare", *prepare_args, "cl100k_base",
                                    env={"HTTPS_PROXY": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}),

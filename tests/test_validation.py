@@ -2,11 +2,12 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from dataloader import DistributedDataLoader
+from dataloader import DistributedDataLoader, write_shard
 from evaluation import validation
 from evaluation.validation import token_byte_lengths, validation_loss
 from helpers_train import write_text_shards
@@ -97,3 +98,11 @@ def test_without_the_tokenizer_val_bpb_is_none_and_the_loss_still_comes(tmp_path
         token_byte_lengths.cache_clear()  # the other tests' table, not this test's None
     assert val.bpb is None and 10 < val.loss < 12
     assert "val_bpb is left out" in capsys.readouterr().err
+
+
+def test_targets_of_no_text_leave_val_bpb_out_with_a_note_and_the_loss_still_comes(tmp_path, capsys, gpt2_encoding):
+    write_shard(tmp_path / "empty_val_000000.bin", np.full(200, gpt2_encoding.eot_token))  # empty documents
+    validation.warn_once.cache_clear()
+    val = validation_loss(GPT(PRESETS["tiny"]), DistributedDataLoader(tmp_path, "val", 2, 16), 3, CPU, torch.float32)
+    assert val.bpb is None and 10 < val.loss < 12  # (not a ZeroDivisionError: no bytes to divide by)
+    assert "val_bpb is left out: the validation's targets hold no text" in capsys.readouterr().err

@@ -17,24 +17,36 @@ converted by transformers' TikTokenConverter; the config's bos and eos ids are i
 
 Weights go through transformers' own save_pretrained (model.safetensors), so the layout is whatever the installed
 transformers writes and reads, not a hand-made imitation of it.
+
+The directory is written whole or not at all (training/files.py's replace_directory): beside it first, each file
+fsynced, then swapped in; a full disk is an error naming it and leaves it as it was. It then holds exactly this
+model's files and export_hf.json, the record of an export (EXPORT_VERSION) that lets a later export replace it. A
+directory that is not empty and not such an export is refused: the export deletes nothing it did not write.
 """
 
 import argparse
 import json
 import os
+import re
 import shutil
 from contextlib import suppress
 from pathlib import Path
 
 import tiktoken
+from safetensors import SafetensorError
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 from transformers.convert_slow_tokenizer import TikTokenConverter, bytes_to_unicode
 
 from rundir.snapshot import load_tokenizer_of, read_model, read_tokenizer
-from training.errors import run_entry_point
+from training.errors import UserError, run_entry_point
+from training.files import replace_directory, version_problem
 from training.hf import to_hf
+from training.parsing import PARSE_ERRORS, parse_problem
 from training.tokenizer import EOT_TEXT, TiktokenTokenizer, Tokenizer, gpt2_spec
+
+EXPORT_RECORD = "export_hf.json"  # in an export: {"version", "snapshot", "files"}, what this tool wrote there
+EXPORT_VERSION = 1
 
 
 def write_tokenizer(tokenizer_dir: Path, out_dir: Path, model_max_length: int) -> None:
@@ -87,10 +99,50 @@ def write_own_tokenizer(tokenizer_json: str, out_dir: Path, model_max_length: in
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
 
 
+def check_out_dir(out_dir: Path) -> None:
+    """A UserError unless out_dir is missing, empty, or an earlier export of this tool holding only what it wrote
+    (its EXPORT_RECORD lists that): the export replaces the directory whole."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"{out_dir} is a file; pass a directory to write the model into (created if missing).")
+    present = sorted(path.name for path in out_dir.iterdir()) if out_dir.exists() else []
+    if not present:
+        return
+    record = out_dir / EXPORT_RECORD
+    fix = (f"The export replaces {out_dir} whole, and deletes nothing it did not write: pass a new or empty "
+           "directory, or move those files out.")
+    if not record.is_file():
+        raise UserError(f"{out_dir} holds files ({', '.join(present[:3])}{', ...' if len(present) > 3 else ''}) "
+                        f"and no {EXPORT_RECORD}, so it is no earlier export of this tool. {fix}")
+    try:
+        recorded = json.loads(record.read_bytes())
+    except PARSE_ERRORS as e:
+        raise UserError(f"{record} is {parse_problem(e)}, so {out_dir} is no export of this tool. {fix}") from e
+    problem = version_problem(recorded, EXPORT_VERSION, "export records")
+    if problem or not isinstance(recorded.get("files"), list):
+        raise UserError(f"{record} {problem or 'lists no files'}, so {out_dir} is no export this tool replaces. "
+                        f"{fix}")
+    others = sorted(set(present) - set(recorded["files"]) - {EXPORT_RECORD})
+    if others:
+        raise UserError(f"{out_dir} is an earlier export, and also holds what it did not write: "
+                        f"{', '.join(others)}. {fix}")
+
+
+def save_weights(hf_model, out_dir: Path) -> None:
+    """save_pretrained; safetensors' I/O errors (a full disk) as the OSError they are, which names the file."""
+    try:
+        hf_model.save_pretrained(out_dir)
+    except SafetensorError as e:  # (its Rust I/O errors are no OSErrors: "... (os error 28)")
+        code = re.search(r"\(os error (\d+)\)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), str(out_dir / "model.safetensors")) from e
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("snapshot", type=Path, help="a snapshot_*.pt written by train_gpt2.py (or just its model)")
-    parser.add_argument("out_dir", type=Path, help="directory to write (created if missing)")
+    parser.add_argument("out_dir", type=Path, help="directory to write (created if missing; an earlier export there "
+                                                   "is replaced)")
     parser.add_argument("--tokenizer_dir", type=Path,
                         help="folder with OpenAI's GPT-2 encoder.json and vocab.bpe, e.g. shared/data/gpt2_tokenizer")
     args = parser.parse_args(argv)
@@ -104,8 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     # OSError that errors.run_entry_point turns into one paragraph naming out_dir.
     with suppress(FileNotFoundError):  # (made once the model is read)
         os.stat(args.out_dir)
-    if args.out_dir.exists() and not args.out_dir.is_dir():
-        parser.error(f"{args.out_dir} is a file; pass a directory to write the model into (created if missing).")
+    check_out_dir(args.out_dir)
     try:
         model = read_model(args.snapshot)
         tokenizer = read_tokenizer(args.snapshot)
@@ -118,16 +169,22 @@ def main(argv: list[str] | None = None) -> None:
     # Converted before anything is written: a tokenizer this node cannot have (a tiktoken encoding offline) stops here
     tokenizer_json = hf_tokenizer_json(load_tokenizer_of(args.snapshot)) if own_tokenizer else None
 
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    to_hf(model, tokenizer.eot).save_pretrained(args.out_dir)
-    print(f"wrote {args.out_dir}: {model.num_params(non_embedding=False):,} parameters, "
-          f"config {model.config}")
+    def write(out_dir: Path) -> None:
+        save_weights(to_hf(model, tokenizer.eot), out_dir)
+        if tokenizer_json is not None:
+            write_own_tokenizer(tokenizer_json, out_dir, model.config.block_size)
+        elif args.tokenizer_dir is not None:
+            write_tokenizer(args.tokenizer_dir, out_dir, model.config.block_size)
+        record = {"version": EXPORT_VERSION, "snapshot": str(args.snapshot.resolve()),
+                  "files": sorted(path.name for path in out_dir.iterdir())}
+        (out_dir / EXPORT_RECORD).write_text(json.dumps(record, indent=1) + "\n")
+
+    replace_directory(args.out_dir, write)
+    print(f"wrote {args.out_dir}: {model.num_params(non_embedding=False):,} parameters, config {model.config}")
     if tokenizer_json is not None:
-        write_own_tokenizer(tokenizer_json, args.out_dir, model.config.block_size)
         print(f"wrote its tokenizer, {tokenizer.describe()}: tokenizer.json and tokenizer_config.json "
               "(AutoTokenizer.from_pretrained reads them)")
     elif args.tokenizer_dir is not None:
-        write_tokenizer(args.tokenizer_dir, args.out_dir, model.config.block_size)
         print(f"wrote the GPT-2 tokenizer (vocab.json, merges.txt, tokenizer_config.json) from {args.tokenizer_dir}")
     else:
         print("the tokenizer was NOT included. To add it, rerun with --tokenizer_dir pointing at a folder holding "

@@ -1,6 +1,8 @@
-"""Writing files so that a crash never leaves a half-written one where a whole one is expected."""
+"""Writing files and directories so that a crash never leaves a half-written one where a whole one is expected, and a
+failed write (a full disk) is an OSError naming the path it was for; and the version check of our JSON files."""
 
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,6 +14,26 @@ def fsync_directory(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def version_problem(record: object, version: int, kind: str) -> str | None:
+    """None where `record` (one of our JSON files, parsed) is of format `version`; else, for the refusal naming the
+    file, e.g. "has version 2, and this code reads manifests of version 1 only". An older or other version is refused,
+    never read: there is no code path for the files of our earlier versions."""
+    if isinstance(record, dict) and record.get("version") == version:
+        return None
+    found = f"version {record['version']!r}" if isinstance(record, dict) and "version" in record else "no version"
+    return f"has {found}, and this code reads {kind} of version {version} only"
+
+
+def raise_for(path: Path, temporary: Path, error: BaseException) -> None:
+    """Raise `error`, as an OSError naming `path` where it is one that names no file or names `temporary` (or a file
+    in it): a write or an fsync that fails (ENOSPC) names none, and the temp file is no name the user gave.
+    errors.run_entry_point then reports it as one paragraph naming the flag the path came from."""
+    if isinstance(error, OSError) and error.errno is not None and (
+            error.filename is None or Path(os.fsdecode(error.filename)).is_relative_to(temporary)):
+        raise OSError(error.errno, error.strerror or os.strerror(error.errno), str(path)) from error
+    raise error
 
 
 def atomic_write(path: str | Path, write: Callable) -> None:
@@ -29,7 +51,36 @@ def atomic_write(path: str | Path, write: Callable) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+        fsync_directory(path.parent)
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
-        raise
+        raise_for(path, tmp, e)
+
+
+def replace_directory(path: str | Path, fill: Callable[[Path], None]) -> None:
+    """Write a directory so that `path` holds either what it held before (or nothing) or the complete new one.
+
+    fill(tmp) writes the files into a new directory beside `path`; each is fsynced, then the new directory takes
+    `path`'s place (the old one renamed aside first, then removed). On any failure the new directory is removed and
+    `path` is as it was. Between the two renames a crash leaves the old one beside, as <name>.<pid>.old.
+    """
+    path = Path(os.path.realpath(path))  # (".": a name to put the new one beside; a link: the directory it names)
+    tmp, old = (path.with_name(f"{path.name}.{os.getpid()}.{end}") for end in ("tmp", "old"))
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)  # a dead process's of the same pid
+        tmp.mkdir(parents=True)
+        fill(tmp)
+        for file in tmp.iterdir():
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
+        fsync_directory(tmp)
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not path.exists():
+            old.rename(path)
+        raise_for(path, tmp, e)
+    shutil.rmtree(old, ignore_errors=True)
     fsync_directory(path.parent)

@@ -5,7 +5,7 @@ prompt in, sampled continuations out (generate_text, around model.GPT.generate).
 A TokenizerSpec is what data (the manifest beside the shards, dataloader.py) and snapshots record of the tokenizer
 that wrote them: its kind, name, a sha256 of its definition (two tokenizers of one name are told apart), its vocabulary
 and <|endoftext|>'s id (the document delimiter); a Hugging Face one also carries its tokenizer.json, so that data and
-snapshots are self-contained. Data without a manifest (today's shards, llm.c's) is GPT-2's: gpt2_spec(), known without
+snapshots are self-contained. Data without a manifest (llm.c's shards) is GPT-2's: gpt2_spec(), known without
 loading anything.
 
 tiktoken downloads an encoding's files on first use, into its cache ($TIKTOKEN_CACHE_DIR); offline, point that at a
@@ -33,6 +33,10 @@ KINDS = ("tiktoken", "bytes", "hf")
 # files): GPT-2's spec is known without its files, as data and snapshots without a record of their tokenizer are GPT-2's
 GPT2_SHA256 = "7affe1cd36b71600cd9b24913aaf649c85add537821d00f06d8f5a7abd186fdc"
 BYTES_DEFINITION = "bytes: ids 0-255 are the byte values, 256 is <|endoftext|>"
+# The most ids a tokenizer here may have: 64 times the largest vocabulary in use (Gemma's 262,144). The BPE trainer
+# reserves about 66 bytes an id up front (--vocab_size 2**31 asks 141 GB, and Rust aborts), and a manifest's or a
+# tokenizer.json's billions of ids would be a model whose embedding no machine holds.
+MAX_VOCAB_SIZE = 2**24
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,9 @@ class TokenizerSpec:
                 problems.append(f"kind {spec.kind!r} is not one of {', '.join(KINDS)}")
             if not re.fullmatch(r"[0-9a-f]{64}", spec.sha256):
                 problems.append(f"sha256 {spec.sha256!r} is not 64 hex digits")
-            if not 0 <= spec.eot < spec.vocab_size:
+            if not 1 <= spec.vocab_size <= MAX_VOCAB_SIZE:
+                problems.append(f"vocab_size {spec.vocab_size:,} is not 1 to {MAX_VOCAB_SIZE:,}")
+            elif not 0 <= spec.eot < spec.vocab_size:
                 problems.append(f"eot {spec.eot} is not an id of a vocabulary of {spec.vocab_size:,}")
             if (spec.kind == "hf") != (spec.definition is not None):
                 problems.append("definition (the tokenizer.json text) must be there for kind hf, and only for it")
@@ -148,18 +154,29 @@ class ByteTokenizer(Tokenizer):
 
 
 class HFTokenizer(Tokenizer):
-    """A Hugging Face tokenizer.json (data/train_tokenizer.py writes byte-level BPEs) with an <|endoftext|> token."""
+    """A byte-level BPE in a Hugging Face tokenizer.json (data/train_tokenizer.py writes them) with an <|endoftext|>
+    token. Only that kind: every text encodes (each byte is a token) and each token's bytes are known, where another
+    (a WordLevel without an unknown token, say) fails on the first word it lacks, in the middle of a corpus."""
 
     def __init__(self, definition: str, name: str):
         import tokenizers  # here: GPT-2's and bytes' paths (the quickstart) do without it
         self.tokenizer = tokenizers.Tokenizer.from_str(definition)  # (exceptions: load_tokenizer says what is wrong)
         self.ordinary = tokenizers.Tokenizer.from_str(definition)
         self.ordinary.encode_special_tokens = True  # special tokens' text is plain text, as tiktoken's encode_ordinary
+        vocab = self.tokenizer.get_vocab(with_added_tokens=True)
+        problem = byte_level_bpe_problem(json.loads(definition), vocab)
+        if problem:
+            raise ValueError(f"{problem}; this code reads byte-level BPEs only (GPT-2's kind: a BPE model, the "
+                             "ByteLevel pre-tokenizer and decoder, every byte a token), as data/train_tokenizer.py "
+                             "trains them")
         eot = self.tokenizer.token_to_id(EOT_TEXT)
         if eot is None:
             raise ValueError(f"it has no {EOT_TEXT} token, which separates documents here; add it as a special token "
                              "(data/train_tokenizer.py does)")
-        vocab_size = max(self.tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+        vocab_size = max(vocab.values()) + 1
+        if vocab_size > MAX_VOCAB_SIZE:
+            raise ValueError(f"its largest id is {vocab_size - 1:,}, and a tokenizer here has at most "
+                             f"{MAX_VOCAB_SIZE:,} ids")
         super().__init__(TokenizerSpec("hf", name, hashlib.sha256(definition.encode()).hexdigest(), vocab_size, eot,
                                        definition))
 
@@ -170,18 +187,48 @@ class HFTokenizer(Tokenizer):
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
     def token_byte_lengths(self) -> list[int]:
+        # a byte-level token's text spells its bytes, a character each (GPT-2's bytes_to_unicode)
+        from tokenizers.pre_tokenizers import ByteLevel
         special = {i for i, token in self.tokenizer.get_added_tokens_decoder().items() if token.special}
+        alphabet = set(ByteLevel.alphabet())
         lengths = [0] * self.vocab_size
-        if json.loads(self.spec.definition).get("decoder", {}).get("type") == "ByteLevel":
-            # a byte-level token's text spells its bytes, a character each (GPT-2's bytes_to_unicode)
-            from tokenizers.pre_tokenizers import ByteLevel
-            alphabet = set(ByteLevel.alphabet())
-            for token, i in self.tokenizer.get_vocab(with_added_tokens=True).items():
-                lengths[i] = 0 if i in special or not set(token) <= alphabet else len(token)
-            return lengths
-        for i in range(self.vocab_size):  # other kinds: each token as decoded alone
-            lengths[i] = 0 if i in special else len(self.tokenizer.decode([i]).encode("utf-8"))
+        for token, i in self.tokenizer.get_vocab(with_added_tokens=True).items():
+            lengths[i] = 0 if i in special or not set(token) <= alphabet else len(token)
         return lengths
+
+
+def byte_level_bpe_problem(definition: dict, vocab: dict[str, int]) -> str | None:
+    """What keeps a tokenizer.json (`definition`, parsed; `vocab`, its tokens' ids) from being a byte-level BPE, in
+    words; None if nothing does. Its pre-tokenizer may be a Sequence with a ByteLevel in it (Llama 3's is)."""
+    from tokenizers.pre_tokenizers import ByteLevel
+    model, pre_tokenizer, decoder = (definition.get(part) or {} for part in ("model", "pre_tokenizer", "decoder"))
+    sequence = pre_tokenizer.get("type") == "Sequence"
+    pre_tokenizers = pre_tokenizer.get("pretokenizers", []) if sequence else [pre_tokenizer]
+    missing = [byte for byte in ByteLevel.alphabet() if byte not in vocab]
+    if model.get("type") != "BPE":
+        return f"its model is {model.get('type')}, not BPE"
+    if "ByteLevel" not in [part.get("type") for part in pre_tokenizers]:
+        return f"its pre-tokenizer is {pre_tokenizer.get('type')}, not ByteLevel (or a Sequence holding one)"
+    if decoder.get("type") != "ByteLevel":
+        return f"its decoder is {decoder.get('type')}, not ByteLevel"
+    if missing:
+        return f"{len(missing)} of the 256 byte values are not tokens (e.g. {missing[0]!r}), so some text cannot encode"
+    return None
+
+
+def train_bpe(documents: list[str], vocab_size: int):
+    """A byte-level BPE (a tokenizers.Tokenizer) of at most vocab_size tokens (the 256 bytes, <|endoftext|>, merges)
+    trained on documents: data/train_tokenizer.py's, and dev/tokenizer_compare.py's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tqdm import tqdm
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # GPT-2's regex
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT_TEXT], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # every byte, seen or not
+    documents_read = tqdm(documents, desc="counting words", unit="doc", dynamic_ncols=True)
+    tokenizer.train_from_iterator(documents_read, trainer=trainer, length=len(documents))
+    return tokenizer
 
 
 def tiktoken_sha256(encoding: tiktoken.Encoding) -> str:
@@ -249,7 +296,8 @@ def load_tokenizer(name: str) -> Tokenizer:
             reason = (str(e).strip().splitlines() or [""])[0]
             raise UserError(f"--tokenizer {name}: {file} is not a Hugging Face tokenizer.json that can be used here "
                             f"({type(e).__name__}: {reason}). Pass a directory written by `python -m "
-                            "data.train_tokenizer`, or a tokenizer.json with an <|endoftext|> token.") from e
+                            "data.train_tokenizer`, or a byte-level BPE's tokenizer.json with an <|endoftext|> "
+                            "token.") from e
     raise UserError(f"--tokenizer {name}: no such file or directory, and not a tokenizer's name. Pass gpt2 (the "
                     "default), bytes (a token per byte), a directory holding a tokenizer.json (`python -m "
                     "data.train_tokenizer` writes one), or a tiktoken encoding: "
@@ -261,7 +309,11 @@ def tokenizer_from_spec(spec: TokenizerSpec) -> Tokenizer:
     if spec.kind == "bytes":
         tokenizer = ByteTokenizer()
     elif spec.kind == "hf":
-        tokenizer = HFTokenizer(spec.definition, spec.name)
+        try:
+            tokenizer = HFTokenizer(spec.definition, spec.name)
+        except ValueError as e:  # (a recorded tokenizer.json of a kind this code does not read)
+            raise UserError(f"the tokenizer recorded as {spec.describe()} cannot be used here: {e}. Prepare the data "
+                            "again with one it reads (`python -m data.train_tokenizer` trains one).") from e
     else:
         tokenizer = tiktoken_tokenizer(spec.name)
     if tokenizer.spec.sha256 != spec.sha256:
