@@ -22,6 +22,7 @@ import argparse
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import torch
 
@@ -54,21 +55,19 @@ def loss_schedule(schedule: str) -> Iterator[None]:
     the functions when it traces)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"loss schedule {schedule!r} is none of {', '.join(SCHEDULES)}")
-    saved = loss.cross_entropy_chunk, loss.add_weight_gradient
+    saved = loss.ChunkedLinearCrossEntropy, loss.cross_entropy_chunk, loss.add_weight_gradient
     if schedule == "grad_w_op":
         loss.add_weight_gradient = lambda grad_w, grad_logits, ops: add_weight_gradient_(
             grad_w, grad_logits, ops.x, ops.grad_scale, ops.x_scale)
     if schedule in ("eager", "compiled_chunks"):
-        # (an attribute of the class itself, over torch.autograd.Function's: deleted, that one is back)
-        loss.ChunkedLinearCrossEntropy.apply = torch.compiler.disable(loss.ChunkedLinearCrossEntropy.apply)
+        # A stand-in for the class, not its apply replaced: torch.compile traces the apply of any autograd.Function.
+        loss.ChunkedLinearCrossEntropy = SimpleNamespace(apply=torch.compiler.disable(saved[0].apply))
     if schedule == "compiled_chunks":  # (dynamic=False: every chunk but a shorter last one has the same shapes)
-        loss.cross_entropy_chunk = torch.compile(loss.cross_entropy_chunk, dynamic=False)
+        loss.cross_entropy_chunk = torch.compile(saved[1], dynamic=False)
     try:
         yield
     finally:
-        loss.cross_entropy_chunk, loss.add_weight_gradient = saved
-        if "apply" in vars(loss.ChunkedLinearCrossEntropy):
-            del loss.ChunkedLinearCrossEntropy.apply
+        loss.ChunkedLinearCrossEntropy, loss.cross_entropy_chunk, loss.add_weight_gradient = saved
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
