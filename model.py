@@ -2,48 +2,26 @@
 decoder with the parts that models trained since 2023 share (see ModernAttention and SwiGLU).
 
 Parameter names follow Hugging Face's GPT-2 (transformer.h.0.attn.c_attn, ...), so pretrained weights load
-by name and a trained model exports back the same way (hf.py: GPT-2 as GPT2LMHeadModel, modern as Qwen3ForCausalLM);
-snapshot.py reads a trained one back (read_model).
+by name and a trained model exports back the same way (training/hf.py: GPT-2 as GPT2LMHeadModel, modern as
+Qwen3ForCausalLM); rundir/snapshot.py reads a trained one back (read_model).
 """
 
-import functools
+from __future__ import annotations
+
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from training import fp8
-
-
-class KVCache:
-    """One attention layer's keys and values for max_len positions, allocated at the first write and then written in
-    place at the positions given: the shapes of a generation step never change, so that a GPU can replay the whole
-    step as one CUDA graph (DecodeStep)."""
-
-    def __init__(self, max_len: int):
-        self.max_len = max_len
-        self.k: torch.Tensor | None = None  # (B, nh, max_len, hs)
-        self.v: torch.Tensor | None = None
-
-    def write(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v (B, nh, T, hs) at positions (T,); returns the whole buffers, each (B, nh, max_len, hs)."""
-        if self.k is None:
-            B, nh, _, hs = k.shape
-            # Zeros, not empty: a position not written yet is masked out of attention, but 0 × NaN would still be NaN.
-            self.k, self.v = (k.new_zeros(B, nh, self.max_len, hs) for _ in range(2))
-        self.k.index_copy_(2, positions, k)
-        self.v.index_copy_(2, positions, v)
-        return self.k, self.v
+from training.loss import linear_cross_entropy, loss_chunk_tokens
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config: "GPTConfig"):
+    def __init__(self, config: GPTConfig):
         super().__init__()
         assert config.n_embd % config.n_head == 0, "n_embd must be a multiple of n_head"
         self.n_head = config.n_head
@@ -76,7 +54,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache 
 
 
 class MLP(nn.Module):
-    def __init__(self, config: "GPTConfig"):
+    def __init__(self, config: GPTConfig):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
         self.gelu = nn.GELU(approximate="tanh")  # the approximation GPT-2 was trained with
@@ -87,31 +65,14 @@ class MLP(nn.Module):
         return self.c_proj(self.gelu(self.c_fc(x)))
 
 
-ACTIVATION_CHECKPOINTING = ("none", "blocks", "selective")  # what Block.activation_checkpointing may be
-
-# --activation_checkpointing selective keeps the outputs of these ops for backward and recomputes the rest of a block
-# (LayerNorms, GELU, dtype casts, reshapes): the matmuls and attention are most of a block's time, and the rest is
-# cheap to run again while its outputs are a third of the activations (GPT-2 124M keeps 226 of 334 MiB per sequence).
-KEPT_BY_SELECTIVE_CHECKPOINTING = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
-                                   torch.ops.aten._scaled_dot_product_flash_attention.default,
-                                   torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-                                   torch.ops.aten._scaled_dot_product_efficient_attention.default,
-                                   torch.ops.aten._scaled_dot_product_cudnn_attention.default}
-
-
-def keep_matmuls_and_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in KEPT_BY_SELECTIVE_CHECKPOINTING else CheckpointPolicy.PREFER_RECOMPUTE
-
-
 class Block(nn.Module):
     """Pre-norm transformer block: the residual stream itself is never normalised."""
 
-    # --activation_checkpointing (set through GPT.set_activation_checkpointing): "none" keeps every activation for
-    # backward; "blocks" keeps only the block's input and recomputes the block in backward; "selective" recomputes
-    # only its cheap ops (KEPT_BY_SELECTIVE_CHECKPOINTING).
-    activation_checkpointing = "none"
+    # --activation_checkpointing's recomputation (training/activation_checkpointing.py), called with the residual
+    # branches, x and positions instead of keeping the block's activations for backward; None: keep them.
+    recompute: Callable | None = None
 
-    def __init__(self, config: "GPTConfig"):
+    def __init__(self, config: GPTConfig):
         super().__init__()
         modern = config.arch == "modern"  # (the parts of arch="modern" are below)
         self.ln_1 = norm(config, config.n_embd)
@@ -123,15 +84,8 @@ class Block(nn.Module):
                 visible: torch.Tensor | None = None) -> torch.Tensor:
         # Inside forward, so that fsdp's hooks around the block gather its weights outside the recomputed part, before
         # the forward and again before the backward.
-        recompute = self.training and torch.is_grad_enabled()
-        if recompute and self.activation_checkpointing == "blocks":
-            # (the positions too: modern's rotation reads them)
-            return checkpoint(self.residual_branches, x, None, positions, use_reentrant=False)
-        if recompute and self.activation_checkpointing == "selective":
-            # (The partial made here, in the traced code: torch.compile follows no other kind of context_fn.)
-            return checkpoint(self.residual_branches, x, None, positions, use_reentrant=False,
-                              context_fn=functools.partial(create_selective_checkpoint_contexts,
-                                                           keep_matmuls_and_attention))
+        if self.recompute is not None and self.training and torch.is_grad_enabled():
+            return self.recompute(self.residual_branches, x, positions)
         return self.residual_branches(x, kv_cache, positions, visible)
 
     def residual_branches(self, x: torch.Tensor, kv_cache: KVCache | None = None,
@@ -142,12 +96,12 @@ class Block(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# arch="modern": what decoders trained since GPT-2 changed (Llama, Qwen3, modded-nanogpt), each part a known gain:
-# rotary positions instead of learned ones, RMSNorm instead of LayerNorm, RMSNorm on each head's queries and keys
-# (QK-norm: attention logits cannot blow up, so higher learning rates stay stable), a SwiGLU MLP, biases only on
-# attention's projections (Qwen3's attention_bias; they earned their place, the MLP's did not), the blocks' output
-# projections initialised to zero, and input and output embeddings untied. The layout is Qwen3's, so
-# that a trained model exports as a Qwen3ForCausalLM (hf.py) with the same logits.
+# The option arch="modern": what decoders trained since GPT-2 changed (Llama, Qwen3, modded-nanogpt), each part a
+# known gain: rotary positions instead of learned ones, RMSNorm instead of LayerNorm, RMSNorm on each head's queries
+# and keys (QK-norm: attention logits cannot blow up, so higher learning rates stay stable), a SwiGLU MLP, biases only
+# on attention's projections (Qwen3's attention_bias; they earned their place, the MLP's did not), the blocks' output
+# projections initialised to zero, and input and output embeddings untied. The layout is Qwen3's, so that a trained
+# model exports as a Qwen3ForCausalLM (training/hf.py) with the same logits.
 
 ROPE_THETA = 10_000.0  # rotary base: the wavelengths run from 2π to 2π·10,000 positions, plenty for 1,024
 NORM_EPS = 1e-6
@@ -173,7 +127,7 @@ def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
 
 
 class ModernAttention(nn.Module):
-    def __init__(self, config: "GPTConfig"):
+    def __init__(self, config: GPTConfig):
         super().__init__()
         assert config.n_embd % config.n_head == 0, "n_embd must be a multiple of n_head"
         self.n_head = config.n_head
@@ -207,7 +161,7 @@ class SwiGLU(nn.Module):
     """silu(x·W_gate) ⊙ (x·W_up), then down (Shazeer 2020). The hidden width is 8/3 of n_embd (rounded up to a multiple
     of 64), so that its three matrices hold as many weights as GPT-2's two at 4×."""
 
-    def __init__(self, config: "GPTConfig"):
+    def __init__(self, config: GPTConfig):
         super().__init__()
         self.hidden = swiglu_hidden_size(config.n_embd)
         self.c_fc = nn.Linear(config.n_embd, 2 * self.hidden, bias=False)  # gate and up, one matmul
@@ -223,202 +177,13 @@ def swiglu_hidden_size(n_embd: int) -> int:
     return math.ceil(8 * n_embd / 3 / 64) * 64
 
 
-def norm(config: "GPTConfig", size: int) -> nn.Module:
+def norm(config: GPTConfig, size: int) -> nn.Module:
     """GPT-2's LayerNorm (mean and variance, gain and bias), or modern's RMSNorm (the scale alone, a gain, no bias)."""
     return nn.RMSNorm(size, eps=NORM_EPS) if config.arch == "modern" else nn.LayerNorm(size)
 
 
-class HeadOperands(NamedTuple):
-    """The output layer's matmul operands as a chunk of the loss reads them: its rows of the hidden states x (n, C)
-    and the weight w (padded_vocab, C) in the autocast dtype; or, with --fp8_head, both in e4m3 with their per-tensor
-    scales, w also column-major (w_columns, as torch._scaled_mm takes its second operand), and the scale of the
-    gradient's e5m2 (fp8.py)."""
-    x: torch.Tensor
-    w: torch.Tensor
-    w_columns: torch.Tensor  # w itself in the autocast dtype
-    x_scale: torch.Tensor | None = None  # None: not FP8
-    w_scale: torch.Tensor | None = None
-    grad_scale: torch.Tensor | None = None
-
-    @property
-    def fp8(self) -> bool:
-        return self.x_scale is not None
-
-
-def head_operands(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, use_fp8: bool) -> HeadOperands:
-    """x and weight as the chunks' matmuls read them: cast once to dtype, or quantised once to FP8."""
-    if not use_fp8:
-        w = weight.to(dtype)
-        return HeadOperands(x.to(dtype), w, w)
-    (x8, x_scale), (w8, w_scale) = fp8.to_e4m3(x), fp8.to_e4m3(weight)
-    return HeadOperands(x8, w8, fp8.column_major(w8), x_scale, w_scale, fp8.gradient_scale(x.device))
-
-
-def _head_logits(ops: HeadOperands) -> torch.Tensor:
-    """x @ wᵀ (n, padded_vocab); under FP8 in bf16, with Hopper's fast accumulation."""
-    if not ops.fp8:
-        return ops.x @ ops.w.t()
-    return fp8.scaled_mm(ops.x, ops.w.t(), ops.x_scale, ops.w_scale, torch.bfloat16, fast_accum=True)
-
-
-def _head_grad_x(ops: HeadOperands, grad_logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """grad_logits @ w (n, C), in dtype."""
-    if not ops.fp8:
-        return grad_logits @ ops.w
-    return fp8.scaled_mm(grad_logits, ops.w_columns, ops.grad_scale, ops.w_scale, dtype)
-
-
-def _head_grad_w(grad_logits: torch.Tensor, x: torch.Tensor, grad_scale: torch.Tensor | None,
-                 x_scale: torch.Tensor | None) -> torch.Tensor:
-    """grad_logitsᵀ @ x (padded_vocab, C): in the autocast dtype, or in fp32 under FP8 (with the operands' scales)."""
-    if x_scale is None:
-        return grad_logits.t() @ x
-    return fp8.scaled_mm(grad_logits.t().contiguous(), fp8.column_major(x), grad_scale, x_scale, torch.float32)
-
-
-@torch.library.custom_op("gpt::add_weight_gradient_", mutates_args=("grad_w",))
-def add_weight_gradient_(grad_w: torch.Tensor, grad_logits: torch.Tensor, x: torch.Tensor,
-                         grad_scale: torch.Tensor | None, x_scale: torch.Tensor | None) -> None:
-    """grad_w += grad_logitsᵀ @ x, as one op Inductor does not look into (loss schedule "grad_w_op"): each chunk's
-    product is added and freed before the next chunk's exists. Traced inline, the adds of every chunk's product into
-    the fp32 sum are pointwise ops Inductor fuses into one kernel after the last chunk, which holds every product at
-    once (read in its CPU code)."""
-    grad_w += _head_grad_w(grad_logits, x, grad_scale, x_scale)
-
-
-@add_weight_gradient_.register_fake
-def _(grad_w, grad_logits, x, grad_scale, x_scale) -> None:
-    return None
-
-
-def _cross_entropy_chunk(ops: HeadOperands, targets: torch.Tensor, vocab_size: int,
-                         grads: tuple[torch.Tensor, torch.Tensor] | None, grad_w_in_op: bool = False) -> torch.Tensor:
-    """Summed cross-entropy of one chunk of n tokens (ops.x, n rows) against the first vocab_size of w's rows; with
-    grads = (grad_x (n, C), grad_w (padded_vocab, C) in fp32), also writes the chunk's gradient of x into grad_x and
-    adds its gradient of w to grad_w, both unscaled (grad_w_in_op: through add_weight_gradient_).
-
-    A function of its own so that the chunk's logits are freed when it returns: a loop variable would keep them alive
-    until the next chunk's logits had been allocated, two chunks at once."""
-    # The matmul runs at the padded width, a multiple of 128, where GPUs have their fastest kernels (at 50,257 an
-    # H100 falls back to an older, slower one); the padding columns get no probability, so neither loss nor gradient.
-    columns = torch.arange(ops.w.size(0), device=ops.x.device)
-    logits = _head_logits(ops).float().masked_fill_(columns >= vocab_size, float("-inf"))  # (n, padded_vocab)
-    lse = torch.logsumexp(logits, dim=1)  # (n,)
-    loss_sum = (lse - logits.gather(1, targets[:, None]).squeeze(1)).sum()
-    if grads is not None:
-        grad_x, grad_w = grads
-        # d loss / d logits = softmax − one_hot(target). The mean's 1/N and grad_output are applied in fp32 in
-        # backward, not here: divided by N first, the small probabilities would underflow in fp16 before the
-        # GradScaler's scale could lift them. The backward matmuls run in the autocast dtype, as nn.Linear's would
-        # (or in FP8: e5m2, see fp8.py).
-        if torch.compiler.is_compiling():
-            # One expression, which Inductor fuses with the log-sum-exp into two passes over the logits in the
-            # matmul's dtype, with no fp32 copy of them in memory (a scatter of the −1s would break the fusion).
-            grad_logits = torch.exp(logits - lse[:, None]) - (columns == targets[:, None]).float()
-        else:
-            # In place: eager runs that expression as five ops, each a new fp32 tensor of the chunk's logits' size
-            # (on a CPU the chunk took 3× as long).
-            grad_logits = logits.sub_(lse[:, None]).exp_()
-            grad_logits[torch.arange(len(targets), device=ops.x.device), targets] -= 1.0
-        grad_logits = fp8.gradient_to_e5m2(grad_logits) if ops.fp8 else grad_logits.to(ops.x.dtype)
-        grad_x.copy_(_head_grad_x(ops, grad_logits, grad_x.dtype))
-        if grad_w_in_op:
-            add_weight_gradient_(grad_w, grad_logits, ops.x, ops.grad_scale, ops.x_scale)
-        else:
-            # summed over chunks in fp32 (the add reads the product as it is: no copy)
-            grad_w += _head_grad_w(grad_logits, ops.x, ops.grad_scale, ops.x_scale)
-    return loss_sum
-
-
-# Where the chunk loop runs, for torch.compile (the candidates for issue 52's compiled memory; eager runs them all
-# alike): "inline", traced into the step's graph (today's); "grad_w_op", inline with each chunk's weight gradient
-# added in an op of its own (add_weight_gradient_); "eager", outside the graph, run eagerly; "compiled_chunks",
-# outside the graph, each chunk its own compiled call.
-LOSS_SCHEDULES = ("inline", "grad_w_op", "eager", "compiled_chunks")
-
-
-# torch.compile and torch.compiler.disable import torch._dynamo, seconds that every importer of this module would pay:
-# the compiled chunk and the loss kept out of the graph are made at their first use, and kept here.
-_MADE_AT_FIRST_USE: dict[str, Callable] = {}
-
-
-def _compiled_chunk() -> Callable:
-    if "chunk" not in _MADE_AT_FIRST_USE:  # (dynamic=False: every chunk but a shorter last one has the same shapes)
-        _MADE_AT_FIRST_USE["chunk"] = torch.compile(_cross_entropy_chunk, dynamic=False)
-    return _MADE_AT_FIRST_USE["chunk"]
-
-
-def _apply_outside_the_graph() -> Callable:
-    if "apply" not in _MADE_AT_FIRST_USE:
-        _MADE_AT_FIRST_USE["apply"] = torch.compiler.disable(ChunkedLinearCrossEntropy.apply)
-    return _MADE_AT_FIRST_USE["apply"]
-
-
-class ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of the logits x @ weight[:vocab_size]ᵀ against targets, without ever holding them all.
-
-    The full logits of a GPT-2 micro-batch (64 × 1024 tokens × 50,257) and their fp32 copy are most of a training
-    step's activation memory, and all of it exists only to be turned into two gradients. So the forward walks the
-    tokens a chunk at a time and, while it holds a chunk's logits, turns them straight into the gradients of x and
-    of weight: the derivative of cross-entropy with respect to the logits is just softmax − one_hot(target).
-    Nothing of the logits is kept for backward, which only scales the two stored gradients by grad_output (1, or
-    the GradScaler's scale in fp16). The peak is one chunk's logits instead of all of them; the price is that the
-    weight's gradient (fp32, the weight's size) is held from forward on, a cost that does not grow with the batch.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int,
-                chunk_tokens: int, compute_grads: bool, use_fp8: bool, schedule: str) -> torch.Tensor:
-        # x (N, C): final hidden states; weight (padded_vocab, C); targets (N,): token ids in [0, vocab_size). There is
-        # no ignore_index: every position is a real token. An id of a padding row gives an infinite loss, and one past
-        # the padded width fails in gather (the loader checks shards for such ids before training starts).
-        device_type = x.device.type
-        # Under autocast, run the matmuls in its dtype as nn.Linear would; softmax and the sums stay in fp32.
-        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
-        n_tokens = x.size(0)
-        chunk = _compiled_chunk() if schedule == "compiled_chunks" else _cross_entropy_chunk
-        with torch.autocast(device_type, enabled=False):  # every cast below is explicit
-            ops = head_operands(x, weight, dtype, use_fp8)  # the weight cast once, for every chunk
-            loss_sum = torch.zeros((), dtype=torch.float32, device=x.device)
-            if compute_grads:
-                grad_x = torch.empty(x.shape, dtype=dtype, device=x.device)  # (N, C)
-                grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-            for start in range(0, n_tokens, chunk_tokens):
-                rows = slice(start, start + chunk_tokens)
-                chunk_grads = (grad_x[rows], grad_w) if compute_grads else None
-                loss_sum += chunk(ops._replace(x=ops.x[rows]), targets[rows], vocab_size, chunk_grads,
-                                  schedule == "grad_w_op")
-        if compute_grads:
-            ctx.save_for_backward(grad_x, grad_w)
-        ctx.n_tokens, ctx.x_dtype, ctx.w_dtype = n_tokens, x.dtype, weight.dtype
-        return loss_sum / n_tokens
-
-    @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor):
-        grad_x, grad_w = ctx.saved_tensors
-        scale = grad_loss.float() / ctx.n_tokens  # d mean / d sum, times whatever the loss was scaled by
-        return (grad_x.float() * scale).to(ctx.x_dtype), (grad_w * scale).to(ctx.w_dtype), *[None] * 6
-
-
-def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int,
-                         chunk_tokens: int, fp8: bool = False, schedule: str = "inline") -> torch.Tensor:
-    """F.cross_entropy(x @ weight[:vocab_size]ᵀ, targets) for x (N, C) and targets (N,), chunk_tokens rows at a time.
-    fp8: the training step's matmuls in FP8 (--fp8_head; validation, without gradients, stays in the autocast dtype,
-    so that its loss measures the weights); schedule: one of LOSS_SCHEDULES."""
-    # Inside forward, autograd has already switched grad mode off, so whether gradients are wanted (not in validation
-    # under no_grad, where they would triple the cost) is decided here.
-    compute_grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    apply = _apply_outside_the_graph() if schedule in ("eager", "compiled_chunks") else ChunkedLinearCrossEntropy.apply
-    return apply(x, weight, targets, vocab_size, chunk_tokens, compute_grads, fp8 and compute_grads, schedule)
-
-
-def loss_chunk_tokens(device: torch.device) -> int:
-    """Tokens per chunk of the loss on this device. A GPU wants a few large chunks: 4,096 tokens make each logits
-    matmul big enough to run at full speed and 16 chunks of a 64 × 1,024 micro-batch, while a chunk's logits (0.8 GiB
-    in bf16 at GPT-2's vocabulary, twice that in eager fp32) stay small beside the activations. A CPU wants them
-    small enough to stay in its caches: 1,024 (295 MiB of logits, measured fastest there)."""
-    return 4096 if device.type == "cuda" else 1024
-
+# ----------------------------------------------------------------------------------------------------------------
+# the model
 
 @dataclass(frozen=True)  # frozen: the presets below are shared, so nobody may change them in place
 class GPTConfig:
@@ -428,9 +193,7 @@ class GPTConfig:
     n_head: int = 12
     n_embd: int = 768
     arch: str = "gpt2"  # or "modern" (see ModernAttention and SwiGLU)
-    # modern: biases on attention's projections, as train_gpt2.py builds it (False: modern before 2026-11-27, whose
-    # snapshots lack the field). gpt2 has biases everywhere and ignores it.
-    attention_bias: bool = False
+    attention_bias: bool = False  # modern: biases on attention's projections (gpt2 has biases everywhere: ignored)
 
     @property
     def padded_vocab_size(self) -> int:
@@ -454,16 +217,13 @@ PRESETS: dict[str, GPTConfig] = {
 
 def with_arch(config: GPTConfig, arch: str, attention_bias: bool | None = None) -> GPTConfig:
     """config's shape built as `arch`, with that architecture's defaults: modern has attention's biases unless
-    attention_bias is False (modern as it was before 2026-11-27); gpt2 has its own biases, everywhere."""
+    attention_bias is False (an option: modern without them); gpt2 has its own biases, everywhere."""
     return replace(config, arch=arch, attention_bias=arch == "modern" and attention_bias is not False)
 
 
 class GPT(nn.Module):
     loss_chunk_tokens: int | None = None  # tokens per chunk of the loss; None: loss_chunk_tokens(the device)
-    # The loss's other keyword arguments (linear_cross_entropy's fp8 for --fp8_head, schedule for the compiled-memory
-    # candidates), replaced as a whole, never changed in place; none: the loss as it was before them, whose call a
-    # replacement with the plain signature (dev/modern_ablations.py's softcapped loss) still fits.
-    loss_options: dict = {}
+    fp8_head: bool = False  # --fp8_head: the training loss's matmuls in FP8 (training/loss.py)
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -505,11 +265,6 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def set_activation_checkpointing(self, mode: str) -> None:
-        """What the blocks keep for backward and recompute in it: "none", "blocks" or "selective" (see Block)."""
-        for block in self.transformer.h:
-            block.activation_checkpointing = mode
-
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; by default without the lookup tables, which cost no FLOPs: GPT-2's position embeddings
         (its token embedding is also the output layer, so it does count) or modern's untied token embedding."""
@@ -532,7 +287,7 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, kv_caches: list[KVCache] | None = None,
                 positions: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(logits, None) without targets, for sampling and evaluation; (None, mean loss) with targets, for
-        training, where the (B, T, vocab) logits are never built (see ChunkedLinearCrossEntropy).
+        training, where the (B, T, vocab) logits are never built (training/loss.py).
 
         kv_caches (one per layer, see generate): idx holds the tokens at `positions` (T,), which continue those the
         caches hold; their keys and values are written into the caches, and each token attends to every cached
@@ -543,13 +298,13 @@ class GPT(nn.Module):
         B, T = idx.size()
         chunk_tokens = self.loss_chunk_tokens or loss_chunk_tokens(idx.device)
         loss = linear_cross_entropy(x.view(B * T, -1), self.lm_head.weight, targets.reshape(B * T),
-                                    self.config.vocab_size, chunk_tokens, **self.loss_options)
+                                    self.config.vocab_size, chunk_tokens, fp8=self.fp8_head)
         return None, loss
 
     def hidden_states(self, idx: torch.Tensor, kv_caches: list[KVCache] | None = None,
                       positions: torch.Tensor | None = None) -> torch.Tensor:
         """(B, T, n_embd): the final LayerNorm's output, which the LM head reads. An evaluation that scores a few
-        positions of each row (evals.py) projects only those, instead of building (B, T, vocab) logits."""
+        positions of each row (evaluation/tasks.py) projects only those, instead of building (B, T, vocab) logits."""
         B, T = idx.size()
         if positions is None:
             if T > self.config.block_size:
@@ -612,6 +367,30 @@ class GPT(nn.Module):
             self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size].detach().clone())
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# generation: the keys and values of the tokens so far kept per layer, one new token a step
+
+class KVCache:
+    """One attention layer's keys and values for max_len positions, allocated at the first write and then written in
+    place at the positions given: the shapes of a generation step never change, so that a GPU can replay the whole
+    step as one CUDA graph (DecodeStep)."""
+
+    def __init__(self, max_len: int):
+        self.max_len = max_len
+        self.k: torch.Tensor | None = None  # (B, nh, max_len, hs)
+        self.v: torch.Tensor | None = None
+
+    def write(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, nh, T, hs) at positions (T,); returns the whole buffers, each (B, nh, max_len, hs)."""
+        if self.k is None:
+            B, nh, _, hs = k.shape
+            # Zeros, not empty: a position not written yet is masked out of attention, but 0 × NaN would still be NaN.
+            self.k, self.v = (k.new_zeros(B, nh, self.max_len, hs) for _ in range(2))
+        self.k.index_copy_(2, positions, k)
+        self.v.index_copy_(2, positions, v)
+        return self.k, self.v
+
+
 class DecodeStep:
     """One new token per row through the model with its caches: the step that generation repeats.
 
@@ -621,7 +400,7 @@ class DecodeStep:
     does exactly what the eager step would. Elsewhere the step is a plain call. With compile, the step is
     torch.compile's code (compiled at the warm-up run, before the capture)."""
 
-    def __init__(self, model: "GPT", kv_caches: list[KVCache], token: torch.Tensor, position: int,
+    def __init__(self, model: GPT, kv_caches: list[KVCache], token: torch.Tensor, position: int,
                  compile: bool = False):
         self.token = token.clone()  # (B, 1)
         self.position = torch.tensor([position], device=token.device)
@@ -651,7 +430,7 @@ class DecodeStep:
         return self.logits
 
 
-def decode_forward(model: "GPT", token: torch.Tensor, kv_caches: list[KVCache], position: torch.Tensor) -> torch.Tensor:
+def decode_forward(model: GPT, token: torch.Tensor, kv_caches: list[KVCache], position: torch.Tensor) -> torch.Tensor:
     return model(token, kv_caches=kv_caches, positions=position)[0]
 
 

@@ -1,6 +1,6 @@
 """Where torch.compile's extra peak memory goes: one training micro-step of GPT-2 124M, eager against compiled, the
 allocator's peak above the model's state and the bytes autograd saves for backward (by shape), on one CUDA GPU;
-compiled with each --loss_schedules (model.LOSS_SCHEDULES: where the loss's chunk loop runs) asked for.
+compiled with each --loss_schedules (dev/loss_schedules.py: where the loss's chunk loop runs) asked for.
 
     python -m dev.compiled_memory --micro_batch_size 16
     python -m dev.compiled_memory --micro_batch_size 128 --loss_schedules inline grad_w_op compiled_chunks
@@ -11,7 +11,8 @@ from collections import Counter
 
 import torch
 
-from model import GPT, LOSS_SCHEDULES, PRESETS
+from dev.loss_schedules import SCHEDULES, loss_schedule
+from model import GPT, PRESETS
 
 
 def micro_step(model: torch.nn.Module, idx: torch.Tensor) -> tuple[int, Counter]:
@@ -36,7 +37,7 @@ def micro_step(model: torch.nn.Module, idx: torch.Tensor) -> tuple[int, Counter]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--micro_batch_size", type=int, default=16)
-    parser.add_argument("--loss_schedules", nargs="+", choices=LOSS_SCHEDULES, default=["inline"],
+    parser.add_argument("--loss_schedules", nargs="+", choices=SCHEDULES, default=["inline"],
                         help="the compiled step's, one line each")
     args = parser.parse_args()
     torch.set_float32_matmul_precision("high")
@@ -44,12 +45,12 @@ def main() -> None:
     for schedule in [None, *args.loss_schedules]:  # None: eager
         torch.manual_seed(0)
         model = GPT(PRESETS["gpt2"]).cuda()
-        model.loss_options = {"schedule": schedule} if schedule not in (None, "inline") else {}
         for p in model.parameters():  # the steady state of gradient accumulation: gradients exist already
             p.grad = torch.zeros_like(p)
         step = torch.compile(model) if schedule else model
-        micro_step(step, idx)  # compiles, and loads the kernels
-        peak, saved = micro_step(step, idx)
+        with loss_schedule(schedule or "inline"):
+            micro_step(step, idx)  # compiles, and loads the kernels
+            peak, saved = micro_step(step, idx)
         name = "eager" if schedule is None else "compiled" if schedule == "inline" else f"compiled, loss {schedule}"
         print(f"{name:8s}: peak {peak / 2**30:.2f} GiB above the state, saved for "
               f"backward {sum(saved.values()) / 2**30:.2f} GiB; largest: "

@@ -1,6 +1,6 @@
 """The loss's forward + backward on one micro-batch of GPT-2 124M's final hidden states (B=64, T=1024, bf16,
 compiled) at several chunk sizes, against build-nanogpt's full logits: the measurement behind
-model.loss_chunk_tokens's GPU rule.
+training/loss.py's loss_chunk_tokens GPU rule.
 
     python -m dev.loss_chunks --chunks 2048 4096 8192 16384
 """

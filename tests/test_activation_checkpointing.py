@@ -11,6 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from conftest import perturb_
 from helpers_train import RandomBatches, on_ranks
 from model import GPT, GPTConfig
+from training.activation_checkpointing import recompute_cheap_ops, set_activation_checkpointing
 from training.config import TrainConfig, parse_args
 from training.distributed import Distributed
 from training.memory import auto_micro_batch, measure_activation_bytes_per_sequence
@@ -29,7 +30,7 @@ def loss_gradients_and_flops(mode: str, compile: bool = False, config: GPTConfig
     (arch="modern" starts with zero output projections, through which no gradient would reach the rest)."""
     torch.manual_seed(0)
     model = perturb_(GPT(config), perturb)
-    model.set_activation_checkpointing(mode)
+    set_activation_checkpointing(model, mode)
     tokens = torch.randint(0, config.vocab_size, (2, config.block_size + 1), generator=torch.Generator().manual_seed(1))
     flops = FlopCounterMode(display=False)
     with contextlib.nullcontext() if compile else flops:
@@ -73,7 +74,7 @@ def test_the_flag_reaches_every_block_and_is_checked():
     cfg = parse_args(["--activation_checkpointing", "selective"])
     trainee = build_training_model(GPT(CONFIG), Distributed(0, 0, 1, torch.device("cpu")), torch.float32, cfg,
                                    compile=False)
-    assert [block.activation_checkpointing for block in trainee.raw.transformer.h] == ["selective"] * CONFIG.n_layer
+    assert [block.recompute for block in trainee.raw.transformer.h] == [recompute_cheap_ops] * CONFIG.n_layer
     assert parse_args([]).activation_checkpointing == "none"
     with pytest.raises(SystemExit):
         parse_args(["--activation_checkpointing", "all"])

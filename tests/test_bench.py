@@ -132,8 +132,9 @@ def test_a_configuration_that_runs_out_of_memory_is_reported_and_the_rest_still_
 @pytest.mark.slow  # about 10 s: the activations of 1-, 2- and 6-layer models, three ways each
 def test_the_memory_plans_numbers_agree_with_the_budget_memory_py_measures_on_the_whole_model():
     """bench.py --plan extrapolates the activations from 1- and 2-layer models; memory.py measures the whole one."""
-    from model import ACTIVATION_CHECKPOINTING, GPTConfig
+    from model import GPTConfig
     from tools.bench import memory as bench_memory
+    from training.activation_checkpointing import ACTIVATION_CHECKPOINTING
     from training.memory import GiB, fixed_bytes, largest_micro_batch, measure_activation_bytes_per_sequence
 
     # The loss and the embedding count, too; a vocabulary of 8,192, not 50,257: the activations per sequence are the

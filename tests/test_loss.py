@@ -1,5 +1,5 @@
-"""The chunked cross-entropy in model.py (ChunkedLinearCrossEntropy): the same loss and gradients as full logits +
-F.cross_entropy, and Hugging Face's GPT-2, in fp32, bf16 and fp16 with a GradScaler, compiled and under DDP,
+"""The chunked cross-entropy of training/loss.py (ChunkedLinearCrossEntropy): the same loss and gradients as full
+logits + F.cross_entropy, and Hugging Face's GPT-2, in fp32, bf16 and fp16 with a GradScaler, compiled and under DDP,
 without ever building the (tokens × vocab) logits."""
 
 import pytest
@@ -12,9 +12,10 @@ from torch.utils._pytree import tree_leaves
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from fp8_emulation import cpu_scaled_mm_problem, emulated_fp8_loss, fp8_case, reference_scaled_mm, relative_error
-from model import GPT, GPTConfig, linear_cross_entropy, loss_chunk_tokens
+from model import GPT, GPTConfig
 from training import hf
 from training.distributed import teardown_distributed
+from training.loss import linear_cross_entropy, loss_chunk_tokens
 
 # vocab 97 is padded to 128 rows, so the padding rows' gradient is checked too.
 TINY = GPTConfig(block_size=16, vocab_size=97, n_layer=2, n_head=2, n_embd=16)
@@ -420,36 +421,56 @@ def test_train_gpt2_with_fp8_head_on_a_cpu_exits_2_in_one_line(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# where the compiled chunk loop runs (model.LOSS_SCHEDULES): the candidates for compiled memory
+# dev/loss_schedules.py: where the compiled chunk loop runs, the candidates for compiled memory
 
 
-def test_every_loss_schedule_gives_todays_loss_and_gradients_uncompiled():
-    # Uncompiled, "eager" and "grad_w_op" run the same ops as today's loop (the op adds the same product in place);
+def test_every_loss_schedule_gives_trainings_loss_and_gradients_uncompiled_and_then_leaves_it_as_it_was():
+    from dev.loss_schedules import loss_schedule
+    from training import loss
+
+    # Uncompiled, "eager" and "grad_w_op" run the same ops as training's loop (the op adds the same product in place);
     # "compiled_chunks" compiles its chunks even here, so it is checked with the compiled ones.
     model = tiny_model()
     idx, targets = batch()
-    loss, expected = loss_and_gradients(model, idx, targets)
+    expected_loss, expected = loss_and_gradients(model, idx, targets)
+    training_loop = loss.ChunkedLinearCrossEntropy, loss.cross_entropy_chunk, loss.add_weight_gradient
     for schedule in ("eager", "grad_w_op"):
-        model.loss_options = {"schedule": schedule}
-        scheduled, grads = loss_and_gradients(model, idx, targets)
-        assert scheduled.item() == loss.item(), schedule
+        with loss_schedule(schedule):
+            scheduled, grads = loss_and_gradients(model, idx, targets)
+        assert scheduled.item() == expected_loss.item(), schedule
         assert all(torch.equal(grads[name], expected[name]) for name in expected), schedule
+    assert (loss.ChunkedLinearCrossEntropy, loss.cross_entropy_chunk, loss.add_weight_gradient) == training_loop
+    with pytest.raises(ValueError, match="loss schedule 'fused' is none of inline, grad_w_op, eager, compiled_chunks"):
+        with loss_schedule("fused"):
+            pass
+
+
+def test_the_leanest_schedule_peaks_lowest_within_5_percent_of_inlines_time():
+    from dev.loss_schedules import leanest_schedule
+
+    schedules = {"inline": {"ms": 30.0, "peak_bytes": 9e9}, "grad_w_op": {"ms": 31.0, "peak_bytes": 2e9},
+                 "eager": {"ms": 45.0, "peak_bytes": 1e9}, "compiled_chunks": {"ms": 31.4, "peak_bytes": 1.5e9}}
+    assert leanest_schedule(schedules) == "compiled_chunks"  # eager peaks lower, but takes 1.5x as long
+    assert leanest_schedule({"inline": schedules["inline"], "eager": schedules["eager"]}) is None
+    off_cuda = {name: s | {"peak_bytes": None} for name, s in schedules.items()}
+    assert leanest_schedule(off_cuda) == "grad_w_op"  # no peaks: the fastest
 
 
 @pytest.mark.slow  # about a minute: three compilations of the loss alone
 def test_every_compiled_loss_schedule_gives_eagers_loss_and_gradients_and_inline_holds_every_product():
-    from model import LOSS_SCHEDULES
+    from dev.loss_schedules import SCHEDULES, loss_schedule
     from tools.bench.loss_memory import buffers_alive, generated_code, loss_function, loss_inputs, loss_step
 
     vocab, chunk = 1000, 128
     inputs = loss_inputs(512, 64, 1024, vocab, torch.device("cpu"))  # 4 chunks
-    eager = loss_step(loss_function(vocab, chunk, "inline", compile=False), *inputs, torch.bfloat16)
+    eager = loss_step(loss_function(vocab, chunk, compile=False), *inputs, torch.bfloat16)
     products = {}
-    for schedule in LOSS_SCHEDULES:
-        loss_fn = loss_function(vocab, chunk, schedule, compile=True)
-        codes = generated_code(loss_fn, *inputs, torch.bfloat16)
-        loss, grad_x, grad_w = loss_step(loss_fn, *inputs, torch.bfloat16)
-        assert loss == pytest.approx(eager[0], rel=1e-5), schedule
+    for schedule in SCHEDULES:
+        with loss_schedule(schedule):
+            loss_fn = loss_function(vocab, chunk, compile=True)
+            codes = generated_code(loss_fn, *inputs, torch.bfloat16)
+            loss_value, grad_x, grad_w = loss_step(loss_fn, *inputs, torch.bfloat16)
+        assert loss_value == pytest.approx(eager[0], rel=1e-5), schedule
         assert relative_error(grad_x, eager[1]) < 1e-3 and relative_error(grad_w, eager[2]) < 1e-3, schedule
         alive = [buffers_alive(code).most_alive for code in codes]
         products[schedule] = max((n for counts in alive for (shape, dtype), n in counts.items()

@@ -59,7 +59,7 @@ def test_state_bytes_is_16_bytes_per_fp32_parameter_counting_tied_weights_once()
 
 
 def plain_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int,
-                               chunk_tokens: int) -> torch.Tensor:
+                               chunk_tokens: int, fp8: bool) -> torch.Tensor:
     """The loss before the chunked one: the full (N, vocab) logits, then F.cross_entropy on an fp32 copy."""
     return F.cross_entropy(F.linear(x, weight)[:, :vocab_size].float(), targets)
 

@@ -2,8 +2,7 @@
 same logits and greedy tokens as the Qwen3ForCausalLM it exports as, rotary's relative positions, cached
 generation, its parameters (no wpe, biases on attention only, untied, zero-init projections) and their counts, the
 Muon split, the flags (--attention_bias and --align_bos on by default, --init_from, recipes), and whole runs: 2
-ranks, fsdp, a resume (and of a snapshot from before attention's biases), fp16/bf16, activation checkpointing, and
-evals' scoring."""
+ranks, fsdp, a resume, fp16/bf16, activation checkpointing, and evals' scoring."""
 
 import math
 import re
@@ -485,20 +484,3 @@ def test_a_trained_modern_snapshot_exports_to_a_qwen3_with_its_logits(resumed_ru
     # trained away from the zero init
     assert ours.lm_head.weight.abs().max() > 0 and ours.transformer.h[0].attn.c_proj.weight.abs().max() > 0
     assert_same_logits(ours, Qwen3ForCausalLM.from_pretrained(tmp_path / "hf").eval(), min_std=0.1)
-
-
-@pytest.mark.slow  # two runs in this process
-def test_a_snapshot_of_modern_from_before_attention_biases_resumes_with_no_attention_bias_only(resumed_runs, tmp_path):
-    args = ["--arch", "modern", "--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "64",
-            "--warmup_steps", "1", "--val_every", "0", "--dtype", "fp32", "--data_dir", str(resumed_runs / "data"),
-            "--ckpt_every", "2", "--log_dir", str(tmp_path)]
-    main_in_process([*args, "--max_steps", "2", "--no-attention_bias"])
-    path = snapshot_path(tmp_path, 1)
-    state = torch.load(path, weights_only=True)
-    del state["model_config"]["attention_bias"]  # as a snapshot written before the field was
-    torch.save(state, path)
-    with pytest.raises(UserError, match=r"'attention_bias': False\}, but this run builds .*'attention_bias': True\}.*"
-                                         r"--\[no-\]attention_bias of the run that wrote it"):
-        main_in_process([*args, "--max_steps", "4"])
-    main_in_process([*args, "--max_steps", "4", "--no-attention_bias"])
-    assert list(by_step(read_metrics(tmp_path), "loss")) == [0, 1, 2, 3]

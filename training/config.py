@@ -17,8 +17,9 @@ import tomllib
 
 from dataloader import find_shards, read_data_tokenizer, read_shard_header
 from evaluation.tasks import parse_task_names
-from model import ACTIVATION_CHECKPOINTING, ARCHITECTURES, PRESETS, GPTConfig, with_arch
+from model import ARCHITECTURES, PRESETS, GPTConfig, with_arch
 from rundir.snapshot import check_tokenizer, is_snapshot_directory, read_model_config, read_tokenizer
+from training.activation_checkpointing import ACTIVATION_CHECKPOINTING
 from training.errors import UserError
 from training.hf import local_config
 from training.parsing import PARSE_ERRORS, parse_problem

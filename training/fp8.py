@@ -1,5 +1,5 @@
 """FP8 operands for the output layer's three matmuls (--fp8_head): the logits, and the gradients of the hidden states
-and of the weight, inside the chunked loss (model.ChunkedLinearCrossEntropy), through torch._scaled_mm.
+and of the weight, inside the chunked loss (training/loss.py), through torch._scaled_mm.
 
 The formats are the usual pair (Micikevicius et al. 2022, "FP8 formats for deep learning"; modded-nanogpt's FP8 head
 uses the same): e4m3 (3 mantissa bits, up to 448) for the hidden states and the weight, whose values sit in a known

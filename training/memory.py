@@ -15,10 +15,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from model import GPT, GPTConfig, loss_chunk_tokens
+from model import GPT, GPTConfig
+from training.activation_checkpointing import set_activation_checkpointing
 from training.config import TrainConfig, resolve_plan
 from training.distributed import Distributed
 from training.errors import UserError
+from training.loss import loss_chunk_tokens
 
 ADAMW_BYTES_PER_PARAM = 8  # two fp32 moments (exp_avg, exp_avg_sq) per parameter, whatever the parameter's dtype
 MiB = 2**20
@@ -52,7 +54,7 @@ def measure_activation_bytes_per_sequence(config: GPTConfig, seq_len: int, dtype
     torch.manual_seed(0)
     model = GPT(config).to(device)
     model.loss_chunk_tokens = seq_len
-    model.set_activation_checkpointing(activation_checkpointing)
+    set_activation_checkpointing(model, activation_checkpointing)
     # Unmeasured: the process's first matmuls and attention allocate cuBLAS's and cuDNN's workspaces, which would
     # otherwise land in the B=1 peak only and make the per-sequence slope 32-64 MiB low.
     _peak_activation_bytes(model, 1, seq_len, dtype)
@@ -188,8 +190,8 @@ def compiled_loss_bytes_per_sequence(config: GPTConfig, seq_len: int, dtype: tor
     tokens): compiled peaked 103 and 105 MiB a sequence above eager at B=128 and 256 while it saved less for backward
     (`dev/compiled_memory.py`); this count gives 117. Inductor's CPU code (torch 2.13) holds one chunk's logits but
     every chunk's weight-gradient product, whose adds into the fp32 sum it fuses into one kernel after the last chunk
-    (tools/bench_loss_memory.py); the CUDA code is read, and the candidate fixes (model.LOSS_SCHEDULES) measured, by
-    `tools/gpu_check.py --stage perf`."""
+    (tools/bench/loss_memory.py); the CUDA code is read by `python -m tools.gpu_check --stage perf`, and the candidate
+    fixes are measured by `python -m dev.loss_schedules`."""
     itemsize = dtype.itemsize
     vocab = config.padded_vocab_size
     return seq_len * vocab * itemsize + seq_len * vocab * config.n_embd * itemsize // chunk_tokens

@@ -10,6 +10,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import GPT
+from training.activation_checkpointing import set_activation_checkpointing
 from training.config import TrainConfig
 from training.distributed import Distributed
 from training.errors import UserError
@@ -60,7 +61,7 @@ def build_training_model(raw_model: torch.nn.Module, dist_env: Distributed, dtyp
     if cfg.fp8_head:
         check_fp8_head(device, dtype, cfg.micro_batch_size * (cfg.seq_len or raw_model.config.block_size),
                        raw_model.config.n_embd)
-        raw_model.loss_options = raw_model.loss_options | {"fp8": True}
+        raw_model.fp8_head = True
     if parallel == "fsdp" and dtype == torch.float16:
         raise UserError("--parallel fsdp with fp16 is not supported (its loss scaling would need a sharded "
                         "GradScaler): use --dtype bf16 on GPUs that have it, --dtype fp32, or --parallel ddp.")
@@ -70,7 +71,7 @@ def build_training_model(raw_model: torch.nn.Module, dist_env: Distributed, dtyp
         shard(raw_model, dtype, init_device_mesh(device.type, (dist_env.world_size,)))
     else:
         raw_model = raw_model.to(device)
-    raw_model.set_activation_checkpointing(cfg.activation_checkpointing)
+    set_activation_checkpointing(raw_model, cfg.activation_checkpointing)
     optimizer = build_optimizers(raw_model, cfg, device.type, fused=not plain,
                                  shared=dist_env.world_size > 1 or parallel == "fsdp")
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)

@@ -22,11 +22,12 @@ from conftest import make_shards, perturb_
 from dataloader import DistributedDataLoader, write_shard
 from evaluation.validation import validation_loss
 from fp8_emulation import emulated_fp8_loss, fp8_case, relative_error
-from model import GPT, PRESETS, GPTConfig, linear_cross_entropy, with_arch
+from model import GPT, PRESETS, GPTConfig, with_arch
 from training.attention_kernels import BACKENDS, available_kernels, kernels_in_profile
 from training.config import TrainConfig
 from training.distributed import Distributed, teardown_distributed
 from training.fp8 import fp8_head_problem
+from training.loss import linear_cross_entropy
 from training.parallel import build_training_model
 from training.precision import DTYPES, autocast
 from training.step import train_step

@@ -24,16 +24,15 @@ back, baseline first, because the allocator setting cannot be undone within a pr
 take the median speed-up of a few runs.
 
 --vs_full_logits compares the loss alone: build-nanogpt's (the whole (B, T, padded vocab) logits, then cross-entropy
-in fp32) against ours (model.ChunkedLinearCrossEntropy), everything else the same: dtype, compile, fused AdamW. The
+in fp32) against ours (training/loss.py), everything else the same: dtype, compile, fused AdamW. The
 two alternate for --rounds rounds in one process, so that both see the same machine; the ratios are medians over the
 rounds. It also times the loss's own forward and backward on one micro-batch of final hidden states, both ways, and
 gives its share of the step.
 
 --attention puts an attention kernel first (flash, cudnn, efficient, math; auto: the device's preferred, cuDNN's on
 Hopper and later; default: torch's own order), falling back to the next that runs where it cannot
-(attention_kernels.py); every configuration reports the kernels its last warm-up step ran. --loss_schedule chooses
-where the compiled loss's chunk loop runs (model.LOSS_SCHEDULES) and --compile_mode torch.compile's mode: choices
-measured before either becomes a flag of train_gpt2.py.
+(attention_kernels.py); every configuration reports the kernels its last warm-up step ran. --compile_mode is
+torch.compile's mode. Both are choices measured here before either becomes a flag of train_gpt2.py.
 
 --generation times GPT.generate (the key/value cache; on CUDA its decode step is a CUDA graph; with --compile also
 with that step compiled) against a whole-context forward per token, on the --model's random weights (the speed is
@@ -80,7 +79,7 @@ import tempfile
 
 import torch
 
-from model import GPT, LOSS_SCHEDULES
+from model import GPT
 from tools.bench.generation import format_generation, time_generation
 from tools.bench.loss import compare_with_full_logits, format_full_logits
 from tools.bench.memory import format_plan, memory_budget, memory_plan
@@ -104,8 +103,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--attention", choices=CHOICES, default="default",
                         help="the attention kernel put first (default: torch's own order; auto: the device's "
                              "preferred)")
-    parser.add_argument("--loss_schedule", choices=LOSS_SCHEDULES, default="inline",
-                        help="where the compiled loss's chunk loop runs (model.LOSS_SCHEDULES)")
     parser.add_argument("--compile_mode", default=None,
                         help="torch.compile's mode with --compile, e.g. max-autotune-no-cudagraphs (default: its own)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
@@ -136,8 +133,8 @@ def workload_for(args: argparse.Namespace, dist_env: Distributed) -> Workload:
     shared = {name: getattr(args, name) for name in SHARED_FLAGS}
     defaults = {"model": args.model or ("gpt2" if cuda else "small"),
                 "micro_batch_size": args.micro_batch_size or (64 if cuda else 8), "data_dir": args.data_dir or ""}
-    return make_workload(dist_env, args.grad_accum_steps, attention=args.attention, loss_schedule=args.loss_schedule,
-                         compile_mode=args.compile_mode, **shared | defaults)
+    return make_workload(dist_env, args.grad_accum_steps, attention=args.attention, compile_mode=args.compile_mode,
+                         **shared | defaults)
 
 
 def benchmark(args: argparse.Namespace, dist_env: Distributed) -> dict:

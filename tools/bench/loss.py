@@ -8,9 +8,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from model import linear_cross_entropy, loss_chunk_tokens
 from tools.bench.step import Workload, time_config_or_skip
 from training.distributed import synchronize
+from training.loss import linear_cross_entropy, loss_chunk_tokens
 from training.precision import autocast
 
 

@@ -1,7 +1,7 @@
-"""The chunked loss's memory under torch.compile (not a command: tools/gpu_check.py --stage perf and
-dev/compiled_memory.py share it): the peak of one micro-batch's loss, forward and backward, eager and compiled under
-each of model.LOSS_SCHEDULES, with the same loss and gradients; and what Inductor's code holds at once, read from the
-code itself (buffers_alive), so that the CUDA schedule can be read where the CPU's differs.
+"""The chunked loss's memory under torch.compile (not a command: `python -m tools.gpu_check --stage perf` and
+dev/loss_schedules.py share it): the peak of one micro-batch's loss, forward and backward, eager and compiled, with the
+same loss and gradients; and what Inductor's code holds at once, read from the code itself (buffers_alive), so that
+the CUDA code's schedule can be read where the CPU's differs.
 
 On a CPU (torch 2.13), the compiled loop frees each chunk's logits before the next chunk's exist, but keeps every
 chunk's product grad_logitsᵀ @ x (the weight's gradient, in the matmul dtype) until one fused kernel adds them all
@@ -10,14 +10,16 @@ every chunk's logits too (docs/gpu_h200_2026-11-28.md).
 """
 
 import re
+import statistics
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from model import LOSS_SCHEDULES, linear_cross_entropy
+from tools.bench.step import time_ms
 from training.distributed import synchronize
+from training.loss import linear_cross_entropy
 from training.precision import autocast
 
 # Inductor's wrapper code: an allocation, a reuse of a freed buffer (under a new name, maybe reshaped), a free.
@@ -71,13 +73,11 @@ def loss_inputs(tokens: int, n_embd: int, padded_vocab: int, vocab_size: int, de
     return x, weight, targets
 
 
-def loss_function(vocab_size: int, chunk_tokens: int, schedule: str, compile: bool, fp8: bool = False) -> Callable:
-    """The loss of (x, weight, targets) under this schedule, compiled or not."""
-    if schedule not in LOSS_SCHEDULES:
-        raise ValueError(f"loss schedule {schedule!r} is none of {', '.join(LOSS_SCHEDULES)}")
+def loss_function(vocab_size: int, chunk_tokens: int, compile: bool) -> Callable:
+    """The loss of (x, weight, targets), compiled or not."""
 
     def loss_fn(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return linear_cross_entropy(x, weight, targets, vocab_size, chunk_tokens, fp8=fp8, schedule=schedule)
+        return linear_cross_entropy(x, weight, targets, vocab_size, chunk_tokens)
     return torch.compile(loss_fn) if compile else loss_fn
 
 
@@ -90,6 +90,17 @@ def loss_step(loss_fn: Callable, x: torch.Tensor, weight: torch.Tensor, targets:
     grads = x.grad, weight.grad
     x.grad = weight.grad = None
     return loss.item(), *grads
+
+
+def measure_loss(loss_fn: Callable, inputs: tuple, dtype: torch.dtype, repeats: int = 3) -> dict:
+    """The loss and gradients of one call (after one that compiles), the peak bytes above the inputs (CUDA), and the
+    median milliseconds of repeats calls."""
+    device = inputs[0].device
+    loss_step(loss_fn, *inputs, dtype)
+    loss, grad_x, grad_w = loss_step(loss_fn, *inputs, dtype)
+    peak = peak_bytes(lambda: loss_step(loss_fn, *inputs, dtype), device) if device.type == "cuda" else None
+    ms = statistics.median(time_ms(lambda: loss_step(loss_fn, *inputs, dtype), device) for _ in range(repeats))
+    return {"loss": loss, "grads": (grad_x, grad_w), "peak_bytes": peak, "ms": ms}
 
 
 def peak_bytes(run: Callable[[], object], device: torch.device) -> int:

@@ -4,8 +4,9 @@ fsdp with each --activation_checkpointing."""
 
 import torch
 
-from model import ACTIVATION_CHECKPOINTING, GPT, PRESETS, GPTConfig
+from model import GPT, PRESETS, GPTConfig
 from tools.bench.step import Workload
+from training.activation_checkpointing import ACTIVATION_CHECKPOINTING
 from training.memory import (
     GiB,
     MiB,

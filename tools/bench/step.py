@@ -39,7 +39,6 @@ class Workload:
     dist_env: Distributed
     # How the step runs beyond train_gpt2.py's flags: choices measured here before any becomes a flag
     attention: str = "default"  # the attention kernel, one of attention_kernels.CHOICES
-    loss_schedule: str = "inline"  # where the compiled loss's chunk loop runs, one of model.LOSS_SCHEDULES
     compile_mode: str | None = None  # torch.compile's mode (None: its default)
     kernel_table: bool = False  # also keep the device kernels' times of the last warm-up step (CUDA only)
 
@@ -49,15 +48,13 @@ class Workload:
 
 
 def make_workload(dist_env: Distributed, grad_accum_steps: int = 1, *, attention: str = "default",
-                  loss_schedule: str = "inline", compile_mode: str | None = None, kernel_table: bool = False,
-                  **flags) -> Workload:
+                  compile_mode: str | None = None, kernel_table: bool = False, **flags) -> Workload:
     """The training run's config for these TrainConfig flags (validation off), its batch grad_accum_steps micro-steps
     of --micro_batch_size sequences on every rank, and the step's other choices (see Workload)."""
     cfg = TrainConfig(**{"val_every": 0} | flags)
     seq_len = cfg.seq_len or PRESETS[cfg.model or "gpt2"].block_size
     cfg.total_batch_size = cfg.micro_batch_size * seq_len * dist_env.world_size * grad_accum_steps
-    return Workload(cfg, resolve_plan(cfg, dist_env.world_size), dist_env, attention, loss_schedule, compile_mode,
-                    kernel_table)
+    return Workload(cfg, resolve_plan(cfg, dist_env.world_size), dist_env, attention, compile_mode, kernel_table)
 
 
 def write_random_shard(directory: str, work: Workload, vocab_size: int) -> None:
@@ -88,8 +85,6 @@ def time_config(work: Workload, data_dir: str, dtype: torch.dtype, compile: bool
     model = (FullLogitsGPT if plain or full_logits else GPT)(plan.model_config)
     if plain or full_logits:
         cfg = replace(cfg, fp8_head=False)
-    elif work.loss_schedule != "inline":
-        model.loss_options = {"schedule": work.loss_schedule}
     config = plan.model_config
     kernel, attention_choice = choose_kernel("default" if plain else work.attention, device, dtype,
                                              config.n_embd // config.n_head)
@@ -214,7 +209,6 @@ def run_name(dtype: torch.dtype, compile: bool, plain: bool, full_logits: bool =
         name += ", fp8 head"
     if work is not None:
         name += (f", attention {work.attention}" if work.attention != "default" else "") + (
-            f", loss {work.loss_schedule}" if work.loss_schedule != "inline" and not full_logits else "") + (
             f", {work.compile_mode}" if work.compile_mode and compile else "")
     return name
 

@@ -23,9 +23,8 @@ from TIKTOKEN_CACHE_DIR. The stages, in the order they run:
          left
   perf   only when named: issue 52's goal table in one process, every row against the full-logits baseline measured
          in it (tools/gpu_check_perf.py): ours, --fp8_head's speed and a short run's val loss with and without it, the
-         attention kernel the compiled step runs and cuDNN's, the compiled loss's memory under each candidate
-         schedule, Muon against AdamW, --arch modern's step, a compile mode; a row that would not fit the stage's 9
-         minutes is reported as not run
+         attention kernel the compiled step runs and cuDNN's, the compiled loss's memory, Muon against AdamW,
+         --arch modern's step, a compile mode; a row that would not fit the stage's 9 minutes is reported as not run
 
 OUT/report.md and OUT/report.json (rewritten after every check, so a run cut short still leaves its rows) hold the
 machine (GPU, compute capability, memory, driver, torch, CUDA) and a row per check: its figure, its bound, and PASS,

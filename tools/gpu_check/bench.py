@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from model import PRESETS, loss_chunk_tokens
+from model import PRESETS
 from tools.bench import loss as bench_loss
 from tools.bench.generation import format_generation, time_generation
 from tools.bench.step import Workload, make_workload, time_config_or_skip
@@ -20,6 +20,7 @@ from tools.gpu_check.scale import Scale
 from tools.gpu_check.train import write_synthetic_shards
 from training.config import TrainConfig
 from training.distributed import Distributed
+from training.loss import loss_chunk_tokens
 from training.memory import MiB, choose_micro_batch, compiled_loss_bytes_per_sequence
 from training.precision import pick_dtype
 

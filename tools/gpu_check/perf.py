@@ -10,12 +10,11 @@ reported as not run, and the later ones that fit still run):
   fp8_val_loss    two short runs from the same seed on the same tokens, with and without --fp8_head: their val loss
   attention       the step with cuDNN's attention kernel put first: the kernel that ran, its tokens/s, and its losses
                   step by step against the default kernel's
-  loss_memory     the loss alone (one micro-batch's final hidden states), compiled under each of
-                  model.LOSS_SCHEDULES: its peak memory, loss and gradients against eager's; and what Inductor's code
-                  for today's inline loop holds at once (written to OUT/perf_inductor_inline_*.py)
+  loss_memory     the loss alone (one micro-batch's final hidden states), compiled: its peak memory, loss and
+                  gradients against eager's; and what Inductor's code for its chunk loop holds at once (written to
+                  OUT/perf_inductor_inline_*.py; the candidate loops are dev/loss_schedules.py's)
   muon            the step with --optimizer muon against AdamW's
   modern          --arch modern's step against gpt2's, and where the kernels' time differs (by kind of kernel)
-  leanest_step    the whole step with the compiled schedule whose loss alone peaked lowest, against the baseline
   compile_mode    the step compiled in max-autotune-no-cudagraphs, in a subprocess stopped at the stage's end
 
 The data are --data_dir's shards (real text for the short runs: data/enwiki, say), else learnable random tokens.
@@ -34,11 +33,11 @@ from pathlib import Path
 
 import torch
 
-from model import LOSS_SCHEDULES, PRESETS
+from model import PRESETS
 from tools.bench.loss import compare_with_full_logits
-from tools.bench.loss_memory import buffers_alive, generated_code, loss_function, loss_inputs, loss_step, peak_bytes
+from tools.bench.loss_memory import buffers_alive, generated_code, loss_function, loss_inputs, measure_loss
 from tools.bench.short_run import short_run
-from tools.bench.step import Workload, make_workload, release_memory, time_config_or_skip, time_ms
+from tools.bench.step import Workload, make_workload, release_memory, time_config_or_skip
 from tools.gpu_check.bench import bench_vs_full_logits
 from tools.gpu_check.report import Report, Result, first_line, run_logged
 from tools.gpu_check.scale import PerfGoal, Scale
@@ -49,7 +48,7 @@ from training.memory import MiB
 from training.precision import pick_dtype
 
 STAGE = "perf"
-WORKLOAD_OPTIONS = ("attention", "loss_schedule", "compile_mode")  # Workload's own fields, not TrainConfig's
+WORKLOAD_OPTIONS = ("attention", "compile_mode")  # Workload's own fields, not TrainConfig's
 
 
 @dataclass
@@ -65,7 +64,6 @@ class Perf:
     compile_seconds: float = 0.0  # what compiling the step's graph anew takes: the scale's, then the first row's
     baseline: dict | None = None  # the full-logits baseline: tokens_per_sec and peak_memory_mib, medians of the rounds
     ours: dict | None = None  # ours, the last round's run
-    schedules: dict[str, dict] = field(default_factory=dict)  # the loss alone, by schedule
 
     @property
     def dtype(self) -> torch.dtype:
@@ -101,7 +99,7 @@ def perf_stage(report: Report, scale: Scale, args: argparse.Namespace) -> None:
                                val_tokens + scale.seq_len + 1)
     flags = {"model": scale.model, "seq_len": scale.seq_len, "micro_batch_size": micro_batch, "dtype": scale.dtype,
              "device": scale.device, "compile": scale.compile, "data_dir": data_dir}
-    # The stage compiles GPT.forward in a dozen configurations (FP8, schedules, kernels, modern, new models), more
+    # The stage compiles GPT.forward in a dozen configurations (FP8, kernels, modern, new models), more
     # than torch.compile's default of 8 per function, past which it runs the function eagerly with only a warning.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     perf = Perf(report, scale, Distributed(0, 0, 1, device), data_dir, flags, started + scale.perf.seconds,
@@ -241,38 +239,25 @@ def kernel_against_default(run: dict, ours: dict | None, goal: PerfGoal | None) 
 
 
 def loss_memory(perf: Perf, title: str) -> None:
-    """The loss alone, eager and compiled under each schedule: the same numbers, and what each holds at its peak."""
+    """The loss alone, eager and compiled: the same numbers, and what the compiled code holds at its peak."""
     device, dtype = perf.dist_env.device, perf.dtype
     config = PRESETS[perf.scale.model]
     tokens, chunk_tokens = perf.scale.perf.loss_memory
     inputs = loss_inputs(tokens, config.n_embd, config.padded_vocab_size, config.vocab_size, device)
-    eager = measure_loss(loss_function(config.vocab_size, chunk_tokens, "inline", compile=False), inputs, dtype)
-    perf.details["loss_memory"] = {"eager": eager | {"grads": None}}
-    for schedule in LOSS_SCHEDULES:
-        loss_fn = loss_function(config.vocab_size, chunk_tokens, schedule, compile=True)
-        if schedule == "inline":  # compiled here, with its code kept
-            codes = generated_code(loss_fn, *inputs, dtype)
-            for i, code in enumerate(codes):
-                (perf.report.out / f"perf_inductor_inline_{i}.py").write_text(code)
-        measured = measure_loss(loss_fn, inputs, dtype)
-        perf.check(f"{title}, schedule {schedule}", schedule_against_eager, measured, eager)
-        # (kept without the gradients, which would sit in the device's memory under the later rows' peaks)
-        perf.schedules[schedule] = perf.details["loss_memory"][schedule] = measured | {"grads": None}
+    eager = measure_loss(loss_function(config.vocab_size, chunk_tokens, compile=False), inputs, dtype)
+    loss_fn = loss_function(config.vocab_size, chunk_tokens, compile=True)
+    codes = generated_code(loss_fn, *inputs, dtype)  # compiled here, with its code kept
+    for i, code in enumerate(codes):
+        (perf.report.out / f"perf_inductor_inline_{i}.py").write_text(code)
+    compiled = measure_loss(loss_fn, inputs, dtype)
+    perf.check(title, compiled_against_eager, compiled, eager)
+    # (kept without the gradients, which would sit in the device's memory under the later rows' peaks)
+    perf.details["loss_memory"] = {name: run | {"grads": None} for name, run in (("eager", eager),
+                                                                                 ("compiled", compiled))}
     perf.check("Inductor's code of the inline loss", code_holds, codes, (chunk_tokens, config.padded_vocab_size),
                (config.padded_vocab_size, config.n_embd))
-    del inputs, eager
+    del inputs, eager, compiled
     release_memory(device)
-
-
-def measure_loss(loss_fn: Callable, inputs: tuple, dtype: torch.dtype, repeats: int = 3) -> dict:
-    """The loss and gradients of one call (after one that compiles), the peak bytes above the inputs (CUDA), and the
-    median milliseconds of repeats calls."""
-    device = inputs[0].device
-    loss_step(loss_fn, *inputs, dtype)
-    loss, grad_x, grad_w = loss_step(loss_fn, *inputs, dtype)
-    peak = peak_bytes(lambda: loss_step(loss_fn, *inputs, dtype), device) if device.type == "cuda" else None
-    ms = statistics.median(time_ms(lambda: loss_step(loss_fn, *inputs, dtype), device) for _ in range(repeats))
-    return {"loss": loss, "grads": (grad_x, grad_w), "peak_bytes": peak, "ms": ms}
 
 
 # Compiled against eager, the loss alone: Inductor fuses the gradient's expression in fp32 where eager rounds each op,
@@ -280,7 +265,7 @@ def measure_loss(loss_fn: Callable, inputs: tuple, dtype: torch.dtype, repeats: 
 LOSS_TOLERANCE, GRAD_TOLERANCE, PEAK_TOLERANCE = 1e-3, 2e-2, 1.05
 
 
-def schedule_against_eager(measured: dict, eager: dict) -> Result:
+def compiled_against_eager(measured: dict, eager: dict) -> Result:
     loss_error = abs(measured["loss"] - eager["loss"]) / abs(eager["loss"])
     grad_error = max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
                      for a, b in zip(measured["grads"], eager["grads"]))
@@ -387,34 +372,6 @@ def kernels_compared(run: dict, ours: dict | None) -> Result:
     return figure, "named (where the extra time goes)", True
 
 
-def leanest_step(perf: Perf, title: str) -> None:
-    schedule = leanest_schedule(perf.schedules)
-    if schedule is None:
-        perf.check(title, lambda: ("not run: no compiled schedule matched eager's numbers within inline's time", "",
-                                   None))
-        return
-    perf.details["leanest_step"] = run = perf.time(perf.workload(loss_schedule=schedule))
-    perf.check(f"{title} ({schedule})", leaner_than_baseline, run, perf.baseline, perf.ours, perf.goal)
-
-
-def leanest_schedule(schedules: dict[str, dict]) -> str | None:
-    """Of the schedules besides inline whose loss alone took at most 1.05× inline's time, the one that peaked lowest
-    (without peaks, off CUDA: the fastest)."""
-    inline = schedules.get("inline")
-    fits = {name: s for name, s in schedules.items() if name != "inline" and inline and s["ms"] <= 1.05 * inline["ms"]}
-    if not fits:
-        return None
-    return min(fits, key=lambda name: (fits[name]["peak_bytes"] or 0, fits[name]["ms"]))
-
-
-def leaner_than_baseline(run: dict, baseline: dict | None, ours: dict | None, goal: PerfGoal | None) -> Result:
-    figure, _, _ = against_baseline(run, baseline, ours, None)
-    if "skipped" in run or baseline is None or goal is None:
-        return figure, "runs (not judged: " + ("no baseline)" if baseline is None else "a CPU)"), "skipped" not in run
-    memory = run["peak_memory_mib"] / baseline["peak_memory_mib"]
-    return figure, f"≤ {goal.memory}× the baseline's peak memory", memory <= goal.memory
-
-
 def compile_mode(perf: Perf, title: str) -> None:
     micro_batch, grad_accum_steps, steps, warmup, _ = perf.scale.perf.step
     mode = perf.scale.perf.compile_mode
@@ -451,6 +408,5 @@ ROWS: dict[str, tuple[str, Callable[[Perf, str], None]]] = {
     "loss_memory": ("the loss alone compiled", loss_memory),
     "muon": ("--optimizer muon against adamw", muon),
     "modern": ("--arch modern against gpt2", modern),
-    "leanest_step": ("the step with the leanest loss schedule", leanest_step),
     "compile_mode": ("compile mode", compile_mode),
 }

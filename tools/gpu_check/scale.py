@@ -71,7 +71,7 @@ class Scale:
 # The perf rows' costs on an H100/H200 (GPT-2 124M, B=64 × 8 micro-steps: a step 1.0-1.1 s, a micro-step 0.13 s;
 # the leases' bench stages compiled a graph in about 25 s on average, those Inductor's cache held included).
 GPU_ROW_COSTS = {"vs_full_logits": (2, 60), "fp8_speed": (1, 10), "fp8_val_loss": (0, 70), "attention": (1, 10),
-                 "loss_memory": (0, 45), "muon": (0, 25), "modern": (1, 10), "leanest_step": (1, 10),
+                 "loss_memory": (0, 45), "muon": (0, 25), "modern": (1, 10),
                  "compile_mode": (1, 30)}
 
 GPU = Scale(device="cuda", dtype="bf16", model="gpt2", seq_len=1024, compile=True, stage_seconds=480,

@@ -1,0 +1,162 @@
+"""The training loss of GPT.forward: the output layer and cross-entropy in one, a chunk of tokens at a time, so that
+the (tokens × vocab) logits are never held whole (ChunkedLinearCrossEntropy); with --fp8_head, its matmuls in FP8
+(fp8.py)."""
+
+from typing import NamedTuple
+
+import torch
+
+from training import fp8
+
+
+class HeadOperands(NamedTuple):
+    """The output layer's matmul operands as a chunk of the loss reads them: its rows of the hidden states x (n, C)
+    and the weight w (padded_vocab, C) in the autocast dtype; or, with --fp8_head, both in e4m3 with their per-tensor
+    scales, w also column-major (w_columns, as torch._scaled_mm takes its second operand), and the scale of the
+    gradient's e5m2 (fp8.py)."""
+    x: torch.Tensor
+    w: torch.Tensor
+    w_columns: torch.Tensor  # w itself in the autocast dtype
+    x_scale: torch.Tensor | None = None  # None: not FP8
+    w_scale: torch.Tensor | None = None
+    grad_scale: torch.Tensor | None = None
+
+    @property
+    def fp8(self) -> bool:
+        return self.x_scale is not None
+
+
+def head_operands(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, use_fp8: bool) -> HeadOperands:
+    """x and weight as the chunks' matmuls read them: cast once to dtype, or quantised once to FP8."""
+    if not use_fp8:
+        w = weight.to(dtype)
+        return HeadOperands(x.to(dtype), w, w)
+    (x8, x_scale), (w8, w_scale) = fp8.to_e4m3(x), fp8.to_e4m3(weight)
+    return HeadOperands(x8, w8, fp8.column_major(w8), x_scale, w_scale, fp8.gradient_scale(x.device))
+
+
+def head_logits(ops: HeadOperands) -> torch.Tensor:
+    """x @ wᵀ (n, padded_vocab); under FP8 in bf16, with Hopper's fast accumulation."""
+    if not ops.fp8:
+        return ops.x @ ops.w.t()
+    return fp8.scaled_mm(ops.x, ops.w.t(), ops.x_scale, ops.w_scale, torch.bfloat16, fast_accum=True)
+
+
+def head_grad_x(ops: HeadOperands, grad_logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """grad_logits @ w (n, C), in dtype."""
+    if not ops.fp8:
+        return grad_logits @ ops.w
+    return fp8.scaled_mm(grad_logits, ops.w_columns, ops.grad_scale, ops.w_scale, dtype)
+
+
+def head_grad_w(grad_logits: torch.Tensor, x: torch.Tensor, grad_scale: torch.Tensor | None,
+                x_scale: torch.Tensor | None) -> torch.Tensor:
+    """grad_logitsᵀ @ x (padded_vocab, C): in the autocast dtype, or in fp32 under FP8 (with the operands' scales)."""
+    if x_scale is None:
+        return grad_logits.t() @ x
+    return fp8.scaled_mm(grad_logits.t().contiguous(), fp8.column_major(x), grad_scale, x_scale, torch.float32)
+
+
+def add_weight_gradient(grad_w: torch.Tensor, grad_logits: torch.Tensor, ops: HeadOperands) -> None:
+    """grad_w += the chunk's gradient of the weight, summed over chunks in fp32 (the add reads the product as it is:
+    no copy)."""
+    grad_w += head_grad_w(grad_logits, ops.x, ops.grad_scale, ops.x_scale)
+
+
+def cross_entropy_chunk(ops: HeadOperands, targets: torch.Tensor, vocab_size: int,
+                        grads: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """Summed cross-entropy of one chunk of n tokens (ops.x, n rows) against the first vocab_size of w's rows; with
+    grads = (grad_x (n, C), grad_w (padded_vocab, C) in fp32), also writes the chunk's gradient of x into grad_x and
+    adds its gradient of w to grad_w, both unscaled.
+
+    A function of its own so that the chunk's logits are freed when it returns: a loop variable would keep them alive
+    until the next chunk's logits had been allocated, two chunks at once."""
+    # The matmul runs at the padded width, a multiple of 128, where GPUs have their fastest kernels (at 50,257 an
+    # H100 falls back to an older, slower one); the padding columns get no probability, so neither loss nor gradient.
+    columns = torch.arange(ops.w.size(0), device=ops.x.device)
+    logits = head_logits(ops).float().masked_fill_(columns >= vocab_size, float("-inf"))  # (n, padded_vocab)
+    lse = torch.logsumexp(logits, dim=1)  # (n,)
+    loss_sum = (lse - logits.gather(1, targets[:, None]).squeeze(1)).sum()
+    if grads is not None:
+        grad_x, grad_w = grads
+        # d loss / d logits = softmax − one_hot(target). The mean's 1/N and grad_output are applied in fp32 in
+        # backward, not here: divided by N first, the small probabilities would underflow in fp16 before the
+        # GradScaler's scale could lift them. The backward matmuls run in the autocast dtype, as nn.Linear's would
+        # (or in FP8: e5m2, see fp8.py).
+        if torch.compiler.is_compiling():
+            # One expression, which Inductor fuses with the log-sum-exp into two passes over the logits in the
+            # matmul's dtype, with no fp32 copy of them in memory (a scatter of the −1s would break the fusion).
+            grad_logits = torch.exp(logits - lse[:, None]) - (columns == targets[:, None]).float()
+        else:
+            # In place: eager runs that expression as five ops, each a new fp32 tensor of the chunk's logits' size
+            # (on a CPU the chunk took 3× as long).
+            grad_logits = logits.sub_(lse[:, None]).exp_()
+            grad_logits[torch.arange(len(targets), device=ops.x.device), targets] -= 1.0
+        grad_logits = fp8.gradient_to_e5m2(grad_logits) if ops.fp8 else grad_logits.to(ops.x.dtype)
+        grad_x.copy_(head_grad_x(ops, grad_logits, grad_x.dtype))
+        add_weight_gradient(grad_w, grad_logits, ops)
+    return loss_sum
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of the logits x @ weight[:vocab_size]ᵀ against targets, without ever holding them all.
+
+    The full logits of a GPT-2 micro-batch (64 × 1024 tokens × 50,257) and their fp32 copy are most of a training
+    step's activation memory, and all of it exists only to be turned into two gradients. So the forward walks the
+    tokens a chunk at a time and, while it holds a chunk's logits, turns them straight into the gradients of x and
+    of weight: the derivative of cross-entropy with respect to the logits is just softmax − one_hot(target).
+    Nothing of the logits is kept for backward, which only scales the two stored gradients by grad_output (1, or
+    the GradScaler's scale in fp16). The peak is one chunk's logits instead of all of them; the price is that the
+    weight's gradient (fp32, the weight's size) is held from forward on, a cost that does not grow with the batch.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int,
+                chunk_tokens: int, compute_grads: bool, use_fp8: bool) -> torch.Tensor:
+        # x (N, C): final hidden states; weight (padded_vocab, C); targets (N,): token ids in [0, vocab_size). There is
+        # no ignore_index: every position is a real token. An id of a padding row gives an infinite loss, and one past
+        # the padded width fails in gather (the loader checks shards for such ids before training starts).
+        device_type = x.device.type
+        # Under autocast, run the matmuls in its dtype as nn.Linear would; softmax and the sums stay in fp32.
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        n_tokens = x.size(0)
+        with torch.autocast(device_type, enabled=False):  # every cast below is explicit
+            ops = head_operands(x, weight, dtype, use_fp8)  # the weight cast once, for every chunk
+            loss_sum = torch.zeros((), dtype=torch.float32, device=x.device)
+            if compute_grads:
+                grad_x = torch.empty(x.shape, dtype=dtype, device=x.device)  # (N, C)
+                grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            for start in range(0, n_tokens, chunk_tokens):
+                rows = slice(start, start + chunk_tokens)
+                chunk_grads = (grad_x[rows], grad_w) if compute_grads else None
+                loss_sum += cross_entropy_chunk(ops._replace(x=ops.x[rows]), targets[rows], vocab_size, chunk_grads)
+        if compute_grads:
+            ctx.save_for_backward(grad_x, grad_w)
+        ctx.n_tokens, ctx.x_dtype, ctx.w_dtype = n_tokens, x.dtype, weight.dtype
+        return loss_sum / n_tokens
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_x, grad_w = ctx.saved_tensors
+        scale = grad_loss.float() / ctx.n_tokens  # d mean / d sum, times whatever the loss was scaled by
+        return (grad_x.float() * scale).to(ctx.x_dtype), (grad_w * scale).to(ctx.w_dtype), *[None] * 5
+
+
+def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int,
+                         chunk_tokens: int, fp8: bool = False) -> torch.Tensor:
+    """F.cross_entropy(x @ weight[:vocab_size]ᵀ, targets) for x (N, C) and targets (N,), chunk_tokens rows at a time.
+    fp8: the training step's matmuls in FP8 (--fp8_head; validation, without gradients, stays in the autocast dtype,
+    so that its loss measures the weights)."""
+    # Inside forward, autograd has already switched grad mode off, so whether gradients are wanted (not in validation
+    # under no_grad, where they would triple the cost) is decided here.
+    compute_grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return ChunkedLinearCrossEntropy.apply(x, weight, targets, vocab_size, chunk_tokens, compute_grads,
+                                           fp8 and compute_grads)
+
+
+def loss_chunk_tokens(device: torch.device) -> int:
+    """Tokens per chunk of the loss on this device. A GPU wants a few large chunks: 4,096 tokens make each logits
+    matmul big enough to run at full speed and 16 chunks of a 64 × 1,024 micro-batch, while a chunk's logits (0.8 GiB
+    in bf16 at GPT-2's vocabulary, twice that in eager fp32) stay small beside the activations. A CPU wants them
+    small enough to stay in its caches: 1,024 (295 MiB of logits, measured fastest there)."""
+    return 4096 if device.type == "cuda" else 1024
