@@ -25,8 +25,9 @@ from rundir.snapshot import load_snapshot, read_model, snapshot_path
 from tools import export_hf
 from train_gpt2 import initial_model
 from training import hf
-from training.config import TrainConfig, model_config, parse_args, resolve_plan
+from training.config import TrainConfig, parse_args
 from training.errors import UserError
+from training.inputs import model_config, resolve_plan
 from training.optim import Optimizers, adamw, build_optimizers, split_for_muon
 from training.step import train_step
 
@@ -409,7 +410,7 @@ def test_batched_scoring_gives_each_requests_own_log_likelihood():
 
 RUN = ["--arch", "modern", "--optimizer", "muon", "--micro_batch_size", "2", "--seq_len", "16",
        "--total_batch_size", "128", "--max_steps", "6", "--warmup_steps", "2", "--max_lr", "1e-2",
-       "--muon_lr", "0.02", "--dtype", "fp32", "--val_every", "3", "--val_tokens", "128", "--ckpt_every", "100"]
+       "--muon_lr", "0.02", "--dtype", "fp32", "--val_every", "3", "--val_tokens", "128", "--snapshot_every", "100"]
 
 
 @pytest.fixture(scope="module")
@@ -457,7 +458,7 @@ def resumed_runs(tmp_path_factory):
     make_shards(root / "data", "val", [200], seed=1, vocab=100)
     args = ["--arch", "modern", "--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "64",
             "--max_steps", "12", "--warmup_steps", "3", "--max_lr", "1e-2", "--val_every", "4", "--val_tokens", "64",
-            "--dtype", "fp32", "--data_dir", str(root / "data"), "--ckpt_every", "4"]
+            "--dtype", "fp32", "--data_dir", str(root / "data"), "--snapshot_every", "4"]
     main_in_process([*args, "--log_dir", str(root / "whole")])
     main_in_process([*args, "--log_dir", str(root / "resumed"), "--resume", str(snapshot_path(root / "whole", 7))])
     return root
@@ -491,7 +492,7 @@ def test_a_trained_modern_snapshot_exports_to_a_qwen3_with_its_logits(resumed_ru
 def test_a_snapshot_of_modern_from_before_attention_biases_resumes_with_no_attention_bias_only(resumed_runs, tmp_path):
     args = ["--arch", "modern", "--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "64",
             "--warmup_steps", "1", "--val_every", "0", "--dtype", "fp32", "--data_dir", str(resumed_runs / "data"),
-            "--ckpt_every", "2", "--log_dir", str(tmp_path)]
+            "--snapshot_every", "2", "--log_dir", str(tmp_path)]
     main_in_process([*args, "--max_steps", "2", "--no-attention_bias"])
     path = snapshot_path(tmp_path, 1)
     state = torch.load(path, weights_only=True)

@@ -16,9 +16,10 @@ import torch.nn as nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from model import GPT, GPTConfig, loss_chunk_tokens
-from training.config import TrainConfig, resolve_plan
+from training.config import TrainConfig
 from training.distributed import Distributed
 from training.errors import UserError
+from training.inputs import resolve_plan
 
 ADAMW_BYTES_PER_PARAM = 8  # two fp32 moments (exp_avg, exp_avg_sq) per parameter, whatever the parameter's dtype
 MiB = 2**20
