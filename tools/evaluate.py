@@ -29,7 +29,7 @@ from model import GPT
 from rundir.snapshot import check_tokenizer, load_model_snapshot, load_tokenizer_of, read_model, tokenizer_of
 from training import hf
 from training.config import HelpFormatter, TrainConfig, add_flags, check_flags, validation_steps
-from training.distributed import Distributed, setup_distributed, teardown_distributed
+from training.distributed import Distributed, checked_device, setup_distributed, teardown_distributed
 from training.errors import UserError, run_entry_point
 from training.inputs import val_shard_tokens
 from training.precision import pick_dtype
@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--limit", type=int, default=None, help="only the first N documents of each task")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON line on stdout")
     source_args = parser.parse_known_args(argv)[0]
-    task_names(source_args)  # a bad name fails before the model loads
+    task_names(source_args)  # a bad name, or a device this machine lacks, fails before the model loads
+    checked_device(source_args.device)
     model, tokenizer, run_config, step = load_model(source_args.snapshot, source_args.model)
     # A snapshot's run decides the defaults (flags given on the command line still win).
     parser.set_defaults(**{k: v for k, v in run_config.items() if k in RUN_FLAGS}, limit=run_config.get("eval_limit"))
