@@ -55,7 +55,7 @@ class Job:
     def __init__(self, root: Path):
         self.root, self.data = root, root / "data"
         make_shards(self.data, "train", [300, 300], seed=0)
-        make_shards(self.data, "val", [200], seed=1)
+        make_shards(self.data, "val", [1_000_001], seed=1)  # (for the long validation: the others read 64 tokens)
         self.args = [*JOB, "--data_dir", str(self.data)]
         self.one_rank = root / "one_rank"
         self.one_rank_run = run_train([*self.args, "--snapshot_every", "4", "--keep_last", "3"], self.one_rank)
@@ -312,7 +312,7 @@ def test_a_snapshot_resumes_in_another_dtype(job, tmp_path, capsys, written, res
 def test_sigterm_during_a_long_validation_snapshots_at_once_and_resumes(job, tmp_path):
     # Resume the 1-rank run's snapshot of step 3 on 2 ranks, validating every 3 steps for ~forever: steps 4 and 5
     # train, then step 6's validation would run for many minutes.
-    long_eval = [*job.args, "--resume", str(snapshot_path(job.one_rank, 3)), "--val_every", "3", "--val_steps",
+    long_eval = [*job.args, "--resume", str(snapshot_path(job.one_rank, 3)), "--val_every", "3", "--val_tokens",
                  "1000000", "--snapshot_every", "100"]
     with launched(long_eval, tmp_path, nproc=2) as proc:
         wait_until(lambda: by_step(records_so_far(tmp_path), "loss").keys() >= {5}, proc, tmp_path, "step 5")
