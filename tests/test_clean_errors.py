@@ -3,7 +3,7 @@ longer than it allows, a symbolic link loop, a file where a directory should be)
 real in the child: EIO_SITECUSTOMIZE), a number flag too large for the libraries it reaches, and a pickle that would
 run code. Each ends with exit status 2 and one `error:` paragraph naming the flag or the path, and no traceback.
 
-Also the class at its one place each: every number flag of TrainConfig bounded (config.check_flags), an
+Also the class at its one place each: every number flag of TrainConfig bounded (config.check_flag_ranges), an
 OSError on a path the user gave named by its flag (errors.path_error), and every pickle-format file read by
 snapshot.read_torch_file (no other torch.load or unpickler outside tests/)."""
 
@@ -23,7 +23,7 @@ from conftest import ROOT, make_shards
 from forked import Command, run_forked
 from helpers_train import TINY_ARGS, TRAIN_SCRIPT, run_train, train_env
 from rundir.snapshot import REQUIRED_KEYS
-from training.config import LARGEST_COUNT, TrainConfig, check_flags, parse_args, set_type
+from training.config import LARGEST_COUNT, TrainConfig, check_flag_ranges, parse_args, set_type
 from training.errors import UserError, path_error
 
 RUN = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "32", "--max_steps", "1", "--val_every",
@@ -212,11 +212,11 @@ def test_every_number_flag_refuses_a_value_past_what_the_libraries_take(flag):
     kind = set_type(next(f.type for f in fields(TrainConfig) if f.name == flag))
     too_large = "1e400" if kind is float else str(2**64)  # (inf; past every whole-number flag's top, --seed's too)
     with pytest.raises(UserError, match=rf"^--{flag} (inf|{too_large}): pass a (finite )?number "):
-        check_flags(parse_args([f"--{flag}", too_large]))
+        check_flag_ranges(parse_args([f"--{flag}", too_large]))
     if kind is not float and flag != "seed":  # the largest count is taken, one more is not
-        check_flags(parse_args([f"--{flag}", str(LARGEST_COUNT)]))
+        check_flag_ranges(parse_args([f"--{flag}", str(LARGEST_COUNT)]))
         with pytest.raises(UserError, match=rf"and at most {LARGEST_COUNT}"):
-            check_flags(parse_args([f"--{flag}", str(LARGEST_COUNT + 1)]))
+            check_flag_ranges(parse_args([f"--{flag}", str(LARGEST_COUNT + 1)]))
 
 
 @pytest.mark.parametrize("code, argv, expected", [

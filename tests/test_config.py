@@ -9,7 +9,15 @@ import pytest
 
 from conftest import ROOT, make_shards
 from model import PRESETS
-from training.config import FLAG_RANGES, PATH_FLAGS, TrainConfig, check_flags, check_path_flags, parse_args, set_type
+from training.config import (
+    FLAG_RANGES,
+    PATH_FLAGS,
+    TrainConfig,
+    check_flag_ranges,
+    check_path_flags,
+    parse_args,
+    set_type,
+)
 from training.errors import UserError
 from training.inputs import resolve_plan
 
@@ -88,7 +96,7 @@ def test_a_config_that_is_a_directory_is_a_clear_error(tmp_path):
 def test_every_number_flag_has_a_range_and_every_default_is_in_it():
     numbers = {f.name for f in fields(TrainConfig) if set_type(f.type) in (int, float, int | str)}
     assert numbers == set(FLAG_RANGES)
-    check_flags(TrainConfig())
+    check_flag_ranges(TrainConfig())
 
 
 @pytest.mark.parametrize("flags, message", [

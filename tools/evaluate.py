@@ -28,7 +28,7 @@ from evaluation.validation import validation_loss
 from model import GPT
 from rundir.snapshot import check_tokenizer, load_model_snapshot, load_tokenizer_of, read_model, tokenizer_of
 from training import hf
-from training.config import HelpFormatter, TrainConfig, add_flags, check_flags, validation_steps
+from training.config import HelpFormatter, TrainConfig, add_flags, check_flag_ranges, validation_steps
 from training.distributed import Distributed, checked_device, setup_distributed, teardown_distributed
 from training.errors import UserError, run_entry_point
 from training.inputs import val_shard_tokens
@@ -102,7 +102,7 @@ def evaluate(model: GPT, tokenizer: TokenizerSpec, args: argparse.Namespace, dis
     dtype = pick_dtype(args.dtype, device)
     model.to(device)
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if f.name in RUN_FLAGS})
-    check_flags(cfg)
+    check_flag_ranges(cfg)
     if not isinstance(cfg.micro_batch_size, int):
         raise UserError("--micro_batch_size auto is for training; pass a number of sequences (a snapshot passes the "
                         "one its run used).")

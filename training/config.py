@@ -2,10 +2,10 @@
 
     python train_gpt2.py --config recipes/shakespeare_small.toml --max_steps 50   # a recipe; flags override it
 
-`TrainConfig` is what the user asked for; `check_flags` checks each flag on its own, and `make_plan` turns them into
-a `Plan` (the model's shape, the sequence length, the accumulation steps, the validation steps, the snapshot
-directory) from the facts of the files they name, which training/inputs.py reads: this module reads no file but a
-recipe.
+`TrainConfig` is what the user asked for; `check_flag_ranges` and `check_path_flags` check each flag on its own, and
+`make_plan` turns them into a `Plan` (the model's shape, the sequence length, the accumulation steps, the validation
+steps, the snapshot directory) from what the files they name hold, which training/inputs.py reads: this module reads
+no file but a recipe.
 """
 
 import argparse
@@ -293,11 +293,11 @@ class Plan:
     snapshot_dir: str
 
 
-
 def make_plan(cfg: TrainConfig, config: GPTConfig, world_size: int, val_shard_tokens: list[int]) -> Plan:
-    """What the flags (checked on their own: check_flags) imply for a model of `config` on world_size ranks, with val
-    shards of val_shard_tokens tokens each: the first bad combination raises a UserError naming it and the fix."""
-    if not isinstance(cfg.micro_batch_size, int):  # (a number's range: check_flags)
+    """What the flags (each checked on its own first: check_flag_ranges) imply for a model of `config` on world_size
+    ranks, with val shards of val_shard_tokens tokens each: the first bad combination raises a UserError naming it
+    and the fix."""
+    if not isinstance(cfg.micro_batch_size, int):  # (a number's range: check_flag_ranges)
         raise UserError(f"--micro_batch_size {cfg.micro_batch_size!r}: pass a number of sequences (1 or more) or "
                         "'auto'.")
     seq_len = cfg.seq_len or config.block_size
@@ -320,9 +320,9 @@ def make_plan(cfg: TrainConfig, config: GPTConfig, world_size: int, val_shard_to
     return Plan(config, align_bos, seq_len, short_rows, grad_accum_steps, val_steps, cfg.snapshot_dir or cfg.log_dir)
 
 
-def check_flags(cfg: TrainConfig) -> None:
-    """A UserError naming the first number flag outside its FLAG_RANGES (quoting
-    its --help; not the flags left unset, None, or 'auto')."""
+def check_flag_ranges(cfg: TrainConfig) -> None:
+    """A UserError naming the first number flag outside its FLAG_RANGES, quoting its --help. Not the flags left
+    unset (None) or 'auto' (--micro_batch_size)."""
     for f in fields(cfg):
         value = getattr(cfg, f.name)
         if f.name in FLAG_RANGES and isinstance(value, int | float):

@@ -1,6 +1,6 @@
 """Every input of a training run checked at the door, before anything has a side effect (no process group, file,
 lock or download yet): the paths named (config.check_path_flags), torchrun's environment and --device
-(distributed.this_process), each other flag on its own (config.check_flags), then the flags against the files they
+(distributed.this_process), each other flag on its own (config.check_flag_ranges), then the flags against the files they
 name, read through their owners' readers: the data's tokenizer and val shards (dataloader), the --init_from weights'
 shape and tokenizer (rundir.snapshot, hf) and the task names (evaluation.tasks). config.make_plan does the arithmetic
 on what they say."""
@@ -12,7 +12,7 @@ from dataloader import find_shards, read_data_tokenizer, read_shard_header
 from evaluation.tasks import parse_task_names
 from model import PRESETS, GPTConfig
 from rundir.snapshot import check_tokenizer, is_snapshot_directory, read_model_config, read_tokenizer
-from training.config import HF_MODELS, Plan, TrainConfig, check_flags, check_path_flags, make_plan, model_shape
+from training.config import HF_MODELS, Plan, TrainConfig, check_flag_ranges, check_path_flags, make_plan, model_shape
 from training.distributed import this_process
 from training.errors import UserError
 from training.hf import local_config
@@ -29,7 +29,7 @@ def check_inputs(cfg: TrainConfig) -> None:
 
 def resolve_plan(cfg: TrainConfig, world_size: int) -> Plan:
     """The plan of the flags on world_size ranks, every flag checked: on its own first, then against the files."""
-    check_flags(cfg)
+    check_flag_ranges(cfg)
     config = model_config(cfg)
     if cfg.eval_every:
         parse_task_names(cfg.eval_tasks, "--eval_tasks")
