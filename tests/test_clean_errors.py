@@ -24,6 +24,7 @@ from forked import Command, run_forked
 from helpers_train import TINY_ARGS, TRAIN_SCRIPT, run_train, train_env
 from rundir.snapshot import REQUIRED_KEYS
 from training.config import LARGEST_COUNT, TrainConfig, check_flag_ranges, parse_args, set_type
+from training.distributed import checked_device
 from training.errors import UserError, path_error
 
 RUN = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "32", "--max_steps", "1", "--val_every",
@@ -354,6 +355,19 @@ def test_a_bad_flag_or_environment_exits_2_at_the_door_before_anything_is_writte
     assert not missing, f"{missing} not in: {errors[0]}"
     cwd = root / f"cwd{DOOR_CASES.index(case)}"  # (an empty --log_dir would be it)
     assert not list(cwd.iterdir()) and not (root / "logs").exists() and not (root / NOT_UTF8).exists()
+
+
+@pytest.mark.parametrize("device, local_rank, words", [
+    ("cuda", 1, "--device cuda: this process needs GPU cuda:1 (LOCAL_RANK 1: a GPU a process), but this machine has 1. "
+                "Start one process a GPU, 1 a node at most (torchrun --nproc_per_node=1)"),
+    ("cuda:2", 0, "--device cuda:2: this process needs GPU cuda:2, but this machine has 1"),
+])
+def test_a_gpu_this_machine_does_not_have_is_named_with_how_many_it_has(monkeypatch, device, local_rank, words):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(UserError, match=re.escape(words)):
+        checked_device(device, local_rank)
+    assert checked_device("cuda", 0) == torch.device("cuda", 0)
 
 
 @pytest.mark.slow  # torchrun with 2 ranks

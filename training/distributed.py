@@ -94,9 +94,10 @@ def checked_device(device_arg: str, local_rank: int = 0) -> torch.device:
                             f"is False: no NVIDIA GPU or driver, or a PyTorch built for CPUs only). {fix}")
         index, count = local_rank if device.index is None else device.index, torch.cuda.device_count()
         if index >= count:
-            raise UserError(f"--device {name}: this process needs GPU {index} (cuda:{index}, LOCAL_RANK {local_rank}), "
-                            f"but this machine has {count}. Start at most {count} processes a node (torchrun "
-                            f"--nproc_per_node={count}), or name one of its GPUs, cuda:0 to cuda:{count - 1}.")
+            whose = f" (LOCAL_RANK {local_rank}: a GPU a process)" if device.index is None else ""
+            raise UserError(f"--device {name}: this process needs GPU cuda:{index}{whose}, but this machine has "
+                            f"{count}. Start one process a GPU, {count} a node at most (torchrun --nproc_per_node={count}), or "
+                            f"name one of its GPUs, cuda:0 to cuda:{count - 1}.")
         return torch.device("cuda", index)
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise UserError(f"--device {name}: this machine has no Apple GPU that PyTorch can use "
