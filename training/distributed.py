@@ -96,8 +96,8 @@ def checked_device(device_arg: str, local_rank: int = 0) -> torch.device:
         if index >= count:
             whose = f" (LOCAL_RANK {local_rank}: a GPU a process)" if device.index is None else ""
             raise UserError(f"--device {name}: this process needs GPU cuda:{index}{whose}, but this machine has "
-                            f"{count}. Start one process a GPU, {count} a node at most (torchrun --nproc_per_node={count}), or "
-                            f"name one of its GPUs, cuda:0 to cuda:{count - 1}.")
+                            f"{count}. Start one process a GPU, {count} a node at most (torchrun "
+                            f"--nproc_per_node={count}), or name one of its GPUs, cuda:0 to cuda:{count - 1}.")
         return torch.device("cuda", index)
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise UserError(f"--device {name}: this machine has no Apple GPU that PyTorch can use "
