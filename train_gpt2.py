@@ -5,8 +5,9 @@
     python train_gpt2.py --config recipes/shakespeare_finetune_gpt2.toml   # finetune OpenAI's GPT-2
 
 The defaults reproduce GPT-2 124M on FineWeb-Edu 10B (524,288-token batches, 19,073 steps). The story of a run:
-set up the processes and the device, resolve the flags into a plan, build the data loaders and the model, resume
-from the newest snapshot if there is one, then loop {read the step's data, evaluate, train one step, log, snapshot};
+check every input (the flags, torchrun's environment, the files they name), set up the processes and the device,
+resolve the flags into a plan, build the data loaders and the model, resume from the newest snapshot if there is one,
+then loop {read the step's data, evaluate, train one step, log, snapshot};
 after updates skipped in a row for NaN or spikes, stop or roll back to the newest healthy snapshot (--on_divergence).
 Between two steps every rank stops together, with a snapshot, on SIGTERM, on a first Ctrl-C, or when a rank cannot
 read its next batches or finds a shard changed; a second Ctrl-C aborts at once.
