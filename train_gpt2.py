@@ -5,8 +5,9 @@
     python train_gpt2.py --config recipes/shakespeare_finetune_gpt2.toml   # finetune OpenAI's GPT-2
 
 The defaults reproduce GPT-2 124M on FineWeb-Edu 10B (524,288-token batches, 19,073 steps). The story of a run:
-set up the processes and the device, resolve the flags into a plan, build the data loaders and the model, resume
-from the newest snapshot if there is one, then loop {read the step's data, evaluate, train one step, log, snapshot};
+check every input (the flags, torchrun's environment, the files they name), set up the processes and the device,
+resolve the flags into a plan, build the data loaders and the model, resume from the newest snapshot if there is one,
+then loop {read the step's data, evaluate, train one step, log, snapshot};
 after updates skipped in a row for NaN or spikes, stop or roll back to the newest healthy snapshot (--on_divergence).
 Between two steps every rank stops together, with a snapshot, on SIGTERM, on a first Ctrl-C, or when a rank cannot
 read its next batches or finds a shard changed; a second Ctrl-C aborts at once.
@@ -31,10 +32,11 @@ from rundir.lock import lock_run_directories
 from rundir.snapshot import read_model
 from rundir.store import Snapshots
 from training import hf
-from training.config import HF_MODELS, Plan, TrainConfig, parse_args, resolve_plan, row_length
+from training.config import HF_MODELS, Plan, TrainConfig, parse_args, row_length
 from training.distributed import Distributed, hangs_reported, setup_distributed, synchronize, teardown_distributed
 from training.divergence import DivergenceGuard, DivergenceResponse, StopRequest
 from training.errors import UserError, run_entry_point
+from training.inputs import check_inputs, resolve_plan
 from training.memory import choose_micro_batch, keep_freed_memory
 from training.mfu import Peak, peak_flops
 from training.optim import get_lr, get_muon_momentum, schedule_change
@@ -47,6 +49,7 @@ from training.tokenizer import Tokenizer, generate_text, tokenizer_from_spec
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv, __doc__)
+    check_inputs(cfg)  # every flag and torchrun's environment, before a process group, file, lock or download
     stop = StopRequest()
     with stop.handling_signals():  # from here on, SIGTERM and a first Ctrl-C stop the run between two steps
         dist_env = setup_distributed(cfg.device, cfg.parallel, cfg.dist_timeout)
@@ -92,8 +95,8 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None
     tokenizer = tokenizer_from_spec(train_loader.tokenizer) if cfg.eval_every or cfg.sample_every else None
     eval_suite = None
     if cfg.eval_every:  # now, so that a missing file or no network says so at start-up, not at the first evaluation
-        docs = evals.load_tasks(evals.parse_task_names(cfg.eval_tasks, "--eval_tasks"), cfg.eval_dir,
-                                cfg.hellaswag_path, cfg.eval_limit, dist_env.local_rank, device)
+        docs = evals.load_tasks(evals.parse_task_names(cfg.eval_tasks, "--eval_tasks"), cfg.eval_dir, None,
+                                cfg.eval_limit, dist_env.local_rank, device)
         # Batches of a training micro-batch's tokens: that fits, as evaluating keeps no activations for a backward.
         eval_suite = evals.Suite(docs, plan.model_config.block_size, cfg.micro_batch_size * plan.seq_len, tokenizer)
 

@@ -25,7 +25,7 @@ STEPS = {"small": 120, "narrow6": 120}
 # would pick fp32 on a CPU without native bf16, where bf16 is emulated and slow.
 DTYPE = os.environ.get("SWEEP_DTYPE", "bf16")
 COMMON = ["--dtype", DTYPE, "--data_dir", "data/shakespeare", "--total_batch_size", "1024", "--min_lr_ratio", "0.1",
-          "--val_every", "20", "--val_tokens", "8192", "--hellaswag_every", "0", "--sample_every", "0",
+          "--val_every", "20", "--val_tokens", "8192", "--eval_every", "0", "--sample_every", "0",
           "--snapshot_every", "0", "--resume", "never", "--seed", "1337"]
 SHAPES = {
     "small": ["--model", "small", "--micro_batch_size", "4", "--seq_len", "256"],  # the quickstart model

@@ -154,8 +154,9 @@ def tiny_snapshots(data: Path, snapshot_dir: Path, log=print, guard=None, every:
     from dataloader import DistributedDataLoader
     from model import GPT
     from rundir.store import Snapshots
-    from training.config import TrainConfig, resolve_plan
+    from training.config import TrainConfig
     from training.distributed import Distributed
+    from training.inputs import resolve_plan
     from training.parallel import build_training_model
 
     cfg = TrainConfig(data_dir=str(data), model="tiny", micro_batch_size=2, seq_len=16, total_batch_size=32,

@@ -38,7 +38,7 @@ PAUSING = ROOT / "tests" / "train_with_pauses.py"  # train_gpt2.py, held before 
 
 # A 2-layer, 64-wide model on the CPU, with the slow or networked extras off. Later flags in a command win, so
 # a test can override any of these by passing the flag again.
-TINY_ARGS = ["--model", "tiny", "--device", "cpu", "--hellaswag_every", "0", "--sample_every", "0"]
+TINY_ARGS = ["--model", "tiny", "--device", "cpu", "--eval_every", "0", "--sample_every", "0"]
 
 
 def write_text_shards(directory: Path, text: str, encoding, val_fraction: float = 0.1) -> tuple[int, int]:

@@ -93,7 +93,7 @@ def test_compiled_training_with_validation_and_sampling_matches_eager(tmp_path, 
     make_shards(tmp_path / "data", "val", [2000], seed=1)
     args = ["--data_dir", str(tmp_path / "data"), "--micro_batch_size", "2", "--seq_len", "16",
             "--total_batch_size", "64", "--max_steps", "4", "--warmup_steps", "2", "--val_every", "2",
-            "--val_steps", "2", "--sample_every", "2", "--dtype", "fp32", "--ckpt_every", "0"]
+            "--val_tokens", "64", "--sample_every", "2", "--dtype", "fp32", "--snapshot_every", "0"]
     eager = run_train(args, tmp_path / "eager")
     compiled = run_train([*args, "--compile"], tmp_path / "compiled", timeout=400)
 

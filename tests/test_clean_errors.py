@@ -24,6 +24,7 @@ from forked import Command, run_forked
 from helpers_train import TINY_ARGS, TRAIN_SCRIPT, run_train, train_env
 from rundir.snapshot import REQUIRED_KEYS
 from training.config import LARGEST_COUNT, TrainConfig, check_flag_ranges, parse_args, set_type
+from training.distributed import checked_device
 from training.errors import UserError, path_error
 
 RUN = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "32", "--max_steps", "1", "--val_every",
@@ -275,3 +276,110 @@ def unpickling_calls(node: ast.AST, where: str = "<module>") -> set[str]:
                 found.add(where)
         found |= unpickling_calls(child, where)
     return found
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# every input checked at the door (training/inputs.py), before a process group, file, lock or download
+
+NOT_UTF8 = os.fsdecode(b"caf\xe9")  # a Latin-1 name, as the command line hands its bytes to Python
+NO_CUDA = "no GPU that PyTorch can use (torch.cuda.is_available() is False"
+NO_MPS = "no Apple GPU that PyTorch can use"
+TORCHRUN = {"TORCHELASTIC_RUN_ID": "none"}  # what torchrun sets beside the ranks
+
+
+def door_cases(root: Path) -> dict[str, tuple[list[str], dict[str, str], list[str]]]:
+    """case: (the command after `python`, environment added, the words its error paragraph must hold)."""
+    def train(case: str, *args: str) -> list[str]:
+        return [str(TRAIN_SCRIPT), *TINY_ARGS, "--data_dir", str(root / "data"), *RUN, "--log_dir",
+                str(root / "logs" / re.sub(r"\W", "_", case)), *args]
+
+    not_torchrun = "set, but not by torchrun (TORCHELASTIC_RUN_ID is not set)"
+    not_numbers = "torchrun's ranks are not three whole numbers"
+    table = {
+        "RANK and WORLD_SIZE without torchrun": ([], {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"},
+                                                 ["RANK='0' LOCAL_RANK='0' WORLD_SIZE='2'", not_torchrun,
+                                                  "unset RANK LOCAL_RANK WORLD_SIZE"]),
+        "WORLD_SIZE alone": ([], {"WORLD_SIZE": "2"} | TORCHRUN, [not_numbers, "WORLD_SIZE='2'"]),
+        "RANK not a number": ([], {"RANK": "one", "LOCAL_RANK": "0", "WORLD_SIZE": "2"} | TORCHRUN,
+                              [not_numbers, "RANK='one'"]),
+        "RANK not below WORLD_SIZE": ([], {"RANK": "2", "LOCAL_RANK": "0", "WORLD_SIZE": "2"} | TORCHRUN,
+                                      ["RANK='2' LOCAL_RANK='0' WORLD_SIZE='2': a rank must be below WORLD_SIZE"]),
+        "--device cuda": (["--device", "cuda"], {}, ["--device cuda: this machine has", NO_CUDA, "--device cpu"]),
+        "--device mps": (["--device", "mps"], {}, ["--device mps: this machine has", NO_MPS, "--device cpu"]),
+        "--log_dir not UTF-8": (["--log_dir", str(root / NOT_UTF8)], {}, [
+            f"--log_dir '{root}/caf\\udce9': the name is not valid UTF-8 (byte 0xe9)", "Rename it"]),
+        "--snapshot_dir not UTF-8": (["--snapshot_dir", str(root / NOT_UTF8)], {}, ["--snapshot_dir", "(byte 0xe9)"]),
+        "--data_dir not UTF-8": (["--data_dir", str(root / NOT_UTF8)], {}, ["--data_dir", "(byte 0xe9)"]),
+        "--log_dir empty": (["--log_dir", ""], {}, ["--log_dir is empty (an unset variable in a job script?)"]),
+        "--snapshot_dir empty": (["--snapshot_dir", ""], {}, ["--snapshot_dir is empty"]),
+        "--data_dir empty": (["--data_dir", ""], {}, ["--data_dir is empty"]),
+    }
+    table = {case: (train(case, *args), env, words) for case, (args, env, words) in table.items()}
+    return table | {
+        "sample --device cuda": (["-m", "tools.sample", "--snapshot", str(root / "none.pt"), "--device", "cuda"], {},
+                                 ["--device cuda", NO_CUDA]),
+        "evaluate --device cuda": (["-m", "tools.evaluate", "--snapshot", str(root / "none.pt"), "--device", "cuda"],
+                                   {}, ["--device cuda", NO_CUDA]),
+        "evaluate --device mps": (["-m", "tools.evaluate", "--snapshot", str(root / "none.pt"), "--device", "mps"],
+                                  {}, ["--device mps", NO_MPS]),
+    }
+
+
+DOOR_CASES = list(door_cases(Path("root")))
+
+
+@pytest.fixture(scope="module")
+def door(tmp_path_factory) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
+    """Each case run from an empty working directory of its own, a process forked from one that imported torch."""
+    root = tmp_path_factory.mktemp("door")
+    make_shards(root / "data", "train", [400])
+    make_shards(root / "data", "val", [200], seed=1)
+    commands = {}
+    for i, (case, (command, env, _)) in enumerate(door_cases(root).items()):
+        (root / f"cwd{i}").mkdir()
+        commands[case] = Command(command, env, cwd=str(root / f"cwd{i}"))
+    return root, run_forked(commands, ["train_gpt2", "tools.sample", "tools.evaluate"], train_env())
+
+
+@pytest.mark.parametrize("case", DOOR_CASES)
+def test_a_bad_flag_or_environment_exits_2_at_the_door_before_anything_is_written(door, case):
+    root, runs = door
+    if "cuda" in case and torch.cuda.is_available() or "mps" in case and torch.backends.mps.is_available():
+        pytest.skip("this machine has the device")
+    proc = runs[case]
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and TRACEBACK not in output, output[-4000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and proc.stdout == "", output[-4000:]  # one paragraph, and nothing printed before it
+    missing = [words for words in door_cases(root)[case][2] if words not in errors[0]]
+    assert not missing, f"{missing} not in: {errors[0]}"
+    cwd = root / f"cwd{DOOR_CASES.index(case)}"  # (an empty --log_dir would be it)
+    assert not list(cwd.iterdir()) and not (root / "logs").exists() and not (root / NOT_UTF8).exists()
+
+
+@pytest.mark.parametrize("device, local_rank, words", [
+    ("cuda", 1, "--device cuda: this process needs GPU cuda:1 (LOCAL_RANK 1: a GPU a process), but this machine has 1. "
+                "Start one process a GPU, 1 a node at most (torchrun --nproc_per_node=1)"),
+    ("cuda:2", 0, "--device cuda:2: this process needs GPU cuda:2, but this machine has 1"),
+])
+def test_a_gpu_this_machine_does_not_have_is_named_with_how_many_it_has(monkeypatch, device, local_rank, words):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(UserError, match=re.escape(words)):
+        checked_device(device, local_rank)
+    assert checked_device("cuda", 0) == torch.device("cuda", 0)
+
+
+@pytest.mark.slow  # torchrun with 2 ranks
+def test_a_number_flag_too_large_under_torchrun_is_refused_by_every_rank_before_the_process_group(tmp_path):
+    """--dist_timeout is the process group's timeout: 24 digits ended in an OverflowError traceback at
+    init_process_group on 2 ranks (one process has no group, so it was a clean error there)."""
+    make_shards(tmp_path / "data", "train", [400])
+    make_shards(tmp_path / "data", "val", [200], seed=1)
+    run = run_train([*TINY_ARGS, "--data_dir", str(tmp_path / "data"), *RUN, "--dist_timeout", "9" * 24],
+                    tmp_path / "logs", nproc=2, check=False, timeout=120)
+    errors = [line for line in run.output.splitlines() if line.startswith("error: ")]
+    refusal = f"--dist_timeout {'9' * 24}: pass a number at least 1 and at most 2147483647"
+    assert run.proc.returncode != 0 and len(errors) == 2 and all(refusal in error for error in errors), \
+        run.output[-4000:]
+    assert "OverflowError" not in run.output and not (tmp_path / "logs" / "run.lock").exists()

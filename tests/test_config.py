@@ -1,5 +1,7 @@
 """config.py: flags and recipes resolve into one checked plan; --help shows every default, grouped."""
 
+import ast
+import os
 from dataclasses import fields
 from pathlib import Path
 
@@ -7,8 +9,17 @@ import pytest
 
 from conftest import ROOT, make_shards
 from model import PRESETS
-from training.config import FLAG_RANGES, TrainConfig, check_flag_ranges, parse_args, resolve_plan, set_type
+from training.config import (
+    FLAG_RANGES,
+    PATH_FLAGS,
+    TrainConfig,
+    check_flag_ranges,
+    check_path_flags,
+    parse_args,
+    set_type,
+)
 from training.errors import UserError
+from training.inputs import resolve_plan
 
 RECIPES = sorted((ROOT / "recipes").glob("*.toml"))
 
@@ -20,16 +31,25 @@ def test_flags_override_the_recipe_which_overrides_the_defaults():
     assert cfg.weight_decay == TrainConfig.weight_decay  # not in the recipe: the default
 
 
-def test_the_snapshot_flags_old_names_still_work_on_the_command_line_and_in_recipes(tmp_path, capsys, monkeypatch):
-    (tmp_path / "old.toml").write_text('ckpt_every = 7\nckpt_dir = "old"\n')
-    cfg = parse_args(["--config", str(tmp_path / "old.toml")])
-    assert (cfg.snapshot_every, cfg.snapshot_dir) == (7, "old")
-    cfg = parse_args(["--config", str(tmp_path / "old.toml"), "--ckpt_every", "9", "--snapshot_dir", "new"])
-    assert (cfg.snapshot_every, cfg.snapshot_dir) == (9, "new")
-    monkeypatch.setattr("sys.argv", ["train_gpt2.py"])
-    with pytest.raises(SystemExit):
-        parse_args(["--help"])
-    assert "--snapshot_every SNAPSHOT_EVERY, --ckpt_every SNAPSHOT_EVERY" in capsys.readouterr().out
+@pytest.mark.parametrize("old", ["ckpt_dir", "ckpt_every", "hellaswag_every", "hellaswag_limit", "hellaswag_path",
+                                 "val_steps"])
+def test_a_flag_has_one_name_and_the_old_names_are_refused(tmp_path, capsys, old):
+    with pytest.raises(SystemExit) as exit_info:  # argparse: "unrecognized arguments", exit status 2
+        parse_args([f"--{old}", "1"])
+    assert exit_info.value.code == 2 and f"--{old}" in capsys.readouterr().err
+    (tmp_path / "old.toml").write_text(f"{old} = 1\n")
+    with pytest.raises(UserError, match=f"unknown setting '{old}'"):
+        parse_args(["--config", str(tmp_path / "old.toml")])
+
+
+def test_config_reads_no_file_but_a_recipe():
+    """config.py imports nothing of the data loader, the evaluations, Hugging Face or the snapshots: the checks that
+    read them are training/inputs.py's."""
+    tree = ast.parse((ROOT / "training" / "config.py").read_text())
+    imported = {node.module if isinstance(node, ast.ImportFrom) else alias.name for node in ast.walk(tree)
+                if isinstance(node, ast.Import | ast.ImportFrom) for alias in node.names}
+    assert imported == {"argparse", "math", "typing", "dataclasses", "tomllib", "model", "training.errors",
+                        "training.parsing"}
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
@@ -86,12 +106,12 @@ def test_every_number_flag_has_a_range_and_every_default_is_in_it():
     (["--n_head", "-2"], "--n_head -2: pass a number at least 1"),
     (["--n_embd", "-64"], "--n_embd -64: pass a number at least 1"),
     (["--block_size", "-16"], "--block_size -16: pass a number at least 1"),
-    (["--val_steps", "-1"], "--val_steps -1: pass a number at least 1"),
+    (["--val_tokens", "-1"], "--val_tokens -1: pass a number at least 1"),
     (["--max_steps", "-3"], "--max_steps -3: pass a number at least 1"),
     # zero where it means nothing: it was taken as "not set" (the preset's value, --val_tokens), or trained nothing
     (["--n_layer", "0"], "--n_layer 0: pass a number at least 1"),
     (["--seq_len", "0"], "--seq_len 0: pass a number at least 1"),
-    (["--val_steps", "0"], "--val_steps 0: pass a number at least 1"),
+    (["--val_tokens", "0"], "--val_tokens 0: pass a number at least 1"),
     (["--max_lr", "0"], r"--max_lr 0\.0: pass a number above 0"),
     # what went on meaning something else: validating at every step, clipping nothing, a negative learning rate
     (["--val_every", "-1"], "--val_every -1: pass a number at least 0"),
@@ -139,13 +159,24 @@ def test_the_plan_resolves_shape_lengths_and_steps(tmp_path):
     assert Path(plan.snapshot_dir) == tmp_path / "logs"
 
 
-def test_the_old_hellaswag_flags_and_recipe_keys_set_the_eval_ones(tmp_path):
-    cfg = parse_args(["--hellaswag_every", "7", "--hellaswag_limit", "30"])
-    assert (cfg.eval_every, cfg.eval_limit, cfg.eval_tasks) == (7, 30, "hellaswag")
-    recipe = tmp_path / "recipe.toml"
-    recipe.write_text("hellaswag_every = 0\nhellaswag_limit = 5\neval_tasks = \"piqa,copa\"\n")
-    cfg = parse_args(["--config", str(recipe)])
-    assert (cfg.eval_every, cfg.eval_limit, cfg.eval_tasks) == (0, 5, "piqa,copa")
+@pytest.mark.parametrize("flag", PATH_FLAGS)
+def test_an_empty_path_is_refused_naming_its_flag(flag):
+    """An unset variable in a job script (--log_dir "$LOG_DIR") would train into the current directory."""
+    with pytest.raises(UserError, match=rf"^--{flag} is empty \(an unset variable in a job script\?\)\. Pass a path"):
+        check_path_flags(parse_args([f"--{flag}", ""]))
+
+
+@pytest.mark.parametrize("flag", PATH_FLAGS)
+def test_a_path_whose_name_is_not_utf8_is_refused_naming_its_flag_and_byte(flag):
+    name = os.fsdecode(b"logs_caf\xe9")  # a Latin-1 name: the bytes as the command line hands them over
+    with pytest.raises(UserError, match=rf"^--{flag} 'logs_caf\\udce9': the name is not valid UTF-8 \(byte 0xe9\)"):
+        check_path_flags(parse_args([f"--{flag}", name]))
+    check_path_flags(parse_args([f"--{flag}", "logs_café"]))  # UTF-8 beyond ASCII is fine
+
+
+def test_an_empty_config_is_refused_rather_than_read_as_no_recipe():
+    with pytest.raises(UserError, match="^--config is empty"):
+        parse_args(["--config", ""])
 
 
 def test_an_unknown_eval_task_stops_the_plan_unless_the_evaluations_are_off(tmp_path):

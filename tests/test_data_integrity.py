@@ -223,7 +223,7 @@ def stopped_with_a_snapshot(data: Path, logs: Path, args: list[str], pause: tupl
 def uninterrupted(data, tmp_path_factory) -> dict[int, float]:
     """The losses of the run uninterrupted, by step (on 1 rank)."""
     logs = tmp_path_factory.mktemp("uninterrupted")
-    main_in_process([*JOB, "--data_dir", str(data), "--val_every", "2", "--val_steps", "6", "--log_dir", str(logs)])
+    main_in_process([*JOB, "--data_dir", str(data), "--val_every", "2", "--val_tokens", "192", "--log_dir", str(logs)])
     return {r["step"]: r["loss"] for r in read_metrics(logs) if "loss" in r}
 
 
@@ -251,7 +251,7 @@ def test_a_train_shard_changed_under_a_run_stops_every_rank_with_a_snapshot_and_
     data = copy_of(data, tmp_path / "data")
     shard = data / "test_train_000001.bin"  # not read yet: step 2's batches end shard 0, and then it is opened
     tokens = np.fromfile(shard, dtype="<u2", offset=HEADER_BYTES).astype(np.int64)
-    logs, args = tmp_path / "logs", ["--val_every", "2", "--val_steps", "6"]
+    logs, args = tmp_path / "logs", ["--val_every", "2", "--val_tokens", "192"]
     proc = stopped_with_a_snapshot(data, logs, args, ("read_ahead", 3), CHANGES[change], shard, nproc)
     errors = errors_naming(proc.stderr, shard, change)
     assert len(errors) == (nproc or 1), proc.stderr[-4000:]  # every rank's
@@ -273,7 +273,7 @@ def test_a_val_shard_changed_before_a_validation_stops_the_run_with_a_snapshot_a
     data = copy_of(data, tmp_path / "data")
     shard = data / "test_val_000000.bin"
     tokens = np.fromfile(shard, dtype="<u2", offset=HEADER_BYTES).astype(np.int64)
-    logs, args = tmp_path / "logs", ["--val_every", "2", "--val_steps", "6"]
+    logs, args = tmp_path / "logs", ["--val_every", "2", "--val_tokens", "192"]
     proc = stopped_with_a_snapshot(data, logs, args, ("validation_loss", 2), CHANGES[change], shard, None)
     (error,) = errors_naming(proc.stderr, shard, change)
     assert f"Every rank stopped during the evaluation before step 2; the newest snapshot is {snapshot_path(logs, 1)}" \
@@ -289,12 +289,13 @@ def test_a_val_shard_changed_before_a_validation_stops_the_run_with_a_snapshot_a
 def test_a_val_shard_truncated_during_a_validation_stops_every_rank_together_with_a_snapshot(data, tmp_path,
                                                                                            uninterrupted, nproc):
     data = copy_of(data, tmp_path / "data")
+    make_shards(data, "val", [20 * 32 * 2 + 1], seed=1)  # one pass of 20 batches a rank, on 2 ranks
     shard = data / "test_val_000000.bin"
     tokens = np.fromfile(shard, dtype="<u2", offset=HEADER_BYTES).astype(np.int64)
     # 20 val batches, so that the ranks agree at the stop check after batch 16. Forward calls: the validation before
     # step 0 (20), steps 0 and 1 (2 micro-batches on 1 rank, 1 each on 2 ranks), then the one before step 2: cut short
     # at its 3rd batch's forward, when 3 have been read.
-    logs, args = tmp_path / "logs", ["--val_every", "2", "--val_steps", "20"]
+    logs, args = tmp_path / "logs", ["--val_every", "2", "--val_tokens", str(20 * 32 * (nproc or 1))]
     forward = 20 + (4 if nproc is None else 2) + 3
     proc = stopped_with_a_snapshot(data, logs, args, ("forward", forward), truncated, shard, nproc)
     errors = re.findall(rf"^error: {re.escape(str(shard))}: the shard is now 1,124 bytes.*$", proc.stderr, re.M)

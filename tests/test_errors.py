@@ -25,7 +25,7 @@ from helpers_train import TINY_ARGS, TrainRun, main_in_process, read_metrics, ru
 pytestmark = pytest.mark.slow  # 25 launches of a fresh Python: about a minute
 
 RUN = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "32", "--max_steps", "1", "--val_every",
-       "0", "--ckpt_every", "1", "--dtype", "fp32"]
+       "0", "--snapshot_every", "1", "--dtype", "fp32"]
 TRACEBACK = "Traceback (most recent call last)"
 # A traceback frame in our code (torchrun's launcher prints its own, from torch's files in .venv, beyond our control).
 OUR_FRAME = re.compile(rf'File "{re.escape(str(ROOT))}/(?!\.venv/)')
@@ -59,7 +59,7 @@ EXPECTED = {
     "token id outside the vocabulary": ["test_val_000000.bin", "token id 50257 at position 123",
                                         "vocabulary of 50,257", "data/prepare.py"],
     "directory named like a shard": ["test_train_000001.bin", "is a directory", "move it out"],
-    "hellaswag line not JSON": ["bad.jsonl, line 2: not valid JSON", "--hellaswag_path", "--eval_every 0"],
+    "hellaswag line not JSON": ["bad/hellaswag.jsonl, line 2: not valid JSON", "--eval_dir", "--eval_every 0"],
     "unknown eval task": ["--eval_tasks 'hellaswag,pica'", "unknown task pica", "or all"],
     # issue 50's
     "config a directory": ["--config", "could not be read (Is a directory)", "recipes/gpt2_124m_fineweb_edu.toml"],
@@ -68,7 +68,7 @@ EXPECTED = {
                                             "28 of its 28 weights missing", "it does not have: foo.weight"],
     "init_from hf with a pickled payload": ["hf_payload/pytorch_model.bin was refused: its pickle holds the global "
                                             "print", "could run code, so it will not be loaded", "model.safetensors"],
-    "hellaswag line nested too deeply": ["nested.jsonl, line 1: nested too deeply to be read", "--hellaswag_path"],
+    "hellaswag line nested too deeply": ["nested/hellaswag.jsonl, line 1: nested too deeply to be read", "--eval_dir"],
 }
 
 
@@ -134,11 +134,13 @@ def runs(data, tmp_path_factory) -> dict[str, TrainRun]:
     (root / "recipe.toml").write_text("max_step = 5\n")
     torch.save({"x": torch.zeros(1)}, root / "foreign.pt")
     hellaswag = {"activity_label": "a", "ctx_a": "b", "ctx_b": "c", "endings": ["d", "e", "f", "g"], "label": 0}
-    (root / "bad.jsonl").write_text(json.dumps(hellaswag) + '\n{"ctx_a": \n')
+    for name in ("bad", "nested"):  # --eval_dir directories, each with a broken hellaswag.jsonl
+        (root / name).mkdir()
+    (root / "bad" / "hellaswag.jsonl").write_text(json.dumps(hellaswag) + '\n{"ctx_a": \n')
     other_vocabulary = copy_of(data, root / "other_vocabulary")
     write_shard(other_vocabulary / "test_val_000000.bin", np.where(np.arange(200) == 123, 50257, 0))
     (copy_of(data, root / "shard_directory") / "test_train_000001.bin").mkdir()
-    (root / "nested.jsonl").write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    (root / "nested" / "hellaswag.jsonl").write_text("[" * 100_000 + "]" * 100_000 + "\n")
     for name in ("hf_foreign", "hf_payload"):  # GPT-2 directories with other weight files: what transformers warned of
         GPT2Config(vocab_size=50257, n_positions=64, n_embd=64, n_layer=2, n_head=2).save_pretrained(root / name)
     save_file({"foo.weight": torch.zeros(3)}, root / "hf_foreign" / "model.safetensors")
@@ -159,18 +161,16 @@ def runs(data, tmp_path_factory) -> dict[str, TrainRun]:
         "init_from foreign file": ([*good, "--init_from", str(root / "foreign.pt")], None),
         # The shape check reads the name alone; NO_NETWORK makes sure a download could not succeed anyway.
         "init_from gpt2 with --n_layer 3": ([*good, "--init_from", "gpt2", "--n_layer", "3"], NO_NETWORK),
-        "hellaswag offline": ([*good, "--hellaswag_every", "1"], NO_NETWORK),
+        "hellaswag offline": ([*good, "--eval_every", "1"], NO_NETWORK),
         "token id outside the vocabulary": (["--data_dir", str(other_vocabulary), *RUN, "--val_every", "1"], None),
         "directory named like a shard": (["--data_dir", str(root / "shard_directory"), *RUN], None),
-        "hellaswag line not JSON": ([*good, "--hellaswag_every", "1", "--hellaswag_path", str(root / "bad.jsonl")],
-                                    None),  # (--hellaswag_every: the old name of --eval_every)
+        "hellaswag line not JSON": ([*good, "--eval_every", "1", "--eval_dir", str(root / "bad")], None),
         "unknown eval task": ([*good, "--eval_every", "1", "--eval_tasks", "hellaswag,pica"], None),
         "config a directory": ([*good, "--config", str(root)], None),
         "max_steps negative": ([*good, "--max_steps", "-3"], None),
         "init_from hf without gpt2's weights": ([*good, "--init_from", str(root / "hf_foreign")], None),
         "init_from hf with a pickled payload": ([*good, "--init_from", str(root / "hf_payload")], None),
-        "hellaswag line nested too deeply": ([*good, "--eval_every", "1", "--hellaswag_path",
-                                              str(root / "nested.jsonl")], None),
+        "hellaswag line nested too deeply": ([*good, "--eval_every", "1", "--eval_dir", str(root / "nested")], None),
     }
     if HELLASWAG_CACHED:
         del cases["hellaswag offline"]

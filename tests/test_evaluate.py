@@ -1,5 +1,5 @@
 """tools/evaluate.py: the numbers a training run logged for a snapshot (val loss and zero-shot tasks), the same on 2
-ranks as on 1, an old snapshot's flags, OpenAI-style weights from a Hugging Face directory against Hugging Face's own
+ranks as on 1, OpenAI-style weights from a Hugging Face directory against Hugging Face's own
 loss, and clear errors."""
 
 import json
@@ -19,11 +19,10 @@ from tools.evaluate import main
 from training.errors import run_entry_point
 
 HELLASWAG = SHARED_DATA / "hellaswag" / "hellaswag_val.jsonl"
-EVAL_FILES = ["--eval_dir", str(SHARED_DATA / "evals"), "--hellaswag_path", str(HELLASWAG)]
 # Validation and 2 tasks of 8 documents before every step, a snapshot after steps 1 and 3: a few seconds.
 JOB = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "64", "--max_steps", "4",
-       "--warmup_steps", "1", "--val_every", "1", "--val_tokens", "128", "--dtype", "fp32", "--ckpt_every", "2",
-       "--keep_last", "5", "--eval_every", "1", "--eval_tasks", "hellaswag,piqa", "--eval_limit", "8", *EVAL_FILES]
+       "--warmup_steps", "1", "--val_every", "1", "--val_tokens", "128", "--dtype", "fp32", "--snapshot_every", "2",
+       "--keep_last", "5", "--eval_every", "1", "--eval_tasks", "hellaswag,piqa", "--eval_limit", "8"]
 TASK_KEYS = ["hellaswag/acc", "hellaswag/acc_norm", "piqa/acc", "piqa/acc_norm", "eval_score"]
 
 
@@ -34,7 +33,11 @@ def trained(tmp_path_factory, gpt2_encoding):
     make_shards(root / "data", "val", [300], seed=1)
     (root / "other_vocabulary").mkdir()
     write_shard(root / "other_vocabulary" / "test_val_000000.bin", np.full(300, 50257))  # GPT-2's ids end at 50256
-    main_in_process([*JOB, "--data_dir", str(root / "data"), "--log_dir", str(root / "logs")])
+    (root / "evals").mkdir()  # the tasks' files, HellaSwag's as --eval_dir names it
+    (root / "evals" / "hellaswag.jsonl").symlink_to(HELLASWAG)
+    (root / "evals" / "piqa.jsonl").symlink_to(SHARED_DATA / "evals" / "piqa.jsonl")
+    main_in_process([*JOB, "--data_dir", str(root / "data"), "--log_dir", str(root / "logs"), "--eval_dir",
+                     str(root / "evals")])
     return root
 
 
@@ -63,17 +66,6 @@ def test_a_snapshot_gets_the_val_loss_and_task_scores_its_run_logged_after_that_
     assert result["val_tokens"] == 128 and result["hellaswag/docs"] == result["piqa/docs"] == 8  # the run's flags
 
 
-def test_an_old_snapshots_hellaswag_limit_is_the_default_limit(trained, capsys, monkeypatch):
-    from tools import evaluate
-    old_run = {"config": {"hellaswag_every": 1, "hellaswag_limit": 3, "hellaswag_path": str(HELLASWAG),
-                          "dtype": "fp32"}, "step": 1}
-    monkeypatch.setattr(evaluate, "load_model_snapshot", lambda path: old_run)  # a run from before evals.py
-    result = evaluate_json(["--ckpt", str(trained / "logs" / "snapshot_0000001.pt"), "--hellaswag", "--no-val"],
-                           capsys)
-    assert result["hellaswag/docs"] == 3 and set(result) == {"model", "step", "hellaswag/acc", "hellaswag/acc_norm",
-                                                            "eval_score", "hellaswag/docs"}
-
-
 @pytest.mark.slow  # torchrun with 2 processes
 def test_two_ranks_under_torchrun_give_the_numbers_of_one_process(trained, capsys):
     argv = ["--ckpt", str(trained / "logs" / "snapshot_0000001.pt"), "--tasks", "hellaswag,piqa", "--limit", "7"]
@@ -91,14 +83,14 @@ def test_two_ranks_under_torchrun_give_the_numbers_of_one_process(trained, capsy
     assert two["hellaswag/docs"] == 7 and two["piqa/acc_norm"] == one["piqa/acc_norm"]  # the tasks: bit for bit
 
 
-def test_hugging_face_weights_get_hugging_faces_own_loss(tmp_path, capsys, shared_data):  # (EVAL_FILES' copa)
+def test_hugging_face_weights_get_hugging_faces_own_loss(tmp_path, capsys, shared_data):  # (the shared copa)
     torch.manual_seed(0)
     hf = perturb_(GPT2LMHeadModel(GPT2Config(n_positions=32, n_embd=32, n_layer=2, n_head=2)).eval(), 0.1)
     hf.save_pretrained(tmp_path / "hf")
     make_shards(tmp_path / "data", "val", [200], seed=2)
     result = evaluate_json(["--model", str(tmp_path / "hf"), "--data_dir", str(tmp_path / "data"),
                             "--micro_batch_size", "2", "--seq_len", "16", "--val_tokens", "96", "--tasks", "copa",
-                            "--limit", "5", "--dtype", "fp32", *EVAL_FILES], capsys)
+                            "--limit", "5", "--dtype", "fp32", "--eval_dir", str(SHARED_DATA / "evals")], capsys)
     loader = DistributedDataLoader(tmp_path / "data", "val", 2, 16)
     with torch.no_grad():
         losses = [F.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()) for x, y in
@@ -118,8 +110,8 @@ def test_hugging_face_weights_get_hugging_faces_own_loss(tmp_path, capsys, share
     (["--ckpt", "{logs}/snapshot_0000001.pt", "--data_dir", "{logs}"], "no val shards"),
     (["--ckpt", "{logs}/snapshot_0000001.pt", "--data_dir", "{logs}/nowhere"], "nowhere does not exist"),
     (["--ckpt", "{logs}/snapshot_0000001.pt", "--micro_batch_size", "64"], "fewer than one optimizer step needs"),
-    (["--ckpt", "{logs}/snapshot_0000001.pt", "--hellaswag", "--hellaswag_path", "{logs}/none.jsonl"],
-     "hellaswag: the data file {logs}/none.jsonl does not exist"),
+    (["--ckpt", "{logs}/snapshot_0000001.pt", "--hellaswag", "--eval_dir", "{logs}"],
+     "hellaswag: the data file {logs}/hellaswag.jsonl does not exist"),
     (["--ckpt", "{logs}/snapshot_0000001.pt", "--tasks", "piqa,nope"], "--tasks 'piqa,nope': unknown task nope"),
     (["--ckpt", "{logs}/snapshot_0000001.pt", "--tasks", "piqa", "--eval_dir", "{logs}/.."],
      "piqa: the data file {logs}/../piqa.jsonl does not exist"),
@@ -129,7 +121,7 @@ def test_hugging_face_weights_get_hugging_faces_own_loss(tmp_path, capsys, share
     (["--ckpt", "{logs}/snapshot_0000001.pt", "--data_dir", "{logs}/../other_vocabulary"],
      "test_val_000000.bin: token id 50257 at position 0 is not in the model's vocabulary"),
     # Flags outside their ranges (config.FLAG_RANGES): tracebacks before
-    (["--ckpt", "{logs}/snapshot_0000001.pt", "--val_steps", "-1"], "--val_steps -1: pass a number at least 1"),
+    (["--ckpt", "{logs}/snapshot_0000001.pt", "--val_tokens", "0"], "--val_tokens 0: pass a number at least 1"),
     (["--ckpt", "{logs}/snapshot_0000001.pt", "--micro_batch_size", "0"], "--micro_batch_size 0: pass a number at "
                                                                           "least 1"),
     (["--ckpt", "{logs}/snapshot_0000001.pt", "--seq_len", "-4"], "--seq_len -4: pass a number at least 1"),
@@ -149,8 +141,9 @@ def test_bad_paths_and_mismatched_shards_are_clear_errors(trained, argv, message
 
 @pytest.mark.slow  # a few seconds: keeps `-m 'not slow'` under 90 s
 def test_an_fsdp_snapshot_directory_gets_the_val_loss_and_task_scores_its_run_logged(trained, tmp_path, capsys):
-    fsdp_job = [*JOB, "--max_steps", "2", "--ckpt_every", "1", "--eval_tasks", "piqa", "--parallel", "fsdp"]
-    main_in_process([*fsdp_job, "--data_dir", str(trained / "data"), "--log_dir", str(tmp_path)])
+    fsdp_job = [*JOB, "--max_steps", "2", "--snapshot_every", "1", "--eval_tasks", "piqa", "--parallel", "fsdp"]
+    main_in_process([*fsdp_job, "--data_dir", str(trained / "data"), "--log_dir", str(tmp_path), "--eval_dir",
+                     str(trained / "evals")])
     result = evaluate_json(["--ckpt", str(tmp_path / "snapshot_0000000"), "--tasks", "piqa"], capsys)
     assert result["step"] == 0
     assert result["val_loss"] == pytest.approx(logged(tmp_path, "val_loss")[1], rel=1e-6)

@@ -33,7 +33,7 @@ JOB = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "64",
 def data(tmp_path_factory) -> Path:
     data = tmp_path_factory.mktemp("data")
     make_shards(data, "train", [600, 600], seed=0)  # 9 steps each
-    make_shards(data, "val", [200], seed=1)
+    make_shards(data, "val", [17 * 32 + 1], seed=1)  # 17 validation batches of 32 tokens
     return data
 
 
@@ -186,7 +186,7 @@ CTRL_C = {
     "while it reads a step's data": ((DistributedDataLoader, "read_ahead", 2), [], "after step 0", 0),
     "in a step": ((GPT, "forward", 3), [], "after step 1", 1),  # (2 micro-steps a step)
     # (an evaluation looks for a stop request every 16 batches)
-    "in an evaluation": ((train_gpt2, "validation_loss", 2), ["--val_every", "2", "--val_steps", "17"],
+    "in an evaluation": ((train_gpt2, "validation_loss", 2), ["--val_every", "2", "--val_tokens", str(17 * 32)],
                          "during the evaluation before step 2", 1),
 }
 

@@ -44,8 +44,8 @@ pytestmark = pytest.mark.slow  # torchrun and spawned process groups
 TASKS = Path("/proc/self/task")  # one directory per thread of this process, on Linux
 LAST_STEP = 7
 JOB = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "128", "--max_steps", str(LAST_STEP + 1),
-       "--warmup_steps", "2", "--max_lr", "3e-3", "--dtype", "fp32", "--val_every", "2", "--val_steps", "2",
-       "--ckpt_every", "2", "--keep_last", "4"]
+       "--warmup_steps", "2", "--max_lr", "3e-3", "--dtype", "fp32", "--val_every", "2", "--val_tokens", "128",
+       "--snapshot_every", "2", "--keep_last", "4"]
 
 
 @pytest.fixture(scope="module")
@@ -245,7 +245,7 @@ def test_the_tools_read_an_fsdp_snapshot(runs, tmp_path, capsys, gpt2_encoding):
 
 def test_sigterm_to_one_fsdp_rank_snapshots_the_shards_and_the_resume_continues_exactly(runs, tmp_path):
     args = [*JOB, "--data_dir", str(runs["root"] / "data"), "--parallel", "fsdp"]
-    with launched([*args, "--ckpt_every", "100"], tmp_path, nproc=2) as proc:
+    with launched([*args, "--snapshot_every", "100"], tmp_path, nproc=2) as proc:
         wait_until(lambda: by_step(records_so_far(tmp_path), "loss").keys() >= {2}, proc, tmp_path, "step 2")
         os.kill(worker_pids(proc)[1], signal.SIGTERM)  # rank 0, which renames the snapshot, learns by agreeing
         assert proc.wait(timeout=120) == 0, (tmp_path / "output.txt").read_text()[-4000:]

@@ -97,9 +97,11 @@ def test_measuring_the_peak_after_a_restore_leaves_the_random_stream_as_saved():
 @pytest.mark.parametrize("device, backend, device_id", [("cuda", "nccl", torch.device("cuda", 1)),
                                                         ("cpu", "gloo", None)])
 def test_the_process_group_is_bound_to_the_ranks_gpu(monkeypatch, device, backend, device_id):
-    for key, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}.items():
+    for key, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "1"}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     calls = []
     monkeypatch.setattr(dist, "rendezvous", lambda *args, **kwargs: iter([("store", 1, 2)]))
     monkeypatch.setattr(dist, "init_process_group", lambda *args, **kwargs: calls.append((args, kwargs)))
@@ -148,7 +150,9 @@ def test_the_peak_says_where_it_came_from(monkeypatch):
 # 9. MPS: one process, no compile
 
 def test_several_processes_on_mps_are_refused_before_any_process_group(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "1"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
     monkeypatch.setattr(dist, "rendezvous", lambda *a, **k: pytest.fail("reached the rendezvous"))
     with pytest.raises(UserError, match="--device mps with 2 processes"):
         distributed.setup_distributed("mps")
@@ -180,6 +184,7 @@ def test_main_makes_runs_deterministic_only_when_asked(monkeypatch, tmp_path, fl
     calls = []
     monkeypatch.setattr(train_gpt2, "set_deterministic", lambda: calls.append(1))
     monkeypatch.setattr(train_gpt2, "run", lambda *args, **kwargs: None)
+    monkeypatch.setattr(train_gpt2, "check_inputs", lambda cfg: None)
     monkeypatch.setattr(train_gpt2.signal, "signal", lambda *args: None)
     monkeypatch.setattr(train_gpt2, "keep_freed_memory", lambda: None)
     precision = torch.get_float32_matmul_precision()
@@ -226,8 +231,8 @@ def test_a_deterministic_run_trains_validates_and_samples_in_strict_mode(tmp_pat
     monkeypatch.setattr(train_gpt2, "train_step", spied_train_step)
     main_in_process(["--deterministic", "--parallel", parallel, "--data_dir", str(tmp_path / "data"), "--log_dir",
                      str(tmp_path / "logs"), "--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "64",
-                     "--max_steps", "2", "--val_every", "1", "--val_steps", "1", "--sample_every", "1",
-                     "--ckpt_every", "0", "--dtype", "fp32"])
+                     "--max_steps", "2", "--val_every", "1", "--val_tokens", "32", "--sample_every", "1",
+                     "--snapshot_every", "0", "--dtype", "fp32"])
     records = read_metrics(tmp_path / "logs")
     assert strict_steps == [True, True]
     assert [r["step"] for r in records if "loss" in r] == [0, 1] and len([r for r in records if "val_loss" in r]) == 2

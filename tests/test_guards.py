@@ -41,7 +41,7 @@ TIMELINE = Timeline("guardtests", [])  # the fake snapshots' timeline
 CPU = torch.device("cpu")
 B, T, ACCUM = 2, 16, 2  # 2 micro-steps of 2 × 16 tokens per step
 JOB = ["--micro_batch_size", str(B), "--seq_len", str(T), "--total_batch_size", str(B * T * ACCUM),
-       "--warmup_steps", "3", "--max_lr", "1e-3", "--val_every", "0", "--dtype", "fp32", "--ckpt_every", "0"]
+       "--warmup_steps", "3", "--max_lr", "1e-3", "--val_every", "0", "--dtype", "fp32", "--snapshot_every", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -295,7 +295,7 @@ def test_a_nan_loss_skips_that_update_and_training_goes_on_as_without_it(data, t
 @pytest.mark.slow  # over 3 s: keeps `-m 'not slow'` under 90 s
 def test_rollback_reloads_the_newest_healthy_snapshot_and_skips_the_bad_data(data, tmp_path, monkeypatch):
     plant(monkeypatch, data, [6, 7, 8], math.nan)  # bad data at steps 6-8: 3 skips in a row, then a rollback
-    args = ["--max_steps", "14", "--ckpt_every", "5", "--keep_last", "3", "--max_skips", "3",
+    args = ["--max_steps", "14", "--snapshot_every", "5", "--keep_last", "3", "--max_skips", "3",
             "--on_divergence", "rollback"]
     rollback, before_rollback = snapshot_store.Snapshots.rollback, snapshot_path(tmp_path, 4)
 
@@ -343,7 +343,7 @@ def test_a_rollback_removes_the_unhealthy_snapshots_of_the_abandoned_timeline(da
         on_disk_after_rollback.extend(p.name for p in list_snapshots(run_dir))
 
     monkeypatch.setattr(snapshot_store.Snapshots, "commit_rollback", spied_rollback)
-    records = run_in_process(data, run_dir, "--max_steps", "12", "--ckpt_every", "5", "--keep_last", "3",
+    records = run_in_process(data, run_dir, "--max_steps", "12", "--snapshot_every", "5", "--keep_last", "3",
                              "--max_skips", "3", "--on_divergence", "rollback")
     assert on_disk_after_rollback == ["snapshot_0000004.pt"]
     assert [r["to_step"] for r in records if r.get("event") == "rollback"] == [5]
@@ -362,7 +362,7 @@ def test_a_rollback_is_written_at_once_so_a_crash_after_it_resumes_after_it(data
     # Bad data at steps 6-8: a rollback at step 8 to snapshot_4, then steps 5-11 read data 9-15. A crash right after
     # the rollback, before snapshot_9, must resume with the data after the bad batches and the rollback counted.
     plant(monkeypatch, data, [6, 7, 8], math.nan)
-    args = ["--max_steps", "12", "--ckpt_every", "5", "--keep_last", "3", "--max_skips", "3",
+    args = ["--max_steps", "12", "--snapshot_every", "5", "--keep_last", "3", "--max_skips", "3",
             "--on_divergence", "rollback"]
     whole = run_in_process(data, tmp_path / "whole", *args)
     rollback = [r for r in whole if r.get("event") == "rollback"]
@@ -394,7 +394,7 @@ def test_a_rollback_is_written_at_once_so_a_crash_after_it_resumes_after_it(data
 
 
 def test_the_rollback_count_survives_a_restart(data, tmp_path, monkeypatch):
-    args = ["--ckpt_every", "5", "--keep_last", "5", "--max_skips", "3", "--on_divergence", "rollback",
+    args = ["--snapshot_every", "5", "--keep_last", "5", "--max_skips", "3", "--on_divergence", "rollback",
             "--max_rollbacks", "1"]
     plant(monkeypatch, data, [6, 7, 8], math.nan)
     first = run_in_process(data, tmp_path, *args, "--max_steps", "10")  # rolls back to step 4, ends at step 9
@@ -418,7 +418,7 @@ def test_spike_statistics_resume_exactly(data, tmp_path, monkeypatch):
     monkeypatch.setattr(DivergenceGuard, "SPIKE_WARMUP", 5)
     # A spike 3 steps after the resume: a guard that restarted its warm-up there would let it through.
     plant(monkeypatch, data, [12], 10.0)
-    args = ["--max_steps", "16", "--skip_zscore", "5", "--ckpt_every", "10", "--keep_last", "3"]
+    args = ["--max_steps", "16", "--skip_zscore", "5", "--snapshot_every", "10", "--keep_last", "3"]
     uninterrupted = run_in_process(data, tmp_path / "uninterrupted", *args)
     (tmp_path / "resumed").mkdir()
     shutil.copy(snapshot_path(tmp_path / "uninterrupted", 9), tmp_path / "resumed")
@@ -438,7 +438,7 @@ def test_spike_statistics_resume_exactly(data, tmp_path, monkeypatch):
 # the real divergence only for what holds wherever it begins.
 
 PLANTED_NAN_SCRIPT = Path(__file__).parent / "train_with_planted_nan.py"
-REAL_PROCESS_JOB = [*JOB, "--ckpt_every", "5", "--keep_last", "2", "--max_steps", "30"]
+REAL_PROCESS_JOB = [*JOB, "--snapshot_every", "5", "--keep_last", "2", "--max_steps", "30"]
 
 
 def run_with_nan_planted(data: Path, log_dir: Path, data_steps: list[int], *args: str, nproc: int | None = None,

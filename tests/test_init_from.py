@@ -18,12 +18,13 @@ from dataloader import DistributedDataLoader
 from helpers_train import run_train
 from rundir.snapshot import list_snapshots, read_model, snapshot_path
 from training import hf
-from training.config import model_config, parse_args
+from training.config import parse_args
 from training.errors import UserError
+from training.inputs import model_config
 
 B, T = 2, 16
 ARGS = ["--micro_batch_size", str(B), "--seq_len", str(T), "--total_batch_size", str(B * T), "--warmup_steps", "2",
-        "--max_lr", "1e-3", "--dtype", "fp32", "--val_every", "3", "--val_steps", "2", "--block_size", "32"]
+        "--max_lr", "1e-3", "--dtype", "fp32", "--val_every", "3", "--val_tokens", "64", "--block_size", "32"]
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +87,7 @@ def test_step_0_of_a_run_from_our_snapshot_has_that_models_loss(pretrained, tmp_
 def test_a_restarted_finetune_resumes_from_its_own_snapshot_with_the_uninterrupted_losses(pretrained, tmp_path):
     root, _ = pretrained
     args = ["--data_dir", str(root / "data"), *ARGS, "--init_from", str(root / "hf"), "--max_steps", "6",
-            "--ckpt_every", "2", "--keep_last", "3"]
+            "--snapshot_every", "2", "--keep_last", "3"]
     whole = run_train(args, tmp_path / "whole")
     # The crash: the run got as far as the snapshot of step 3.
     (tmp_path / "crashed").mkdir()

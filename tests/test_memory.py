@@ -125,8 +125,8 @@ def test_a_run_with_micro_batch_size_auto_logs_its_choice_and_trains_with_it(tmp
     fake_device_memory(monkeypatch, 2 * GiB, 100 * MiB)  # (1.8 GiB - 0.05 GiB) / 100 MiB: 17 fit, 16 divides 32
     cfg = parse_args(["--model", "tiny", "--device", "cpu", "--data_dir", str(tmp_path / "data"), "--log_dir",
                       str(tmp_path), "--micro_batch_size", "auto", "--seq_len", "16", "--total_batch_size", "512",
-                      "--max_steps", "1", "--val_every", "0", "--hellaswag_every", "0", "--sample_every", "0",
-                      "--ckpt_every", "0", "--dtype", "fp32"])
+                      "--max_steps", "1", "--val_every", "0", "--eval_every", "0", "--sample_every", "0",
+                      "--snapshot_every", "0", "--dtype", "fp32"])
     run(cfg, Distributed(0, 0, 1, torch.device("cpu")))
     out = capsys.readouterr().out
     assert "--micro_batch_size auto: micro-batch 16:" in out and "17 would fit, but 16 is the largest" in out

@@ -24,8 +24,9 @@ from rundir.snapshot import load_snapshot, read_model, snapshot_path
 from tools import export_hf
 from train_gpt2 import initial_model
 from training import hf
-from training.config import TrainConfig, model_config, parse_args, resolve_plan
+from training.config import TrainConfig, parse_args
 from training.errors import UserError
+from training.inputs import model_config, resolve_plan
 from training.optim import Optimizers, adamw, build_optimizers, split_for_muon
 from training.step import train_step
 
@@ -408,7 +409,7 @@ def test_batched_scoring_gives_each_requests_own_log_likelihood():
 
 RUN = ["--arch", "modern", "--optimizer", "muon", "--micro_batch_size", "2", "--seq_len", "16",
        "--total_batch_size", "128", "--max_steps", "6", "--warmup_steps", "2", "--max_lr", "1e-2",
-       "--muon_lr", "0.02", "--dtype", "fp32", "--val_every", "3", "--val_tokens", "128", "--ckpt_every", "100"]
+       "--muon_lr", "0.02", "--dtype", "fp32", "--val_every", "3", "--val_tokens", "128", "--snapshot_every", "100"]
 
 
 @pytest.fixture(scope="module")
@@ -456,7 +457,7 @@ def resumed_runs(tmp_path_factory):
     make_shards(root / "data", "val", [200], seed=1, vocab=100)
     args = ["--arch", "modern", "--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "64",
             "--max_steps", "12", "--warmup_steps", "3", "--max_lr", "1e-2", "--val_every", "4", "--val_tokens", "64",
-            "--dtype", "fp32", "--data_dir", str(root / "data"), "--ckpt_every", "4"]
+            "--dtype", "fp32", "--data_dir", str(root / "data"), "--snapshot_every", "4"]
     main_in_process([*args, "--log_dir", str(root / "whole")])
     main_in_process([*args, "--log_dir", str(root / "resumed"), "--resume", str(snapshot_path(root / "whole", 7))])
     return root

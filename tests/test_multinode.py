@@ -21,7 +21,7 @@ from helpers_train import TINY_ARGS, TRAIN_SCRIPT, TrainRun, read_metrics, run_t
 pytestmark = pytest.mark.slow  # two torchrun launchers
 
 JOB = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "64", "--max_steps", "4",
-       "--warmup_steps", "1", "--val_every", "2", "--val_tokens", "64", "--dtype", "fp32", "--ckpt_every", "0"]
+       "--warmup_steps", "1", "--val_every", "2", "--val_tokens", "64", "--dtype", "fp32", "--snapshot_every", "0"]
 
 
 def node_command(node_rank: int, port: int, run_id: str, args: list[str]) -> list[str]:

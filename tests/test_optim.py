@@ -328,7 +328,7 @@ def resume_with_other_flags(data, tmp_path, monkeypatch, capsys, parallel: str, 
     """A run with the flags old, resumed with new: each step trains with new's settings, and the resume record says
     what they replaced."""
     args = ["--data_dir", str(data), "--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "32",
-            "--warmup_steps", "1", "--max_steps", "3", "--val_every", "0", "--dtype", "fp32", "--ckpt_every", "2",
+            "--warmup_steps", "1", "--max_steps", "3", "--val_every", "0", "--dtype", "fp32", "--snapshot_every", "2",
             "--parallel", parallel]
     main_in_process([*args, *old, "--log_dir", str(tmp_path / "before")])
     settings = []  # each step's, as train_step gets them
@@ -417,7 +417,7 @@ def test_extending_a_finished_wsd_run_from_its_stable_phase_continues_at_max_lr(
     make_shards(tmp_path / "data", "train", [600], seed=0)
     args = ["--data_dir", str(tmp_path / "data"), "--micro_batch_size", "2", "--seq_len", "16",
             "--total_batch_size", "32", "--warmup_steps", "1", "--max_lr", "1e-3", "--val_every", "0",
-            "--ckpt_every", "2", "--keep_last", "5", "--dtype", "fp32", "--lr_schedule", "wsd", "--warmdown_frac",
+            "--snapshot_every", "2", "--keep_last", "5", "--dtype", "fp32", "--lr_schedule", "wsd", "--warmdown_frac",
             "0.5"]
     main_in_process([*args, "--max_steps", "6", "--log_dir", str(tmp_path / "short")])  # warmdown: steps 3-5
     main_in_process([*args, "--max_steps", "12", "--log_dir", str(tmp_path / "long"), "--resume",
@@ -456,7 +456,7 @@ def losses(log_dir) -> dict[int, float]:
 @pytest.mark.slow  # over 3 s: keeps `-m 'not slow'` under 90 s
 def test_an_fp16_muon_run_steps_saves_both_optimizers_and_its_scale_and_resumes_exactly(data, tmp_path, monkeypatch):
     monkeypatch.setattr(optim, "bf16_matmul_is_slow", lambda device: True)  # Newton–Schulz in fp32 on every CPU
-    args = [*JOB, "--data_dir", str(data), "--dtype", "fp16", "--max_steps", "4", "--ckpt_every", "2"]
+    args = [*JOB, "--data_dir", str(data), "--dtype", "fp16", "--max_steps", "4", "--snapshot_every", "2"]
     main_in_process([*args, "--log_dir", str(tmp_path / "whole")])
     whole = losses(tmp_path / "whole")
     assert not [r for r in read_metrics(tmp_path / "whole") if r.get("skipped")]
@@ -481,7 +481,7 @@ def test_two_muon_ranks_with_a_killed_rank_train_like_one_process_and_resume_on_
     accumulating the same micro-batches: every rank applies the same Muon update, and the resume is exact; then a
     2-rank snapshot resumed on one process. Newton–Schulz in fp32 everywhere, as in the fsdp test below (both
     precisions under ddp: test_ddp_ranks_each_orthogonalise_their_share_...)."""
-    args = [*JOB, "--data_dir", str(data), "--dtype", "fp32", "--max_steps", "12", "--ckpt_every", "4"]
+    args = [*JOB, "--data_dir", str(data), "--dtype", "fp32", "--max_steps", "12", "--snapshot_every", "4"]
     one = run_train(args, tmp_path / "one", script=FP32_NEWTON_SCHULZ)
     with launched(args, tmp_path / "two", nproc=2, launcher_args=["--max-restarts", "1"],
                   script=FP32_NEWTON_SCHULZ) as proc:
@@ -510,7 +510,7 @@ def test_muon_under_fsdp_on_two_ranks_trains_like_one_process_and_resumes_on_one
     Newton–Schulz in fp32 everywhere (see tests/train_with_fp32_newton_schulz.py): in bf16 the same runs differ by
     1.6e-5 within 4 steps, from gradients that differ only in the order fsdp adds them up."""
     monkeypatch.setattr(optim, "bf16_matmul_is_slow", lambda device: True)  # as the script does for its processes
-    args = [*JOB, "--data_dir", str(data), "--dtype", "fp32", "--max_steps", "8", "--ckpt_every", "4"]
+    args = [*JOB, "--data_dir", str(data), "--dtype", "fp32", "--max_steps", "8", "--snapshot_every", "4"]
     main_in_process([*args, "--log_dir", str(tmp_path / "one")])
     fsdp = [*args, "--parallel", "fsdp"]
     run_train(fsdp, tmp_path / "two", nproc=2, script=FP32_NEWTON_SCHULZ)

@@ -55,14 +55,14 @@ class Job:
     def __init__(self, root: Path):
         self.root, self.data = root, root / "data"
         make_shards(self.data, "train", [300, 300], seed=0)
-        make_shards(self.data, "val", [200], seed=1)
+        make_shards(self.data, "val", [1_000_001], seed=1)  # (for the long validation: the others read 64 tokens)
         self.args = [*JOB, "--data_dir", str(self.data)]
         self.one_rank = root / "one_rank"
-        self.one_rank_run = run_train([*self.args, "--ckpt_every", "4", "--keep_last", "3"], self.one_rank)
+        self.one_rank_run = run_train([*self.args, "--snapshot_every", "4", "--keep_last", "3"], self.one_rank)
 
     @cached_property
     def two_ranks_run(self) -> TrainRun:
-        return run_train([*self.args, "--ckpt_every", "3", "--keep_last", "2"], self.root / "two_ranks", nproc=2)
+        return run_train([*self.args, "--snapshot_every", "3", "--keep_last", "2"], self.root / "two_ranks", nproc=2)
 
     @property
     def two_ranks(self) -> Path:
@@ -132,7 +132,7 @@ def test_one_rank_resume_after_a_crash_continues_exactly(job, tmp_path):
 @needs_proc
 @pytest.mark.slow
 def test_sigterm_to_one_rank_stops_both_after_the_same_step_and_resumes_exactly(job, tmp_path):
-    args = [*job.args, "--ckpt_every", "100"]  # so the only snapshot is the one SIGTERM asks for
+    args = [*job.args, "--snapshot_every", "100"]  # so the only snapshot is the one SIGTERM asks for
     with launched(args, tmp_path, nproc=2) as proc:
         wait_until(lambda: by_step(records_so_far(tmp_path), "loss").keys() >= {2}, proc, tmp_path, "step 2")
         os.kill(worker_pids(proc)[1], signal.SIGTERM)  # rank 1: rank 0, the writer, learns of it only by agreeing
@@ -157,7 +157,8 @@ def test_killed_ranks_are_restarted_by_torchrun_and_finish_exactly(job, tmp_path
     Restarted workers meet in the launcher's TCPStore, where the dead round's addresses still are; this repeats
     the restart to show setup_distributed()'s per-restart prefix makes every round meet only its own peers."""
     resumes, restart_seconds = [], []
-    with launched([*job.args, "--ckpt_every", "2"], tmp_path, nproc=2, launcher_args=["--max-restarts", "3"]) as proc:
+    with launched([*job.args, "--snapshot_every", "2"], tmp_path, nproc=2,
+                  launcher_args=["--max-restarts", "3"]) as proc:
         resume_step = 2  # first kill after the snapshot of step 3
         for kill, rank in enumerate((1, 0, 1)):
             # Kill once this round has written a snapshot of its own, so the restart resumes from a new one.
@@ -180,7 +181,7 @@ def test_killed_ranks_are_restarted_by_torchrun_and_finish_exactly(job, tmp_path
 def test_two_rank_snapshot_resumes_exactly_on_one_rank(job, tmp_path):
     # Same B·T and total batch: 1 rank accumulates 2 micro-steps where 2 ranks took 1 each, on the same tokens.
     ckpt_dir = tmp_path / "snapshots"
-    run = run_train([*job.args, "--resume", str(snapshot_path(job.two_ranks, 8)), "--ckpt_dir", str(ckpt_dir)],
+    run = run_train([*job.args, "--resume", str(snapshot_path(job.two_ranks, 8)), "--snapshot_dir", str(ckpt_dir)],
                     tmp_path / "logs")
     assert after_resume(run.records)[0]["step"] == 9
     assert_continues_exactly(run.records, job.two_ranks_run, from_step=9, tol=1e-4)
@@ -224,7 +225,7 @@ def test_resume_never_starts_fresh(job, tmp_path):
     records = read_metrics(tmp_path)
     assert [r["event"] for r in records if "event" in r] == ["timeline"]  # a new one: not resumed
     assert by_step(records, "loss")[0] == pytest.approx(by_step(job.one_rank_run.records, "loss")[0], rel=1e-6)
-    assert snapshot_path(tmp_path, 0).exists()  # the last step writes a snapshot even off the --ckpt_every beat
+    assert snapshot_path(tmp_path, 0).exists()  # the last step writes a snapshot even off the --snapshot_every beat
 
 
 def test_resume_from_a_missing_file_is_a_clear_error(job, tmp_path):
@@ -268,7 +269,7 @@ def scale_in(path: Path) -> float | None:
 
 @pytest.mark.slow  # over 3 s: keeps `-m 'not slow'` under 90 s
 def test_an_fp16_run_saves_its_loss_scale_and_a_resume_carries_it_on(job, tmp_path):
-    fp16 = ["--dtype", "fp16", "--max_steps", "4", "--ckpt_every", "2", "--val_every", "0"]
+    fp16 = ["--dtype", "fp16", "--max_steps", "4", "--snapshot_every", "2", "--val_every", "0"]
     main_in_process([*job.args, *fp16, "--log_dir", str(tmp_path / "whole")])
     whole = read_metrics(tmp_path / "whole")
     assert scale_in(snapshot_path(tmp_path / "whole", 1)) == 2.0**16  # GradScaler's initial scale: it was on
@@ -290,7 +291,7 @@ def test_an_fp16_run_saves_its_loss_scale_and_a_resume_carries_it_on(job, tmp_pa
 @pytest.mark.parametrize("written, resumed", [("fp32", "fp16"), ("bf16", "fp16"), ("fp16", "bf16")])
 def test_a_snapshot_resumes_in_another_dtype(job, tmp_path, capsys, written, resumed):
     """An A100's bf16 run continued on a V100 in fp16, and back: the loss scale starts fresh or is dropped."""
-    steps = ["--max_steps", "4", "--ckpt_every", "2", "--val_every", "0"]
+    steps = ["--max_steps", "4", "--snapshot_every", "2", "--val_every", "0"]
     main_in_process([*job.args, *steps, "--dtype", written, "--log_dir", str(tmp_path / "first"), "--max_steps", "2"])
     shutil.copy(snapshot_path(tmp_path / "first", 1), tmp_path)
     main_in_process([*job.args, *steps, "--dtype", resumed, "--log_dir", str(tmp_path)])
@@ -311,8 +312,8 @@ def test_a_snapshot_resumes_in_another_dtype(job, tmp_path, capsys, written, res
 def test_sigterm_during_a_long_validation_snapshots_at_once_and_resumes(job, tmp_path):
     # Resume the 1-rank run's snapshot of step 3 on 2 ranks, validating every 3 steps for ~forever: steps 4 and 5
     # train, then step 6's validation would run for many minutes.
-    long_eval = [*job.args, "--resume", str(snapshot_path(job.one_rank, 3)), "--val_every", "3", "--val_steps",
-                 "1000000", "--ckpt_every", "100"]
+    long_eval = [*job.args, "--resume", str(snapshot_path(job.one_rank, 3)), "--val_every", "3", "--val_tokens",
+                 "1000000", "--snapshot_every", "100"]
     with launched(long_eval, tmp_path, nproc=2) as proc:
         wait_until(lambda: by_step(records_so_far(tmp_path), "loss").keys() >= {5}, proc, tmp_path, "step 5")
         time.sleep(1.0)  # well into the validation
@@ -340,7 +341,7 @@ def test_sigterm_during_a_long_validation_snapshots_at_once_and_resumes(job, tmp
 def test_a_stopped_rank_times_out_the_others_and_the_restarted_job_has_the_uninterrupted_losses(job, tmp_path):
     """SIGSTOP (as a stuck filesystem or a swapped-out process): rank 0 gives up after --dist_timeout naming the
     step, torchrun SIGKILLs the stopped rank (after its 30 s SIGTERM grace) and restarts both from the snapshot."""
-    args = [*job.args, "--ckpt_every", "2", "--dist_timeout", "5"]
+    args = [*job.args, "--snapshot_every", "2", "--dist_timeout", "5"]
     with launched(args, tmp_path, nproc=2, launcher_args=["--max-restarts", "1"]) as proc:
         wait_until(lambda: by_step(records_so_far(tmp_path), "loss").keys() >= {4}, proc, tmp_path, "step 4")
         os.kill(worker_pids(proc)[1], signal.SIGSTOP)
@@ -363,13 +364,13 @@ def test_a_full_snapshot_disk_keeps_the_older_snapshots_and_only_a_lost_last_one
                                                                                                capsys):
     # Room for 1.5 snapshots: step 3's fits, step 7's does not (a warning; training goes on), nor the last, step 11's.
     ckpt_dir = tmp_path / "small_disk"
-    args = [*job.args, "--log_dir", str(tmp_path), "--ckpt_every", "4", "--keep_last", "2"]
+    args = [*job.args, "--log_dir", str(tmp_path), "--snapshot_every", "4", "--keep_last", "2"]
     with small_tmpfs(ckpt_dir, int(1.5 * snapshot_path(job.one_rank, 3).stat().st_size / 2**20)):
         with pytest.raises(UserError, match=r"the snapshot of step 11 could not be written to .*small_disk "
                                             r"\(OSError: \[Errno 28\] No space left on device; \d+ MiB free of \d+ "
                                             r"MiB\), and it was the run's last; the older snapshots are intact, "
                                             r"the newest is .*snapshot_0000003.pt"):
-            main_in_process([*args, "--ckpt_dir", str(ckpt_dir)])
+            main_in_process([*args, "--snapshot_dir", str(ckpt_dir)])
         warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("WARNING")]
         assert len(warnings) == 1 and "the snapshot of step 7 could not be written" in warnings[0]
         assert by_step(read_metrics(tmp_path), "loss").keys() == set(range(LAST_STEP + 1))  # every step trained
@@ -386,7 +387,7 @@ def test_a_full_snapshot_disk_keeps_the_older_snapshots_and_only_a_lost_last_one
 def test_a_failing_snapshot_write_is_retried_at_the_next_one_and_the_run_finishes(job, tmp_path, monkeypatch,
                                                                                   capsys):
     writes = eio_the_first_time(monkeypatch)
-    main_in_process([*job.args, "--log_dir", str(tmp_path), "--ckpt_every", "4", "--keep_last", "3"])
+    main_in_process([*job.args, "--log_dir", str(tmp_path), "--snapshot_every", "4", "--keep_last", "3"])
     assert writes == [3, 7, 11]
     assert "WARNING: the snapshot of step 3 could not be written" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.glob("snapshot_*")) == ["snapshot_0000007.pt", "snapshot_0000011.pt"]
@@ -399,7 +400,7 @@ def test_a_full_log_disk_warns_once_and_training_goes_on(job, tmp_path, capsys):
     with small_tmpfs(log_dir, 1):
         fill_up(log_dir)  # but two pages: one for run.lock's holder line, one for ~20 lines of metrics.jsonl
         os.truncate(log_dir / "ballast", (log_dir / "ballast").stat().st_size - 2 * 4096)
-        main_in_process([*job.args, "--log_dir", str(log_dir), "--ckpt_dir", str(tmp_path), "--max_steps", "40",
+        main_in_process([*job.args, "--log_dir", str(log_dir), "--snapshot_dir", str(tmp_path), "--max_steps", "40",
                          "--val_every", "0"])
         records = read_metrics(log_dir)  # whole lines only: json.loads would fail on a cut-off one
         warnings = [line for line in capsys.readouterr().err.splitlines() if "could not write" in line]
@@ -435,7 +436,7 @@ def test_resume_from_a_named_snapshot_whose_bytes_changed_is_refused_naming_it(j
 def test_align_bos_run_resumes_exactly_from_a_mid_epoch_snapshot(tmp_path):
     make_document_shards(tmp_path / "data", "train", 17, [1000, 800])  # about 13 and 11 steps of rows of 17 tokens
     make_shards(tmp_path / "data", "val", [200], seed=1)
-    args = [*JOB, "--data_dir", str(tmp_path / "data"), "--align_bos", "--ckpt_every", "4"]
+    args = [*JOB, "--data_dir", str(tmp_path / "data"), "--align_bos", "--snapshot_every", "4"]
     main_in_process([*args, "--log_dir", str(tmp_path / "whole")])
     state = load_snapshot(snapshot_path(tmp_path / "whole", 7))
     loader = state["loader"]  # mid-shard: 8 steps of 2 chunks
@@ -453,7 +454,7 @@ def test_a_run_resumes_exactly_in_the_middle_of_its_momentum_warmup_and_short_ro
     make_shards(tmp_path / "data", "train", [300, 300], seed=0)
     make_shards(tmp_path / "data", "val", [200], seed=1)
     args = [*JOB, "--data_dir", str(tmp_path / "data"), "--optimizer", "muon", "--muon_momentum_warmup", "10",
-            "--short_rows", "4:5,8:9", "--adam_beta1", "0.8", "--ckpt_every", "4"]
+            "--short_rows", "4:5,8:9", "--adam_beta1", "0.8", "--snapshot_every", "4"]
     main_in_process([*args, "--log_dir", str(tmp_path / "whole")])
     state = load_snapshot(snapshot_path(tmp_path / "whole", 7))
     assert state["optimizer"]["muon"]["param_groups"][0]["momentum"] == pytest.approx(0.92)  # step 7's, of 0.85-0.95
@@ -464,7 +465,7 @@ def test_a_run_resumes_exactly_in_the_middle_of_its_momentum_warmup_and_short_ro
     assert resume["step"] == 8 and "optimizer_settings" not in resume  # (the warmup's momentum is no change of flag)
     assert by_step(after, "loss") == {s: loss for s, loss in by_step(whole, "loss").items() if s >= 8}
     # The flags took effect: the same job without them has other losses from the first step.
-    main_in_process([*JOB, "--data_dir", str(tmp_path / "data"), "--optimizer", "muon", "--ckpt_every", "4",
+    main_in_process([*JOB, "--data_dir", str(tmp_path / "data"), "--optimizer", "muon", "--snapshot_every", "4",
                      "--log_dir", str(tmp_path / "plain")])
     plain = by_step(read_metrics(tmp_path / "plain"), "loss")
     assert all(loss != by_step(whole, "loss")[s] for s, loss in plain.items())

@@ -146,7 +146,7 @@ def test_a_run_lock_left_by_an_earlier_run_is_taken_over(data, tmp_path):
 # ----------------------------------------------------------------------------------------------------------------
 # real runs
 
-LONG_JOB = [*JOB, "--max_steps", "100000", "--ckpt_every", "2", "--keep_last", "2"]  # runs until it is stopped
+LONG_JOB = [*JOB, "--max_steps", "100000", "--snapshot_every", "2", "--keep_last", "2"]  # runs until it is stopped
 
 
 @contextmanager

@@ -201,7 +201,7 @@ def test_a_wandb_failure_is_reported_once_and_training_logs_on(failure, tmp_path
     make_shards(tmp_path / "data", "val", [100], seed=1)
     wandb_init_failing(monkeypatch, failure)
     cfg = train_gpt2.parse_args([*TINY_ARGS, *JOB, "--max_steps", "4", "--data_dir", str(tmp_path / "data"),
-                                 "--log_dir", str(tmp_path / "logs"), "--ckpt_every", "0"])
+                                 "--log_dir", str(tmp_path / "logs"), "--snapshot_every", "0"])
     train_gpt2.run(cfg, Distributed(0, 0, 1, torch.device("cpu")))
 
     metrics = read_metrics(tmp_path / "logs")
@@ -233,7 +233,7 @@ def runs(tmp_path_factory) -> Runs:
     root = tmp_path_factory.mktemp("wandb_runs")
     make_shards(root / "data", "train", [300], seed=0)
     make_shards(root / "data", "val", [100], seed=1)
-    args = [*JOB, "--data_dir", str(root / "data"), "--ckpt_every", "2", "--keep_last", "5"]
+    args = [*JOB, "--data_dir", str(root / "data"), "--snapshot_every", "2", "--keep_last", "5"]
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("WANDB_API_KEY", raising=False)
         env = OFFLINE_ENV | {"WANDB_DIR": str(root)}

@@ -23,7 +23,7 @@ from slurm_stubs.fake_slurm import signal_steps
 SCRIPT = ROOT / "slurm" / "train_gpt2.sbatch"
 STUBS = ROOT / "tests" / "slurm_stubs"
 JOB = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "64", "--max_steps", "12",
-       "--warmup_steps", "1", "--val_every", "0", "--dtype", "fp32", "--ckpt_every", "1000"]
+       "--warmup_steps", "1", "--val_every", "0", "--dtype", "fp32", "--snapshot_every", "1000"]
 
 # A torchrun that trains nothing, for the tests of the signals alone: on SIGTERM it takes a moment (a step and a
 # snapshot), writes $LOG_DIR/snapshot_<node> and exits 0, as train_gpt2.py's workers do; SIGKILL leaves no file.

@@ -286,7 +286,7 @@ def test_a_snapshot_is_fsynced_before_its_rename_and_the_directory_after(tmp_pat
 
 B, T = 2, 16
 JOB = ["--micro_batch_size", str(B), "--seq_len", str(T), "--total_batch_size", str(B * T * 2), "--max_steps", "3",
-       "--warmup_steps", "2", "--max_lr", "1e-3", "--val_every", "0", "--dtype", "fp32", "--ckpt_every", "1",
+       "--warmup_steps", "2", "--max_lr", "1e-3", "--val_every", "0", "--dtype", "fp32", "--snapshot_every", "1",
        "--keep_last", "3"]
 
 

@@ -28,8 +28,9 @@ from dataloader import (
 )
 from helpers_train import run_train
 from training import tokenizer
-from training.config import TrainConfig, model_config
+from training.config import TrainConfig
 from training.errors import UserError
+from training.inputs import model_config
 from training.tokenizer import TokenizerSpec, bytes_spec, gpt2_spec, load_tokenizer, tokenizer_from_spec
 
 # Text a tokenizer must give back exactly: emoji (a ZWJ sequence, a flag), CJK, combining marks, right-to-left,

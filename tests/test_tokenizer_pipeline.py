@@ -25,8 +25,9 @@ from helpers_train import main_in_process, read_metrics, run_train, train_env
 from model import GPT, PRESETS
 from rundir.snapshot import read_model
 from tools import evaluate, export_hf, sample
-from training.config import parse_args, resolve_plan
+from training.config import parse_args
 from training.errors import UserError
+from training.inputs import resolve_plan
 from training.tokenizer import (
     ByteTokenizer,
     TiktokenTokenizer,

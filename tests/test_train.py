@@ -20,9 +20,10 @@ from conftest import make_shards
 from helpers_train import run_train, write_text_shards
 from model import GPT, GPTConfig
 from train_gpt2 import run
-from training.config import TrainConfig, grad_accum_steps_for, model_config, parse_args, resolve_plan
+from training.config import TrainConfig, grad_accum_steps_for, parse_args
 from training.distributed import Distributed, average_across_ranks, teardown_distributed
 from training.errors import UserError
+from training.inputs import model_config, resolve_plan
 from training.optim import Muon, build_optimizers
 from training.step import train_step
 
@@ -296,14 +297,15 @@ def test_width_not_divisible_by_heads_is_rejected():
 
 
 def test_seq_len_longer_than_block_size_is_rejected(tmp_path):
-    cfg = parse_args(["--model", "tiny", "--seq_len", "65", "--data_dir", str(tmp_path)])
+    cfg = parse_args(["--model", "tiny", "--seq_len", "65", "--data_dir", str(tmp_path), "--val_every", "0"])
     with pytest.raises(UserError, match="--seq_len 65 exceeds the model's --block_size 64"):
         resolve_plan(cfg, world_size=1)
 
 
 @pytest.mark.parametrize("schedule", ["64", "4:a", "3:10", "4:9,8:5", "4:0,8:5", "32:4"])
 def test_a_bad_short_rows_schedule_names_the_flag_and_an_example(tmp_path, schedule):
-    cfg = parse_args(["--model", "tiny", "--seq_len", "16", "--short_rows", schedule, "--data_dir", str(tmp_path)])
+    cfg = parse_args(["--model", "tiny", "--seq_len", "16", "--short_rows", schedule, "--data_dir", str(tmp_path),
+                      "--val_every", "0"])
     with pytest.raises(UserError, match=f"--short_rows '{schedule}': .* e.g. '64:50,128:100'"):
         resolve_plan(cfg, world_size=1)
 
@@ -334,7 +336,7 @@ def test_short_rows_train_on_the_same_tokens_cut_into_shorter_rows():
 
 RANK_RUN_ARGS = ["--micro_batch_size", "4", "--seq_len", "32", "--total_batch_size", "512", "--max_steps", "5",
                  "--warmup_steps", "2", "--max_lr", "3e-3", "--dtype", "fp32", "--val_every", "2",
-                 "--val_tokens", "512", "--ckpt_every", "0"]
+                 "--val_tokens", "512", "--snapshot_every", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -371,7 +373,7 @@ def test_loss_falls_on_tiny_shakespeare(tmp_path, shared_data, gpt2_encoding):
     write_text_shards(tmp_path / "data", text, gpt2_encoding)
     run = run_train(["--data_dir", str(tmp_path / "data"), "--micro_batch_size", "4", "--seq_len", "32",
                      "--total_batch_size", "128", "--max_steps", "30", "--warmup_steps", "5", "--max_lr", "3e-3",
-                     "--dtype", "fp32", "--val_every", "15", "--val_tokens", "2048", "--ckpt_every", "0"],
+                     "--dtype", "fp32", "--val_every", "15", "--val_tokens", "2048", "--snapshot_every", "0"],
                     tmp_path / "logs")
     losses = [r["loss"] for r in run.train]
     assert len(losses) == 30
@@ -428,7 +430,7 @@ def test_every_update_of_a_real_run_uses_the_scheduled_learning_rate(tmp_path, m
     cfg = parse_args(["--model", "tiny", "--device", "cpu", "--data_dir", str(tmp_path / "data"), "--log_dir",
                       str(tmp_path / "logs"), "--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size",
                       "32", "--max_steps", "8", "--warmup_steps", "3", "--max_lr", "1e-3", "--val_every", "0",
-                      "--hellaswag_every", "0", "--sample_every", "0", "--ckpt_every", "0", "--dtype", "fp32"])
+                      "--eval_every", "0", "--sample_every", "0", "--snapshot_every", "0", "--dtype", "fp32"])
     run(cfg, Distributed(0, 0, 1, CPU))
     # Written out from the schedule's definition: warmup 1/3, 2/3, 3/3 of max_lr in steps 0-2, then a cosine from
     # max_lr at step 3 to min_lr = 1e-4 at step 7, the last.

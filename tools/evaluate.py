@@ -7,12 +7,12 @@ copa, boolq), for a snapshot of ours (a snapshot_*.pt file or an fsdp run's snap
     python -m tools.evaluate --model gpt2 --tasks all --no-val --json      # the harness's zero-shot table
     torchrun --standalone --nproc_per_node=8 -m tools.evaluate --snapshot logs/snapshot_0019072 --tasks hellaswag,piqa
 
-For a snapshot, --data_dir, --micro_batch_size, --seq_len, --val_tokens, --val_steps, --dtype, --eval_dir,
---hellaswag_path and --limit default to the training run's own (saved in the snapshot), so the numbers are the ones
-that run logged: the validation loss of snapshot_<k> (the weights after step k) is the val_loss logged at step
-k + 1, since a run validates before each step's update. The validation is train_gpt2.py's own code (validation.py),
-with the batches split over the ranks as in training: with --val_tokens the same tokens, and the same loss, for any
-number of ranks. The tasks' batches are split over the ranks too, and give the one-process numbers bit for bit.
+For a snapshot, --data_dir, --micro_batch_size, --seq_len, --val_tokens, --dtype, --eval_dir and --limit default to
+the training run's own (saved in the snapshot), so the numbers are the ones that run logged: the validation loss of
+snapshot_<k> (the weights after step k) is the val_loss logged at step k + 1, since a run validates before each
+step's update. The validation is train_gpt2.py's own code (validation.py), with the batches split over the ranks as
+in training: with --val_tokens the same tokens, and the same loss, for any number of ranks. The tasks' batches are
+split over the ranks too, and give the one-process numbers bit for bit.
 """
 
 import argparse
@@ -29,14 +29,14 @@ from model import GPT
 from rundir.snapshot import check_tokenizer, load_model_snapshot, load_tokenizer_of, read_model, tokenizer_of
 from training import hf
 from training.config import HelpFormatter, TrainConfig, add_flags, check_flag_ranges, validation_steps
-from training.distributed import Distributed, setup_distributed, teardown_distributed
+from training.distributed import Distributed, checked_device, setup_distributed, teardown_distributed
 from training.errors import UserError, run_entry_point
+from training.inputs import val_shard_tokens
 from training.precision import pick_dtype
 from training.tokenizer import TokenizerSpec, gpt2_spec
 
 # The training flags that decide the numbers; a snapshot's own values are their defaults.
-RUN_FLAGS = ["data_dir", "micro_batch_size", "seq_len", "val_tokens", "val_steps", "dtype", "eval_dir",
-             "hellaswag_path"]
+RUN_FLAGS = ["data_dir", "micro_batch_size", "seq_len", "val_tokens", "dtype", "eval_dir"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -55,12 +55,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--limit", type=int, default=None, help="only the first N documents of each task")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON line on stdout")
     source_args = parser.parse_known_args(argv)[0]
-    task_names(source_args)  # a bad name fails before the model loads
+    task_names(source_args)  # a bad name, or a device this machine lacks, fails before the model loads
+    checked_device(source_args.device)
     model, tokenizer, run_config, step = load_model(source_args.snapshot, source_args.model)
-    # A snapshot's run decides the defaults (flags given on the command line still win); hellaswag_limit is the
-    # name eval_limit had in runs before evals.py.
-    parser.set_defaults(**{k: v for k, v in run_config.items() if k in RUN_FLAGS},
-                        limit=run_config.get("eval_limit", run_config.get("hellaswag_limit")))
+    # A snapshot's run decides the defaults (flags given on the command line still win).
+    parser.set_defaults(**{k: v for k, v in run_config.items() if k in RUN_FLAGS}, limit=run_config.get("eval_limit"))
     args = parser.parse_args(argv)
 
     dist_env = setup_distributed(args.device)
@@ -115,7 +114,7 @@ def evaluate(model: GPT, tokenizer: TokenizerSpec, args: argparse.Namespace, dis
         if seq_len > model.config.block_size:
             raise UserError(f"--seq_len {seq_len} exceeds the model's block_size {model.config.block_size}; pass "
                             f"--seq_len {model.config.block_size} or less.")
-        val_steps = validation_steps(cfg, seq_len, dist_env.world_size)
+        val_steps = validation_steps(cfg, seq_len, dist_env.world_size, val_shard_tokens(cfg.data_dir))
         check_tokenizer(args.snapshot or args.model, tokenizer, cfg.data_dir, read_data_tokenizer(cfg.data_dir),
                         "Pass the --data_dir of data written with its tokenizer, or --no-val for the tasks only.")
         loader = DistributedDataLoader(cfg.data_dir, "val", cfg.micro_batch_size, seq_len, dist_env.rank,
@@ -125,7 +124,7 @@ def evaluate(model: GPT, tokenizer: TokenizerSpec, args: argparse.Namespace, dis
         results["val_tokens"] = val_steps * cfg.micro_batch_size * seq_len * dist_env.world_size
     names = task_names(args)
     if names:
-        docs = evals.load_tasks(names, cfg.eval_dir, cfg.hellaswag_path, args.limit, dist_env.local_rank, device)
+        docs = evals.load_tasks(names, cfg.eval_dir, None, args.limit, dist_env.local_rank, device)
         # Batches of --micro_batch_size × --seq_len tokens: what a training micro-step holds, with its backward.
         suite = evals.Suite(docs, model.config.block_size, cfg.micro_batch_size * seq_len,
                             load_tokenizer_of(args.snapshot) if args.snapshot else None)  # (None: GPT-2's)

@@ -10,13 +10,11 @@ torch.Generator differs between CPU, CUDA and MPS, and GPU kernels may differ be
 import argparse
 import sys
 
-import torch
-
 from rundir.snapshot import load_tokenizer_of, read_model
 from training import hf
 from training.config import AT_LEAST_0, AT_LEAST_1, SEEDS, Range, check_range
-from training.distributed import default_device
-from training.errors import UserError, run_entry_point
+from training.distributed import checked_device, default_device
+from training.errors import run_entry_point
 from training.tokenizer import generate_text
 
 # The values of the sampling flags: outside them sampling crashed (negative counts, a NaN temperature) or sampled
@@ -47,10 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     for flag, allowed in SAMPLING_RANGES.items():
         check_range(flag, getattr(args, flag), allowed)
-    try:
-        torch.device(args.device)
-    except RuntimeError as e:
-        raise UserError(f"--device {args.device}: not a device torch knows; pass cuda, mps or cpu (or cuda:N).") from e
+    device = checked_device(args.device)
 
     tokenizer = None  # GPT-2's, Hugging Face's GPT-2 weights'
     if args.snapshot is not None:
@@ -61,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--snapshot: {e} (For Hugging Face weights use --model instead.)")
     else:
         model = hf.from_pretrained(args.model)
-    model.to(args.device)
+    model.to(device)
 
     texts = generate_text(model, args.prompt, args.num_samples, args.max_new_tokens, args.temperature,
                           args.top_k or None, args.seed, args.top_p, args.compile, tokenizer)

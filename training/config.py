@@ -2,28 +2,23 @@
 
     python train_gpt2.py --config recipes/shakespeare_small.toml --max_steps 50   # a recipe; flags override it
 
-`TrainConfig` is what the user asked for; `resolve_plan` turns it into a `Plan` (the model's shape, the sequence
-length, the accumulation steps, the validation steps, the snapshot directory), and every check of the flags
-happens there, before any process group, model or data loader exists.
+`TrainConfig` is what the user asked for; `check_flag_ranges` and `check_path_flags` check each flag on its own, and
+`make_plan` turns them into a `Plan` (the model's shape, the sequence length, the accumulation steps, the validation
+steps, the snapshot directory) from what the files they name hold, which training/inputs.py reads: this module reads
+no file but a recipe.
 """
 
 import argparse
 import math
 import typing
 from dataclasses import dataclass, field, fields, replace
-from pathlib import Path
 
 import tomllib
 
-from dataloader import find_shards, read_data_tokenizer, read_shard_header
-from evaluation.tasks import parse_task_names
 from model import ARCHITECTURES, PRESETS, GPTConfig, with_arch
-from rundir.snapshot import check_tokenizer, is_snapshot_directory, read_model_config, read_tokenizer
 from training.activation_checkpointing import ACTIVATION_CHECKPOINTING
 from training.errors import UserError
-from training.hf import local_config
 from training.parsing import PARSE_ERRORS, parse_problem
-from training.tokenizer import TokenizerSpec, gpt2_spec
 
 HF_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 
@@ -112,16 +107,15 @@ class TrainConfig:
     seed: int = arg(1337, "random seed (weights init, data shuffling)")
     # evaluation and logging
     val_every: int = arg(250, "validate every N steps (0 = never)")
-    val_tokens: int = arg(10_485_760, "tokens per validation (same for any world size)")
-    val_steps: int | None = arg(None, "validation micro-batches per rank; overrides --val_tokens")
+    val_tokens: int = arg(10_485_760, "tokens per validation (the same for any world size; at most one pass over the "
+                                      "val shards)")
     eval_tasks: str = arg("hellaswag", "zero-shot tasks scored as lm-evaluation-harness 0.4 does (evals.py): a "
                                        "comma-separated list of hellaswag, lambada_openai, piqa, winogrande, arc_easy, "
                                        "arc_challenge, openbookqa, sciq, copa, boolq, or all")
-    eval_every: int = arg(250, "the --eval_tasks every N steps (0 = never); old name --hellaswag_every")
-    eval_limit: int | None = arg(None, "only the first N documents of each task; old name --hellaswag_limit")
-    eval_dir: str | None = arg(None, "directory of the tasks' <task>.jsonl files (default: data/evals/, each "
-                                     "downloaded on first use)")
-    hellaswag_path: str | None = arg(None, "HellaSwag's file (hellaswag_val.jsonl) instead of --eval_dir's")
+    eval_every: int = arg(250, "the --eval_tasks every N steps (0 = never)")
+    eval_limit: int | None = arg(None, "only the first N documents of each task")
+    eval_dir: str | None = arg(None, "directory of the tasks' <task>.jsonl files, HellaSwag's hellaswag.jsonl among "
+                                     "them (default: data/evals/, each downloaded on first use)")
     sample_every: int = arg(250, "rank 0 prints sampled text every N steps (0 = never)")
     log_dir: str = arg("logs", "metrics.jsonl (and, by default, snapshots) go here")
     wandb_project: str | None = arg(None, "wandb project; logging to wandb is on when this is set")
@@ -154,9 +148,8 @@ class TrainConfig:
 FLAG_GROUPS = {"data_dir": "data", "arch": "model", "seq_len": "batch", "max_steps": "optimization",
                "dtype": "speed and precision", "val_every": "evaluation and logging",
                "snapshot_dir": "fault tolerance"}
-# Flags by their old names, still accepted on the command line and in recipes.
-OLD_NAMES = {"ckpt_dir": "snapshot_dir", "ckpt_every": "snapshot_every", "hellaswag_every": "eval_every",
-             "hellaswag_limit": "eval_limit"}
+# The flags that name a file or directory (or a keyword: --init_from scratch, --resume auto).
+PATH_FLAGS = ("data_dir", "init_from", "eval_dir", "log_dir", "snapshot_dir", "resume")
 
 
 # The top of a whole-number flag whose range names none: C's int, the most any library we hand a count to takes (a
@@ -203,9 +196,9 @@ FLAG_RANGES = {
     "adam_beta1": BELOW_1, "warmdown_frac": Range(0, 1, low_open=True), "embed_lr": ABOVE_0, "muon_lr": ABOVE_0,
     "muon_momentum": BELOW_1, "muon_momentum_warmup": AT_LEAST_0, "muon_weight_decay": AT_LEAST_0,
     "grad_clip": AT_LEAST_0, "seed": SEEDS, "val_every": AT_LEAST_0, "val_tokens": AT_LEAST_1,
-    "val_steps": AT_LEAST_1, "eval_every": AT_LEAST_0, "eval_limit": AT_LEAST_1, "sample_every": AT_LEAST_0,
-    "snapshot_every": AT_LEAST_0, "dist_timeout": AT_LEAST_1, "skip_zscore": AT_LEAST_0, "max_skips": AT_LEAST_1,
-    "max_rollbacks": AT_LEAST_0, "keep_last": AT_LEAST_1,
+    "eval_every": AT_LEAST_0, "eval_limit": AT_LEAST_1, "sample_every": AT_LEAST_0, "snapshot_every": AT_LEAST_0,
+    "dist_timeout": AT_LEAST_1, "skip_zscore": AT_LEAST_0, "max_skips": AT_LEAST_1, "max_rollbacks": AT_LEAST_0,
+    "keep_last": AT_LEAST_1,
 }
 
 
@@ -222,12 +215,12 @@ def add_flags(parser: argparse.ArgumentParser, names: list[str] | None = None, d
         if names is not None and f.name not in names:
             continue
         default = (defaults or {}).get(f.name, f.default)
-        flags = [f"--{f.name}", *(f"--{old}" for old, new in OLD_NAMES.items() if new == f.name)]
         if set_type(f.type) is bool:
-            group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"])
+            group.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=default,
+                               help=f.metadata["help"])
         else:
             kind = int_or_auto if f.type == int | str else set_type(f.type)
-            group.add_argument(*flags, type=kind, default=default, choices=f.metadata["choices"],
+            group.add_argument(f"--{f.name}", type=kind, default=default, choices=f.metadata["choices"],
                                help=f.metadata["help"])
 
 
@@ -250,7 +243,8 @@ def parse_args(argv: list[str] | None = None, description: str = __doc__) -> Tra
                                          "the command line override it")
     add_flags(parser)
     recipe_path = parser.parse_known_args(argv)[0].config
-    if recipe_path:
+    if recipe_path is not None:
+        check_path_flag("config", recipe_path)
         parser.set_defaults(**load_recipe(recipe_path))
     values = vars(parser.parse_args(argv))
     values.pop("config")
@@ -272,7 +266,6 @@ def load_recipe(path: str) -> dict:
         raise UserError(f"--config {path} is {parse_problem(e)}. Each line is `flag = value`, e.g. "
                         "`max_steps = 100` or `data_dir = \"data/shakespeare\"`.") from e
     known = {f.name: f for f in fields(TrainConfig)}
-    recipe = {OLD_NAMES.get(key, key): value for key, value in recipe.items()}
     for key, value in recipe.items():
         if key not in known:
             raise UserError(f"--config {path}: unknown setting {key!r}. A recipe sets the flags of "
@@ -301,10 +294,10 @@ class Plan:
     snapshot_dir: str
 
 
-def resolve_plan(cfg: TrainConfig, world_size: int) -> Plan:
-    """Everything the flags imply, checked: the first bad flag raises a UserError naming it and the fix."""
-    check_flag_ranges(cfg)
-    config = model_config(cfg)
+def make_plan(cfg: TrainConfig, config: GPTConfig, world_size: int, val_shard_tokens: list[int]) -> Plan:
+    """What the flags (each checked on its own first: check_flag_ranges) imply for a model of `config` on world_size
+    ranks, with val shards of val_shard_tokens tokens each: the first bad combination raises a UserError naming it
+    and the fix."""
     if not isinstance(cfg.micro_batch_size, int):  # (a number's range: check_flag_ranges)
         raise UserError(f"--micro_batch_size {cfg.micro_batch_size!r}: pass a number of sequences (1 or more) or "
                         "'auto'.")
@@ -314,9 +307,7 @@ def resolve_plan(cfg: TrainConfig, world_size: int) -> Plan:
                         "or raise --block_size.")
     short_rows = parse_short_rows(cfg.short_rows, seq_len)
     grad_accum_steps = grad_accum_steps_for(cfg, seq_len, world_size)
-    val_steps = validation_steps(cfg, seq_len, world_size) if cfg.val_every else 0
-    if cfg.eval_every:
-        parse_task_names(cfg.eval_tasks, "--eval_tasks")
+    val_steps = validation_steps(cfg, seq_len, world_size, val_shard_tokens) if cfg.val_every else 0
     if cfg.on_divergence == "rollback" and not cfg.snapshot_every:
         raise UserError("--on_divergence rollback reloads the newest healthy snapshot, and --snapshot_every 0 writes "
                         "none. Pass --snapshot_every N (e.g. 500), or --on_divergence stop.")
@@ -347,6 +338,30 @@ def check_range(flag: str, value: float, allowed: Range, help: str | None = None
                         (f' (--help: "{help}")' if help else "") + ".")
 
 
+def check_path_flags(cfg: TrainConfig) -> None:
+    """A UserError naming the first of a training run's PATH_FLAGS that is empty or not UTF-8 (check_path_flag)."""
+    for flag in PATH_FLAGS:
+        if getattr(cfg, flag) is not None:
+            check_path_flag(flag, getattr(cfg, flag))
+
+
+def check_path_flag(flag: str, path: str) -> None:
+    """A UserError unless --flag's path is named and UTF-8. Empty, as an unset variable in a job script leaves it,
+    it would be the current directory (or nothing); a name of bytes that are not UTF-8 cannot be recorded in the
+    run's JSON files (timeline.json, the snapshots' records), so the run would train and then find every snapshot
+    unreadable."""
+    if not path:
+        raise UserError(f"--{flag} is empty (an unset variable in a job script?). Pass a path, or leave the flag out "
+                        "for its default.")
+    try:
+        path.encode()
+    except UnicodeEncodeError as e:  # os.fsdecode's stand-ins (U+DC80-U+DCFF) for bytes that do not decode
+        byte = ord(path[e.start]) - 0xDC00
+        raise UserError(f"--{flag} {path!r}: the name is not valid UTF-8 (byte {byte:#04x}), and a run records its "
+                        "paths as UTF-8 text. Rename it to a UTF-8 name (e.g. `convmv -f latin1 -t utf8`), or pass "
+                        "another path.") from e
+
+
 def parse_short_rows(schedule: str, seq_len: int) -> tuple[tuple[int, int], ...]:
     """--short_rows '64:50,128:100' as ((64, 50), (128, 100)), checked against --seq_len."""
     try:
@@ -372,24 +387,18 @@ def row_length(step: int, plan: Plan) -> int:
     return next((length for length, until in plan.short_rows if step < until), plan.seq_len)
 
 
-def model_config(cfg: TrainConfig) -> GPTConfig:
-    """The model's shape: a preset with the shape flags applied, or the shape of the --init_from weights."""
+def model_shape(cfg: TrainConfig, vocab_size: int, weights: GPTConfig | None = None) -> GPTConfig:
+    """The model's shape: a preset with the shape flags applied, for the data's vocab_size (the model pads it to a
+    multiple of 128), or, with --init_from, the shape of those weights (their GPTConfig: weights)."""
     if cfg.model is not None and cfg.model not in PRESETS:
         raise UserError(f"--model {cfg.model!r} is not a known preset; choose one of {', '.join(PRESETS)}.")
     overrides = {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd", "block_size") if getattr(cfg, k)}
-    if cfg.init_from == "scratch":
-        # the data's tokenizer's vocabulary (GPT-2's 50,257 without a manifest); the model pads it to a multiple of 128
-        vocab_size = read_data_tokenizer(cfg.data_dir).vocab_size
+    if weights is None:
         config = replace(with_arch(PRESETS[cfg.model or "gpt2"], cfg.arch or "gpt2", cfg.attention_bias), **overrides,
                          vocab_size=vocab_size)
         if config.n_embd % config.n_head:
             raise UserError(f"--n_embd {config.n_embd} must be a multiple of --n_head {config.n_head}.")
         return config
-    weights = init_weights_config(cfg.init_from)
-    check_tokenizer(f"--init_from {cfg.init_from}", init_weights_tokenizer(cfg.init_from), cfg.data_dir,
-                    read_data_tokenizer(cfg.data_dir), "Start from weights trained with this data's tokenizer, train "
-                    "them on data written with theirs (data/prepare.py --tokenizer), or train from scratch "
-                    "(--init_from scratch).")
     asked = {k: v for k, v in overrides.items() if k != "block_size"} | ({"arch": cfg.arch} if cfg.arch else {}) | \
         ({"attention_bias": cfg.attention_bias} if cfg.attention_bias is not None else {})
     if cfg.model is not None:  # a preset named on purpose must be the weights' shape
@@ -408,38 +417,6 @@ def model_config(cfg: TrainConfig) -> GPTConfig:
     return replace(weights, block_size=block_size)
 
 
-def init_weights_config(init_from: str) -> GPTConfig:
-    """The shape of the weights --init_from names, read without loading them."""
-    if init_from in HF_MODELS:
-        return PRESETS[init_from]  # OpenAI's GPT-2 sizes are our presets of the same names
-    path = Path(init_from)
-    if path.is_file() or is_snapshot_directory(path):  # a snapshot of ours (a file, or an fsdp run's directory)
-        try:
-            return read_model_config(path)
-        except ValueError as e:  # the reader's message names the file and what is wrong with it
-            raise UserError(f"--init_from: {e} (Or a Hugging Face model directory, or gpt2 / gpt2-medium / ...)") from e
-        except TypeError as e:  # (an OSError, EIO say, is the disk's, not the file's: errors.path_error says so)
-            raise UserError(f"--init_from {init_from} is not a snapshot of this codebase ({type(e).__name__}: "
-                            f"{str(e).splitlines()[0] if str(e) else ''}). Pass a snapshot_*.pt written by "
-                            "train_gpt2.py, a Hugging Face model directory, or gpt2 / gpt2-medium / ...") from e
-    if path.is_dir():  # a Hugging Face model directory: its config.json, checked against its weight file
-        return local_config(path)
-    raise UserError(f"--init_from {init_from}: no such file or directory, and not one of scratch, "
-                    f"{', '.join(HF_MODELS)}. Pass a Hugging Face model directory or a snapshot_*.pt.")
-
-
-def init_weights_tokenizer(init_from: str) -> TokenizerSpec:
-    """The tokenizer the --init_from weights were trained with: a snapshot's record of it; OpenAI's GPT-2's for
-    Hugging Face weights."""
-    path = Path(init_from)
-    if path.is_file() or is_snapshot_directory(path):
-        try:
-            return read_tokenizer(path)
-        except ValueError as e:  # the reader's message names the file and what is wrong with its record
-            raise UserError(f"--init_from: {e}") from e
-    return gpt2_spec()
-
-
 def grad_accum_steps_for(cfg: TrainConfig, seq_len: int, world_size: int) -> int:
     tokens_per_micro_step = cfg.micro_batch_size * seq_len * world_size
     if cfg.total_batch_size % tokens_per_micro_step:
@@ -450,10 +427,9 @@ def grad_accum_steps_for(cfg: TrainConfig, seq_len: int, world_size: int) -> int
     return cfg.total_batch_size // tokens_per_micro_step
 
 
-def validation_steps(cfg: TrainConfig, seq_len: int, world_size: int) -> int:
-    """Micro-batches per rank per validation: --val_tokens worth, at most one pass over the val shards."""
-    if cfg.val_steps:
-        return cfg.val_steps
+def validation_steps(cfg: TrainConfig, seq_len: int, world_size: int, val_shard_tokens: list[int]) -> int:
+    """Micro-batches per rank per validation: --val_tokens worth, at most one pass over val shards of
+    val_shard_tokens tokens each."""
     tokens_per_micro_step = cfg.micro_batch_size * seq_len * world_size
-    available = sum((read_shard_header(p) - 1) // tokens_per_micro_step for p in find_shards(cfg.data_dir, "val"))
+    available = sum((tokens - 1) // tokens_per_micro_step for tokens in val_shard_tokens)
     return max(1, min(cfg.val_tokens // tokens_per_micro_step, available))

@@ -4,6 +4,7 @@ every rank takes part in, and moving work to the device."""
 import gc
 import linecache
 import os
+import re
 import sys
 import traceback
 from contextlib import contextmanager
@@ -39,19 +40,79 @@ def default_device() -> str:
     return "cpu"
 
 
-def setup_distributed(device_arg: str, parallel: str = "ddp", timeout_s: float = 600) -> Distributed:
-    """One process per device. torchrun sets RANK/LOCAL_RANK/WORLD_SIZE; without them we are the only process
-    (with --parallel fsdp, in a process group of one, which FSDP needs). timeout_s: how long a collective waits
-    for a peer before it raises (--dist_timeout)."""
-    rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in
-                                    (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
-    device_type = default_device() if device_arg == "auto" else device_arg
-    if device_type == "mps" and world_size > 1:
+# What torchrun tells each worker of its place; this process's own (0, 0, 1) without torchrun.
+TORCHRUN_RANKS = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
+def this_process(device_arg: str) -> Distributed:
+    """This process's ranks (from torchrun's environment: torchrun_ranks) and its device (--device: checked_device),
+    checked before anything starts: a UserError naming the variable or flag and the fix."""
+    rank, local_rank, world_size = torchrun_ranks()
+    device = checked_device(device_arg, local_rank)
+    if device.type == "mps" and world_size > 1:
         # gloo cannot reduce MPS tensors, so DDP and the loss average would fail at the first step.
         raise UserError(f"--device mps with {world_size} processes: a Mac has one GPU, and torch.distributed cannot "
                         "work on MPS tensors. Run one process (`python train_gpt2.py ...`, no torchrun), or "
                         "--device cpu for several CPU processes.")
-    device = torch.device(f"cuda:{local_rank}" if device_type == "cuda" else device_type)
+    return Distributed(rank, local_rank, world_size, device)
+
+
+def torchrun_ranks() -> tuple[int, int, int]:
+    """(rank, local rank, world size) as torchrun set them; (0, 0, 1) where none of them is set. Set otherwise (by
+    hand, or left over in a job script's environment) they would make this process wait for peers that never come,
+    or crash at the rendezvous, so a UserError says which."""
+    given = {name: os.environ[name] for name in TORCHRUN_RANKS if name in os.environ}
+    if not given:
+        return 0, 0, 1
+    shown = " ".join(f"{name}={value!r}" for name, value in given.items())
+    fix = ("Launch with torchrun, which sets all three (e.g. `torchrun --standalone --nproc_per_node=2 train_gpt2.py "
+           "...`), or unset them (`unset RANK LOCAL_RANK WORLD_SIZE`) to run one process.")
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # what torchrun sets beside them, for every worker
+        raise UserError(f"{shown} set, but not by torchrun (TORCHELASTIC_RUN_ID is not set): this process would "
+                        f"wait for peers that no launcher started. {fix}")
+    if len(given) < len(TORCHRUN_RANKS) or not all(re.fullmatch("[0-9]{1,9}", value) for value in given.values()):
+        raise UserError(f"torchrun's ranks are not three whole numbers: {shown}. {fix}")
+    rank, local_rank, world_size = (int(given[name]) for name in TORCHRUN_RANKS)
+    if not rank < world_size or not local_rank < world_size:
+        raise UserError(f"{shown}: a rank must be below WORLD_SIZE (ranks count from 0). {fix}")
+    return rank, local_rank, world_size
+
+
+def checked_device(device_arg: str, local_rank: int = 0) -> torch.device:
+    """The device --device names (auto: the best this machine has; cuda: this rank's GPU, cuda:LOCAL_RANK), where
+    torch knows it and this machine has it; else a UserError naming it and the fix. For train_gpt2.py,
+    tools.sample and tools.evaluate alike."""
+    name = default_device() if device_arg == "auto" else device_arg
+    fix = "Pass --device cpu, or leave --device out for the best device this machine has."
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise UserError(f"--device {name}: not a device torch knows; pass cuda, mps or cpu (or cuda:N).") from e
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {name}: this machine has no GPU that PyTorch can use (torch.cuda.is_available() "
+                            f"is False: no NVIDIA GPU or driver, or a PyTorch built for CPUs only). {fix}")
+        index, count = local_rank if device.index is None else device.index, torch.cuda.device_count()
+        if index >= count:
+            whose = f" (LOCAL_RANK {local_rank}: a GPU a process)" if device.index is None else ""
+            raise UserError(f"--device {name}: this process needs GPU cuda:{index}{whose}, but this machine has "
+                            f"{count}. Start one process a GPU, {count} a node at most (torchrun "
+                            f"--nproc_per_node={count}), or name one of its GPUs, cuda:0 to cuda:{count - 1}.")
+        return torch.device("cuda", index)
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"--device {name}: this machine has no Apple GPU that PyTorch can use "
+                        f"(torch.backends.mps.is_available() is False: not a Mac with Apple silicon). {fix}")
+    if device.type not in ("cpu", "mps"):
+        raise UserError(f"--device {name}: this code trains and samples on cuda, mps or cpu only; pass one of them.")
+    return device
+
+
+def setup_distributed(device_arg: str, parallel: str = "ddp", timeout_s: float = 600) -> Distributed:
+    """One process per device (this_process, checked). torchrun sets RANK/LOCAL_RANK/WORLD_SIZE; without them we
+    are the only process (with --parallel fsdp, in a process group of one, which FSDP needs). timeout_s: how long a
+    collective waits for a peer before it raises (--dist_timeout)."""
+    dist_env = this_process(device_arg)
+    rank, world_size, device = dist_env.rank, dist_env.world_size, dist_env.device
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world_size == 1 and parallel == "fsdp":
@@ -77,7 +138,7 @@ def setup_distributed(device_arg: str, parallel: str = "ddp", timeout_s: float =
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
-    return Distributed(rank, local_rank, world_size, device)
+    return dist_env
 
 
 def teardown_distributed() -> None:

@@ -67,8 +67,8 @@ class Job:
         make_shards(self.data, "val", [10_000], seed=1, vocab=100)
         self.args = [*size_args(device), "--data_dir", str(self.data), "--max_steps", str(LAST_STEP + 1),
                      "--warmup_steps", "2", "--max_lr", "3e-3", "--dtype", "fp32", "--val_every", "4",
-                     "--val_steps", "2"]
-        self.plain = run_train([*self.args, "--ckpt_every", "4", "--keep_last", "2"], root / "plain")
+                     "--val_tokens", str(2 * batch_shape(device)[0] * batch_shape(device)[1])]
+        self.plain = run_train([*self.args, "--snapshot_every", "4", "--keep_last", "2"], root / "plain")
         # Runs on a GPU add in another order from run to run (atomic adds, split-K): equal within this, not bitwise.
         self.tolerance = 1e-3 if device.type == "cuda" else 1e-5
 
@@ -90,7 +90,7 @@ def test_a_torchrun_run_trains_like_the_plain_run(job, tmp_path):
     """torchrun with one rank per GPU, up to two: with two, NCCL DDP end to end; with one GPU torchrun's launch
     (its environment, the cuda:LOCAL_RANK device) and no process group (test_gpu_kernels.py checks DDP over NCCL)."""
     nproc = max(1, min(torch.cuda.device_count(), 2))
-    run = run_train([*job.args, "--ckpt_every", "0"], tmp_path, nproc=nproc)
+    run = run_train([*job.args, "--snapshot_every", "0"], tmp_path, nproc=nproc)
     assert f"× {nproc} ranks" in run.output
     job.assert_trains_like_plain(run)
 
@@ -98,13 +98,13 @@ def test_a_torchrun_run_trains_like_the_plain_run(job, tmp_path):
 def test_a_one_gpu_fsdp_run_trains_like_the_plain_ddp_run(job, tmp_path):
     # One process with --parallel fsdp: a process group of one (NCCL on a GPU), every block sharded with
     # fully_shard, gradients reduce-scattered, the norm over the shards' DTensors.
-    run = run_train([*job.args, "--parallel", "fsdp", "--ckpt_every", "0"], tmp_path)
+    run = run_train([*job.args, "--parallel", "fsdp", "--snapshot_every", "0"], tmp_path)
     job.assert_trains_like_plain(run)
 
 
 def test_deterministic_runs_repeat_their_losses_bit_for_bit(job, tmp_path):
     dtype = "bf16" if job.device.type == "cuda" else "fp32"  # bf16: flash attention's backward is in the step
-    args = [*job.args, "--dtype", dtype, "--deterministic", "--ckpt_every", "0"]
+    args = [*job.args, "--dtype", dtype, "--deterministic", "--snapshot_every", "0"]
     first, second = run_train(args, tmp_path / "first"), run_train(args, tmp_path / "second")
     print(f"{dtype} --deterministic, twice: losses {[r['loss'] for r in first.train]}")
     for key in ("loss", "grad_norm", "val_loss"):
@@ -114,14 +114,14 @@ def test_deterministic_runs_repeat_their_losses_bit_for_bit(job, tmp_path):
 def test_a_resumed_run_continues_with_the_uninterrupted_losses(job, tmp_path):
     # A crash after step 5 leaves the snapshot of step 3: the rerun takes it and repeats steps 4..7.
     shutil.copy(snapshot_path(job.root / "plain", 3), tmp_path)
-    run = run_train([*job.args, "--ckpt_every", "4", "--keep_last", "2"], tmp_path)
+    run = run_train([*job.args, "--snapshot_every", "4", "--keep_last", "2"], tmp_path)
     assert "resuming from" in run.output and min(by_step(run.records, "loss")) == 4
     job.assert_trains_like_plain(run, steps=range(4, LAST_STEP + 1))
     assert max_rel_diff(run, job.plain, "val_loss", [4, LAST_STEP]) <= job.tolerance
 
 
 def test_fp16_trains_with_a_finite_loss_scale_saved_in_the_snapshot(job, tmp_path):
-    run = run_train([*job.args, "--dtype", "fp16", "--ckpt_every", "100"], tmp_path)
+    run = run_train([*job.args, "--dtype", "fp16", "--snapshot_every", "100"], tmp_path)
     losses = by_step(run.records, "loss")
     skipped = [r["step"] for r in run.train if r.get("skipped")]
     print(f"fp16: loss {losses[0]:.4f} -> {losses[LAST_STEP]:.4f}, skipped steps {skipped}")
@@ -142,7 +142,7 @@ def test_micro_batch_size_auto_picks_a_size_that_trains_without_running_out_of_m
     make_shards(tmp_path / "data", "train", [2 * total + 1], vocab=100)
     args = ["--device", gpu_device.type, "--model", model, "--seq_len", str(seq_len), "--micro_batch_size", "auto",
             "--total_batch_size", str(total), "--max_steps", "2", "--val_every", "0",
-            "--ckpt_every", "0", "--data_dir", str(tmp_path / "data"), "--dtype", "bf16" if cuda else "fp32"]
+            "--snapshot_every", "0", "--data_dir", str(tmp_path / "data"), "--dtype", "bf16" if cuda else "fp32"]
     run = run_train(args, tmp_path / "logs")
     chosen = re.search(r"--micro_batch_size auto: micro-batch (\d+)", run.output)
     assert chosen, run.output[-2000:]
@@ -160,10 +160,11 @@ def evaluated_run(job, gpu_compile, tmp_path_factory) -> TrainRun:
         tiktoken.get_encoding("gpt2")
     except Exception as e:  # no cache and no network: tiktoken's errors vary
         pytest.skip(f"the GPT-2 tokenizer is not available offline ({type(e).__name__}); set TIKTOKEN_CACHE_DIR")
-    hellaswag = os.environ.get(HELLASWAG_ENV)
-    hellaswag_args = ["--hellaswag_every", "2", "--hellaswag_limit", "40", "--hellaswag_path", hellaswag] \
-        if hellaswag else []
-    args = [*job.args, "--max_steps", "3", "--val_every", "2", "--sample_every", "2", "--ckpt_every", "0",
+    hellaswag, eval_dir = os.environ.get(HELLASWAG_ENV), tmp_path_factory.mktemp("evals")
+    if hellaswag:  # --eval_dir finds HellaSwag as hellaswag.jsonl
+        (eval_dir / "hellaswag.jsonl").symlink_to(hellaswag)
+    hellaswag_args = ["--eval_every", "2", "--eval_limit", "40", "--eval_dir", str(eval_dir)] if hellaswag else []
+    args = [*job.args, "--max_steps", "3", "--val_every", "2", "--sample_every", "2", "--snapshot_every", "0",
             "--dtype", "bf16" if job.device.type == "cuda" else "fp32", *(["--compile"] if gpu_compile else []),
             *hellaswag_args]
     return run_train(args, tmp_path_factory.mktemp("evaluated"), timeout=600)
@@ -214,11 +215,11 @@ def test_a_compiled_modern_muon_run_learns_and_resumes_with_the_uninterrupted_lo
     # 0.12 on the CPU, before attention's biases.)
     args = [*job.args, "--arch", "modern", "--no-align_bos", "--optimizer", "muon", "--max_lr", "1e-2",
             "--dtype", dtype, *(["--compile"] if gpu_compile else [])]
-    whole = run_train([*args, "--ckpt_every", "4", "--keep_last", "2"], tmp_path / "whole", timeout=600)
+    whole = run_train([*args, "--snapshot_every", "4", "--keep_last", "2"], tmp_path / "whole", timeout=600)
     losses = by_step(whole.records, "loss")
     assert sorted(losses) == list(range(LAST_STEP + 1)) and losses[LAST_STEP] < losses[0] - 0.5
     assert not any(r.get("skipped") for r in whole.train)
-    resumed = run_train([*args, "--ckpt_every", "0", "--resume", str(snapshot_path(tmp_path / "whole", 3))],
+    resumed = run_train([*args, "--snapshot_every", "0", "--resume", str(snapshot_path(tmp_path / "whole", 3))],
                         tmp_path / "resumed", timeout=600)
     diff = max_rel_diff(resumed, whole, "loss", range(4, LAST_STEP + 1))
     print(f"modern + Muon, {dtype}{' compiled' if gpu_compile else ''}: loss {losses[0]:.3f} -> "
@@ -233,7 +234,7 @@ def test_a_muon_run_learns_and_its_last_update_is_muons_computed_in_float64(job,
     muon_lr = 0.02
     dtype = "bf16" if job.device.type == "cuda" else "fp32"
     run = run_train([*job.args, "--optimizer", "muon", "--muon_lr", str(muon_lr), "--dtype", dtype,
-                     "--ckpt_every", str(LAST_STEP), "--keep_last", "2", *(["--compile"] if gpu_compile else [])],
+                     "--snapshot_every", str(LAST_STEP), "--keep_last", "2", *(["--compile"] if gpu_compile else [])],
                     tmp_path, timeout=600)
     losses = by_step(run.records, "loss")
     assert sorted(losses) == list(range(LAST_STEP + 1)) and not any(r.get("skipped") for r in run.train)
@@ -298,7 +299,7 @@ def test_a_planted_nan_is_skipped_and_a_divergence_rolls_back_and_goes_on(gpu_de
     make_shards(data, "train", [200_000], vocab=100)  # no epoch boundary: a planted batch is read once
     dtype = "bf16" if gpu_device.type == "cuda" else "fp32"
     args = [*size_args(gpu_device), "--data_dir", str(data), "--max_steps", "14", "--warmup_steps", "2",
-            "--max_lr", "3e-3", "--dtype", dtype, "--deterministic", "--val_every", "0", "--ckpt_every", "5",
+            "--max_lr", "3e-3", "--dtype", dtype, "--deterministic", "--val_every", "0", "--snapshot_every", "5",
             "--keep_last", "3", "--max_skips", "3", "--on_divergence", "rollback"]
     keys = micro_batch_keys(data, gpu_device, [2, 6, 7, 8])
     run = run_train(args, tmp_path / "run", env={"PLANTED_NAN_BATCHES": json.dumps(keys)}, script=PLANTED_NAN_SCRIPT)
@@ -338,7 +339,7 @@ def test_evaluate_py_gets_the_val_loss_the_run_logged_for_its_snapshot(job, tmp_
     print(f"evaluate.py on snapshot_3: val loss {result['val_loss']:.6f}, the run logged {val_loss[4]:.6f} at step 4 "
           f"(relative difference {difference:.1e}); val bpb {result['val_bpb']}")
     B, T, _ = batch_shape(job.device)
-    assert result["step"] == 3 and result["val_tokens"] == 2 * B * T  # the run's --val_steps 2, from the snapshot
+    assert result["step"] == 3 and result["val_tokens"] == 2 * B * T  # the run's --val_tokens, from the snapshot
     # The same code on the same batches with the same weights: bitwise on the CPU. On a GPU another process may pick
     # another cuBLAS kernel (a different order of additions, ~1e-6); a wrong step or batch is off by 1e-2 or more.
     tolerance = 1e-5 if job.device.type == "cuda" else 0.0

@@ -11,6 +11,7 @@ from evaluation.validation import validation_loss
 from model import GPT
 from tools.bench.step import Workload, release_memory
 from training.config import validation_steps
+from training.inputs import val_shard_tokens
 from training.optim import get_lr
 from training.parallel import build_training_model
 from training.step import train_step
@@ -40,7 +41,7 @@ def train_and_validate(work: Workload, data_dir: str, dtype: torch.dtype, compil
     trained = time.perf_counter()
     val_loader = DistributedDataLoader(data_dir, "val", cfg.micro_batch_size, plan.seq_len, dist_env.rank,
                                        dist_env.world_size)
-    val = validation_loss(trainee.raw, val_loader, validation_steps(cfg, plan.seq_len, dist_env.world_size), device,
-                          dtype)
+    val_steps = validation_steps(cfg, plan.seq_len, dist_env.world_size, val_shard_tokens(data_dir))
+    val = validation_loss(trainee.raw, val_loader, val_steps, device, dtype)
     return {"losses": losses, "val_loss": val.loss, "train_seconds": trained - started,
             "val_seconds": time.perf_counter() - trained, "tokens": cfg.max_steps * work.tokens_per_step}

@@ -21,8 +21,9 @@ from torch.profiler import ProfilerActivity, profile
 from dataloader import DistributedDataLoader, write_shard
 from model import GPT, PRESETS
 from training.attention_kernels import attention_kernel, choose_kernel, kernels_in_profile
-from training.config import Plan, TrainConfig, resolve_plan
+from training.config import Plan, TrainConfig
 from training.distributed import Distributed, synchronize
+from training.inputs import resolve_plan
 from training.memory import keep_freed_memory
 from training.mfu import peak_flops
 from training.parallel import TrainingModel, build_training_model

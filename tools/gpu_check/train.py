@@ -57,6 +57,15 @@ class TrainRun:
         return [r for r in self.records if "loss" in r]
 
 
+def hellaswag_dir(report: Report, hellaswag_path: str) -> Path:
+    """A directory where train_gpt2.py's --eval_dir finds the --hellaswag_path file, as hellaswag.jsonl."""
+    eval_dir = report.out / "evals"
+    eval_dir.mkdir(exist_ok=True)
+    (eval_dir / "hellaswag.jsonl").unlink(missing_ok=True)
+    (eval_dir / "hellaswag.jsonl").symlink_to(Path(hellaswag_path).resolve())
+    return eval_dir
+
+
 def train_stage(report: Report, scale: Scale, args: argparse.Namespace) -> None:
     data_dir = args.data_dir
     if data_dir is None:
@@ -78,9 +87,9 @@ def train_stage(report: Report, scale: Scale, args: argparse.Namespace) -> None:
                "--total_batch_size", str(scale.train_batch), "--max_steps", str(scale.train_steps),
                "--warmup_steps", str(warmup), "--max_lr", str(scale.max_lr), "--data_dir", str(data_dir),
                "--val_every", every, "--val_tokens", str(scale.val_tokens), "--sample_every", every if samples else "0",
-               "--hellaswag_every", every if hellaswag else "0", "--hellaswag_limit", str(scale.hellaswag_limit),
+               "--eval_every", every if hellaswag else "0", "--eval_limit", str(scale.hellaswag_limit),
                "--snapshot_every", "0", "--log_dir", str(log_dir), *(["--compile"] if scale.compile else []),
-               *(["--hellaswag_path", str(args.hellaswag_path)] if hellaswag else [])]
+               *(["--eval_dir", str(hellaswag_dir(report, args.hellaswag_path))] if hellaswag else [])]
     print("train:", " ".join(command[1:]), flush=True)
     returncode, output = run_logged(command, os.environ | {"PYTHONUNBUFFERED": "1"}, 2 * scale.stage_seconds,
                                     log_dir / "output.txt")

@@ -1,0 +1,86 @@
+"""Every input of a training run checked at the door, before anything has a side effect (no process group, file,
+lock or download yet): the paths named (config.check_path_flags), torchrun's environment and --device
+(distributed.this_process), each other flag on its own (config.check_flag_ranges), then the flags against the files they
+name, read through their owners' readers: the data's tokenizer and val shards (dataloader), the --init_from weights'
+shape and tokenizer (rundir.snapshot, hf) and the task names (evaluation.tasks). config.make_plan does the arithmetic
+on what they say."""
+
+from dataclasses import replace
+from pathlib import Path
+
+from dataloader import find_shards, read_data_tokenizer, read_shard_header
+from evaluation.tasks import parse_task_names
+from model import PRESETS, GPTConfig
+from rundir.snapshot import check_tokenizer, is_snapshot_directory, read_model_config, read_tokenizer
+from training.config import HF_MODELS, Plan, TrainConfig, check_flag_ranges, check_path_flags, make_plan, model_shape
+from training.distributed import this_process
+from training.errors import UserError
+from training.hf import local_config
+from training.tokenizer import TokenizerSpec, gpt2_spec
+
+
+def check_inputs(cfg: TrainConfig) -> None:
+    """train_gpt2.py's door: a UserError naming the first bad input and the fix. --micro_batch_size auto is chosen
+    later, on the device (memory.choose_micro_batch); the plan is checked here with one sequence a micro-batch."""
+    check_path_flags(cfg)
+    world_size = this_process(cfg.device).world_size
+    resolve_plan(replace(cfg, micro_batch_size=1) if cfg.micro_batch_size == "auto" else cfg, world_size)
+
+
+def resolve_plan(cfg: TrainConfig, world_size: int) -> Plan:
+    """The plan of the flags on world_size ranks, every flag checked: on its own first, then against the files."""
+    check_flag_ranges(cfg)
+    config = model_config(cfg)
+    if cfg.eval_every:
+        parse_task_names(cfg.eval_tasks, "--eval_tasks")
+    return make_plan(cfg, config, world_size, val_shard_tokens(cfg.data_dir) if cfg.val_every else [])
+
+
+def val_shard_tokens(data_dir: str) -> list[int]:
+    """The number of tokens in each of data_dir's val shards (a UserError if it has none)."""
+    return [read_shard_header(path) for path in find_shards(data_dir, "val")]
+
+
+def model_config(cfg: TrainConfig) -> GPTConfig:
+    """The model's shape (config.model_shape): for the data's tokenizer's vocabulary (GPT-2's 50,257 without a
+    manifest), or the --init_from weights', whose tokenizer must be the data's."""
+    data_tokenizer = read_data_tokenizer(cfg.data_dir)
+    if cfg.init_from == "scratch":
+        return model_shape(cfg, data_tokenizer.vocab_size)
+    weights = init_weights_config(cfg.init_from)
+    check_tokenizer(f"--init_from {cfg.init_from}", init_weights_tokenizer(cfg.init_from), cfg.data_dir,
+                    data_tokenizer, "Start from weights trained with this data's tokenizer, train them on data written "
+                    "with theirs (data/prepare.py --tokenizer), or train from scratch (--init_from scratch).")
+    return model_shape(cfg, data_tokenizer.vocab_size, weights)
+
+
+def init_weights_config(init_from: str) -> GPTConfig:
+    """The shape of the weights --init_from names, read without loading them (nor downloading OpenAI's)."""
+    if init_from in HF_MODELS:
+        return PRESETS[init_from]  # OpenAI's GPT-2 sizes are our presets of the same names
+    path = Path(init_from)
+    if path.is_file() or is_snapshot_directory(path):  # a snapshot of ours (a file, or an fsdp run's directory)
+        try:
+            return read_model_config(path)
+        except ValueError as e:  # the reader's message names the file and what is wrong with it
+            raise UserError(f"--init_from: {e} (Or a Hugging Face model directory, or gpt2 / gpt2-medium / ...)") from e
+        except TypeError as e:  # (an OSError, EIO say, is the disk's, not the file's: errors.path_error says so)
+            raise UserError(f"--init_from {init_from} is not a snapshot of this codebase ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''}). Pass a snapshot_*.pt written by "
+                            "train_gpt2.py, a Hugging Face model directory, or gpt2 / gpt2-medium / ...") from e
+    if path.is_dir():  # a Hugging Face model directory: its config.json, checked against its weight file
+        return local_config(path)
+    raise UserError(f"--init_from {init_from}: no such file or directory, and not one of scratch, "
+                    f"{', '.join(HF_MODELS)}. Pass a Hugging Face model directory or a snapshot_*.pt.")
+
+
+def init_weights_tokenizer(init_from: str) -> TokenizerSpec:
+    """The tokenizer the --init_from weights were trained with: a snapshot's record of it; OpenAI's GPT-2's for
+    Hugging Face weights."""
+    path = Path(init_from)
+    if path.is_file() or is_snapshot_directory(path):
+        try:
+            return read_tokenizer(path)
+        except ValueError as e:  # the reader's message names the file and what is wrong with its record
+            raise UserError(f"--init_from: {e}") from e
+    return gpt2_spec()
