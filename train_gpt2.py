@@ -95,7 +95,7 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None
     tokenizer = tokenizer_from_spec(train_loader.tokenizer) if cfg.eval_every or cfg.sample_every else None
     eval_suite = None
     if cfg.eval_every:  # now, so that a missing file or no network says so at start-up, not at the first evaluation
-        docs = evals.load_tasks(evals.parse_task_names(cfg.eval_tasks, "--eval_tasks"), cfg.eval_dir, None,
+        docs = evals.load_tasks(evals.parse_task_names(cfg.eval_tasks, "--eval_tasks"), cfg.eval_dir,
                                 cfg.eval_limit, dist_env.local_rank, device)
         # Batches of a training micro-batch's tokens: that fits, as evaluating keeps no activations for a backward.
         eval_suite = evals.Suite(docs, plan.model_config.block_size, cfg.micro_batch_size * plan.seq_len, tokenizer)

@@ -2,8 +2,7 @@
 every --eval_every steps) for a model preset on this device, in the run's autocast dtype, against the time of
 bench.py's real training step of the same model: the README's "share of training time" figures.
 
-    python -m dev.eval_cost --tasks hellaswag --eval_dir ../shared/data/evals \\
-        --hellaswag_path ../shared/data/hellaswag/hellaswag_val.jsonl          # the quickstart model on this CPU
+    python -m dev.eval_cost --tasks hellaswag --eval_dir DIR   # DIR holding hellaswag.jsonl; the quickstart model
 
 The weights are random: scoring takes as long for trained ones. Defaults: the quickstart recipe's model and step
 (small, 8 × 256 tokens, 2 micro-steps) and TrainConfig's --eval_every.
@@ -26,7 +25,6 @@ def main() -> None:
     parser.add_argument("--model", default="small", choices=list(PRESETS))
     parser.add_argument("--tasks", default="hellaswag", help="as --eval_tasks")
     parser.add_argument("--eval_dir")
-    parser.add_argument("--hellaswag_path")
     parser.add_argument("--limit", type=int, help="the first N documents of each task")
     parser.add_argument("--micro_batch_size", type=int, default=8)
     parser.add_argument("--seq_len", type=int, default=256)
@@ -45,7 +43,7 @@ def main() -> None:
     step_seconds = step["ms_per_step"] / 1000
 
     names = evals.parse_task_names(args.tasks, "--tasks")
-    docs = evals.load_tasks(names, args.eval_dir, args.hellaswag_path, args.limit)
+    docs = evals.load_tasks(names, args.eval_dir, args.limit)
     model = GPT(work.plan.model_config).to(device)
     start = time.perf_counter()
     suite = evals.Suite(docs, model.config.block_size, args.micro_batch_size * args.seq_len)

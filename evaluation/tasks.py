@@ -193,9 +193,7 @@ def leave_out(name: str) -> str:
     return f"leave {name} out of --eval_tasks (evaluate.py: --tasks; --eval_every 0 turns them all off)"
 
 
-def task_file(name: str, eval_dir: str | None, hellaswag_path: str | None = None) -> Path:
-    if name == "hellaswag" and hellaswag_path:
-        return Path(hellaswag_path)
+def task_file(name: str, eval_dir: str | None) -> Path:
     return (DEFAULT_DIR if eval_dir is None else Path(eval_dir)) / f"{name}.jsonl"
 
 
@@ -256,12 +254,12 @@ def load_docs(name: str, path: Path, limit: int | None = None) -> list[Doc]:
             if problem:
                 fields = ", ".join(f"{key} ({kind_name(kind)})" for key, kind in task.fields.items())
                 raise UserError(f"{path}, line {number}: {problem}. A {name} document is a JSON object with {fields}, "
-                                f"as in the harness's {task.split} split, one a line. Point --eval_dir (or, for "
-                                "hellaswag, --hellaswag_path) at the right file, or leave --eval_dir out to download "
+                                f"as in the harness's {task.split} split, one a line. Point --eval_dir at the "
+                                "directory of the right file, or leave --eval_dir out to download "
                                 f"it, or {leave_out(name)}.")
             docs.append(doc)
     if not docs:
-        raise UserError(f"{path} holds no {name} document. Point --eval_dir (or, for hellaswag, --hellaswag_path) at "
+        raise UserError(f"{path} holds no {name} document. Point --eval_dir at a directory holding {name}.jsonl, "
                         f"the harness's {task.split} split, one JSON document a line, or {leave_out(name)}.")
     return docs
 
@@ -290,7 +288,7 @@ def wrong_doc(doc: Doc) -> str | None:
     return None
 
 
-def load_tasks(names: list[str], eval_dir: str | None, hellaswag_path: str | None, limit: int | None,
+def load_tasks(names: list[str], eval_dir: str | None, limit: int | None,
                local_rank: int = 0, device: torch.device | str = "cpu") -> dict[str, list[Doc]]:
     """Each task's documents. A file missing from the default directory is downloaded first, by local rank 0 of
     each node (the other ranks would fetch the same bytes); then all ranks agree on whether that worked (a
@@ -299,8 +297,8 @@ def load_tasks(names: list[str], eval_dir: str | None, hellaswag_path: str | Non
     if eval_dir is None and local_rank == 0:
         try:
             for name in names:
-                path = task_file(name, eval_dir, hellaswag_path)
-                if not path.exists() and not (name == "hellaswag" and hellaswag_path):
+                path = task_file(name, eval_dir)
+                if not path.exists():
                     download(name, path)
         except UserError as e:
             reason = str(e)
@@ -311,7 +309,7 @@ def load_tasks(names: list[str], eval_dir: str | None, hellaswag_path: str | Non
         dist.all_gather_object(reasons, reason)  # only on failure: the reason is text, not a tensor
         rank, reason = next((r, text) for r, text in enumerate(reasons) if text is not None)
         raise UserError(f"rank {rank} (local rank 0 of its node): {reason}")
-    return {name: load_docs(name, task_file(name, eval_dir, hellaswag_path), limit) for name in names}
+    return {name: load_docs(name, task_file(name, eval_dir), limit) for name in names}
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -29,8 +29,8 @@ def shared_files(shared_data: Path) -> tuple[Path, Path]:
 def load_mixed_docs(shared_data: Path, limit: int) -> dict[str, list[evals.Doc]]:
     """The first `limit` documents of every task: the real files for 7 tasks, the fixtures for ARC and SciQ."""
     eval_dir, hellaswag_path = shared_files(shared_data)
-    docs = {name: evals.load_docs(name, evals.task_file(name, str(eval_dir), str(hellaswag_path)), limit)
-            for name in SHARED_TASKS}
+    files = {name: evals.task_file(name, str(eval_dir)) for name in SHARED_TASKS} | {"hellaswag": hellaswag_path}
+    docs = {name: evals.load_docs(name, path, limit) for name, path in files.items()}
     return docs | {name: evals.load_docs(name, FIXTURES / f"{name}.jsonl", limit)
                    for name in ("arc_easy", "arc_challenge", "sciq")}
 
@@ -277,11 +277,11 @@ def evaluate_and_download(rank: int, shared_data: str, out_dir: str) -> dict:
     source = shared_data / "evals" / "copa.jsonl"
     evals.DEFAULT_DIR = out_dir / "cache"
     evals.SOURCES["copa"] = evals.Url(source.as_uri(), hashlib.sha256(source.read_bytes()).hexdigest())
-    results["docs"] = len(evals.load_tasks(["copa"], None, None, 3, rank)["copa"])
+    results["docs"] = len(evals.load_tasks(["copa"], None, 3, rank)["copa"])
     evals.DEFAULT_DIR = out_dir / "empty_cache"
     evals.SOURCES["copa"] = evals.Url((out_dir / "offline.jsonl").as_uri(), "0" * 64)
     try:
-        evals.load_tasks(["copa"], None, None, 3, rank)
+        evals.load_tasks(["copa"], None, 3, rank)
     except UserError as e:
         results["offline_error"] = str(e)
     return results | {"downloads": len(downloads)}
@@ -377,7 +377,7 @@ def test_a_line_that_is_no_document_of_the_task_names_the_file_line_and_fix(tmp_
 def test_a_missing_or_empty_file_names_it_and_the_fix(tmp_path):
     with pytest.raises(UserError, match=rf"piqa: the data file {tmp_path}/piqa.jsonl does not exist\. Point "
                                         "--eval_dir at a directory holding piqa.jsonl"):
-        evals.load_tasks(["piqa"], str(tmp_path), None, None)
+        evals.load_tasks(["piqa"], str(tmp_path), None)
     (tmp_path / "copa.jsonl").write_text("\n")
     with pytest.raises(UserError, match=r"copa.jsonl holds no copa document"):
         evals.load_docs("copa", tmp_path / "copa.jsonl")
@@ -395,19 +395,19 @@ def test_missing_files_of_the_default_directory_are_downloaded_once_and_a_failur
     loads = []
     monkeypatch.setattr(datasets, "load_dataset", lambda path, name, split: loads.append((path, name, split)) or
                         [GOOD_PIQA, GOOD_PIQA | {"label": 0}])
-    docs = evals.load_tasks(["lambada_openai", "piqa"], None, None, None)
+    docs = evals.load_tasks(["lambada_openai", "piqa"], None, None)
     assert [len(docs["lambada_openai"]), len(docs["piqa"])] == [2, 2] and loads == [("baber/piqa", None, "validation")]
     assert sorted(p.name for p in (tmp_path / "evals").iterdir()) == ["lambada_openai.jsonl", "piqa.jsonl"]
-    assert evals.load_tasks(["piqa"], None, None, 1)["piqa"] == docs["piqa"][:1] and len(loads) == 1  # cached
+    assert evals.load_tasks(["piqa"], None, 1)["piqa"] == docs["piqa"][:1] and len(loads) == 1  # cached
 
     (tmp_path / "evals" / "lambada_openai.jsonl").unlink()
     monkeypatch.setitem(evals.SOURCES, "lambada_openai", evals.Url(lambada.as_uri(), "0" * 64))
     with pytest.raises(UserError, match=r"could not download lambada_openai from file:.*sha256 mismatch.*--eval_dir"):
-        evals.load_tasks(["lambada_openai"], None, None, None)
+        evals.load_tasks(["lambada_openai"], None, None)
     assert not (tmp_path / "evals" / "lambada_openai.jsonl").exists()  # nothing half-written is left
 
     monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: (_ for _ in ()).throw(
         ConnectionError("no network")))
     with pytest.raises(UserError, match=r"could not download copa from the Hugging Face dataset aps/super_glue "
                                         r"\(ConnectionError: no network\)\. On a node without network"):
-        evals.load_tasks(["copa"], None, None, None)
+        evals.load_tasks(["copa"], None, None)

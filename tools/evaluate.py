@@ -124,7 +124,7 @@ def evaluate(model: GPT, tokenizer: TokenizerSpec, args: argparse.Namespace, dis
         results["val_tokens"] = val_steps * cfg.micro_batch_size * seq_len * dist_env.world_size
     names = task_names(args)
     if names:
-        docs = evals.load_tasks(names, cfg.eval_dir, None, args.limit, dist_env.local_rank, device)
+        docs = evals.load_tasks(names, cfg.eval_dir, args.limit, dist_env.local_rank, device)
         # Batches of --micro_batch_size × --seq_len tokens: what a training micro-step holds, with its backward.
         suite = evals.Suite(docs, model.config.block_size, cfg.micro_batch_size * seq_len,
                             load_tokenizer_of(args.snapshot) if args.snapshot else None)  # (None: GPT-2's)
