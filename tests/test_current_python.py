@@ -40,7 +40,8 @@ def test_an_entry_point_checks_the_torch_version_before_it_runs(monkeypatch, cap
 
 def copy_of_the_project(directory: Path) -> Path:
     """The scripts, modules and recipes, without .venv, data or logs: a fresh checkout."""
-    for pattern in ("*.py", "*.sh", "requirements*.txt", "pyproject.toml", "recipes/*.toml", "*/*.py", "tools/*/*.py"):
+    for pattern in ("*.py", "*.sh", "requirements*.txt", "pyproject.toml", "recipes/*.toml", "data/*.py",
+                    "training/*.py", "rundir/*.py", "evaluation/*.py", "tools/*.py", "tools/*/*.py"):
         for path in ROOT.glob(pattern):
             (directory / path.relative_to(ROOT)).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, directory / path.relative_to(ROOT))
