@@ -383,7 +383,7 @@ def load_model_snapshot(path: str | Path) -> dict:
     if not isinstance(state, dict) or "model" not in state or "model_config" not in state:
         raise ValueError(f"{path} is not a snapshot of this codebase (it lacks 'model' and 'model_config'). "
                          "Pass a snapshot_*.pt written by train_gpt2.py.")
-    check_state(path, state, REQUIRED_KEYS if "step" in state else ("model", "model_config"))
+    check_state(path, state, REQUIRED_KEYS if "format" in state else ("model", "model_config"))
     return state
 
 

@@ -43,27 +43,27 @@ TEMP_NAME = re.compile(r"snapshot_(\d{7,})\.\S*tmp")  # what a write cut short l
 
 class Holds(Enum):
     """The rows: what --snapshot_dir holds."""
-    EMPTY = "no run.json (other runs' snapshots are left alone)"
-    SNAPSHOTS = "a run with a snapshot that loads"
-    DAMAGED = "a run none of whose snapshots loads"
-    NOT_STARTED = "a run killed before its first snapshot, started afresh or from a snapshot that loads"
-    NOT_STARTED_INIT = "a run killed before its first snapshot, started `--init_from X`"
-    ORIGIN_LOST = "a run killed before its first snapshot, started from a snapshot now gone or damaged"
+    EMPTY = "no run (no run.json)"
+    SNAPSHOTS = "a run, with a snapshot that loads"
+    DAMAGED = "a run, every snapshot damaged"
+    NOT_STARTED = "a run killed before its first snapshot"
+    NOT_STARTED_INIT = "the same, started `--init_from X`"
+    ORIGIN_LOST = "the same, its origin snapshot gone or damaged"
 
 
 class Asks(Enum):
     """The columns: what the command line asks, against the directory's run."""
     AUTO = "`--resume auto`"
-    ORIGIN = "the run's own `--init_from X`, `--resume PATH` or newest snapshot (in an empty directory: any)"
-    NEW = "`--resume never`, another `--init_from X` or `--resume PATH`"
+    ORIGIN = "its origin again"
+    NEW = "a new run"
 
 
 class Action(Enum):
-    START = "start a new run"
+    START = "start"
     CONTINUE = "continue its newest snapshot that loads"
     RESTART = "start it again"
-    REFUSE_TAKEN = "refuse: it is another run's"
-    REFUSE_DAMAGED = "refuse, naming the damaged snapshots"
+    REFUSE_TAKEN = "refuse: another run's"
+    REFUSE_DAMAGED = "refuse, naming the damaged"
     REFUSE_INIT = "refuse, naming `--init_from X`"
     REFUSE_LOST = "refuse, naming the lost snapshot"
 
@@ -323,7 +323,8 @@ class Snapshots:
         """A warning (rank 0), and training goes on; but a run must not end without its last snapshot."""
         usage, older = shutil.disk_usage(self.dir), self._own_snapshots()
         reason = f"{type(failure).__name__}: {str(failure).strip().splitlines()[0]}" if failure else "on another rank"
-        newest = f"the older snapshots are intact, the newest is {older[0][0]}" if older else "there is no older one"
+        newest = f"the older snapshots are intact, the newest is {older[0][0]}" if older else \
+            "there is no older snapshot"
         what = (f"the snapshot of step {step} could not be written to {path.parent} ({reason}; "
                 f"{usage.free / 2**20:,.0f} MiB free of {usage.total / 2**20:,.0f} MiB)")
         if final:
@@ -383,10 +384,18 @@ class Snapshots:
                 keep.add(path)
             if healthy:
                 break
-        steps = {e.step for e in survey(self.dir) if e.run == self.run}
-        temps = [p for p in self.dir.glob("snapshot_*tmp") if (m := TEMP_NAME.fullmatch(p.name)) and int(m[1]) in steps]
+        temps = [p for p in self.dir.glob("snapshot_*tmp") if (m := TEMP_NAME.fullmatch(p.name)) and
+                 self._ours(int(m[1]))]
         for path in [p for p in old if p not in keep] + temps:
             remove_or_warn(path)
+
+    def _ours(self, step: int) -> bool:
+        """Whether this run's .json is there for `step` (written before the snapshot, and its temp files)."""
+        try:
+            return read_record(sidecar(snapshot.snapshot_path(self.dir, step)), {"run": str, "step": int})["run"] == \
+                self.run
+        except ValueError:
+            return False
 
     def _finite(self) -> bool:
         """Whether every weight and optimizer tensor is finite on every rank (collective): a sum is NaN or inf if
@@ -473,22 +482,14 @@ class Snapshots:
     def _choose(self) -> tuple[str, dict] | None:
         """This run's record, and the snapshot to restore (None: none), as TABLE says. Rank 0 decides; every rank
         reads the same snapshot, or raises the same error."""
-        resume, state, decision, failure = self.resume_from, None, None, None
-        if resume not in ("auto", "never"):
-            if self.init_from != "scratch":
-                raise UserError(f"--resume {resume} and --init_from {self.init_from} both name the weights to start "
-                                "from. Pass --resume PATH to continue or branch from a snapshot with its optimizer and "
-                                "data position, or --init_from to start a new run from weights alone, not both.")
-            if not Path(resume).exists():  # (every rank checks: none waits in a collective for a rank 0 that exited)
-                raise UserError(f"--resume {resume}: no such file. Pass the path of a snapshot_* file, "
-                                "'auto' (the newest valid snapshot in --snapshot_dir) or 'never' (start fresh).")
-            try:
-                state = snapshot.load_snapshot(resume)
-            except ValueError as e:
-                raise UserError(f"--resume: {e} Pass another snapshot, 'auto' or 'never'.") from e
+        resume, decision, failure = self.resume_from, None, None
+        if resume not in ("auto", "never") and self.init_from != "scratch":
+            raise UserError(f"--resume {resume} and --init_from {self.init_from} both name the weights to start from. "
+                            "Pass --resume PATH to continue or branch from a snapshot with its optimizer and data "
+                            "position, or --init_from to start a new run from weights alone, not both.")
         if self.dist_env.is_master:
             try:
-                decision = self._decide(state)
+                decision = self._decide()
             except ValueError as e:  # a record of the directory that is not one, or no snapshot to continue loads
                 failure = (f"--resume {resume}: {e} Nothing was deleted. Repair or move them away (a copy of a good "
                            "snapshot elsewhere: --resume PATH), or start over with --resume never in a fresh "
@@ -499,11 +500,19 @@ class Snapshots:
         if failure is not None:
             raise UserError(failure)
         self.record, self.continued, path, self.surveyed = decision
-        if path is None:
-            return None
-        return path, state if state is not None and path == resume else snapshot.load_snapshot(path, verify=False)
+        return (path, snapshot.load_snapshot(path, verify=False)) if path else None
 
-    def _decide(self, state: dict | None) -> tuple[Run, bool, str | None, list[Entry]]:
+    def _branch_from(self) -> dict:
+        """--resume PATH's snapshot, checked; a UserError naming it if it is missing or does not load."""
+        if not Path(self.resume_from).exists():
+            raise UserError(f"--resume {self.resume_from}: no such file. Pass the path of a snapshot_* file, 'auto' "
+                            "(the newest valid snapshot in --snapshot_dir) or 'never' (start fresh).")
+        try:
+            return snapshot.load_snapshot(self.resume_from)
+        except ValueError as e:
+            raise UserError(f"--resume: {e} Pass another snapshot, 'auto' or 'never'.") from e
+
+    def _decide(self) -> tuple[Run, bool, str | None, list[Entry]]:
         """Rank 0: the run's record, whether it continues the directory's run, the snapshot to restore (None: none)
         and the directory's snapshots; a refusal is a UserError."""
         recorded = read_run(self.dir)
@@ -524,7 +533,7 @@ class Snapshots:
             asks = Asks.ORIGIN if Path(self.resume_from).resolve() in (origin and Path(origin), newest) else Asks.NEW
         action, where = decide(holds, asks), f"of run {recorded and recorded.run} in {self.dir}"
         if action is Action.START:
-            branch = self.resume_from not in ("auto", "never")
+            branch = self.resume_from not in ("auto", "never") and bool(self._branch_from())
             return Run(init_from=self.relative(self.init_from) if self.init_from != "scratch" else None,
                        resumed_from=self.relative(self.resume_from) if branch else None), False, \
                 self.resume_from if branch else None, found
@@ -534,10 +543,10 @@ class Snapshots:
             return recorded, False, origin, found
         if action is Action.REFUSE_DAMAGED:
             first_loadable(own, where)  # raises, naming every one
-        raise UserError(self._refusal(action, recorded, own, state))
+        raise UserError(self._refusal(action, recorded, own))
 
-    def _refusal(self, action: Action, recorded: Run, own: list[Entry], state: dict | None) -> str:
-        """A refusal's words, naming the paths as they are now; `state`: --resume PATH's snapshot, if asked."""
+    def _refusal(self, action: Action, recorded: Run, own: list[Entry]) -> str:
+        """A refusal's words, naming the paths as they are now."""
         directory, own_flag = self.dir, self._own_directory_flag()
         origin, init_from = self.as_now(recorded.resumed_from), self.as_now(recorded.init_from)
         if action is Action.REFUSE_INIT:
@@ -553,12 +562,12 @@ class Snapshots:
         holds = (f"run {recorded.run}'s snapshots (newest: {newest.path.name})" if newest else
                  f"run {recorded.run}, stopped before its first snapshot")
         asked = ("--resume never starts a new run" if self.resume_from == "never" else
-                 f"--resume {self.resume_from} branches a new run from that snapshot" if state else
+                 f"--resume {self.resume_from} branches a new run from that snapshot" if self.resume_from != "auto" else
                  f"--init_from {self.init_from} starts a new run from those weights")
         again = f"--resume {origin}" if origin else f"--resume auto{' --init_from ' + init_from if init_from else ''}"
         # (a branch's own directory is named by its first step; its metrics go beside its parent's)
-        own = f"--snapshot_dir {directory / 'branch_{:07d}'.format(state['step'] + 1)}" if state else \
-            f"{own_flag} NEW_DIR"
+        step = snapshot.SNAPSHOT_NAME.fullmatch(Path(self.resume_from).name)
+        own = f"--snapshot_dir {directory}/branch_{int(step[1]) + 1:07d}" if step else f"{own_flag} NEW_DIR"
         return (f"--snapshot_dir {directory} holds {holds}, and {asked}: one directory holds one run, so this one "
                 f"stops before it reads or writes anything there. To continue that run, rerun it with {again}; to "
                 f"start this one, give it a directory of its own ({own}), or move those files away.")
@@ -576,7 +585,7 @@ class Snapshots:
                     f"({', '.join(in_the_way[:4])}{', ...' if len(in_the_way) > 4 else ''}): another run's, or "
                     "without the .json that says whose. Writing over them would destroy them, so this run stops "
                     "before its first step. Give it a directory of its own (e.g. --snapshot_dir "
-                    f"{self.dir / 'branch_{:07d}'.format(start)}), or move them out of the way.")
+                    f"{self.dir}/branch_{start:07d}), or move them out of the way.")
         if others:
             self.print0(f"note: {self.dir} also holds snapshots this run did not write: "
                         f"{', '.join(e.path.name for e in others)}. They are left as they are: never resumed by "
