@@ -1,15 +1,10 @@
 """A run's --snapshot_dir: the state table, the snapshot to resume, writing on the beat, pruning, rollback.
 
-A directory holds one run. run.json, written before the first step (so that a run killed before its first snapshot
-is known), names it (its id is its wandb run's too) and where it started: random weights, --init_from X or the
-snapshot --resume PATH branched from (a path relative to the directory, so that a moved directory still finds it).
-Beside each snapshot, snapshot_<step>.json names the run that wrote it: a run resumes, prunes and rolls back only its
-own, and stops before its first step if another run's sits where it will write. What a run does with its directory
-is one look-up in TABLE (decide); docs/reliability.md shows the table as table_markdown() prints it.
-
-What a snapshot holds is decided in _capture and _restore. None is written from NaN or inf weights; one written
-while updates are skipped (divergence.DivergenceGuard) is unhealthy, no place to roll back to. A failed write is a
-warning and training goes on: only the run's last snapshot must be written. Pruning keeps the newest healthy one.
+A directory holds one run: run.json, written before the first step, names it (its id is its wandb run's too) and
+where it started (random weights, --init_from X, or the snapshot --resume PATH branched from, relative to the
+directory so that it moves with it). Beside each snapshot, snapshot_<step>.json names the run that wrote it: a run
+resumes, prunes and rolls back only its own, and stops before its first step if another's sits where it will write.
+What a run does with its directory is one look-up in TABLE, which docs/reliability.md shows as table_markdown() does.
 """
 
 import json
@@ -96,11 +91,14 @@ def table_markdown() -> str:
 
 @dataclass
 class Run:
-    """run.json: the run's id and where it started (init_from: a path relative to the directory, or a Hugging Face
-    name; resumed_from: the snapshot it branched from, relative to the directory; neither: random weights)."""
+    """run.json: the run's id and origin (paths relative to the directory; a Hugging Face name as it is)."""
     run: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     init_from: str | None = None
     resumed_from: str | None = None
+
+
+RUN_FIELDS = {"run": str, "init_from": str | None, "resumed_from": str | None}
+SIDECAR_FIELDS = {"run": str, "step": int}
 
 
 def read_record(path: Path, fields: dict[str, type]) -> dict:
@@ -125,8 +123,7 @@ def write_record(path: Path, record: dict) -> None:
 
 def read_run(snapshot_dir: Path) -> Run | None:
     path = snapshot_dir / RUN_FILE
-    return Run(**read_record(path, {"run": str, "init_from": str | None, "resumed_from": str | None})) \
-        if path.exists() or path.is_symlink() else None
+    return Run(**read_record(path, RUN_FIELDS)) if path.exists() or path.is_symlink() else None
 
 
 def sidecar(path: Path) -> Path:
@@ -135,8 +132,7 @@ def sidecar(path: Path) -> Path:
 
 @dataclass
 class Entry:
-    """A snapshot in the directory: its path and step, the run its .json names (None: none), and its state if it
-    loads (bytes unchecked), else why not."""
+    """A snapshot in the directory; run: whose its .json says (None: none); state: if it loads, else problem."""
     path: Path
     step: int
     run: str | None
@@ -153,7 +149,7 @@ def survey(snapshot_dir: Path, owner: str | None = None) -> list[Entry]:
         try:
             if sidecar(path).exists() or sidecar(path).is_symlink():
                 run = owner
-                run = read_record(sidecar(path), {"run": str, "step": int})["run"]
+                run = read_record(sidecar(path), SIDECAR_FIELDS)["run"]
             state = snapshot.load_snapshot(path, verify=False)
         except (ValueError, OSError) as e:
             problem = f"{path} ({type(e).__name__}: {e})" if isinstance(e, OSError) else str(e)
@@ -162,27 +158,19 @@ def survey(snapshot_dir: Path, owner: str | None = None) -> list[Entry]:
 
 
 def first_loadable(candidates: list[Entry], where: str) -> Entry:
-    """The first of `candidates` that loads and whose bytes check, each before it skipped with a warning naming it;
-    ValueError naming them all if none does."""
+    """The first that loads and whose bytes check, each before it named and skipped; ValueError if none does."""
     failures = []
     for entry in candidates:
         problem = entry.problem
-        if problem is None:
-            try:
+        try:
+            if problem is None:
                 snapshot.verify_checksums(entry.path, entry.state)
                 return entry
-            except (ValueError, OSError) as e:
-                problem = f"{entry.path} ({type(e).__name__}: {e})" if isinstance(e, OSError) else str(e)
+        except (ValueError, OSError) as e:
+            problem = f"{entry.path} ({type(e).__name__}: {e})" if isinstance(e, OSError) else str(e)
         print(f"WARNING: skipping snapshot: {problem} Trying the next older one.", file=sys.stderr)
         failures.append(problem)
     raise ValueError(f"none of the {len(failures)} snapshots {where} loads: {' '.join(failures)}")
-
-
-def loads(path: Path) -> bool:
-    try:
-        return bool(snapshot.load_snapshot(path))
-    except (ValueError, OSError):
-        return False
 
 
 def health(snapshots: list[tuple[Path, dict]]) -> Iterator[tuple[Path, bool | None]]:
@@ -225,12 +213,10 @@ class Snapshots:
         self.dir, self.every, self.keep_last, self.resume_from = Path(snapshot_dir), every, keep_last, resume_from
         self.init_from, self.trainee, self.train_loader = run_config["init_from"], trainee, train_loader
         self.run_config, self.dist_env, self.print0 = run_config, dist_env, print0
-        self.stateful, self.run_lock = stateful or {}, run_lock or RunLock()
-        self.record, self.surveyed = Run(), []
-        self.continued = False  # whether this run continues the directory's run from one of its snapshots
+        self.stateful, self.run_lock, self.record, self.surveyed = stateful or {}, run_lock or RunLock(), Run(), []
+        self.continued, self.last_saved = False, -1  # continued: the directory's run, from one of its snapshots
         # What the user named on the command line is never deleted (pruning, rollbacks), even if it is this run's.
         self.named = {Path(p).resolve() for p in (resume_from, self.init_from) if p not in ("auto", "never", "scratch")}
-        self.last_saved = -1
         self.resumed_config: dict | None = None  # the flags of the run that wrote the snapshot resumed from
 
     @property
@@ -238,7 +224,7 @@ class Snapshots:
         return self.record.run
 
     def as_now(self, recorded: str | None) -> str | None:
-        """A path run.json records (relative to the directory), as it is from here; a Hugging Face name as it is."""
+        """A path run.json records, as it is from here (a Hugging Face name as it is)."""
         path = self.dir / recorded if recorded else None
         return str(path.resolve()) if path and (path.exists() or recorded.endswith(".pt")) else recorded
 
@@ -246,9 +232,9 @@ class Snapshots:
         return os.path.relpath(Path(path).resolve(), self.dir.resolve()) if Path(path).exists() else path
 
     def resume(self) -> tuple[int, str | None]:
-        """Do what TABLE says: restore the snapshot to continue or branch from, or none. Returns the step to start
-        at and the path resumed from (None: a fresh start). Collective: every rank reads the same file."""
-        found, start = self._choose(), 0
+        """Do what TABLE says: returns the step to start at and the snapshot restored (None: a fresh start), having
+        written run.json. Collective: every rank restores the same snapshot, or raises the same error."""
+        found, start, refusal = self._choose(), 0, None
         if found is not None:
             path, state = found
             try:
@@ -256,7 +242,6 @@ class Snapshots:
             except ValueError as e:  # the shards: a value that is not plain data
                 raise UserError(f"--resume: {e} Pass another snapshot, or --resume never to start over.") from e
             self.last_saved, self.resumed_config, start = state["step"], state["config"], state["step"] + 1
-        refusal = None
         if self.dist_env.is_master and (refusal := self._check_the_way(start)) is None:
             try:
                 write_record(self.dir / RUN_FILE, asdict(self.record))
@@ -269,8 +254,8 @@ class Snapshots:
         return start, found[0] if found else None
 
     def save_if_due(self, step: int, last_step: int, stopping: bool, healthy: bool = True) -> Path | None:
-        """Snapshot the state after `step` every --snapshot_every steps, at the last step and when stopping; healthy:
-        whether the last update was applied. Collective; returns the path written, if any."""
+        """Snapshot the state after `step` every --snapshot_every steps, at the last step and when stopping (healthy:
+        the last update was applied). Collective; returns the path written, if any."""
         due = (self.every and (step + 1) % self.every == 0) or step == last_step or stopping
         if not due or step <= self.last_saved:  # nothing trained since the last one (a stop during evaluation)
             return None
@@ -281,11 +266,11 @@ class Snapshots:
         state, path = self._capture(step, healthy), snapshot.snapshot_path(self.dir, step, self.trainee.sharded)
         self._stop_if_moved()
         failure, ours_already, written = None, sidecar(path).exists(), False
-        if self.dist_env.is_master:
-            try:
+        try:
+            if self.dist_env.is_master:
                 write_record(sidecar(path), {"run": self.run, "step": step})  # first: a crash after it leaves ours
-            except OSError as e:
-                failure = e
+        except OSError as e:
+            failure = e
         try:
             if not any_rank(failure is not None, self.dist_env.device):
                 if self.trainee.sharded:
@@ -299,9 +284,8 @@ class Snapshots:
         finally:  # (a failure, or a second Ctrl-C: the .json of a snapshot that is not there goes too)
             if self.dist_env.is_master and not written and not ours_already:
                 sidecar(path).unlink(missing_ok=True)
-        if any_rank(failure is not None, self.dist_env.device):  # every rank learns how it went
-            self._write_failed(step, path, failure, final=step == last_step or stopping)
-            return None
+        if any_rank(failure is not None, self.dist_env.device):
+            return self._write_failed(step, path, failure, final=step == last_step or stopping)
         self._stop_if_moved()  # (moved while it was written)
         if self.dist_env.is_master:
             self._prune()
@@ -325,18 +309,19 @@ class Snapshots:
         reason = f"{type(failure).__name__}: {str(failure).strip().splitlines()[0]}" if failure else "on another rank"
         newest = f"the older snapshots are intact, the newest is {older[0][0]}" if older else \
             "there is no older snapshot"
+        last = ", and it was the run's last" if final else ""
         what = (f"the snapshot of step {step} could not be written to {path.parent} ({reason}; "
-                f"{usage.free / 2**20:,.0f} MiB free of {usage.total / 2**20:,.0f} MiB)")
+                f"{usage.free / 2**20:,.0f} MiB free of {usage.total / 2**20:,.0f} MiB){last}; {newest}")
         if final:
-            raise UserError(f"{what}, and it was the run's last; {newest}. Free space (or point --snapshot_dir at a "
-                            "disk with room) and rerun the same command to resume from there.")
+            raise UserError(f"{what}. Free space (or point --snapshot_dir at a disk with room) and rerun the same "
+                            "command to resume from there.")
         if self.dist_env.is_master:
-            print(f"WARNING: {what}; {newest}. Training goes on; the next due snapshot tries again.", file=sys.stderr)
+            print(f"WARNING: {what}. Training goes on; the next due snapshot tries again.", file=sys.stderr)
 
     def rollback(self) -> tuple[int, str] | None:
         """Restore the newest healthy snapshot but its data position (training goes on with the data after the
-        divergence); returns its step and path (None: there is none). Collective. The caller counts the rollback
-        (in the restored guard), then commit_rollback writes it."""
+        divergence); returns its step and path (None: none). Collective; the caller counts the rollback in the
+        restored guard, then commit_rollback writes it."""
         path = self.newest_healthy()
         if path is None:
             return None
@@ -345,18 +330,16 @@ class Snapshots:
         return state["step"], path
 
     def commit_rollback(self, step: int, path: str) -> None:
-        """Write the state as it is now over the snapshot restored, so that a crash before the next snapshot resumes
-        after the rollback (of a directory only meta.pt: its shards hold the weights restored), and delete this
-        run's newer snapshots (all unhealthy: --resume auto would pick one). Collective; a failed write warns."""
+        """Write the state as it is now over the snapshot restored (a crash before the next snapshot resumes after the
+        rollback; of a directory only meta.pt, its shards hold the weights restored), and delete this run's newer
+        snapshots (all unhealthy: --resume auto would pick one). Collective; a failed write is a warning."""
         state, self.last_saved = self._capture(step, healthy=True), step
         if not self.dist_env.is_master:
             return
         try:
             if Path(path).is_dir():
                 state["shard_crc32"] = snapshot.load_snapshot(path, verify=False)["shard_crc32"]
-                atomic_write(Path(path) / "meta.pt", lambda f: snapshot.torch_save(state, f))
-            else:
-                snapshot.save_snapshot(state, Path(path))
+            snapshot.save_snapshot(state, Path(path) / "meta.pt" if Path(path).is_dir() else Path(path))
         except OSError as e:
             print(f"WARNING: the rollback could not be written to {path} ({type(e).__name__}: {e}); a crash before "
                   "the next snapshot would resume from before the rollback.", file=sys.stderr)
@@ -384,17 +367,15 @@ class Snapshots:
                 keep.add(path)
             if healthy:
                 break
-        temps = [p for p in self.dir.glob("snapshot_*tmp") if (m := TEMP_NAME.fullmatch(p.name)) and
-                 self._ours(int(m[1]))]
-        for path in [p for p in old if p not in keep] + temps:
+        for path in [p for p in old if p not in keep] + [p for p in self.dir.glob("snapshot_*tmp") if self._ours(p)]:
             remove_or_warn(path)
 
-    def _ours(self, step: int) -> bool:
-        """Whether this run's .json is there for `step` (written before the snapshot, and its temp files)."""
+    def _ours(self, temp: Path) -> bool:
+        """Whether a temp file or directory is of a write of this run's (its step's .json names the run)."""
         try:
-            return read_record(sidecar(snapshot.snapshot_path(self.dir, step)), {"run": str, "step": int})["run"] == \
-                self.run
-        except ValueError:
+            step = int(TEMP_NAME.fullmatch(temp.name)[1])
+            return read_record(sidecar(snapshot.snapshot_path(self.dir, step)), SIDECAR_FIELDS)["run"] == self.run
+        except (TypeError, ValueError):  # (not a temp's name, or no .json of this run's)
             return False
 
     def _finite(self) -> bool:
@@ -428,32 +409,24 @@ class Snapshots:
                  "step": step, "loader": loader_states[0], "rng": list(rng_states), "config": self.run_config,
                  "wandb_id": self.run, "healthy": healthy, "tokenizer": self.train_loader.tokenizer.to_dict()}
         state |= {name: each.state_dict() for name, each in self.stateful.items()}
-        if not t.sharded:
-            state |= {"model": t.raw.state_dict(), "optimizer": t.optimizer.state_dict()}
-        return state
+        return state | ({} if t.sharded else {"model": t.raw.state_dict(), "optimizer": t.optimizer.state_dict()})
 
     def _restore(self, path: str, state: dict, data_position: bool = True) -> None:
         """Restore everything `state` holds (the data loader's position only if data_position)."""
-        t, dist_env, written_with = self.trainee, self.dist_env, state["config"]["optimizer"]
+        t, dist_env = self.trainee, self.dist_env
         # First: another tokenizer's data usually means another vocabulary too, and the model's shape is not the cause
         snapshot.check_tokenizer(path, snapshot.tokenizer_of(state, path), self.run_config["data_dir"],
                                  self.train_loader.tokenizer, "Resume it on data written with its tokenizer "
                                  "(--data_dir), or start a new run on this data with --resume never.")
-        if (written := snapshot.model_config_of(state, path)) != t.raw.config:
-            raise UserError(f"{path} holds a model {asdict(written)}, but this run builds {asdict(t.raw.config)}. Pass "
-                            "the --arch/--model/--n_layer/--n_head/--n_embd/--block_size/--[no-]attention_bias of the "
-                            "run that wrote it, or --resume never to start over.")
-        if written_with != self.run_config["optimizer"]:
-            raise UserError(f"{path} was written by an --optimizer {written_with} run, and this run is --optimizer "
-                            f"{self.run_config['optimizer']}: their optimizer states do not convert. Resume it with "
-                            f"--optimizer {written_with}, or start a new run from its weights with --init_from {path} "
-                            "(a fresh optimizer, schedule and data order).")
-        if Path(path).is_dir() != t.sharded:
-            kind = "fsdp" if Path(path).is_dir() else "ddp"
-            raise UserError(f"{path} was written by a --parallel {kind} run, and this run is --parallel "
-                            f"{t.parallel}: their optimizer states are laid out differently. Resume it with --parallel "
-                            f"{kind} (on any number of ranks), or start a new run from its weights with --init_from "
-                            f"{path}.")
+        kind, written = "fsdp" if Path(path).is_dir() else "ddp", asdict(snapshot.model_config_of(state, path))
+        differ = [f"{what} {theirs} (this run: {ours})" for what, theirs, ours in (
+            ("a model", written, asdict(t.raw.config)), ("--parallel", kind, t.parallel),
+            ("--optimizer", state["config"]["optimizer"], self.run_config["optimizer"])) if theirs != ours]
+        if differ:  # (the optimizer states of another optimizer, or of another layout, do not convert)
+            raise UserError(f"{path} was written with {'; '.join(differ)}. Resume it with the flags of the run that "
+                            "wrote it (--arch/--model/--n_layer/--n_head/--n_embd/--block_size/--[no-]attention_bias, "
+                            "--optimizer; --parallel on any number of ranks), or start a new run from its weights "
+                            f"with --init_from {path} (a fresh optimizer, schedule and data order).")
         if t.sharded:  # each rank reads its own shards, resharded if the number of ranks changed
             model_state, optimizer_state = get_state_dict(t.raw, list(t.optimizer))
             loaded = {"model": model_state, "optimizer": optimizer_state}
@@ -482,25 +455,61 @@ class Snapshots:
     def _choose(self) -> tuple[str, dict] | None:
         """This run's record, and the snapshot to restore (None: none), as TABLE says. Rank 0 decides; every rank
         reads the same snapshot, or raises the same error."""
-        resume, decision, failure = self.resume_from, None, None
-        if resume not in ("auto", "never") and self.init_from != "scratch":
-            raise UserError(f"--resume {resume} and --init_from {self.init_from} both name the weights to start from. "
-                            "Pass --resume PATH to continue or branch from a snapshot with its optimizer and data "
-                            "position, or --init_from to start a new run from weights alone, not both.")
-        if self.dist_env.is_master:
-            try:
-                decision = self._decide()
-            except ValueError as e:  # a record of the directory that is not one, or no snapshot to continue loads
-                failure = (f"--resume {resume}: {e} Nothing was deleted. Repair or move them away (a copy of a good "
-                           "snapshot elsewhere: --resume PATH), or start over with --resume never in a fresh "
-                           f"{self._own_directory_flag()}.")
-            except UserError as e:
-                failure = str(e)
+        decision, failure = None, None
+        if self.resume_from not in ("auto", "never") and self.init_from != "scratch":
+            raise UserError(f"--resume {self.resume_from} and --init_from {self.init_from} both name the weights to "
+                            "start from. Pass --resume PATH to continue or branch from a snapshot with its optimizer "
+                            "and data position, or --init_from to start a new run from weights alone, not both.")
+        try:
+            decision = self._decide() if self.dist_env.is_master else None
+        except ValueError as e:  # a record of the directory that is not one, or no snapshot to continue loads
+            failure = (f"--resume {self.resume_from}: {e} Nothing was deleted. Repair or move them away (a copy of a "
+                       "good snapshot elsewhere: --resume PATH), or start over with --resume never in a fresh "
+                       f"{self._own_directory_flag()}.")
+        except UserError as e:
+            failure = str(e)
         decision, failure = from_rank_0((decision, failure))
         if failure is not None:
             raise UserError(failure)
         self.record, self.continued, path, self.surveyed = decision
         return (path, snapshot.load_snapshot(path, verify=False)) if path else None
+
+    def _decide(self) -> tuple[Run, bool, str | None, list[Entry]]:
+        """Rank 0: the run's record, whether it continues the directory's run, the snapshot to restore (None: none)
+        and the directory's snapshots; a refusal is a UserError."""
+        recorded = read_run(self.dir)
+        found = survey(self.dir, recorded and recorded.run)
+        own = [e for e in found if recorded and e.run == recorded.run]
+        origin, newest = self.as_now(recorded and recorded.resumed_from), next((e for e in own if e.state), None)
+        holds = Holds.EMPTY if recorded is None else Holds.SNAPSHOTS if newest else Holds.DAMAGED if own else \
+            Holds.ORIGIN_LOST if origin and not self._loads(origin) else \
+            Holds.NOT_STARTED_INIT if recorded.init_from else Holds.NOT_STARTED
+        branch = self.resume_from not in ("auto", "never")
+        if self.resume_from == "never" or (self.resume_from == "auto" and self.init_from == "scratch"):
+            asks = Asks.NEW if self.resume_from == "never" else Asks.AUTO
+        else:
+            asks = Asks.ORIGIN if recorded is None or (Path(self.resume_from).resolve() in (
+                origin and Path(origin), newest and newest.path.resolve()) if branch else
+                recorded.init_from == self.relative(self.init_from)) else Asks.NEW
+        action, where = decide(holds, asks), f"of run {recorded and recorded.run} in {self.dir}"
+        if action is Action.START:
+            init_from = self.relative(self.init_from) if self.init_from != "scratch" else None
+            branch and self._branch_from()
+            return Run(init_from=init_from, resumed_from=self.relative(self.resume_from) if branch else None), \
+                False, self.resume_from if branch else None, found
+        if action is Action.CONTINUE:
+            return recorded, True, str(first_loadable(own, where).path), found
+        if action is Action.RESTART:
+            return recorded, False, origin, found
+        if action is Action.REFUSE_DAMAGED:
+            first_loadable(own, where)  # raises, naming every one
+        raise UserError(self._refusal(action, recorded, newest))
+
+    def _loads(self, path: str) -> bool:
+        try:
+            return bool(snapshot.load_snapshot(path))
+        except (ValueError, OSError):
+            return False
 
     def _branch_from(self) -> dict:
         """--resume PATH's snapshot, checked; a UserError naming it if it is missing or does not load."""
@@ -512,40 +521,7 @@ class Snapshots:
         except ValueError as e:
             raise UserError(f"--resume: {e} Pass another snapshot, 'auto' or 'never'.") from e
 
-    def _decide(self) -> tuple[Run, bool, str | None, list[Entry]]:
-        """Rank 0: the run's record, whether it continues the directory's run, the snapshot to restore (None: none)
-        and the directory's snapshots; a refusal is a UserError."""
-        recorded = read_run(self.dir)
-        found = survey(self.dir, recorded and recorded.run)
-        own = [e for e in found if recorded and e.run == recorded.run]
-        origin = self.as_now(recorded and recorded.resumed_from)
-        holds = Holds.EMPTY if recorded is None else Holds.SNAPSHOTS if any(e.state for e in own) else \
-            Holds.DAMAGED if own else Holds.ORIGIN_LOST if origin and not loads(Path(origin)) else \
-            Holds.NOT_STARTED_INIT if recorded.init_from else Holds.NOT_STARTED
-        newest = next((e.path.resolve() for e in own if e.state), None)
-        if self.resume_from == "never":
-            asks = Asks.NEW
-        elif self.resume_from == "auto" and self.init_from == "scratch":
-            asks = Asks.AUTO
-        elif recorded is None or self.resume_from in ("auto", "never"):
-            asks = Asks.ORIGIN if recorded is None or recorded.init_from == self.relative(self.init_from) else Asks.NEW
-        else:
-            asks = Asks.ORIGIN if Path(self.resume_from).resolve() in (origin and Path(origin), newest) else Asks.NEW
-        action, where = decide(holds, asks), f"of run {recorded and recorded.run} in {self.dir}"
-        if action is Action.START:
-            branch = self.resume_from not in ("auto", "never") and bool(self._branch_from())
-            return Run(init_from=self.relative(self.init_from) if self.init_from != "scratch" else None,
-                       resumed_from=self.relative(self.resume_from) if branch else None), False, \
-                self.resume_from if branch else None, found
-        if action is Action.CONTINUE:
-            return recorded, True, str(first_loadable(own, where).path), found
-        if action is Action.RESTART:
-            return recorded, False, origin, found
-        if action is Action.REFUSE_DAMAGED:
-            first_loadable(own, where)  # raises, naming every one
-        raise UserError(self._refusal(action, recorded, own))
-
-    def _refusal(self, action: Action, recorded: Run, own: list[Entry]) -> str:
+    def _refusal(self, action: Action, recorded: Run, newest: Entry | None) -> str:
         """A refusal's words, naming the paths as they are now."""
         directory, own_flag = self.dir, self._own_directory_flag()
         origin, init_from = self.as_now(recorded.resumed_from), self.as_now(recorded.init_from)
@@ -558,15 +534,13 @@ class Snapshots:
                     "loads, and the branch was stopped before its first snapshot: there is nothing to continue it "
                     f"from. Put {origin} back and rerun the same command, or start another run in a directory of its "
                     f"own ({own_flag} NEW_DIR).")
-        newest = next((e for e in own if e.state), None)
         holds = (f"run {recorded.run}'s snapshots (newest: {newest.path.name})" if newest else
                  f"run {recorded.run}, stopped before its first snapshot")
         asked = ("--resume never starts a new run" if self.resume_from == "never" else
-                 f"--resume {self.resume_from} branches a new run from that snapshot" if self.resume_from != "auto" else
-                 f"--init_from {self.init_from} starts a new run from those weights")
+                 f"--init_from {self.init_from} starts a new run from those weights" if self.resume_from == "auto" else
+                 f"--resume {self.resume_from} branches a new run from that snapshot")
         again = f"--resume {origin}" if origin else f"--resume auto{' --init_from ' + init_from if init_from else ''}"
-        # (a branch's own directory is named by its first step; its metrics go beside its parent's)
-        step = snapshot.SNAPSHOT_NAME.fullmatch(Path(self.resume_from).name)
+        step = snapshot.SNAPSHOT_NAME.fullmatch(Path(self.resume_from).name)  # a branch's directory: its first step
         own = f"--snapshot_dir {directory}/branch_{int(step[1]) + 1:07d}" if step else f"{own_flag} NEW_DIR"
         return (f"--snapshot_dir {directory} holds {holds}, and {asked}: one directory holds one run, so this one "
                 f"stops before it reads or writes anything there. To continue that run, rerun it with {again}; to "
@@ -584,8 +558,8 @@ class Snapshots:
             return (f"--snapshot_dir {self.dir} holds snapshots this run did not write, at steps it will write "
                     f"({', '.join(in_the_way[:4])}{', ...' if len(in_the_way) > 4 else ''}): another run's, or "
                     "without the .json that says whose. Writing over them would destroy them, so this run stops "
-                    "before its first step. Give it a directory of its own (e.g. --snapshot_dir "
-                    f"{self.dir}/branch_{start:07d}), or move them out of the way.")
+                    f"before its first step. Give it a directory of its own (e.g. --snapshot_dir {self.dir}/branch_"
+                    f"{start:07d}), or move them out of the way.")
         if others:
             self.print0(f"note: {self.dir} also holds snapshots this run did not write: "
                         f"{', '.join(e.path.name for e in others)}. They are left as they are: never resumed by "

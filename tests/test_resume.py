@@ -236,8 +236,8 @@ def test_resume_from_a_missing_file_is_a_clear_error(job, tmp_path):
 @pytest.mark.parametrize("change, message", [
     (["--micro_batch_size", "1", "--total_batch_size", "32"], "chunk_tokens=32, this run has chunk_tokens=16"),
     (["--total_batch_size", "128"], "chunks_per_step=2, this run has chunks_per_step=4"),
-    (["--n_layer", "3"], "n_layer.*Pass the --arch/--model"),
-    (["--arch", "modern"], "'arch': 'gpt2'.*'arch': 'modern'.*Pass the --arch"),
+    (["--n_layer", "3"], "n_layer.*Resume it with the flags of the run that wrote it \\(--arch/--model"),
+    (["--arch", "modern"], "'arch': 'gpt2'.*'arch': 'modern'.*Resume it with the flags of the run that wrote it"),
     # The same B·T = 32 tokens a micro-batch and the same total batch, in sequences of 8.
     (["--seq_len", "8", "--micro_batch_size", "4"], "--seq_len 16, and this run into sequences of --seq_len 8"),
 ])
