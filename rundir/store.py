@@ -63,16 +63,14 @@ class Action(Enum):
     REFUSE_LOST = "refuse, naming the lost snapshot"
 
 
-A = Action
 TABLE = {  # columns: AUTO, ORIGIN, NEW
-    Holds.EMPTY: (A.START, A.START, A.START),
-    Holds.SNAPSHOTS: (A.CONTINUE, A.CONTINUE, A.REFUSE_TAKEN),
-    Holds.DAMAGED: (A.REFUSE_DAMAGED, A.REFUSE_DAMAGED, A.REFUSE_TAKEN),
-    Holds.NOT_STARTED: (A.RESTART, A.RESTART, A.REFUSE_TAKEN),
-    Holds.NOT_STARTED_INIT: (A.REFUSE_INIT, A.RESTART, A.REFUSE_TAKEN),
-    Holds.ORIGIN_LOST: (A.REFUSE_LOST, A.REFUSE_LOST, A.REFUSE_TAKEN),
+    Holds.EMPTY: (Action.START, Action.START, Action.START),
+    Holds.SNAPSHOTS: (Action.CONTINUE, Action.CONTINUE, Action.REFUSE_TAKEN),
+    Holds.DAMAGED: (Action.REFUSE_DAMAGED, Action.REFUSE_DAMAGED, Action.REFUSE_TAKEN),
+    Holds.NOT_STARTED: (Action.RESTART, Action.RESTART, Action.REFUSE_TAKEN),
+    Holds.NOT_STARTED_INIT: (Action.REFUSE_INIT, Action.RESTART, Action.REFUSE_TAKEN),
+    Holds.ORIGIN_LOST: (Action.REFUSE_LOST, Action.REFUSE_LOST, Action.REFUSE_TAKEN),
 }
-del A
 
 
 def decide(holds: Holds, asks: Asks) -> Action:

@@ -283,7 +283,8 @@ def test_an_fp16_run_saves_its_loss_scale_and_a_resume_carries_it_on(job, tmp_pa
     state = load_snapshot(snapshot_path(tmp_path / "whole", 1))
     state["scaler"]["scale"] = 1024.0
     save_snapshot(state, snapshot_path(tmp_path / "scaled", 1))
-    main_in_process([*job.args, *fp16, "--log_dir", str(tmp_path / "scaled")])
+    main_in_process([*job.args, *fp16, "--log_dir", str(tmp_path / "scaled"), "--resume",
+                     str(snapshot_path(tmp_path / "scaled", 1))])
     assert scale_in(snapshot_path(tmp_path / "scaled", 3)) == 1024.0
 
 
