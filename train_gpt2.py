@@ -28,13 +28,13 @@ from dataloader import DistributedDataLoader, ShardReadError
 from evaluation import tasks as evals
 from evaluation.validation import validation_loss
 from model import GPT
-from rundir.lock import lock_run_directories
-from rundir.snapshot import read_model
+from rundir.lock import RunLock, lock_run_directories
+from rundir.snapshot import FORMAT, read_model
 from rundir.store import Snapshots
 from training import hf
 from training.config import HF_MODELS, Plan, TrainConfig, parse_args, row_length
 from training.distributed import Distributed, hangs_reported, setup_distributed, synchronize, teardown_distributed
-from training.divergence import DivergenceGuard, DivergenceResponse, StopRequest
+from training.divergence import DivergenceGuard, StopRequest
 from training.errors import UserError, run_entry_point
 from training.inputs import check_inputs, resolve_plan
 from training.memory import choose_micro_batch, keep_freed_memory
@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> None:
             # it reads or writes anything there.
             with (hangs_reported(cfg.dist_timeout, dist_env.rank),
                   lock_run_directories({"--log_dir": cfg.log_dir, "--snapshot_dir": cfg.snapshot_dir}, dist_env,
-                                       cfg.run_lock)):
-                run(cfg, dist_env, stop)
+                                       cfg.run_lock) as run_lock):
+                run(cfg, dist_env, stop, run_lock)
                 if dist.is_initialized():
                     # Leave together: a rank tearing gloo down while rank 0 still writes the last snapshot can abort.
                     dist.barrier()
@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> None:
             teardown_distributed()
 
 
-def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None) -> None:
+def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None, run_lock: RunLock | None = None
+        ) -> None:
     device, master = dist_env.device, dist_env.is_master
     stop = stop or StopRequest()
     print0 = print if master else (lambda *args, **kwargs: None)  # stdout on rank 0; `metrics`: metrics.jsonl, wandb
@@ -104,7 +105,7 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None
     trainee = build_training_model(initial_model(cfg, plan), dist_env, dtype, cfg, cfg.compile, parallel=cfg.parallel)
     guard = DivergenceGuard(cfg.skip_zscore)
     snapshots = Snapshots(plan.snapshot_dir, cfg.snapshot_every, cfg.keep_last, cfg.resume, trainee, train_loader,
-                          asdict(cfg), dist_env, print0, {"guard": guard})
+                          asdict(cfg), dist_env, print0, {"guard": guard}, run_lock)
     start_step, resumed_from = snapshots.resume()
     if start_step >= cfg.max_steps:
         print0(f"{resumed_from} is from step {start_step - 1}, the last of --max_steps {cfg.max_steps}: the run is "
@@ -114,7 +115,7 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None
                "jump; with cosine, or from this last snapshot (no new directory needed), the LR jumps back up (a "
                "warning says by how much). Or --resume never to start over.")
         return
-    metrics = RunLogger(cfg.log_dir, master, snapshots.timeline.run, snapshots.continued)
+    metrics = RunLogger(cfg.log_dir, snapshots.run, master, run_lock)
     if metrics.metrics_path.name != "metrics.jsonl":
         print0(f"metrics go to {metrics.metrics_path}: {cfg.log_dir}/metrics.jsonl is another run's")
     if resumed_from:
@@ -132,12 +133,11 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None
     elif cfg.init_from != "scratch":
         print0(f"initialised from {cfg.init_from}")
         metrics.log({"event": "init", "step": 0, "init_from": cfg.init_from})
-    timeline = snapshots.timeline  # (after the resume or init event: whose metrics these are, for run_logger)
-    metrics.log({"event": "timeline", "run": timeline.run, "step": start_step, "continued": snapshots.continued,
-                 "branched_from": timeline.branched_from, "resumed_from": timeline.resumed_from,
-                 "init_from": timeline.init_from})
+    # (after the resume or init event) whose metrics these are, for run_logger.metrics_path
+    metrics.log({"event": "timeline", "format": FORMAT, "step": start_step, "continued": snapshots.continued}
+                | asdict(snapshots.record))
     metrics.start_wandb(cfg.wandb_project, cfg.wandb_mode or ("online" if cfg.wandb_project else "disabled"),
-                        snapshots.wandb_id, cfg.wandb_run_name, asdict(cfg) | {
+                        snapshots.run, cfg.wandb_run_name, asdict(cfg) | {
                            "model_config": asdict(plan.model_config), "world_size": dist_env.world_size,
                            "grad_accum_steps": plan.grad_accum_steps})
     evaluations = Evaluations(cfg, plan, trainee, val_loader, eval_suite, metrics, stop, dist_env, dtype, tokenizer)
@@ -224,6 +224,57 @@ def initial_model(cfg: TrainConfig, plan: Plan) -> GPT:
             raise UserError(f"--init_from: {e}") from e
     model.crop_block_size(plan.model_config.block_size)
     return model
+
+
+class DivergenceResponse:
+    """--on_divergence: what the run does once --max_skips updates in a row were skipped (DivergenceGuard).
+
+    rollback: restore the newest healthy snapshot (Snapshots.rollback), count the rollback, write it at once
+    (Snapshots.commit_rollback) and train on from the snapshot's step with the data after the divergence, at most
+    --max_rollbacks times. stop, or no rollback left: a UserError, raised on every rank at the same step, saying where
+    the run stands and what to try.
+    """
+
+    def __init__(self, cfg: TrainConfig, snapshots: Snapshots, guard: DivergenceGuard,
+                 train_loader: DistributedDataLoader, metrics: RunLogger, print0):
+        self.cfg, self.snapshots, self.guard, self.train_loader = cfg, snapshots, guard, train_loader
+        self.metrics, self.print0 = metrics, print0
+
+    def respond(self, step: int, reason: str) -> int:
+        """Roll back and return the step to go on at, or raise UserError."""
+        cfg, position = self.cfg, self.train_loader.state_dict()
+        where = (f"epoch {position['epoch']}, shard {position['shard_position']}, chunk "
+                 f"{position['chunk_position']}")
+        if cfg.on_divergence == "rollback" and self.guard.rollbacks < cfg.max_rollbacks:
+            rollbacks = self.guard.rollbacks
+            restored = self.snapshots.rollback()  # the guard's state too, from before this rollback
+            if restored is not None:
+                snapshot_step, path = restored
+                # The run's count, not the snapshot's (a snapshot from before the guard holds no count either).
+                self.guard.skips_in_a_row, self.guard.rollbacks = 0, rollbacks + 1
+                self.snapshots.commit_rollback(snapshot_step, path)
+                next_step, rollbacks = snapshot_step + 1, self.guard.rollbacks
+                self.print0(f"step {step:5d} | {cfg.max_skips} updates skipped in a row (last: {reason}): rollback "
+                            f"{rollbacks} of {cfg.max_rollbacks} to {path}; training goes on at step {next_step} "
+                            f"with the data after the skipped steps ({where})")
+                self.metrics.log({"event": "rollback", "step": step, "to_step": next_step, "snapshot": path,
+                                  "rollbacks": rollbacks, "reason": reason, "data_position": position})
+                return next_step
+        rollbacks = self.guard.rollbacks
+        healthy = self.snapshots.newest_healthy()
+        self.metrics.log({"event": "diverged", "step": step, "reason": reason, "rollbacks": rollbacks,
+                          "data_position": position, "healthy_snapshot": healthy})
+        self.metrics.finish()
+        after = f"after {rollbacks} rollback(s) (--max_rollbacks {cfg.max_rollbacks}), " if rollbacks else ""
+        restart = (f"The newest healthy snapshot is {healthy}: restart from it with --resume {healthy} "
+                   "--snapshot_dir NEW_DIR (a branch: its snapshots apart from this run's later ones) and "
+                   if healthy else "There is no healthy snapshot to restart from: start again with ")
+        raise UserError(
+            f"training diverged: {after}{cfg.max_skips} updates in a row were skipped up to step {step} (the last "
+            f"for {reason}; --max_skips {cfg.max_skips}), with the data loader at {where}. {restart}a lower "
+            f"--max_lr (now {cfg.max_lr:g}), or --skip_zscore 6 to skip loss spikes before they run away, or "
+            "--on_divergence rollback to reload the newest healthy snapshot automatically and skip the data that "
+            "diverged.")
 
 
 class Evaluations:

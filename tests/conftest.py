@@ -169,6 +169,17 @@ def tiny_snapshots(data: Path, snapshot_dir: Path, log=print, guard=None, every:
                      stateful)
 
 
+def copy_run(source: Path, destination: Path, *steps: int) -> None:
+    """Copy a run's directory as a user would (cp -r): its run.json and the snapshots of `steps` with their .json
+    files (all of them without steps), the snapshots being files (ddp) or directories (fsdp)."""
+    import shutil
+    destination.mkdir(parents=True, exist_ok=True)
+    shutil.copy(source / "run.json", destination)
+    for path in source.glob("snapshot_*"):
+        if not steps or int(path.name[9:16]) in steps:
+            (shutil.copytree if path.is_dir() else shutil.copy)(path, destination / path.name)
+
+
 def failing(error_number: int):
     """A stand-in for a system call (os.open, fcntl.flock, ...) that fails with error_number, as the kernel's does."""
     def fail(*args, **kwargs):

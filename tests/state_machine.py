@@ -1,14 +1,14 @@
 """The state machine of issue 55: random histories of real runs with faults, checked after every rule against the
-state table of docs/reliability.md ("one directory, one timeline") and the invariants every run keeps.
+state table of docs/reliability.md ("one directory holds one run") and the invariants every run keeps.
 
 A history is a sequence of rules, each acted out for real on a tiny model (train_gpt2.py processes started through
 helpers_train.py): start a run (--snapshot_every 2 or 0); rerun a timeline with its own command, --resume auto,
 never, or one of its snapshots; branch from any snapshot into a directory of its own; --init_from a snapshot, into a
-new directory or into the directory of the run that wrote it; copy a snapshot into a new directory and run there (a
-directory without timeline.json); SIGKILL or Ctrl-C at a chosen step (tests/train_with_pauses.py holds the run before
-it reads that step's batch, so the fault lands there exactly); change (cp over, same size) or delete a shard under a
-run; truncate, flip a byte of, or delete a snapshot; copy another timeline's snapshot in; move a branch's parent away
-and back; make an old snapshot undeletable (chattr +i) so that pruning fails.
+new directory or into the directory of the run that wrote it; copy a run's directory (its run.json and a snapshot
+with its .json, as cp -r does) and continue it there; SIGKILL or Ctrl-C at a chosen step (tests/train_with_pauses.py
+holds the run before it reads that step's batch, so the fault lands there exactly); change (cp over, same size) or
+delete a shard under a run; truncate, flip a byte of, or delete a snapshot; copy another run's snapshot in (without
+its .json); move a branch's parent away and back; make an old snapshot undeletable (chattr +i) so that pruning fails.
 
 The model of the expected state says which directory holds which timeline and how that timeline started (its
 lineage), which files the user copied in or damaged, and where each parent is; with the directory as it is, the
@@ -204,9 +204,6 @@ class RunHistories(RuleBasedStateMachine):
         self.other_data = write_data(self.root / "other_data", seed=7)  # other tokens, shards of the same sizes
         self.timelines: list[Timeline] = []
         self.foreign: set[Path] = set()  # other timelines' snapshots the user copied into a timeline's directory
-        # Directories the user copied a snapshot into, to continue it there: the run takes it for its own (it cannot
-        # tell it from an older version's snapshot), and may prune it.
-        self.adopted: set[Path] = set()
         self.damaged: dict[Path, tuple] = {}  # snapshots the user damaged: path -> fingerprint after the damage
         self.moved: dict[Path, Path] = {}  # parents the user moved away: where they were -> where they are
         self.immutable: list[Path] = []
@@ -268,7 +265,7 @@ class RunHistories(RuleBasedStateMachine):
     def expect(self, t: Timeline, request: list[str]) -> Expect:
         """What the table says `request` does in t's directory."""
         if request == ["--resume", "never"]:
-            return Expect("refuse", "the directory holds a timeline, --resume never")
+            return Expect("refuse", "the directory holds a run, --resume never")
         if request == t.origin:
             return self.expect_auto(t, "the same command", same=True)
         if request in ([], ["--resume", "auto"]):
@@ -294,7 +291,7 @@ class RunHistories(RuleBasedStateMachine):
         in_the_way = [p.name for s, p in snapshot_files(t.directory).items() if p in self.foreign
                       and expect.first_step <= s < MAX_STEPS]
         if in_the_way:
-            return Expect("refuse", f"{request}: another timeline's snapshot at a step this run writes",
+            return Expect("refuse", f"{request}: another run's snapshot at a step this run writes",
                           names=in_the_way)
         return expect
 
@@ -492,9 +489,7 @@ class RunHistories(RuleBasedStateMachine):
         """Truncate, flip a byte of, or delete one of a timeline's snapshots. (Hypothesis orders rules by their number
         of arguments, then name, and its first history repeats the first rule it can: this one, with no run.)"""
         path = data.draw(st.sampled_from(self.damageable()), label="snapshot")
-        # (Deleting every snapshot of a copied-in directory would leave a timeline whose origin the table does not say.)
-        ways = ["truncate", "flip"] if path.parent in self.adopted else ["truncate", "flip", "delete"]
-        how = data.draw(st.sampled_from(ways), label="how")
+        how = data.draw(st.sampled_from(["truncate", "flip", "delete"]), label="how")
         self.begin(f"damage {path.parent.name}/{path.name}: {how}")
         if how == "delete":
             path.unlink()
@@ -516,27 +511,27 @@ class RunHistories(RuleBasedStateMachine):
     @precondition(lambda self: not self.over and self.sources())
     @rule(data=st.data(), fault=FAULTS)
     def adopt(self, data, fault):
-        """Copy a snapshot into a new directory and run there with --resume auto (the table's row "snapshots
-        without timeline.json", as an older version's directory holds them)."""
+        """Copy a run's directory to a new one (its run.json, and a snapshot with its .json, as cp -r does) and
+        continue it there with --resume auto: the same run, in two places."""
         path, lineage, step = data.draw(st.sampled_from(self.sources()), label="snapshot")
-        t = Timeline(f"t{len(self.timelines)}", self.new_timeline_dir(), lineage, [], step + 1)
-        self.begin(f"adopt {t.name}: {path.parent.name}/{path.name} copied in")
+        source = next(t for t in self.timelines if t.directory == path.parent)
+        t = Timeline(f"t{len(self.timelines)}", self.new_timeline_dir(), lineage, source.origin, source.first_step)
+        self.begin(f"adopt {t.name}: {path.parent.name} copied with {path.name}")
         t.directory.mkdir()
-        shutil.copyfile(path, t.directory / path.name)
-        self.adopted.add(t.directory)
+        for name in ("run.json", path.name, path.name.replace(".pt", ".json")):
+            shutil.copyfile(path.parent / name, t.directory / name)
         self.timelines.append(t)
         self.run_and_check(t, ["--log_dir", str(t.directory)],
-                           Expect("run", "snapshots without timeline.json: continue the newest", step + 1), fault)
+                           Expect("run", "a copied run: continue its snapshot", step + 1), fault)
 
     @precondition(lambda self: not self.over and len(self.timelines) > 1 and self.sources())
     @rule(data=st.data())
     def copy_foreign(self, data):
         """Copy another timeline's snapshot into a timeline's directory (under its own name, where that is free)."""
         path, lineage, _ = data.draw(st.sampled_from(self.sources()), label="snapshot")
-        # (Not between a directory a snapshot was copied into and the one it came from: whether the continuation
-        # there is the same timeline as its source is the code's to say.)
+        # (Under a name free of the snapshot and of its .json: a .json of the directory's run says the file is its.)
         targets = [t for t in self.timelines if t.directory != path.parent and not (t.directory / path.name).exists()
-                   and not ({t.directory, path.parent} & self.adopted and t.lineage == lineage)]
+                   and not (t.directory / path.name.replace(".pt", ".json")).exists()]
         if not targets:
             return
         t = data.draw(st.sampled_from(targets), label="into")
@@ -545,11 +540,8 @@ class RunHistories(RuleBasedStateMachine):
         self.foreign.add(t.directory / path.name)
 
     def movable_parents(self) -> list[Timeline]:
-        """The timelines whose parent (--resume PATH, --init_from X) is in place; not one in a directory a snapshot
-        was copied into (as for damage, its timeline could be left with no snapshot and an origin the table does not
-        say)."""
-        return [t for t in self.timelines
-                if t.origin and t.origin_path.exists() and t.origin_path.parent not in self.adopted]
+        """The timelines whose parent (--resume PATH, --init_from X) is in place."""
+        return [t for t in self.timelines if t.origin and t.origin_path.exists()]
 
     @precondition(lambda self: not self.over and self.movable_parents())
     @rule(data=st.data())
@@ -574,10 +566,9 @@ class RunHistories(RuleBasedStateMachine):
             self.damaged[where] = self.damaged.pop(moved)
 
     def prunable(self) -> list[Timeline]:
-        """The timelines whose next run writes a snapshot and then prunes an older one (not in a directory a snapshot
-        was copied into: whether the copy is pruned is the code's to say)."""
+        """The timelines whose next run writes a snapshot and then prunes an older one."""
         return [t for t in self.timelines if len(self.healthy(t)) > 1 and max(self.healthy(t)) < MAX_STEPS - 1 and
-                t.directory not in self.adopted and self.expect(t, []).action == "run"]
+                self.expect(t, []).action == "run"]
 
     @precondition(lambda self: not self.over and self.prunable())
     @rule(data=st.data())

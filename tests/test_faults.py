@@ -126,9 +126,9 @@ def test_a_full_disk_under_both_flags_is_exit_2_before_the_first_step_never_a_tr
     with mounted_tmpfs(directory, "size=1m"):
         fill_up(directory)
         before = contents(directory)
-        # Full before the first step: the run's timeline.json (a few hundred bytes) cannot be written, and the run
+        # Full before the first step: the run's run.json (a few hundred bytes) cannot be written, and the run
         # stops there, before it trains steps whose snapshots could not be kept either.
-        with pytest.raises(UserError, match=r"full/timeline.json could not be written \(OSError: \[Errno 28\] No "
+        with pytest.raises(UserError, match=r"full/run.json could not be written \(OSError: \[Errno 28\] No "
                                             r"space left on device\), so this run stops before its first step"):
             main_in_process([*JOB, "--data_dir", str(data), "--max_steps", "2", "--log_dir", str(directory)])
         assert set(contents(directory)) == set(before) | {LOCK_FILE}  # no temp file left
@@ -220,7 +220,7 @@ def test_a_second_ctrl_c_during_the_snapshot_write_aborts_at_once_leaving_no_par
                          str(tmp_path)])
     assert not sigint_kept_from_pytest
     assert [Path(f).name for f in temp_files] == [f"snapshot_000000{step}.pt.{os.getpid()}.tmp" for step in (0, 1)]
-    assert [p.name for p in tmp_path.glob("snapshot_*")] == ["snapshot_0000000.pt"]  # and the temp file is gone
+    assert [p.name for p in tmp_path.glob("snapshot_*.pt*")] == ["snapshot_0000000.pt"]  # and the temp file is gone
     assert load_snapshot(snapshot_path(tmp_path, 0))["step"] == 0
     assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [0, 1]
 
@@ -242,7 +242,7 @@ def test_a_run_stopped_by_ctrl_c_exits_0_as_on_sigterm_and_a_second_ctrl_c_kills
     proc.send_signal(signal.SIGINT)
     go_on(markers)
     markers = wait_for_pause(proc, tmp_path, "torch_save", 2)  # step 1's snapshot, begun: its temp file is there
-    assert sorted(p.name for p in tmp_path.glob("snapshot_*")) == ["snapshot_0000000.pt",
+    assert sorted(p.name for p in tmp_path.glob("snapshot_*.pt*")) == ["snapshot_0000000.pt",
                                                                     "snapshot_0000001.pt.%d.tmp" % proc.pid]
     proc.send_signal(signal.SIGINT)
     run = wait_train(proc, tmp_path, timeout=120, check=False)
@@ -251,7 +251,7 @@ def test_a_run_stopped_by_ctrl_c_exits_0_as_on_sigterm_and_a_second_ctrl_c_kills
                                                 "lost; a snapshot being written was removed, the older ones are as "
                                                 "they were.")
     assert "Traceback" not in run.proc.stderr
-    assert [p.name for p in tmp_path.glob("snapshot_*")] == ["snapshot_0000000.pt"]
+    assert [p.name for p in tmp_path.glob("snapshot_*.pt*")] == ["snapshot_0000000.pt"]
 
     # The same run once more, with one Ctrl-C: it stops after step 1 with its snapshot, and exits 0 as on SIGTERM.
     go_on(markers)

@@ -21,22 +21,17 @@ import pytest
 import torch
 
 import train_gpt2
-from conftest import flip_a_byte_in_tensor_data, make_shards, tiny_snapshots
+from conftest import copy_run, flip_a_byte_in_tensor_data, make_shards, tiny_snapshots
 from dataloader import DistributedDataLoader
 from helpers_train import TINY_ARGS, read_metrics, run_train
 from model import GPT
 from rundir import store as snapshot_store
 from rundir.snapshot import list_snapshots, load_snapshot, save_snapshot, snapshot_path
-from rundir.store import is_healthy, newest_healthy_snapshot, prune_snapshots
-from rundir.timeline import Timeline
-from training import divergence
 from training.config import TrainConfig, parse_args
 from training.distributed import Distributed
 from training.divergence import DivergenceGuard
 from training.errors import UserError
 from training.run_logger import RunLogger
-
-TIMELINE = Timeline("guardtests", [])  # the fake snapshots' timeline
 
 CPU = torch.device("cpu")
 B, T, ACCUM = 2, 16, 2  # 2 micro-steps of 2 × 16 tokens per step
@@ -172,35 +167,25 @@ def test_the_spike_windows_hold_the_last_spike_window_steps_also_after_a_load():
 # ----------------------------------------------------------------------------------------------------------------
 # healthy snapshots
 
-def fake_snapshot(step: int, healthy: bool) -> dict:
-    from rundir.snapshot import REQUIRED_KEYS
-    return {key: {} for key in REQUIRED_KEYS} | {"step": step, "rng": [], "wandb_id": "x", "healthy": healthy,
-                                                 "timeline": {"run": TIMELINE.run, "branched_from": []}}
+def written(data: Path, directory: Path, healthy: dict[int, bool], keep_last: int = 2, corrupt=()):
+    """A run's Snapshots with snapshots of each step `healthy` names, healthy or not, pruned to keep_last after each
+    save; the steps of `corrupt` get a flipped byte right after they are written."""
+    snapshots = tiny_snapshots(data, directory, keep_last=keep_last)
+    for step, flag in healthy.items():
+        snapshots.save_if_due(step, last_step=99, stopping=False, healthy=flag)
+        if step in corrupt:
+            flip_a_byte_in_tensor_data(snapshot_path(directory, step))  # healthy by its flag, but its bytes changed
+    return snapshots
 
 
-def test_a_snapshot_from_before_the_guard_counts_as_healthy(tmp_path):
-    older = fake_snapshot(4, True)
-    del older["healthy"]  # written before the guard existed: never checked, trusted as before
-    save_snapshot(older, snapshot_path(tmp_path, 4))
-    save_snapshot(fake_snapshot(9, False), snapshot_path(tmp_path, 9))
-    assert newest_healthy_snapshot(tmp_path, TIMELINE) == snapshot_path(tmp_path, 4)
-    prune_snapshots(tmp_path, keep_last=1, timeline=TIMELINE)
-    assert list_snapshots(tmp_path) == [snapshot_path(tmp_path, 9), snapshot_path(tmp_path, 4)]
-
-
-def test_a_corrupt_healthy_snapshot_is_neither_rolled_back_to_nor_kept_by_pruning(tmp_path):
-    for step, healthy in ((4, True), (9, True), (14, False), (19, False)):
-        save_snapshot(fake_snapshot(step, healthy) | {"model": {"w": torch.randn(256)}}, snapshot_path(tmp_path, step))
-    flip_a_byte_in_tensor_data(snapshot_path(tmp_path, 9))  # healthy by its flag, but its bytes changed
-    assert newest_healthy_snapshot(tmp_path, TIMELINE) == snapshot_path(tmp_path, 4)
-    prune_snapshots(tmp_path, keep_last=2, timeline=TIMELINE)
+def test_a_corrupt_healthy_snapshot_is_neither_rolled_back_to_nor_kept_by_pruning(data, tmp_path):
+    snapshots = written(data, tmp_path, {4: True, 9: True, 14: False, 19: False}, corrupt=(9,))
     assert list_snapshots(tmp_path) == [snapshot_path(tmp_path, step) for step in (19, 14, 4)]
+    assert snapshots.newest_healthy() == str(snapshot_path(tmp_path, 4))
 
 
-def test_pruning_keeps_the_newest_healthy_snapshot_beyond_keep_last(tmp_path):
-    for step, healthy in ((4, True), (9, True), (14, False), (19, False)):
-        save_snapshot(fake_snapshot(step, healthy), snapshot_path(tmp_path, step))
-    prune_snapshots(tmp_path, keep_last=2, timeline=TIMELINE)
+def test_pruning_keeps_the_newest_healthy_snapshot_beyond_keep_last(data, tmp_path):
+    written(data, tmp_path, {4: True, 9: True, 14: False, 19: False})
     assert [p.name for p in list_snapshots(tmp_path)] == ["snapshot_0000019.pt", "snapshot_0000014.pt",
                                                           "snapshot_0000009.pt"]
 
@@ -209,11 +194,11 @@ def test_pruning_keeps_the_newest_healthy_snapshot_beyond_keep_last(tmp_path):
     ({4: False, 9: True, 14: False, 19: False, 24: False}, [24, 19, 9]),  # the only healthy one is unreadable
     ({4: True, 9: True, 14: False, 19: False, 24: False}, [24, 19, 9, 4]),  # one newer than the newest readable
 ])
-def test_a_snapshot_whose_health_a_read_error_hides_is_kept_by_pruning(tmp_path, monkeypatch, healthy, kept):
+def test_a_snapshot_whose_health_a_read_error_hides_is_kept_by_pruning(data, tmp_path, monkeypatch, healthy, kept):
     # snapshot_9 cannot be read for now (EIO): it may be the newest healthy snapshot, so pruning keeps it, and the
     # older healthy one too if there is one; the unhealthy ones beyond --keep_last go.
-    for step, flag in healthy.items():
-        save_snapshot(fake_snapshot(step, flag), snapshot_path(tmp_path, step))
+    snapshots = written(data, tmp_path, {step: flag for step, flag in healthy.items() if step < 24}, keep_last=9)
+    snapshots.keep_last = 2
     unreadable, real_open = snapshot_path(tmp_path, 9), builtins.open
 
     def open_but_not_9(file, *args, **kwargs):
@@ -223,9 +208,9 @@ def test_a_snapshot_whose_health_a_read_error_hides_is_kept_by_pruning(tmp_path,
 
     with monkeypatch.context() as patch:
         patch.setattr(builtins, "open", open_but_not_9)
-        prune_snapshots(tmp_path, keep_last=2, timeline=TIMELINE)
+        snapshots.save_if_due(24, last_step=99, stopping=False, healthy=False)
     assert list_snapshots(tmp_path) == [snapshot_path(tmp_path, step) for step in kept]
-    assert newest_healthy_snapshot(tmp_path, TIMELINE) == unreadable  # once it reads again
+    assert snapshots.newest_healthy() == str(unreadable)  # once it reads again
 
 
 def test_no_snapshot_is_written_from_nan_weights(data, tmp_path):
@@ -247,8 +232,8 @@ def test_a_rollback_adds_one_to_the_runs_count_whatever_the_snapshot_holds(data,
     snapshots.save_if_due(0, 10, False)
     guard.rollbacks, guard.skips_in_a_row = 2, 3
     cfg = TrainConfig(on_divergence="rollback", max_skips=3, max_rollbacks=5)
-    response = divergence.DivergenceResponse(cfg, snapshots, guard, snapshots.train_loader,
-                                             RunLogger(tmp_path / "logs"), print)
+    response = train_gpt2.DivergenceResponse(cfg, snapshots, guard, snapshots.train_loader,
+                                             RunLogger(tmp_path / "logs", "run"), print)
     assert response.respond(7, "non-finite loss") == 1
     assert guard.rollbacks == 3 and guard.skips_in_a_row == 0
     assert load_snapshot(snapshot_path(tmp_path, 0))["guard"]["rollbacks"] == 3
@@ -326,7 +311,6 @@ def test_rollback_reloads_the_newest_healthy_snapshot_and_skips_the_bad_data(dat
     assert after == reference
 
 
-
 def test_a_rollback_removes_the_unhealthy_snapshots_of_the_abandoned_timeline(data, tmp_path, monkeypatch):
     # Bad data at steps 8-10: snapshot_9 is written while updates are skipped (unhealthy), then the rollback goes to
     # snapshot_4. Left on disk, snapshot_9 would be what --resume auto picks after a crash before the new step 9,
@@ -338,7 +322,7 @@ def test_a_rollback_removes_the_unhealthy_snapshots_of_the_abandoned_timeline(da
 
     def spied_rollback(self, step, path):
         assert [p.name for p in list_snapshots(run_dir)] == ["snapshot_0000009.pt", "snapshot_0000004.pt"]
-        assert not is_healthy(load_snapshot(snapshot_path(run_dir, 9)))
+        assert not load_snapshot(snapshot_path(run_dir, 9))["healthy"]
         commit_rollback(self, step, path)
         on_disk_after_rollback.extend(p.name for p in list_snapshots(run_dir))
 
@@ -350,7 +334,7 @@ def test_a_rollback_removes_the_unhealthy_snapshots_of_the_abandoned_timeline(da
     # The new timeline's snapshots of steps 9 and 11 (the last), written though the old one had a step-9 snapshot.
     assert [p.name for p in list_snapshots(run_dir)] == ["snapshot_0000011.pt", "snapshot_0000009.pt",
                                                          "snapshot_0000004.pt"]
-    assert all(is_healthy(load_snapshot(p)) for p in list_snapshots(run_dir))  # the new step 9's, and step 11's
+    assert all(load_snapshot(p)["healthy"] for p in list_snapshots(run_dir))  # the new step 9's, and step 11's
 
 
 class Crash(BaseException):
@@ -368,14 +352,14 @@ def test_a_rollback_is_written_at_once_so_a_crash_after_it_resumes_after_it(data
     rollback = [r for r in whole if r.get("event") == "rollback"]
     assert [r["to_step"] for r in rollback] == [5]
 
-    respond = divergence.DivergenceResponse.respond
+    respond = train_gpt2.DivergenceResponse.respond
 
     def respond_then_crash(self, step, reason):
         respond(self, step, reason)
         raise Crash
 
     with monkeypatch.context() as patch:
-        patch.setattr(divergence.DivergenceResponse, "respond", respond_then_crash)
+        patch.setattr(train_gpt2.DivergenceResponse, "respond", respond_then_crash)
         with pytest.raises(Crash):
             run_in_process(data, tmp_path / "crashed", *args)
     assert list_snapshots(tmp_path / "crashed") == [snapshot_path(tmp_path / "crashed", 4)]
@@ -384,7 +368,7 @@ def test_a_rollback_is_written_at_once_so_a_crash_after_it_resumes_after_it(data
     for _ in range(9 * ACCUM):
         read_9_steps.next_batch()
     assert state["loader"] == read_9_steps.state_dict()  # past the data of steps 0-8, bad ones included
-    assert state["guard"]["rollbacks"] == 1 and is_healthy(state) and state["step"] == 4
+    assert state["guard"]["rollbacks"] == 1 and state["healthy"] and state["step"] == 4
 
     records = run_in_process(data, tmp_path / "crashed", *args)  # the same bad data, still there
     rerun = records[max(i for i, r in enumerate(records) if r.get("event") == "resume"):]
@@ -420,8 +404,7 @@ def test_spike_statistics_resume_exactly(data, tmp_path, monkeypatch):
     plant(monkeypatch, data, [12], 10.0)
     args = ["--max_steps", "16", "--skip_zscore", "5", "--snapshot_every", "10", "--keep_last", "3"]
     uninterrupted = run_in_process(data, tmp_path / "uninterrupted", *args)
-    (tmp_path / "resumed").mkdir()
-    shutil.copy(snapshot_path(tmp_path / "uninterrupted", 9), tmp_path / "resumed")
+    copy_run(tmp_path / "uninterrupted", tmp_path / "resumed", 9)
     resumed = run_in_process(data, tmp_path / "resumed", *args)
 
     assert list(skipped(uninterrupted)) == list(skipped(resumed)) == [12]
@@ -479,7 +462,7 @@ def test_a_diverging_run_stops_with_the_newest_healthy_snapshot_and_keeps_it(dat
         assert advice in message
     assert [p.name for p in assert_every_snapshot_loads_and_is_finite(tmp_path)] == [
         "snapshot_0000014.pt", "snapshot_0000009.pt", "snapshot_0000004.pt"]
-    assert [is_healthy(load_snapshot(p)) for p in list_snapshots(tmp_path)] == [False, False, True]
+    assert [load_snapshot(p)["healthy"] for p in list_snapshots(tmp_path)] == [False, False, True]
     assert run.records[-1] | {"data_position": None} == {
         "event": "diverged", "step": 16, "reason": "non-finite loss", "rollbacks": 0, "data_position": None,
         "healthy_snapshot": healthy}
@@ -539,4 +522,4 @@ def test_a_real_divergence_ends_in_a_clean_stop_with_only_finite_snapshots(data,
     assert "restart from it with --resume" in message or "There is no healthy snapshot" in message
     assert_every_snapshot_loads_and_is_finite(tmp_path)
     healthy = run.records[-1]["healthy_snapshot"]
-    assert healthy is None or is_healthy(load_snapshot(healthy))
+    assert healthy is None or load_snapshot(healthy)["healthy"]

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from conftest import (
+    copy_run,
     eio_the_first_time,
     fill_up,
     flip_a_byte_in_tensor_data,
@@ -115,7 +116,7 @@ def newest_snapshot_step(log_dir: Path) -> int:
 @pytest.mark.slow  # over 3 s: keeps `-m 'not slow'` under 90 s
 def test_one_rank_resume_after_a_crash_continues_exactly(job, tmp_path):
     # The state a crash after step 5 leaves: the snapshot of step 3, and metrics up to step 5.
-    shutil.copy(snapshot_path(job.one_rank, 3), tmp_path)
+    copy_run(job.one_rank, tmp_path, 3)
     lines = (job.one_rank / "metrics.jsonl").read_text().splitlines(keepends=True)
     crashed = [line for line in lines if json.loads(line).get("step", 0) <= 5]
     (tmp_path / "metrics.jsonl").write_text("".join(crashed))
@@ -236,8 +237,8 @@ def test_resume_from_a_missing_file_is_a_clear_error(job, tmp_path):
 @pytest.mark.parametrize("change, message", [
     (["--micro_batch_size", "1", "--total_batch_size", "32"], "chunk_tokens=32, this run has chunk_tokens=16"),
     (["--total_batch_size", "128"], "chunks_per_step=2, this run has chunks_per_step=4"),
-    (["--n_layer", "3"], "n_layer.*Pass the --arch/--model"),
-    (["--arch", "modern"], "'arch': 'gpt2'.*'arch': 'modern'.*Pass the --arch"),
+    (["--n_layer", "3"], "n_layer.*Resume it with the flags of the run that wrote it \\(--arch/--model"),
+    (["--arch", "modern"], "'arch': 'gpt2'.*'arch': 'modern'.*Resume it with the flags of the run that wrote it"),
     # The same B·T = 32 tokens a micro-batch and the same total batch, in sequences of 8.
     (["--seq_len", "8", "--micro_batch_size", "4"], "--seq_len 16, and this run into sequences of --seq_len 8"),
 ])
@@ -251,7 +252,7 @@ def test_resume_on_other_data_is_a_clear_error_and_on_a_copy_of_the_data_continu
     other, moved = tmp_path / "other", tmp_path / "moved"
     make_shards(other, "train", [300, 300], seed=5)  # as many shards, as large, other tokens
     shutil.copy(job.data / "test_val_000000.bin", other)
-    shutil.copy(snapshot_path(job.one_rank, 7), tmp_path)
+    copy_run(job.one_rank, tmp_path, 7)
     with pytest.raises(UserError) as raised:
         main_in_process([*job.args, "--log_dir", str(tmp_path), "--data_dir", str(other)])
     assert f"--data_dir {job.data}" in str(raised.value) and f"--data_dir {other}" in str(raised.value)
@@ -275,7 +276,7 @@ def test_an_fp16_run_saves_its_loss_scale_and_a_resume_carries_it_on(job, tmp_pa
     assert scale_in(snapshot_path(tmp_path / "whole", 1)) == 2.0**16  # GradScaler's initial scale: it was on
 
     # A resume continues the fp16 run exactly...
-    shutil.copy(snapshot_path(tmp_path / "whole", 1), tmp_path)
+    copy_run(tmp_path / "whole", tmp_path, 1)
     main_in_process([*job.args, *fp16, "--log_dir", str(tmp_path)])
     assert by_step(read_metrics(tmp_path), "loss") == {s: by_step(whole, "loss")[s] for s in (2, 3)}
     # ...with the scale the snapshot holds: one that a fresh GradScaler would not have (it grows only every 2000
@@ -283,7 +284,8 @@ def test_an_fp16_run_saves_its_loss_scale_and_a_resume_carries_it_on(job, tmp_pa
     state = load_snapshot(snapshot_path(tmp_path / "whole", 1))
     state["scaler"]["scale"] = 1024.0
     save_snapshot(state, snapshot_path(tmp_path / "scaled", 1))
-    main_in_process([*job.args, *fp16, "--log_dir", str(tmp_path / "scaled")])
+    main_in_process([*job.args, *fp16, "--log_dir", str(tmp_path / "scaled"), "--resume",
+                     str(snapshot_path(tmp_path / "scaled", 1))])
     assert scale_in(snapshot_path(tmp_path / "scaled", 3)) == 1024.0
 
 
@@ -293,7 +295,7 @@ def test_a_snapshot_resumes_in_another_dtype(job, tmp_path, capsys, written, res
     """An A100's bf16 run continued on a V100 in fp16, and back: the loss scale starts fresh or is dropped."""
     steps = ["--max_steps", "4", "--snapshot_every", "2", "--val_every", "0"]
     main_in_process([*job.args, *steps, "--dtype", written, "--log_dir", str(tmp_path / "first"), "--max_steps", "2"])
-    shutil.copy(snapshot_path(tmp_path / "first", 1), tmp_path)
+    copy_run(tmp_path / "first", tmp_path, 1)
     main_in_process([*job.args, *steps, "--dtype", resumed, "--log_dir", str(tmp_path)])
     losses = by_step(read_metrics(tmp_path), "loss")
     assert sorted(losses) == [2, 3] and all(9 < loss < 12 for loss in losses.values())
@@ -374,9 +376,9 @@ def test_a_full_snapshot_disk_keeps_the_older_snapshots_and_only_a_lost_last_one
         warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("WARNING")]
         assert len(warnings) == 1 and "the snapshot of step 7 could not be written" in warnings[0]
         assert by_step(read_metrics(tmp_path), "loss").keys() == set(range(LAST_STEP + 1))  # every step trained
-        assert sorted(p.name for p in ckpt_dir.iterdir()) == ["run.lock", "snapshot_0000003.pt",
-                                                              "timeline.json"]  # no temp file
-        shutil.copy(snapshot_path(ckpt_dir, 3), tmp_path)
+        assert sorted(p.name for p in ckpt_dir.iterdir()) == ["run.json", "run.lock", "snapshot_0000003.json",
+                                                              "snapshot_0000003.pt"]  # no temp file
+        copy_run(ckpt_dir, tmp_path, 3)
     # Rerun where there is room: it resumes after step 3 and finishes as if nothing had happened.
     main_in_process(args)
     event, after = after_resume(read_metrics(tmp_path))
@@ -390,7 +392,7 @@ def test_a_failing_snapshot_write_is_retried_at_the_next_one_and_the_run_finishe
     main_in_process([*job.args, "--log_dir", str(tmp_path), "--snapshot_every", "4", "--keep_last", "3"])
     assert writes == [3, 7, 11]
     assert "WARNING: the snapshot of step 3 could not be written" in capsys.readouterr().err
-    assert sorted(p.name for p in tmp_path.glob("snapshot_*")) == ["snapshot_0000007.pt", "snapshot_0000011.pt"]
+    assert sorted(p.name for p in tmp_path.glob("snapshot_*.pt*")) == ["snapshot_0000007.pt", "snapshot_0000011.pt"]
     assert_continues_exactly(read_metrics(tmp_path), job.one_rank_run, from_step=0, tol=1e-6)
 
 
@@ -414,7 +416,7 @@ def test_a_full_log_disk_warns_once_and_training_goes_on(job, tmp_path, capsys):
 
 def test_a_flipped_byte_in_the_newest_snapshot_resumes_the_older_one_with_a_warning(job, tmp_path, capsys):
     for step in (3, 7):
-        shutil.copy(snapshot_path(job.one_rank, step), tmp_path)
+        copy_run(job.one_rank, tmp_path, step)
     record = flip_a_byte_in_tensor_data(snapshot_path(tmp_path, 7))
     main_in_process([*job.args, "--log_dir", str(tmp_path)])
     assert f"{snapshot_path(tmp_path, 7)}: the bytes of its record {record} changed" in capsys.readouterr().err

@@ -1,43 +1,26 @@
-"""The state table (timeline.py, issue 55): what a run does with its --snapshot_dir, in one place, and the docs.
+"""The state table (rundir/store.py): what a run does with its --snapshot_dir, decided in one place, and the docs.
 
-The fast tests build each row of the table from real snapshot files (tiny ones, written as the run writes them) and
-check the row survey() reads, the column ask() reads for each request, and the cell decide() gives. The slow ones run
-train_gpt2.py for real, with faults, on the cases issue 55 found broken.
+The fast tests build each row of the table with a real run's Snapshots (a tiny model in this process, snapshots
+written as train_gpt2.py writes them), ask it each column's flags and check that what it does is the cell's action;
+then the refusals' words. The slow ones run train_gpt2.py for real, with faults.
 """
 
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 from pathlib import Path
 
 import pytest
-import torch
 
 from conftest import ROOT, failing, flip_a_byte_in_tensor_data, make_shards, tiny_snapshots
 from helpers_train import read_metrics, run_train, start_train
-from rundir import store as snapshot_store
-from rundir import timeline
-from rundir.snapshot import REQUIRED_KEYS, list_snapshots, load_snapshot, save_snapshot, snapshot_path
-from rundir.store import Snapshots
-from rundir.timeline import (
-    TABLE,
-    Action,
-    Asks,
-    Holds,
-    Timeline,
-    adopted_timeline,
-    ask,
-    decide,
-    entries,
-    origin_of_weights,
-    read_timeline,
-    record_timeline,
-    survey,
-    table_markdown,
-)
+from rundir import store
+from rundir.snapshot import list_snapshots, load_snapshot, snapshot_path
+from rundir.store import RUN_FILE, TABLE, Action, Asks, Holds, Run, Snapshots, decide, read_run, table_markdown
 from training.errors import UserError
 
 
@@ -45,224 +28,20 @@ def test_the_docs_show_the_table_the_code_decides_from():
     assert table_markdown() in (ROOT / "docs" / "reliability.md").read_text()
 
 
-def test_every_row_has_a_cell_for_every_column_and_each_cell_one_action():
-    assert set(TABLE) == set(Holds) and all(len(row) == len(Asks) for row in TABLE.values())
-    # The promises the table keeps: a run whose directory holds a recorded timeline never starts a new one there,
-    # and one whose snapshots all fail to load never starts over.
-    for holds in (Holds.SNAPSHOTS, Holds.DAMAGED, Holds.STARTED, Holds.STARTED_FROM_WEIGHTS, Holds.ORIGIN_GONE):
-        assert all(a not in (Action.START, Action.BRANCH) for a in TABLE[holds])
-    for holds in (Holds.DAMAGED, Holds.UNRECORDED_DAMAGED):
-        assert decide(holds, Asks.AUTO) is Action.REFUSE_DAMAGED
-    with pytest.raises(AssertionError, match="cannot happen"):
-        decide(Holds.NOTHING, Asks.SAME)
+def test_the_table_as_printed_reads_back_as_the_table_every_cell_an_action():
+    lines = table_markdown().splitlines()
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    assert cells[0] == ["`--snapshot_dir` holds", *(asks.value for asks in Asks)] and set(cells[1]) == {"---"}
+    by_words = {action.value: action for action in Action}
+    assert {Holds(row[0]): tuple(by_words[c] for c in row[1:]) for row in cells[2:]} == TABLE
+    assert list(TABLE) == list(Holds) and len(lines) == 2 + len(Holds)
+    # A directory that records a run never starts a new one; one whose snapshots all fail never starts over.
+    assert all(Action.START not in TABLE[holds] for holds in Holds if holds is not Holds.EMPTY)
+    assert all(decide(holds, Asks.NEW) is Action.REFUSE_TAKEN for holds in Holds if holds is not Holds.EMPTY)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the rows, built from files
-
-def fake_snapshot(directory: Path, step: int, timeline: Timeline | None) -> Path:
-    """A snapshot file as the run writes one (the keys, the timeline), without a model: survey() reads no weights."""
-    state = {key: {} for key in REQUIRED_KEYS} | {"step": step, "rng": [], "wandb_id": "w" * 12}
-    if timeline is not None:  # (a new timeline's wandb run id is its id: the pickle writes the string once)
-        state |= {"wandb_id": timeline.run, "timeline": {"run": timeline.run, "branched_from": timeline.branched_from}}
-    path = snapshot_path(directory, step)
-    save_snapshot(state, path)
-    return path
-
-
-def truncate(path: Path, keep: float = 0.6) -> None:
-    """Cut a snapshot short, as a full disk or a bad copy does: its pickle (written first) survives."""
-    data = path.read_bytes()
-    path.write_bytes(data[:int(len(data) * keep)])
-
-
-@pytest.fixture
-def parent(tmp_path) -> Path:
-    """A snapshot of another directory's run, step 3, for branches to start from."""
-    return fake_snapshot(tmp_path / "parent", 3, Timeline())
-
-
-def row(directory: Path) -> Holds:
-    return survey(directory).holds
-
-
-def test_the_rows_of_a_directory(tmp_path, parent):
-    d = tmp_path / "run"
-    d.mkdir()
-    assert row(d) == Holds.NOTHING
-    mine = Timeline()
-    record_timeline(d, mine)
-    assert row(d) == Holds.STARTED
-    fake_snapshot(d, 1, mine)
-    newest = fake_snapshot(d, 3, mine)
-    assert row(d) == Holds.SNAPSHOTS and survey(d).newest().path == newest
-    truncate(newest)  # its pickle still says whose it is: damaged, and this timeline's
-    assert row(d) == Holds.SNAPSHOTS and survey(d).newest().step == 1
-    assert [e.step for e in survey(d).candidates] == [3, 1]
-    truncate(snapshot_path(d, 1))
-    assert row(d) == Holds.DAMAGED
-    # A snapshot of another timeline that loads is no snapshot of this one's: it is not resumed, nor counted.
-    shutil.rmtree(d)
-    d.mkdir()
-    record_timeline(d, mine)
-    fake_snapshot(d, 5, Timeline())
-    assert row(d) == Holds.STARTED and survey(d).newest() is None
-    # ...but a damaged one that no longer says whose it is may be this run's newest: never start over then.
-    (d / "snapshot_0000007.pt").write_bytes(b"PK\x03\x04" + b"\0" * 26)
-    assert row(d) == Holds.DAMAGED
-
-
-def test_a_timeline_json_this_code_did_not_write_is_refused_naming_it(tmp_path):
-    path = tmp_path / "timeline.json"
-    older = {"run": "abc", "branched_from": [["xyz", 3]], "resumed_from": None}  # older code's: no init_from
-    path.write_text(json.dumps(older))
-    assert read_timeline(tmp_path) == Timeline("abc", [["xyz", 3]], None, None)
-    for other in ("not JSON", json.dumps(older | {"notes": "mine"}), json.dumps(older | {"resumed_from": 5}),
-                  json.dumps(older | {"init_from": ["gpt2"]}), json.dumps({"run": "abc", "branched_from": []}),
-                  *(json.dumps(older | {"branched_from": [pair]}) for pair in (["xyz", "3"], [5, 3], ["xyz", 3, 4]))):
-        path.write_text(other)
-        with pytest.raises(ValueError) as refused:
-            read_timeline(tmp_path)
-        assert str(refused.value) == (
-            f"{path} does not name a timeline as this code writes it (at a run's start, to say which snapshots "
-            "--resume auto continues). Move it away to resume the newest snapshot in the directory, whatever run "
-            "wrote it."), other
-
-
-def test_the_rows_of_timelines_started_without_a_snapshot(tmp_path, parent):
-    weights = tmp_path / "weights.pt"
-    weights.write_bytes(b"x")
-    record_timeline(tmp_path / "a", Timeline(init_from=str(weights.resolve())))
-    assert row(tmp_path / "a") == Holds.STARTED_FROM_WEIGHTS
-    branch = Timeline().branch_at(parent, load_snapshot(parent))
-    record_timeline(tmp_path / "b", branch)
-    assert row(tmp_path / "b") == Holds.STARTED
-    parent.rename(tmp_path / "moved.pt")
-    assert row(tmp_path / "b") == Holds.ORIGIN_GONE
-    (tmp_path / "moved.pt").rename(parent)
-    state = load_snapshot(parent)
-    save_snapshot(state | {"model": {"w": torch.arange(4096.0)}}, parent)  # (the same snapshot, with a tensor)
-    assert row(tmp_path / "b") == Holds.STARTED
-    flip_a_byte_in_tensor_data(parent)  # back, but its bytes changed: restarting from it would train other weights
-    assert row(tmp_path / "b") == Holds.ORIGIN_GONE
-    truncate(parent, keep=0.05)  # no longer loads at all
-    assert row(tmp_path / "b") == Holds.ORIGIN_GONE
-
-
-def test_the_rows_of_snapshots_without_timeline_json(tmp_path):
-    older = fake_snapshot(tmp_path, 2, None)  # from before timelines, and flags: its config is {}
-    assert row(tmp_path) == Holds.UNRECORDED and survey(tmp_path).newest().path == older
-    assert ask("auto", "scratch", survey(tmp_path)) == Asks.AUTO
-    truncate(older)
-    assert row(tmp_path) == Holds.UNRECORDED_DAMAGED
-
-
-def test_the_columns_against_what_the_directory_records(tmp_path, parent):
-    d = tmp_path / "run"
-    weights = tmp_path / "weights.pt"
-    weights.write_bytes(b"x")
-    assert ask("auto", "scratch", survey(d)) == Asks.AUTO
-    assert ask("never", str(weights), survey(d)) == Asks.NEVER
-    assert ask("auto", str(weights), survey(d)) == Asks.OTHER_INIT
-    assert ask(str(parent), "scratch", survey(d)) == Asks.OTHER_PATH
-    branch = Timeline().branch_at(parent, load_snapshot(parent))
-    record_timeline(d, branch)
-    newest = fake_snapshot(d, 5, branch)
-    assert ask(str(parent), "scratch", survey(d)) == Asks.SAME  # the branch's own command, again
-    assert ask(str(newest), "scratch", survey(d)) == Asks.NEWEST
-    assert ask(str(snapshot_path(d, 4)), "scratch", survey(d)) == Asks.OTHER_PATH
-    # A copy of the newest kept elsewhere is another snapshot: a branch, not a continuation.
-    copy = shutil.copy(newest, tmp_path / newest.name)
-    assert ask(str(copy), "scratch", survey(d)) == Asks.OTHER_PATH
-    # Without timeline.json: the flags its newest snapshot was written with (a branch's --resume PARENT) say it.
-    copied = tmp_path / "copied"
-    save_snapshot(load_snapshot(newest) | {"config": {"resume": str(parent), "init_from": "scratch"}},
-                  snapshot_path(copied, 5))
-    assert ask(str(parent), "scratch", survey(copied)) == Asks.SAME
-    save_snapshot(load_snapshot(newest) | {"config": {"resume": "auto", "init_from": str(weights)}},
-                  snapshot_path(copied, 6))  # ...or a finetune's --init_from W
-    assert ask("auto", str(weights), survey(copied)) == Asks.SAME
-    assert ask("auto", "gpt2", survey(copied)) == Asks.OTHER_INIT
-    e = tmp_path / "finetune"
-    record_timeline(e, Timeline(init_from=str(weights.resolve())))
-    assert ask("auto", str(weights), survey(e)) == Asks.SAME
-    assert ask("auto", "gpt2", survey(e)) == Asks.OTHER_INIT
-    assert ask("auto", "scratch", survey(e)) == Asks.AUTO
-
-
-def test_a_branch_of_a_branch_keeps_its_whole_ancestry(tmp_path, parent):
-    first = Timeline().branch_at(parent, load_snapshot(parent))
-    child = fake_snapshot(tmp_path / "b1", 6, first)
-    second = Timeline().branch_at(child, load_snapshot(child))
-    assert second.branched_from == [[load_snapshot(parent)["timeline"]["run"], 3], [first.run, 6]]
-    assert second.resumed_from == str(child.resolve()) and second.run not in (first.run,)
-
-
-def test_a_damaged_snapshot_is_the_timelines_its_pickle_still_names_file_or_directory(tmp_path):
-    d, mine, other = tmp_path / "run", Timeline(), Timeline()
-    record_timeline(d, mine)
-    truncate(fake_snapshot(d, 5, other))
-    (d / "snapshot_0000007").mkdir()  # an fsdp run's directory snapshot, its shards gone: its meta.pt names it
-    fake_snapshot(tmp_path, 7, other).rename(d / "snapshot_0000007" / "meta.pt")
-    assert [(e.step, e.state, e.run) for e in entries(d)] == [(7, None, other.run), (5, None, other.run)]
-    assert row(d) == Holds.STARTED and survey(d).candidates == []  # another timeline's, damaged: not this one's
-    (d / "snapshot_0000009").mkdir()
-    fake_snapshot(tmp_path, 9, mine).rename(d / "snapshot_0000009" / "meta.pt")
-    assert row(d) == Holds.DAMAGED and [e.step for e in survey(d).candidates] == [9]
-
-
-def test_a_snapshot_that_does_not_load_is_listed_with_why_a_read_error_with_its_file(tmp_path, monkeypatch):
-    unreadable, cut = fake_snapshot(tmp_path, 2, None), fake_snapshot(tmp_path, 1, None)
-    truncate(cut)
-    load = timeline.load_snapshot
-
-    def eio_for_unreadable(path, verify=True):
-        if path == unreadable:
-            raise OSError(errno.EIO, os.strerror(errno.EIO))
-        return load(path, verify)
-
-    monkeypatch.setattr(timeline, "load_snapshot", eio_for_unreadable)
-    with pytest.raises(ValueError) as not_ours:
-        load(cut)
-    assert [e.problem for e in entries(tmp_path)] == [
-        f"{unreadable} (OSError: [Errno {errno.EIO}] {os.strerror(errno.EIO)})", str(not_ours.value)]
-
-
-def test_a_directory_without_timeline_json_takes_its_newest_snapshots_timeline_or_branches_from_an_older_codes(
-        tmp_path, parent):
-    first = Timeline().branch_at(parent, load_snapshot(parent))
-    fake_snapshot(tmp_path / "copied", 4, first)
-    adopted = adopted_timeline(survey(tmp_path / "copied").newest())
-    assert (adopted.run, adopted.branched_from) == (first.run, first.branched_from)  # the same line goes on
-    older = fake_snapshot(tmp_path / "older", 2, None)  # from before timelines: a branch from it, with no ancestry
-    adopted = adopted_timeline(survey(tmp_path / "older").newest())
-    assert adopted.branched_from == [] and adopted.resumed_from == str(older.resolve())
-    assert Timeline().branch_at(older, load_snapshot(older)).branched_from == []
-
-
-def test_the_same_weights_named_another_way_are_the_same_origin(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    Path("weights.pt").write_bytes(b"x")
-    assert origin_of_weights("weights.pt") == str(tmp_path.resolve() / "weights.pt")
-    assert origin_of_weights("gpt2") == "gpt2" and origin_of_weights("scratch") is None
-    record_timeline(tmp_path / "finetune", Timeline(init_from=origin_of_weights("weights.pt")))
-    assert ask("auto", str(tmp_path / "weights.pt"), survey(tmp_path / "finetune")) == Asks.SAME
-
-
-def test_the_table_as_the_docs_show_it_reads_back_as_the_table():
-    """table_markdown() is the docs' table: read back, it is TABLE, every row, column and cell, in order."""
-    lines = table_markdown().splitlines()
-    cells = [[c.strip().strip("`") for c in line.strip("|").split("|")] for line in lines[:len(Holds) + 2]]
-    assert cells[0] == ["holds \\ asks", *(asks.name for asks in Asks)] and set(cells[1]) == {"---"}
-    read_back = {Holds[row[0]]: tuple(None if c == "—" else Action[c] for c in row[1:]) for row in cells[2:]}
-    assert list(read_back.items()) == list(TABLE.items())
-    meanings = [("Rows, what the directory holds:", Holds), ("Columns, what the user asked:", Asks),
-                ("Cells, what the run does (—: cannot occur):", Action)]
-    assert lines[len(Holds) + 2:] == [line for title, kind in meanings
-                                      for line in ("", title, *(f"- `{k.name}`: {k.value}" for k in kind))]
-
-
-# --- the cells, done: Snapshots.resume() of a one-process tiny run, on real snapshots
+# every cell, done by a run's Snapshots
 
 def snapshots_in(data: Path, directory: Path, resume: str, init_from: str = "scratch", max_steps: int = 10):
     """The Snapshots of a tiny CPU run with --resume `resume` and --init_from `init_from` (conftest.tiny_snapshots')."""
@@ -271,37 +50,103 @@ def snapshots_in(data: Path, directory: Path, resume: str, init_from: str = "scr
                      tiny.run_config | {"init_from": init_from, "max_steps": max_steps}, tiny.dist_env, print)
 
 
+def truncate(path: Path, keep: float = 0.6) -> None:
+    """Cut a snapshot short, as a full disk or a bad copy does."""
+    data = path.read_bytes()
+    path.write_bytes(data[:int(len(data) * keep)])
+
+
 @pytest.fixture
-def written(data, tmp_path) -> Snapshots:
-    """A run's directory: started afresh, snapshots of steps 2 and 3 (--keep_last 2 pruned 1's)."""
+def parent(data, tmp_path) -> Path:
+    """Another directory's run and its snapshot of step 3, for branches to start from."""
+    run = snapshots_in(data, tmp_path / "parent", "auto")
+    run.resume()
+    run.save_if_due(3, last_step=9, stopping=False)
+    return snapshot_path(tmp_path / "parent", 3)
+
+
+@pytest.fixture
+def weights(tmp_path) -> Path:
+    """A file named by --init_from (the Snapshots record it; the model built from it is train_gpt2's)."""
+    (tmp_path / "weights.pt").write_bytes(b"weights")
+    return tmp_path / "weights.pt"
+
+
+def build_row(holds: Holds, data: Path, directory: Path, parent: Path, weights: Path) -> dict[Asks, tuple[str, str]]:
+    """A directory that holds `holds`, made by a run as train_gpt2.py makes it; returns the --resume and --init_from
+    that ask each column of it."""
+    origin = (str(parent), "scratch")
+    if holds in (Holds.SNAPSHOTS, Holds.DAMAGED, Holds.NOT_STARTED_INIT):
+        origin = ("auto", str(weights))
+    elif holds is Holds.ORIGIN_LOST:
+        origin = (str(shutil.copy(parent, directory.parent / "lost.pt")), "scratch")
+    if holds is not Holds.EMPTY:
+        run = snapshots_in(data, directory, *origin)
+        run.resume()
+        if holds in (Holds.SNAPSHOTS, Holds.DAMAGED):
+            for step in (1, 2):
+                run.save_if_due(step, last_step=9, stopping=False)
+        if holds is Holds.DAMAGED:
+            for path in list_snapshots(directory):
+                truncate(path)
+        if holds is Holds.ORIGIN_LOST:
+            Path(origin[0]).unlink()
+    return {Asks.AUTO: ("auto", "scratch"), Asks.ORIGIN: origin, Asks.NEW: ("never", "scratch")}
+
+
+def what_it_did(snapshots: Snapshots, before: Run | None) -> Action:
+    """The action a resume() did, read from what it returned, raised and recorded."""
+    try:
+        snapshots.resume()
+    except UserError as e:
+        words = {"one directory holds one run": Action.REFUSE_TAKEN, "none of the": Action.REFUSE_DAMAGED,
+                 "rerun with --init_from": Action.REFUSE_INIT, "which is gone or no longer loads": Action.REFUSE_LOST}
+        return next(action for said, action in words.items() if said in str(e))
+    if snapshots.continued:
+        return Action.CONTINUE
+    return Action.RESTART if before is not None and before.run == snapshots.run else Action.START
+
+
+@pytest.mark.parametrize("asks", Asks)
+@pytest.mark.parametrize("holds", Holds)
+def test_each_cell_is_what_a_run_does(data, tmp_path, parent, weights, holds, asks):
+    directory = tmp_path / "run"
+    resume, init_from = build_row(holds, data, directory, parent, weights)[asks]
+    before = read_run(directory) if (directory / RUN_FILE).exists() else None
+    assert what_it_did(snapshots_in(data, directory, resume, init_from), before) is decide(holds, asks)
+
+
+def test_a_start_again_keeps_the_run_and_restores_its_origin(data, tmp_path, parent):
+    first = snapshots_in(data, tmp_path / "branch", str(parent))
+    assert first.resume() == (4, str(parent))
+    assert read_run(tmp_path / "branch") == Run(first.run, None, "../parent/snapshot_0000003.pt")
+    again = snapshots_in(data, tmp_path / "branch", "auto")  # its own command would do the same
+    assert again.resume() == (4, str(parent.resolve())) and again.run == first.run and not again.continued
+
+
+def test_resume_auto_continues_the_directorys_run_and_its_wandb_run(data, tmp_path):
     run = snapshots_in(data, tmp_path / "run", "auto")
     assert run.resume() == (0, None) and not run.continued
     for step in (1, 2, 3):
         run.save_if_due(step, last_step=9, stopping=False)
-    assert list_snapshots(tmp_path / "run") == [snapshot_path(tmp_path / "run", s) for s in (3, 2)]
-    return run
-
-
-def test_resume_auto_continues_the_directorys_timeline_and_its_wandb_run(data, written, tmp_path):
+    assert list_snapshots(tmp_path / "run") == [snapshot_path(tmp_path / "run", s) for s in (3, 2)]  # --keep_last 2
     again = snapshots_in(data, tmp_path / "run", "auto")
     assert again.resume() == (4, str(snapshot_path(tmp_path / "run", 3)))
-    assert again.continued and again.timeline == written.timeline and again.wandb_id == written.wandb_id
+    assert again.continued and again.run == run.run == load_snapshot(snapshot_path(tmp_path / "run", 3))["wandb_id"]
     assert again.resumed_config["max_steps"] == 10 and again.last_saved == 3
-    newest = snapshots_in(data, tmp_path / "run", str(snapshot_path(tmp_path / "run", 3)))  # NEWEST: the same
-    assert newest.resume()[0] == 4 and newest.continued and newest.timeline == written.timeline
 
 
-def test_a_branch_is_a_new_timeline_recorded_before_its_first_step_with_its_whole_ancestry(data, written, tmp_path):
-    parent = snapshot_path(tmp_path / "run", 2)
-    branch = snapshots_in(data, tmp_path / "branch", str(parent))
-    assert branch.resume() == (3, str(parent))
-    assert branch.timeline.branched_from == [[written.timeline.run, 2]] and not branch.continued
-    assert branch.timeline.resumed_from == str(parent.resolve())
-    assert branch.wandb_id == branch.timeline.run != written.timeline.run
-    assert read_timeline(tmp_path / "branch") == branch.timeline
-    # The same command again, before its first snapshot: the branch starts over from its parent, as itself.
-    again = snapshots_in(data, tmp_path / "branch", str(parent))
-    assert again.resume() == (3, str(parent)) and again.timeline == branch.timeline and not again.continued
+# ----------------------------------------------------------------------------------------------------------------
+# the refusals' words, naming the paths as they are now
+
+@pytest.fixture
+def written(data, tmp_path) -> Snapshots:
+    """A run's directory: started afresh, snapshots of steps 2 and 3."""
+    run = snapshots_in(data, tmp_path / "run", "auto")
+    run.resume()
+    for step in (2, 3):
+        run.save_if_due(step, last_step=9, stopping=False)
+    return run
 
 
 def refusal(snapshots: Snapshots) -> str:
@@ -310,18 +155,18 @@ def refusal(snapshots: Snapshots) -> str:
     return str(refused.value)
 
 
-def test_a_new_run_in_a_directory_that_holds_one_is_refused_saying_how_to_continue_it(data, written, tmp_path):
+def test_a_new_run_in_a_directory_that_holds_one_is_refused_saying_how_to_continue_it(data, written, tmp_path,
+                                                                                         parent):
     run = tmp_path / "run"
     before = {p.name: p.read_bytes() for p in run.iterdir()}
-    holds = f"--snapshot_dir {run} holds run {written.timeline.run}'s snapshots (newest: snapshot_0000003.pt), and"
+    holds = f"--snapshot_dir {run} holds run {written.run}'s snapshots (newest: snapshot_0000003.pt), and"
     stops = ("one directory holds one run, so this one stops before it reads or writes anything there. To continue "
              "that run, rerun it with --resume auto; to start this one, give it a directory of its own")
     assert refusal(snapshots_in(data, run, "never")) == \
         f"{holds} --resume never starts a new run: {stops} (--log_dir NEW_DIR), or move those files away."
-    other = fake_snapshot(tmp_path / "elsewhere", 6, Timeline())
-    assert refusal(snapshots_in(data, run, str(other))) == (
-        f"{holds} --resume {other} branches a new run from that snapshot: {stops} (--snapshot_dir "
-        f"{run / 'branch_0000007'}), or move those files away.")
+    assert refusal(snapshots_in(data, run, str(parent))) == (
+        f"{holds} --resume {parent} branches a new run from that snapshot: {stops} (--snapshot_dir "
+        f"{run}/branch_0000004), or move those files away.")
     assert refusal(snapshots_in(data, run, "auto", init_from="gpt2")).startswith(
         f"{holds} --init_from gpt2 starts a new run from those weights: {stops}")
     flagged = snapshots_in(data, run, "never")
@@ -330,68 +175,91 @@ def test_a_new_run_in_a_directory_that_holds_one_is_refused_saying_how_to_contin
     assert {p.name: p.read_bytes() for p in run.iterdir()} == before
 
 
-def test_a_refusal_names_the_command_that_continues_the_directorys_run(data, tmp_path, parent):
-    weights = tmp_path / "weights.pt"
-    weights.write_bytes(b"x")
-    started, finetune, branch = Timeline(), Timeline(init_from=str(weights.resolve())), \
-        Timeline().branch_at(parent, load_snapshot(parent))
-    for name, recorded, again in (("started", started, "--resume auto"),
-                                  ("finetune", finetune, f"--resume auto --init_from {weights.resolve()}"),
-                                  ("branch", branch, f"--resume {parent.resolve()}")):
-        record_timeline(tmp_path / name, recorded)
+def test_a_refusal_names_the_command_that_continues_the_directorys_run(data, tmp_path, parent, weights):
+    for name, resume, init_from, again in (("started", "auto", "scratch", "--resume auto"),
+                                           ("finetune", "auto", str(weights), f"--resume auto --init_from {weights}"),
+                                           ("branch", str(parent), "scratch", f"--resume {parent}")):
+        first = snapshots_in(data, tmp_path / name, resume, init_from)
+        first.resume()
         assert refusal(snapshots_in(data, tmp_path / name, "never")).startswith(
-            f"--snapshot_dir {tmp_path / name} holds run {recorded.run}, stopped before its first snapshot, and "
+            f"--snapshot_dir {tmp_path / name} holds run {first.run}, stopped before its first snapshot, and "
             "--resume never starts a new run: one directory holds one run, so this one stops before it reads or "
             f"writes anything there. To continue that run, rerun it with {again}; to start this one")
 
 
-def test_a_run_stopped_before_its_first_snapshot_is_refused_naming_its_origin(data, tmp_path, parent):
-    weights = tmp_path / "weights.pt"
-    weights.write_bytes(b"x")
-    record_timeline(tmp_path / "a", Timeline(init_from=str(weights.resolve())))
+def test_a_run_stopped_before_its_first_snapshot_is_refused_naming_its_origin_where_it_is_now(data, tmp_path, parent,
+                                                                                           weights):
+    snapshots_in(data, tmp_path / "a", "auto", str(weights)).resume()
     assert refusal(snapshots_in(data, tmp_path / "a", "auto")) == (
-        f"--snapshot_dir {tmp_path / 'a'} holds a run started with --init_from {weights.resolve()} that was stopped "
-        f"before its first snapshot. To start it again, rerun with --init_from {weights.resolve()}; to start another "
-        "run, give it a directory of its own (--log_dir NEW_DIR).")
-    branch = Timeline().branch_at(parent, load_snapshot(parent))
-    record_timeline(tmp_path / "b", branch)
-    parent.unlink()
-    assert refusal(snapshots_in(data, tmp_path / "b", "auto")) == (
-        f"--snapshot_dir {tmp_path / 'b'} holds a run branched from {parent.resolve()}, which is gone or no longer "
-        "loads, and the branch was stopped before its first snapshot: there is nothing to continue it from. Put "
-        f"{parent.resolve()} back and rerun the same command, or start another run in a directory of its own "
+        f"--snapshot_dir {tmp_path / 'a'} holds a run started with --init_from {weights} that was stopped before its "
+        f"first snapshot. To start it again, rerun with --init_from {weights}; to start another run, give it a "
+        "directory of its own (--log_dir NEW_DIR).")
+    # A branch and its parent moved together: the parent is found where it is now, and named so.
+    snapshots_in(data, tmp_path / "parent" / "branch", str(parent)).resume()
+    moved = tmp_path.rename(tmp_path.with_name(tmp_path.name + "_moved")) / "parent"
+    assert snapshots_in(data, moved / "branch", "auto").resume()[1] == str(moved / parent.name)
+    (moved / parent.name).unlink()
+    assert refusal(snapshots_in(data, moved / "branch", "auto")) == (
+        f"--snapshot_dir {moved / 'branch'} holds a run branched from {moved / parent.name}, which is gone or no "
+        "longer loads, and the branch was stopped before its first snapshot: there is nothing to continue it from. "
+        f"Put {moved / parent.name} back and rerun the same command, or start another run in a directory of its own "
         "(--log_dir NEW_DIR).")
 
 
-def test_another_timelines_snapshot_stops_a_run_only_at_a_step_it_would_write(data, tmp_path, capsys):
-    run = tmp_path / "run"
-    record_timeline(run, Timeline())
-    fake_snapshot(run, 5, Timeline())  # other timelines', at steps 5 and 6
-    fake_snapshot(run, 6, Timeline())
-    assert "snapshot_0000005.pt" in refusal(snapshots_in(data, run, "auto", max_steps=6))
-    assert not (run / "snapshot_0000000.pt").exists()
+def test_another_runs_snapshot_stops_a_run_only_at_a_step_it_would_write(data, tmp_path, capsys, written):
+    run = tmp_path / "other_runs"
+    for step in (2, 3):  # written's, copied with their .json
+        for path in (snapshot_path(tmp_path / "run", step), store.sidecar(snapshot_path(tmp_path / "run", step))):
+            shutil.copy(path, run / path.name) if run.exists() else (run.mkdir(), shutil.copy(path, run))
+    (run / "snapshot_0000005.pt").write_bytes(b"no .json beside it: whose it is is unknown")
+    assert refusal(snapshots_in(data, run, "auto", max_steps=6)) == (
+        f"--snapshot_dir {run} holds snapshots this run did not write, at steps it will write (snapshot_0000005.pt, "
+        "snapshot_0000003.pt, snapshot_0000002.pt): another run's, or without the .json that says whose. Writing "
+        "over them would destroy them, so this run stops before its first step. Give it a directory of its own (e.g. "
+        f"--snapshot_dir {run}/branch_0000000), or move them out of the way.")
+    assert not (run / RUN_FILE).exists()
     capsys.readouterr()
-    assert snapshots_in(data, run, "auto", max_steps=5).resume() == (0, None)  # steps 0-4: not in its way
-    assert f"note: {run} also holds snapshots this run's timeline did not write: snapshot_0000006.pt, " \
-        "snapshot_0000005.pt. They are left as they are: never resumed by --resume auto, never pruned." in \
+    assert snapshots_in(data, run, "auto", max_steps=2).resume() == (0, None)  # steps 0-1: not in its way
+    assert f"note: {run} also holds snapshots this run did not write: snapshot_0000005.pt, snapshot_0000003.pt, " \
+        "snapshot_0000002.pt. They are left as they are: never resumed by --resume auto, never pruned." in \
         capsys.readouterr().out
 
 
-def test_a_new_run_records_its_origin_before_its_first_step(data, tmp_path):
-    weights = tmp_path / "weights.pt"
-    weights.write_bytes(b"x")
-    for name, init_from, origin in (("finetune", str(weights), str(weights.resolve())), ("fresh", "scratch", None)):
-        run = snapshots_in(data, tmp_path / name, "auto", init_from=init_from)
-        assert run.resume() == (0, None)
-        assert read_timeline(tmp_path / name) == Timeline(run.timeline.run, [], None, origin)
+def test_a_snapshot_whose_json_is_damaged_is_the_directorys_runs_and_damaged(data, written, tmp_path, capsys):
+    store.sidecar(snapshot_path(tmp_path / "run", 3)).write_text('{"format": 1, "run": ')
+    again = snapshots_in(data, tmp_path / "run", "auto")
+    assert again.resume() == (3, str(snapshot_path(tmp_path / "run", 2))) and again.run == written.run
+    assert f"skipping snapshot: {store.sidecar(snapshot_path(tmp_path / 'run', 3))} could not be read" in \
+        capsys.readouterr().err
 
 
-def test_a_timeline_whose_every_own_snapshot_fails_its_checksums_is_refused_naming_them(data, tmp_path, written):
+def test_records_of_another_format_are_refused_naming_it_and_left_as_they_are(data, written, tmp_path):
+    path = tmp_path / "run" / RUN_FILE
+    path.write_text(json.dumps({"format": 2, "run": written.run, "init_from": None, "resumed_from": None}))
+    assert refusal(snapshots_in(data, tmp_path / "run", "auto")).startswith(
+        f"--resume auto: {path} is of format 2, written by another version of train_gpt2.py; this one reads format 1. "
+        "Use the version that wrote it, or another directory. Nothing was deleted.")
+    for other in ("not JSON", json.dumps({"format": 1, "run": 5, "init_from": None, "resumed_from": None}),
+                  json.dumps({"run": "abc", "branched_from": [], "resumed_from": None})):  # (an older timeline.json)
+        path.write_text(other)
+        assert f"{path} " in refusal(snapshots_in(data, tmp_path / "run", "auto")) and path.read_text() == other
+    # A snapshot of another format: named, skipped, never changed.
+    snapshot = snapshot_path(tmp_path / "run", 3)
+    path.write_text(json.dumps({"format": 1, "run": written.run, "init_from": None, "resumed_from": None}))
+    torch_state = load_snapshot(snapshot) | {"format": 0}
+    store.snapshot.save_snapshot(torch_state, snapshot)
+    with pytest.raises(ValueError, match=re.escape(f"{snapshot} is a snapshot of format 0, written by another "
+                                                   "version of train_gpt2.py; this one reads format 1.")):
+        load_snapshot(snapshot)
+    assert snapshots_in(data, tmp_path / "run", "auto").resume()[0] == 3
+
+
+def test_a_run_whose_every_own_snapshot_fails_its_checksums_is_refused_naming_them(data, tmp_path, written):
     run = tmp_path / "run"
     changed = {step: flip_a_byte_in_tensor_data(snapshot_path(run, step)) for step in (3, 2)}
     refused = refusal(snapshots_in(data, run, "auto"))
     assert refused.startswith(
-        f"--resume auto: none of the 2 snapshots of this run's timeline in {run} loads: {snapshot_path(run, 3)}: the "
+        f"--resume auto: none of the 2 snapshots of run {written.run} in {run} loads: {snapshot_path(run, 3)}: the "
         f"bytes of its record {changed[3]} changed since it was written")
     assert refused.endswith("bit flip or a bad copy. Nothing was deleted. Repair or move them away (a copy of a good "
                             "snapshot elsewhere: --resume PATH), or start over with --resume never in a fresh "
@@ -419,30 +287,12 @@ def test_resume_path_and_init_from_together_or_a_missing_path_are_refused_in_wor
     assert not (tmp_path / "run").exists()  # refused before it wrote anything
 
 
-def test_a_timeline_json_that_cannot_be_written_stops_the_run_before_its_first_step(data, tmp_path, monkeypatch):
-    monkeypatch.setattr(snapshot_store, "record_timeline", failing(errno.ENOSPC))
+def test_a_run_json_that_cannot_be_written_stops_the_run_before_its_first_step(data, tmp_path, monkeypatch):
+    monkeypatch.setattr(store, "write_record", failing(errno.ENOSPC))
     assert refusal(snapshots_in(data, tmp_path / "run", "auto")) == (
-        f"{tmp_path / 'run' / 'timeline.json'} could not be written (OSError: [Errno {errno.ENOSPC}] "
+        f"{tmp_path / 'run' / RUN_FILE} could not be written (OSError: [Errno {errno.ENOSPC}] "
         f"{os.strerror(errno.ENOSPC)}), so this run stops before its first step. Free space, or point --snapshot_dir "
         "at a directory that can be written.")
-
-
-def test_the_snapshots_in_a_runs_way_are_named_the_first_four_and_a_damaged_ones_run_as_unknown(data, tmp_path):
-    run = tmp_path / "run"
-    first = snapshots_in(data, run, "auto")
-    first.resume()
-    first.save_if_due(1, last_step=9, stopping=False)  # continued from: its steps from 2 on meet the ones below
-    for step in (2, 3, 5, 6, 7):
-        fake_snapshot(run, step, Timeline())  # other timelines'
-    (run / "snapshot_0000004.pt").write_bytes(b"PK\x03\x04" + b"\0" * 26)  # damaged: whose is unknown
-    assert refusal(snapshots_in(data, run, "auto", max_steps=8)) == (
-        f"--snapshot_dir {run} holds snapshots this run did not write, at steps it will write (snapshot_0000002.pt, "
-        "snapshot_0000003.pt, snapshot_0000004.pt (damaged: which run wrote it is unknown), snapshot_0000005.pt, ...): "
-        "another run's, or the later snapshots of the timeline this run branched from. Writing over them would "
-        "destroy them, so this run stops before its first step. Give it a directory of its own (e.g. --snapshot_dir "
-        f"{run / 'branch_0000002'}; the snapshot it resumes from can stay where it is), or move them out of the way.")
-    assert "snapshot_0000005.pt, ...): another" in refusal(snapshots_in(data, run, "auto", max_steps=7))  # 5 of them
-    assert "snapshot_0000005.pt): another" in refusal(snapshots_in(data, run, "auto", max_steps=6))  # 4: no "..."
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -524,12 +374,23 @@ def test_a_crashed_branch_resumes_by_its_own_command_with_the_uninterrupted_loss
     assert proc.wait(timeout=120) == -signal.SIGKILL
     again = run_train(command, logs)  # the identical command: what the README and a SLURM requeue do
     assert "resuming from" in again.output and "snapshot_0000006.pt at step 7" in again.output
-    timeline = read_timeline(tmp_path / "branch")
+    recorded = read_run(tmp_path / "branch")
     assert losses(again.records) == losses(uninterrupted.records)  # steps 4-9, the replayed ones at their later values
     assert files(finished) == parent_files
-    # Each timeline has its own wandb run: the branch is not the parent's.
-    assert load_snapshot(snapshot_path(tmp_path / "branch", 9))["wandb_id"] == timeline.run != \
+    # Each run has its own wandb run: the branch is not the parent's.
+    assert load_snapshot(snapshot_path(tmp_path / "branch", 9))["wandb_id"] == recorded.run != \
         load_snapshot(parent)["wandb_id"]
+
+
+@pytest.mark.slow
+def killed_at_its_first_step(command: list[str], log_dir: Path, first_step: int) -> None:
+    """Run train_gpt2.py and SIGKILL it once it has trained its first step, before any snapshot."""
+    proc = start_train(command, log_dir)
+    for line in proc.stdout:
+        if line.startswith(f"step {first_step:5d}"):
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+    assert proc.wait(timeout=120) == -signal.SIGKILL and (log_dir / RUN_FILE).exists()
 
 
 @pytest.mark.slow
@@ -537,17 +398,40 @@ def test_a_branch_killed_before_its_first_snapshot_whose_parent_is_gone_is_refus
                                                                                                tmp_path):
     parent = shutil.copy(snapshot_path(finished, 3), tmp_path / "parent.pt")
     command = [*JOB, "--data_dir", str(data), "--resume", str(parent), "--snapshot_every", "100"]
-    proc = start_train(command, tmp_path / "branch")
-    for line in proc.stdout:  # killed at its first step, before any snapshot
-        if line.startswith("step     4"):
-            os.killpg(proc.pid, signal.SIGKILL)
-            break
-    assert proc.wait(timeout=120) == -signal.SIGKILL
+    killed_at_its_first_step(command, tmp_path / "branch", 4)
     Path(parent).rename(tmp_path / "moved.pt")
     for resume in ("auto", str(parent)):  # neither trains from random weights
         result = run_train([*command, "--resume", resume], tmp_path / "branch", check=False)
-        refused(result, str(Path(parent).resolve()) if resume == "auto" else f"--resume {parent}")
+        refused(result, f"holds a run branched from {Path(parent).resolve()}, which is gone or no longer loads")
         assert list_snapshots(tmp_path / "branch") == []
+
+
+@pytest.mark.slow
+def test_an_init_from_run_killed_before_its_first_snapshot_is_refused_without_it_naming_the_flag(data, finished,
+                                                                                                 tmp_path):
+    weights = snapshot_path(finished, 3)
+    killed_at_its_first_step([*JOB, "--data_dir", str(data), "--init_from", str(weights)], tmp_path, 0)
+    result = run_train([*JOB, "--data_dir", str(data)], tmp_path, check=False)  # the flag forgotten
+    refused(result, f"To start it again, rerun with --init_from {weights}")
+    assert list_snapshots(tmp_path) == []  # never a fresh start from random weights
+    again = run_train([*JOB, "--data_dir", str(data), "--init_from", str(weights), "--max_steps", "2"], tmp_path)
+    assert sorted(losses(again.records)) == [0, 1]
+
+
+@pytest.mark.slow
+def test_a_moved_directory_holding_a_killed_branch_is_continued_by_the_advice_as_given(data, finished, tmp_path):
+    logs = shutil.copytree(finished, tmp_path / "logs")
+    command = [*JOB, "--data_dir", str(data), "--resume", str(snapshot_path(logs, 3)), "--snapshot_every", "100"]
+    killed_at_its_first_step([*command, "--snapshot_dir", str(logs / "branch")], logs, 4)
+    moved = logs.rename(tmp_path / "moved")
+    result = run_train([*JOB, "--data_dir", str(data), "--resume", "never", "--snapshot_dir",
+                        str(moved / "branch")], moved, check=False)
+    advice = f"To continue that run, rerun it with --resume {snapshot_path(moved, 3).resolve()};"
+    refused(result, advice)
+    assert str(logs) not in result.proc.stderr  # no path that is gone
+    resumed = run_train([*JOB, "--data_dir", str(data), "--resume", str(snapshot_path(moved, 3).resolve()),
+                         "--snapshot_dir", str(moved / "branch")], moved)  # the advice, followed literally
+    assert sorted(losses(resumed.records))[-1] == 9 and list_snapshots(moved / "branch")
 
 
 @pytest.mark.slow
@@ -603,7 +487,7 @@ def test_a_branch_has_its_own_metrics_and_wandb_id_even_with_its_parents_log_dir
     run_train([*JOB, "--data_dir", str(data), "--resume", str(snapshot_path(logs, 5)), "--snapshot_dir",
                str(logs / "branch_0000006")], logs)
     assert (logs / "metrics.jsonl").read_bytes() == parent_metrics
-    branch = read_timeline(logs / "branch_0000006")
+    branch = read_run(logs / "branch_0000006")
     own = read_metrics(logs)  # (metrics.jsonl: the parent's)
     assert own and all(r.get("step", 0) <= 9 for r in own)
     records = [json.loads(line) for line in (logs / f"metrics_{branch.run}.jsonl").read_text().splitlines()]

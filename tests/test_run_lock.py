@@ -1,5 +1,6 @@
-"""One run per output directory (run_lock.py): a second run on a directory that a run still uses exits 2 at once,
-naming the holder, and touches nothing there; the lock dies with its holder, however it ends."""
+"""One run per output directory (rundir/lock.py): a second run on a directory that a run still uses exits 2 at once,
+naming the holder, and touches nothing there; the lock dies with its holder, however it ends; a directory moved
+while its run trains stops the run, which writes nothing at the old path."""
 
 import errno
 import fcntl
@@ -7,7 +8,6 @@ import os
 import re
 import signal
 import socket
-import stat
 import subprocess
 import time
 from collections.abc import Iterator
@@ -19,7 +19,7 @@ import pytest
 from conftest import failing, make_shards
 from helpers_train import main_in_process, read_metrics, records_so_far, run_train, start_train
 from rundir import lock as run_lock
-from rundir.lock import LOCK_FILE, lock_directory
+from rundir.lock import LOCK_FILE, locked
 from rundir.snapshot import list_snapshots
 from training.errors import UserError
 
@@ -54,17 +54,17 @@ def test_a_run_refuses_a_directory_that_another_holds_and_writes_nothing(data, t
     directory = {"--log_dir": logs, "--snapshot_dir": snapshots}[held]
     args = [*JOB, "--data_dir", str(data), "--max_steps", "2", "--log_dir", str(logs), "--snapshot_dir", str(snapshots)]
     directory.mkdir()
-    other_run = lock_directory(directory, held)  # this process holds it, as another run would
-    with pytest.raises(UserError, match=refusal(held, directory, os.getpid())):
-        main_in_process(args)
+    with locked(directory, held):  # this process holds it, as another run would
+        with pytest.raises(UserError, match=refusal(held, directory, os.getpid())):
+            main_in_process(args)
     assert not read_metrics(logs) and not list_snapshots(snapshots)
     assert {p.name for p in tmp_path.glob("*/*")} <= {LOCK_FILE}
 
-    other_run.close()  # the holder ends: the same command now runs, and leaves the directories free again
-    main_in_process(args)
+    main_in_process(args)  # the holder ended: the same command now runs, and leaves the directories free again
     assert [r["step"] for r in read_metrics(logs) if "loss" in r] == [0, 1]
     for flag, directory in (("--log_dir", logs), ("--snapshot_dir", snapshots)):
-        lock_directory(directory, flag).close()
+        with locked(directory, flag):
+            pass
 
 
 def no_flock(monkeypatch, error: int) -> None:
@@ -80,8 +80,9 @@ def test_where_the_filesystem_has_no_locks_the_run_exits_2_naming_the_flag_to_ru
                                                                                           monkeypatch, error):
     no_flock(monkeypatch, error)
     with pytest.raises(UserError, match=re.escape(
-            f"{tmp_path.resolve() / LOCK_FILE} cannot be locked: the filesystem of --log_dir {tmp_path.resolve()} has "
-            f"no flock(2) (OSError: {os.strerror(error)}).") + ".* pass --no-run_lock to run without the lock"):
+            f"{tmp_path.resolve() / LOCK_FILE} cannot be locked (OSError: {os.strerror(error)}). Put it on a "
+            "filesystem with locks (Lustre: mount with `flock`; NFS has them unless mounted `nolock`), or, if you make "
+            "sure that no second run writes there, pass --no-run_lock.")):
         main_in_process([*JOB, "--data_dir", str(data), "--max_steps", "2", "--log_dir", str(tmp_path)])
     assert not read_metrics(tmp_path)
 
@@ -95,45 +96,7 @@ def test_no_run_lock_trains_unlocked_and_says_so(data, tmp_path, monkeypatch, ca
     assert not (tmp_path / LOCK_FILE).exists()
 
 
-def make_fifo(path: Path) -> None:
-    os.mkfifo(path)
-
-
-def make_hard_link(path: Path) -> None:
-    (path.parent.parent / "elsewhere").write_bytes(b"another file's bytes\n")
-    os.link(path.parent.parent / "elsewhere", path)
-
-
-def make_symlink(path: Path) -> None:
-    (path.parent.parent / "elsewhere").write_bytes(b"another file's bytes\n")
-    path.symlink_to(path.parent.parent / "elsewhere")
-
-
 # Each is a run.lock this code did not create, and the first words of the refusal after "<path> ".
-NOT_OURS = {
-    "a directory": (Path.mkdir, "is not a regular file"),
-    "a FIFO": (make_fifo, "is not a regular file"),
-    "a symlink to a file": (make_symlink, "is a symbolic link, which the lock never follows"),
-    "a symlink to nothing": (lambda path: path.symlink_to(path.parent.parent / "nothing"), "is a symbolic link"),
-    "a hard link": (make_hard_link, "has 2 names (it is hard-linked to another file)"),
-    "a file with other contents": (lambda path: path.write_bytes(b"[lock]\nowner = someone\n"),
-                                   "holds something this code did not write (b'[lock]\\nowner = someone\\n')"),
-    "half a holder line": (lambda path: path.write_bytes(b"pid 4242 on host node7, sin"), "holds something"),
-}
-
-
-@pytest.mark.parametrize("kind", NOT_OURS)
-def test_a_run_lock_this_code_did_not_create_is_refused_and_left_as_it_is(data, tmp_path, kind, monkeypatch):
-    make, refusal = NOT_OURS[kind]
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    make(logs / LOCK_FILE)
-    outside = {p: (p.lstat().st_mode, p.read_bytes() if p.is_file() else None) for p in tmp_path.rglob("*")}
-    monkeypatch.setattr("train_gpt2.build_training_model", lambda *args, **kwargs: pytest.fail("built a model"))
-    with pytest.raises(UserError, match=re.escape(f"{logs.resolve() / LOCK_FILE} {refusal}")):
-        main_in_process([*JOB, "--data_dir", str(data), "--max_steps", "2", "--log_dir", str(logs)])
-    # Nothing changed, neither the lock file (or what it points to) nor anything else, and nothing was added.
-    assert {p: (p.lstat().st_mode, p.read_bytes() if p.is_file() else None) for p in tmp_path.rglob("*")} == outside
 
 
 def test_a_run_lock_left_by_an_earlier_run_is_taken_over(data, tmp_path):
@@ -235,63 +198,6 @@ def test_a_directory_that_cannot_be_made_names_what_stands_in_its_way(tmp_path):
         "make the directory writable), then rerun.")
 
 
-def test_a_symlinked_run_lock_is_refused_saying_the_link_is_removed_and_its_target_kept(tmp_path):
-    (tmp_path / "elsewhere").write_text("another file")
-    (tmp_path / LOCK_FILE).symlink_to(tmp_path / "elsewhere")
-    path = tmp_path / LOCK_FILE
-    with pytest.raises(UserError) as refused:
-        lock_directory(tmp_path, "--snapshot_dir")
-    assert str(refused.value) == (
-        f"{path} is a symbolic link, which the lock never follows (it would write into the file the link points to), "
-        f"so --snapshot_dir {tmp_path} cannot be locked, and an unlocked run could share the directory with a second "
-        f"run that deletes its snapshot files. Remove the link {path} (the file it points to is left as it is), or "
-        "pass another --snapshot_dir; then rerun.")
-
-
-def test_no_flock_names_the_mount_options_that_give_locks_and_the_flag_that_runs_without(tmp_path):
-    message = run_lock.no_flock(tmp_path / LOCK_FILE, "--snapshot_dir", OSError(errno.ENOLCK, "No locks available"))
-    assert message == (
-        f"{tmp_path / LOCK_FILE} cannot be locked: the filesystem of --snapshot_dir {tmp_path} has no flock(2) "
-        "(OSError: No locks available). Put --snapshot_dir on a filesystem with locks (on Lustre, mount it with the "
-        "`flock` option; NFS has them unless mounted `nolock`), or, if you make sure yourself that no second run "
-        "writes into that directory, pass --no-run_lock to run without the lock.")
-
-
-@pytest.mark.parametrize("broken", ["write fails", "short write", "nothing works"])
-def test_a_holder_line_not_written_whole_leaves_no_part_of_a_line_and_the_lock_held(tmp_path, monkeypatch, broken):
-    # A full disk (or an I/O error) while the lock writes its holder's name: the lock is taken all the same, and
-    # run.lock holds no half line (which the next run would refuse as not ours) and not the earlier holder's name.
-    path = tmp_path / LOCK_FILE
-    path.write_text(EARLIER_HOLDER)
-    real_pwrite = os.pwrite
-    with monkeypatch.context() as patch:
-        patch.setattr(os, "pwrite", lambda fd, line, at: real_pwrite(fd, line[:10], at) if broken == "short write"
-                      else failing(errno.ENOSPC)())
-        if broken == "nothing works":  # not even the truncation: the earlier holder's line stays, whole
-            patch.setattr(os, "ftruncate", failing(errno.EIO))
-        lock = lock_directory(tmp_path, "--log_dir")
-    with lock:
-        assert path.read_text() == (EARLIER_HOLDER if broken == "nothing works" else "")
-        with pytest.raises(UserError, match=re.escape("is in use by another run (" + (
-                EARLIER_HOLDER.strip() if broken == "nothing works" else
-                "a process that has not written its name yet") + "; its lock")):
-            lock_directory(tmp_path, "--log_dir")  # (flock: a second open file of this process is refused too)
-    lock_directory(tmp_path, "--log_dir").close()  # and the next run takes it over
-
-
-def test_the_lock_file_is_opened_without_blocking_or_being_inherited_and_readable_by_all(tmp_path):
-    # O_NONBLOCK: a FIFO put in place of run.lock between its check and its open cannot hang the run; close-on-exec:
-    # the processes a run starts (a torch compile worker, a data tool) never hold its lock after it has ended.
-    umask = os.umask(0o022)
-    try:
-        with lock_directory(tmp_path, "--log_dir") as lock:
-            assert fcntl.fcntl(lock.fileno(), fcntl.F_GETFL) & os.O_NONBLOCK
-            assert fcntl.fcntl(lock.fileno(), fcntl.F_GETFD) & fcntl.FD_CLOEXEC
-        assert stat.S_IMODE((tmp_path / LOCK_FILE).stat().st_mode) == 0o644  # whoever can read the directory sees
-    finally:  # who holds it
-        os.umask(umask)
-
-
 @pytest.mark.parametrize("fails, error, flag", [("open", errno.EROFS, "--log_dir"), ("flock", errno.EIO,
                                                                                       "--snapshot_dir")])
 def test_a_lock_file_that_cannot_be_opened_or_locked_is_refused_naming_it_and_the_error(tmp_path, monkeypatch, fails,
@@ -299,51 +205,26 @@ def test_a_lock_file_that_cannot_be_opened_or_locked_is_refused_naming_it_and_th
     # (flock's errors that mean "no locks on this filesystem" have their own words: the test above)
     with monkeypatch.context() as patch:
         patch.setattr(os if fails == "open" else fcntl, fails, failing(error))
-        with pytest.raises(UserError) as refused:
-            lock_directory(tmp_path, flag)
+        with pytest.raises(UserError) as refused, locked(tmp_path, flag):
+            pass
     assert str(refused.value) == (
-        f"{tmp_path / LOCK_FILE} could not be opened or locked (OSError: {os.strerror(error)}), so {flag} {tmp_path} "
-        "cannot be locked, and an unlocked run could share the directory with a second run that deletes its snapshot "
-        f"files. Make {tmp_path} writable, or remove {tmp_path / LOCK_FILE} if it is in the way, or pass another "
-        f"{flag}; then rerun.")
-
-
-def test_a_hard_link_made_between_the_check_and_the_open_is_refused_by_the_opened_files_own_check(tmp_path,
-                                                                                                  monkeypatch):
-    make_hard_link(tmp_path / LOCK_FILE)
-    before = files(tmp_path)
-    with monkeypatch.context() as patch:  # the check before opening found no run.lock; the link came just after
-        patch.setattr(os, "lstat", failing(errno.ENOENT))
-        with pytest.raises(UserError) as refused:
-            lock_directory(tmp_path, "--snapshot_dir")
-    assert str(refused.value) == (
-        f"{tmp_path / LOCK_FILE} has 2 names (it is hard-linked to another file), and the lock of --snapshot_dir "
-        f"{tmp_path} writes into it, which would change that other file too. Remove {tmp_path / LOCK_FILE} (the other "
-        "name keeps its contents), then rerun.")
-    assert files(tmp_path) == before
+        f"{tmp_path / LOCK_FILE} could not be opened (OSError: {os.strerror(error)}), so {flag} {tmp_path} cannot be "
+        f"locked. Make it writable, or pass another {flag}; then rerun." if fails == "open" else
+        f"{tmp_path / LOCK_FILE} cannot be locked (OSError: {os.strerror(error)}). Pass another {flag}.")
 
 
 def test_a_holder_line_that_is_not_utf8_is_still_shown(tmp_path):
-    with lock_directory(tmp_path, "--log_dir") as lock:
-        os.ftruncate(lock.fileno(), 0)
-        os.pwrite(lock.fileno(), b"pid 7 on host n\xe9ud-3\n", 0)  # (a Latin-1 host name)
-        with pytest.raises(UserError) as refused:
-            lock_directory(tmp_path, "--log_dir")
+    with locked(tmp_path, "--log_dir") as fd:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, b"pid 7 on host n\xe9ud-3\n", 0)  # (a Latin-1 host name)
+        with pytest.raises(UserError) as refused, locked(tmp_path, "--log_dir"):
+            pass
     assert str(refused.value) == (
         f"--log_dir {tmp_path} is in use by another run (pid 7 on host n\ufffdud-3; its lock: {tmp_path / LOCK_FILE}). "
-        "Two runs writing into one directory delete each other's snapshot files and mix their metrics.jsonl lines, so "
-        "this run stops before touching it. Wait for that run to end or stop it (a requeued SLURM job can start while "
-        "the old job's processes are still ending), or give this run another --log_dir. The lock goes when the "
-        "process holding it exits, however it ends: after a crash there is nothing to delete.")
-
-
-@pytest.mark.parametrize("length", [60, 61])
-def test_a_foreign_run_lock_is_shown_up_to_60_bytes(tmp_path, length):
-    contents = b"x" * length
-    (tmp_path / LOCK_FILE).write_bytes(contents)
-    with pytest.raises(UserError, match=re.escape(f"holds something this code did not write ({contents[:60]!r}"
-                                                  f"{'...' if length > 60 else ''}): the lock")):
-        lock_directory(tmp_path, "--log_dir")
+        "Two runs in one directory delete each other's snapshots and mix their metrics.jsonl lines, so this run stops "
+        "before touching it. Wait for that run to end or stop it (a requeued SLURM job can start while the old job's "
+        "processes are still ending), or give this run another --log_dir. The lock goes when its process exits, "
+        "however it ends.")
 
 
 def test_a_directory_to_write_is_made_with_its_parents_and_a_full_disk_only_warns(tmp_path, monkeypatch, capsys):
@@ -355,3 +236,31 @@ def test_a_directory_to_write_is_made_with_its_parents_and_a_full_disk_only_warn
     assert capsys.readouterr().err == (f"WARNING: --snapshot_dir {tmp_path / 'a'}: the disk is full "
                                        f"({os.strerror(errno.ENOSPC)}). Training starts; writes there fail until "
                                        "there is room again.\n")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# a directory moved under its run
+
+@pytest.mark.slow  # a real run, moved while it trains
+def test_a_run_whose_directory_is_moved_stops_writing_nothing_at_the_old_path_and_resumes_where_it_is_now(data,
+                                                                                                        tmp_path):
+    logs, moved = tmp_path / "logs", tmp_path / "moved"
+    run = start_train([*LONG_JOB, "--data_dir", str(data)], logs)
+    try:
+        deadline = time.monotonic() + 120
+        while not list_snapshots(logs):
+            assert run.poll() is None and time.monotonic() < deadline, "the run ended or never wrote a snapshot"
+            time.sleep(0.05)
+        os.rename(logs, moved)
+        stdout, stderr = run.communicate(timeout=120)
+    finally:
+        run.kill()
+    assert run.returncode == 2, stderr[-4000:]
+    assert (f"error: --log_dir {logs.resolve()} is no longer the directory this run locked: it was moved (now: "
+            f"{moved.resolve()}) or removed while the run trained. The run stops, writing nothing at {logs.resolve()}. "
+            f"To go on, rerun the same command with --log_dir {moved.resolve()}.") in stderr
+    assert not logs.exists()  # nothing written at the old path, so no second run can lock a new directory there
+    # The advice, followed literally, resumes the run where it is now.
+    newest = list_snapshots(moved)[0]
+    resumed = run_train([*JOB, "--data_dir", str(data), "--max_steps", str(int(newest.name[9:16]) + 2)], moved)
+    assert f"resuming from {newest} at step {int(newest.name[9:16]) + 1}" in resumed.proc.stdout

@@ -84,7 +84,7 @@ def assert_wandb_mirrors(records: list[dict], metrics: list[dict]) -> None:
 # RunLogger on its own
 
 def test_offline_wandb_run_holds_every_logged_number_at_its_step(tmp_path):
-    logger = RunLogger(tmp_path / "logs")
+    logger = RunLogger(tmp_path / "logs", "run")
     config = {"model": "tiny", "max_steps": 5, "max_lr": 6e-4, "wandb_run_name": None}
     logger.start_wandb("test", "offline", "logger0test", "a-name", config)
     assert logger.wandb_run is not None
@@ -133,19 +133,19 @@ def test_offline_wandb_run_holds_every_logged_number_at_its_step(tmp_path):
 def test_a_line_left_half_written_by_a_crash_is_not_continued(tmp_path):
     """A crash mid-write (or a full disk whose cut-back failed) leaves a last line without its newline: the next
     record starts on a line of its own, so that every other line still reads as JSON."""
-    whole = json.dumps({"step": 4, "loss": 9.5}) + "\n"
-    (tmp_path / "metrics.jsonl").write_text(whole + '{"step": 5, "lo')
-    logger = RunLogger(tmp_path)
+    whole = json.dumps({"event": "timeline", "format": 1, "run": "run"}) + "\n" + json.dumps({"step": 4, "loss": 9.5})
+    (tmp_path / "metrics.jsonl").write_text(whole + '\n{"step": 5, "lo')
+    logger = RunLogger(tmp_path, "run")
     logger.log({"event": "resume", "step": 5, "snapshot": "x.pt"})
     logger.log({"step": 5, "loss": 9.25})
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert lines == [whole.strip(), '{"step": 5, "lo', json.dumps({"event": "resume", "step": 5, "snapshot": "x.pt"}),
-                     json.dumps({"step": 5, "loss": 9.25})]
+    resume, step = json.dumps({"event": "resume", "step": 5, "snapshot": "x.pt"}), json.dumps({"step": 5, "loss": 9.25})
+    assert lines == [*whole.splitlines(), '{"step": 5, "lo', resume, step]
 
 
 def test_only_rank_0_logs(tmp_path, monkeypatch):
     monkeypatch.setattr(wandb, "init", lambda **kwargs: pytest.fail("a rank other than 0 started wandb"))
-    logger = RunLogger(tmp_path / "logs", enabled=False)
+    logger = RunLogger(tmp_path / "logs", "run", enabled=False)
     logger.start_wandb("test", "offline", "rank1", None, {})
     logger.log({"step": 0, "loss": 1.0})
     logger.log_samples(0, ["text"])
@@ -163,9 +163,9 @@ def test_wandb_init_gives_up_after_a_minute_unless_told_otherwise(tmp_path, monk
         raise wandb.errors.CommError("Run initialization has timed out")
 
     monkeypatch.setattr(wandb, "init", init)
-    RunLogger(tmp_path).start_wandb("test", "online", "timeout0", None, {})
+    RunLogger(tmp_path, "run").start_wandb("test", "online", "timeout0", None, {})
     monkeypatch.setenv("WANDB_INIT_TIMEOUT", "600")
-    RunLogger(tmp_path).start_wandb("test", "online", "timeout1", None, {})
+    RunLogger(tmp_path, "run").start_wandb("test", "online", "timeout1", None, {})
     assert timeouts == [INIT_TIMEOUT_S, 600.0] and INIT_TIMEOUT_S == 60
 
 

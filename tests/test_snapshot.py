@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import zipfile
 import zlib
 from pathlib import Path
 
@@ -40,29 +39,24 @@ from conftest import (
 )
 from helpers_train import main_in_process, read_metrics
 from model import GPT, GPTConfig
-from rundir import snapshot, timeline
-from rundir import store as snapshot_store
+from rundir import snapshot, store
 from rundir.lock import LOCK_FILE
 from rundir.snapshot import (
+    FORMAT,
     REQUIRED_KEYS,
     capture_rng_state,
     file_crc32,
     list_snapshots,
     load_snapshot,
-    pickle_strings,
     read_model,
     restore_rng_state,
     save_snapshot,
     snapshot_path,
     torch_save,
     verify_checksums,
-    written_here,
 )
-from rundir.store import newest_healthy_snapshot, prune_snapshots
-from rundir.timeline import TIMELINE_FILE, Timeline, find_latest_snapshot, read_timeline
+from rundir.store import RUN_FILE
 from training.errors import UserError
-
-TIMELINE = Timeline("snapshottests", [])  # the fake snapshots' timeline
 
 CPU = torch.device("cpu")
 
@@ -72,9 +66,14 @@ def fake_snapshot(step: int) -> dict:
     state = {key: {} for key in REQUIRED_KEYS}
     model = torch.nn.Linear(4, 4)
     torch.nn.init.constant_(model.weight, float(step))
-    state.update(model=model.state_dict(), step=step, rng=[capture_rng_state(CPU)], wandb_id="abc123",
-                 timeline={"run": TIMELINE.run, "branched_from": []})
+    state.update(format=FORMAT, model=model.state_dict(), step=step, rng=[capture_rng_state(CPU)], wandb_id="abc123",
+                 healthy=True)
     return state
+
+
+def latest(directory: Path) -> store.Entry:
+    """The snapshot a resume of these would restore (a run's own): the newest that loads, each before it named."""
+    return store.first_loadable(store.survey(directory), f"in {directory}")
 
 
 def save_fake_sharded_snapshot(path: Path, step: int, **changes) -> None:
@@ -115,7 +114,7 @@ def test_failed_write_leaves_previous_snapshot_and_no_temp_file(tmp_path, monkey
     with pytest.raises(OSError, match="No space left"):
         save_snapshot(fake_snapshot(4), snapshot_path(tmp_path, 4))
     assert [p.name for p in tmp_path.iterdir()] == ["snapshot_0000003.pt"]
-    assert find_latest_snapshot(tmp_path)[1]["step"] == 3
+    assert latest(tmp_path).state["step"] == 3
 
 
 # A process killed half-way through a write has no chance to clean up: run one and SIGKILL it mid-write.
@@ -129,7 +128,7 @@ snapshot.save_snapshot(fake_snapshot(4), snapshot.snapshot_path(sys.argv[1], 4))
 
 
 @pytest.mark.slow  # a few seconds: keeps `-m 'not slow'` under 90 s
-def test_killed_write_leaves_previous_snapshot_and_the_next_save_removes_its_temp_file(tmp_path):
+def test_killed_write_leaves_the_previous_snapshot_as_it_was(tmp_path):
     save_snapshot(fake_snapshot(3), snapshot_path(tmp_path, 3))
     env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     killed = subprocess.run([sys.executable, "-c", KILLED_MID_WRITE, str(tmp_path)], env=env, capture_output=True)
@@ -138,12 +137,9 @@ def test_killed_write_leaves_previous_snapshot_and_the_next_save_removes_its_tem
     assert not snapshot_path(tmp_path, 4).exists()  # the final name appears only once the file is complete
     [partial] = tmp_path.glob("snapshot_0000004.pt.*tmp")
     assert 0 < partial.stat().st_size < snapshot_path(tmp_path, 3).stat().st_size
-    path, state = find_latest_snapshot(tmp_path)
+    entry = latest(tmp_path)
+    path, state = entry.path, entry.state
     assert path == snapshot_path(tmp_path, 3) and state["step"] == 3
-
-    save_snapshot(fake_snapshot(5), snapshot_path(tmp_path, 5))
-    prune_snapshots(tmp_path, keep_last=2, timeline=TIMELINE)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["snapshot_0000003.pt", "snapshot_0000005.pt"]
 
 
 def truncate(path):
@@ -163,7 +159,8 @@ def test_broken_newest_snapshot_is_skipped_with_a_warning_naming_it(tmp_path, ca
     for step in (10, 20):
         save_snapshot(fake_snapshot(step), snapshot_path(tmp_path, step))
     damage(snapshot_path(tmp_path, 20))
-    path, state = find_latest_snapshot(tmp_path)
+    entry = latest(tmp_path)
+    path, state = entry.path, entry.state
     assert path == snapshot_path(tmp_path, 10) and state["step"] == 10
     warning = capsys.readouterr().err
     assert "WARNING" in warning and str(snapshot_path(tmp_path, 20)) in warning
@@ -179,7 +176,8 @@ def test_a_flipped_byte_in_tensor_data_is_found_by_its_checksum_and_the_older_sn
     after = tree_leaves(torch.load(snapshot_path(tmp_path, 20), weights_only=True))  # torch loads it without a word
     assert [torch.equal(x, y) for x, y in zip(before, after) if isinstance(x, torch.Tensor)].count(False) == 1
 
-    path, state = find_latest_snapshot(tmp_path)
+    entry = latest(tmp_path)
+    path, state = entry.path, entry.state
     assert path == snapshot_path(tmp_path, 10) and state["step"] == 10
     warning = capsys.readouterr().err
     assert f"{snapshot_path(tmp_path, 20)}: the bytes of its record {record} changed" in warning
@@ -226,25 +224,22 @@ def test_a_lost_last_or_stop_snapshot_fails_the_run(data, tmp_path, monkeypatch,
         snapshots.save_if_due(step, last_step=9, stopping=stopping)
 
 
-def test_no_snapshot_means_a_fresh_start_and_only_broken_ones_an_error_naming_them(tmp_path):
-    assert find_latest_snapshot(tmp_path / "missing") is None
+def test_only_broken_snapshots_are_an_error_naming_them(tmp_path):
+    assert store.survey(tmp_path / "missing") == []
     (tmp_path / "notes.txt").write_text("not a snapshot")
-    assert find_latest_snapshot(tmp_path) is None
+    assert store.survey(tmp_path) == []
     garbage(snapshot_path(tmp_path, 1))
     with pytest.raises(ValueError, match=re.escape(f"none of the 1 snapshots in {tmp_path} loads: ") +
                        ".*snapshot_0000001.pt"):
-        find_latest_snapshot(tmp_path)
+        latest(tmp_path)
 
 
-def test_snapshots_are_ordered_by_step_and_pruned_to_keep_last(tmp_path):
+def test_snapshots_are_ordered_by_step(tmp_path):
     steps = [9, 10, 99, 10_000_000]  # 10,000,000 outgrows the 7-digit padding: order must stay numeric
     for step in steps:
         save_snapshot(fake_snapshot(step), snapshot_path(tmp_path, step))
     (tmp_path / "notes.txt").write_text("not a snapshot")
     assert list_snapshots(tmp_path) == [snapshot_path(tmp_path, s) for s in reversed(steps)]
-    prune_snapshots(tmp_path, keep_last=2, timeline=TIMELINE)
-    assert list_snapshots(tmp_path) == [snapshot_path(tmp_path, 10_000_000), snapshot_path(tmp_path, 99)]
-    assert (tmp_path / "notes.txt").exists()
 
 
 def draw() -> tuple:
@@ -349,6 +344,12 @@ def booby_trapped(fsdp_run: Path, directory: Path, trap) -> tuple[Path, str]:
     return copy, named
 
 
+def adopt(path: Path) -> None:
+    """Make `path` the own snapshot of the run its directory holds (run.json, its .json), for --resume auto to read."""
+    store.write_record(path.parent / RUN_FILE, {"run": "trapped", "init_from": None, "resumed_from": None})
+    store.write_record(store.sidecar(path), {"run": "trapped", "step": int(path.name[9:16])})
+
+
 def run_args(fsdp_run: Path, log_dir: Path, *args: str) -> list[str]:
     return [*JOB, "--data_dir", str(fsdp_run / "data"), "--log_dir", str(log_dir), *args]
 
@@ -362,7 +363,8 @@ ENTRY_POINTS = {
     "evaluate.py": lambda run, snapshot: tools.evaluate.main(["--ckpt", str(snapshot), "--device", "cpu"]),
     "--resume PATH": lambda run, snapshot: main_in_process(run_args(run, snapshot.parent / "other", "--parallel",
                                                                     "fsdp", "--resume", str(snapshot))),
-    "--resume auto": lambda run, snapshot: main_in_process(run_args(run, snapshot.parent, "--parallel", "fsdp")),
+    "--resume auto": lambda run, snapshot: adopt(snapshot) or main_in_process(run_args(run, snapshot.parent,
+                                                                                       "--parallel", "fsdp")),
     "--init_from": lambda run, snapshot: main_in_process(run_args(run, snapshot.parent / "other", "--init_from",
                                                                   str(snapshot))),
 }
@@ -448,57 +450,32 @@ def files_under(directory: Path) -> dict[str, bytes]:
     return {str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*") if p.is_file()}
 
 
-def test_pruning_and_cleaning_delete_only_what_this_code_wrote(tmp_path):
-    plant(tmp_path, ISSUE_24_ENTRIES | OUR_NAMES_FOREIGN_ENTRIES)
-    foreign(tmp_path / "snapshot_0000006.pt")  # a torch file, but not a snapshot
-    before = files_under(tmp_path)
-    for step in (10, 11, 12):
-        save_snapshot(fake_snapshot(step), snapshot_path(tmp_path, step))
-    # What crashes of this code leave behind: a snapshot file cut short mid-write, and an fsdp snapshot's temp
-    # directory with some shards in it.
-    whole = snapshot_path(tmp_path, 12).read_bytes()
-    (tmp_path / "snapshot_0000013.pt.4242.tmp").write_bytes(whole[: len(whole) // 2])
-    (tmp_path / "snapshot_0000014.tmp").mkdir()
-    (tmp_path / "snapshot_0000014.tmp" / "__0_0.distcp").write_bytes(b"\0" * 100)
-
-    prune_snapshots(tmp_path, keep_last=1, timeline=TIMELINE)
-    assert files_under(tmp_path) == before | {"snapshot_0000012.pt": whole}
-    with pytest.raises(FileExistsError, match="snapshot_0000005.pt"):  # nor is one overwritten by a snapshot
-        save_snapshot(fake_snapshot(5), snapshot_path(tmp_path, 5))
-    assert files_under(tmp_path) == before | {"snapshot_0000012.pt": whole}
-
-
-def test_the_directory_snapshots_of_a_real_fsdp_run_are_pruned_as_this_codes(fsdp_run, tmp_path):
-    shutil.copytree(fsdp_run / "run", tmp_path, dirs_exist_ok=True)
-    prune_snapshots(tmp_path, keep_last=1, timeline=read_timeline(tmp_path))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", LOCK_FILE, "snapshot_0000002",
-                                                          TIMELINE_FILE]
+def test_pruning_and_cleaning_delete_only_the_runs_own_snapshots_and_temp_files(data, tmp_path):
+    run = tmp_path / "run"
+    plant(run, ISSUE_24_ENTRIES | OUR_NAMES_FOREIGN_ENTRIES)
+    foreign(run / "snapshot_0000006.pt")  # a torch file, but not a snapshot
+    before = files_under(run)
+    snapshots = tiny_snapshots(data, run, keep_last=1)
+    snapshots.save_if_due(10, last_step=20, stopping=False)
+    # What crashes of this run leave behind: a snapshot file cut short mid-write, and an fsdp snapshot's temp
+    # directory with some shards in it, at steps whose .json it wrote first.
+    for step, temp in ((11, "snapshot_0000011.pt.4242.tmp"), (12, "snapshot_0000012.tmp/__0_0.distcp")):
+        store.write_record(store.sidecar(snapshot_path(run, step)), {"run": snapshots.run, "step": step})
+        plant(run, {temp: b"half"})
+    snapshots.save_if_due(13, last_step=20, stopping=False)
+    after = files_under(run)
+    assert {name: after[name] for name in before} == before  # every file not the run's, as it was
+    assert sorted(set(after) - set(before)) == ["snapshot_0000011.json", "snapshot_0000012.json",
+                                                "snapshot_0000013.json", "snapshot_0000013.pt"]
 
 
-def test_a_run_with_keep_last_1_leaves_foreign_files_alone_and_says_which_it_ignored(fsdp_run, tmp_path, capsys):
+def test_a_run_with_keep_last_1_leaves_foreign_files_alone(fsdp_run, tmp_path):
     plant(tmp_path, ISSUE_24_ENTRIES)
     main_in_process(run_args(fsdp_run, tmp_path, "--keep_last", "1"))
     after = files_under(tmp_path)
-    assert after.keys() == ISSUE_24_ENTRIES.keys() | {"metrics.jsonl", LOCK_FILE, TIMELINE_FILE, "snapshot_0000002.pt"}
+    assert after.keys() == ISSUE_24_ENTRIES.keys() | {"metrics.jsonl", LOCK_FILE, RUN_FILE, "snapshot_0000002.pt",
+                                                      "snapshot_0000002.json"}
     assert {name: after[name] for name in ISSUE_24_ENTRIES} == ISSUE_24_ENTRIES
-    warning = capsys.readouterr().err
-    assert f"--resume auto ignores in {tmp_path}: snapshot_1.pt, snapshot_2023, snapshot_draft.tmp, " \
-           "snapshot_thesis_tmp (not named as this code names snapshots" in warning
-
-
-def test_resume_auto_among_snapshots_that_all_fail_to_load_exits_naming_them_and_deletes_nothing(fsdp_run, tmp_path):
-    garbage(snapshot_path(tmp_path, 3))
-    save_snapshot(fake_snapshot(5), snapshot_path(tmp_path, 5))
-    truncate(snapshot_path(tmp_path, 5))
-    before = files_under(tmp_path)
-    with pytest.raises(UserError) as refused:
-        main_in_process(run_args(fsdp_run, tmp_path))
-    message = str(refused.value)
-    assert message.startswith(f"--resume auto: none of the 2 snapshots in {tmp_path} loads:")
-    assert str(snapshot_path(tmp_path, 5)) in message and str(snapshot_path(tmp_path, 3)) in message
-    assert "--resume never" in message
-    after = files_under(tmp_path)
-    assert after.pop(LOCK_FILE).startswith(b"pid ") and after == before  # (but the run's own lock file)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -573,9 +550,8 @@ def test_a_fifo_or_device_given_as_a_snapshot_is_refused_at_once(fsdp_run, tmp_p
     (lambda s: s["model_config"].update(rotary=True), "its model_config is {"),
     (lambda s: s["model_config"].pop("n_layer"), "its model_config is {"),
     (lambda s: s["model_config"].update(n_head=-4), "its model_config is {"),
-    (lambda s: s["loader"].pop("epoch"), "holds a data position this code does not read"),
 ])
-def test_a_snapshot_with_a_model_config_or_loader_this_code_does_not_write_is_refused(fsdp_run, tmp_path, capsys,
+def test_a_snapshot_with_a_model_config_this_code_does_not_write_is_refused(fsdp_run, tmp_path, capsys,
                                                                                      change, named):
     main_in_process(run_args(fsdp_run, tmp_path / "run", "--max_steps", "1"))
     path = snapshot_path(tmp_path / "run", 0)
@@ -608,18 +584,7 @@ def test_a_snapshot_whose_keys_hold_what_this_code_never_writes_is_refused_by_th
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# pruning and rollbacks delete only what written_here proves this code wrote (mutation testing: docs/reliability.md)
-
-def test_a_symlink_to_one_of_the_runs_own_snapshots_and_a_named_one_are_never_pruned(tmp_path):
-    kept_elsewhere = snapshot_path(tmp_path / "elsewhere", 1)
-    save_snapshot(fake_snapshot(1), kept_elsewhere)
-    run = tmp_path / "run"
-    for step in (5, 6, 7):
-        save_snapshot(fake_snapshot(step), snapshot_path(run, step))
-    snapshot_path(run, 2).symlink_to(kept_elsewhere)  # loads, and names this timeline: but this code never wrote it
-    prune_snapshots(run, keep_last=1, timeline=TIMELINE, named={snapshot_path(run, 5).resolve()})
-    assert list_snapshots(run) == [snapshot_path(run, s) for s in (7, 5, 2)]
-    assert snapshot_path(run, 2).is_symlink() and load_snapshot(kept_elsewhere)["step"] == 1
+# pruning and rollbacks delete only the run's own snapshots
 
 
 def test_a_rollback_deletes_the_abandoned_snapshots_it_wrote_and_not_a_symlink_among_them(data, tmp_path):
@@ -663,17 +628,6 @@ def test_a_sharded_snapshot_clears_a_dead_runs_temp_directory_renames_into_place
         load_snapshot(path)
 
 
-def test_a_sharded_snapshot_never_writes_over_a_directory_this_code_did_not_write(tmp_path):
-    theirs = snapshot_path(tmp_path, 3, sharded=True)
-    theirs.mkdir()
-    (theirs / "photo.jpg").write_bytes(b"\xff\xd8 a photo")
-    with pytest.raises(FileExistsError) as refused:
-        save_fake_sharded_snapshot(theirs, 3)
-    assert str(refused.value) == (f"{theirs} is in the way of a snapshot and was not written by this code, so it is "
-                                  "left as it is: move it out of --snapshot_dir")
-    assert files_under(tmp_path) == {"snapshot_0000003/photo.jpg": b"\xff\xd8 a photo"}
-
-
 @pytest.mark.parametrize("fails", ["dcp.save", "file_crc32"])  # before the temp directory exists; once it holds shards
 def test_a_sharded_snapshot_whose_write_fails_raises_that_error_and_leaves_nothing(tmp_path, monkeypatch, fails):
     monkeypatch.setattr(snapshot.dcp if fails == "dcp.save" else snapshot, fails.split(".")[-1], failing(errno.EIO))
@@ -700,30 +654,29 @@ def test_a_snapshot_that_cannot_be_deleted_is_a_warning_naming_it(tmp_path, monk
     def busy(path):
         raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(path))
 
-    monkeypatch.setattr(snapshot_store, "remove", busy)
-    snapshot_store.remove_or_warn(snapshot_path(tmp_path, 1))
+    monkeypatch.setattr(snapshot, "remove", busy)
+    store.remove_or_warn(snapshot_path(tmp_path, 1))
     assert capsys.readouterr().err == (f"WARNING: could not delete {snapshot_path(tmp_path, 1)} (OSError: "
                                        f"{os.strerror(errno.EBUSY)}); it is left as it is, and training goes on. "
                                        "Delete it yourself once it can be.\n")
 
 
-def test_a_directory_snapshot_whose_shard_changed_is_skipped_by_a_resume_and_by_a_rollback(tmp_path, capsys):
+def test_a_directory_snapshot_whose_shard_changed_is_skipped_by_a_resume(tmp_path, capsys):
     save_snapshot(fake_snapshot(1), snapshot_path(tmp_path, 1))
     newest = snapshot_path(tmp_path, 2, sharded=True)
     save_fake_sharded_snapshot(newest, 2)
     shard = newest / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:-1] + bytes([shard.read_bytes()[-1] ^ 1]))  # its meta.pt as it was
-    assert find_latest_snapshot(tmp_path)[0] == snapshot_path(tmp_path, 1)
+    assert latest(tmp_path).path == snapshot_path(tmp_path, 1)
     assert f"WARNING: skipping snapshot: {shard} is missing or its bytes changed since it was written (CRC-32 " \
         "mismatch): a bit flip or a bad copy. Trying the next older one." in capsys.readouterr().err
-    assert newest_healthy_snapshot(tmp_path, TIMELINE) == snapshot_path(tmp_path, 1)
-    verify_checksums(newest, {"step": 2})  # (a directory snapshot from before shard checksums: its meta.pt alone)
+
 
 
 def test_a_file_that_is_no_zip_container_fails_its_checksums_naming_it(tmp_path):
     garbage(tmp_path / "snapshot_0000001.pt")
     with pytest.raises(ValueError) as refused:
-        verify_checksums(tmp_path / "snapshot_0000001.pt")
+        verify_checksums(tmp_path / "snapshot_0000001.pt", {})
     assert str(refused.value) == (f"{tmp_path / 'snapshot_0000001.pt'} could not be read as a snapshot (BadZipFile: "
                                   "File is not a zip file); it is truncated, corrupt or not a torch file.")
 
@@ -733,15 +686,15 @@ def test_each_snapshot_a_resume_skips_is_named_with_why_and_a_read_error_with_it
     for step in (1, 2, 3):
         save_snapshot(fake_snapshot(step), snapshot_path(tmp_path, step))
     changed = {step: flip_a_byte_in_tensor_data(snapshot_path(tmp_path, step)) for step in (3,)}
-    unreadable, verify = snapshot_path(tmp_path, 2), timeline.verify_checksums
+    unreadable, verify = snapshot_path(tmp_path, 2), snapshot.verify_checksums
 
     def eio_for_unreadable(path, state=None):
         if path == unreadable:
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         verify(path, state)
 
-    monkeypatch.setattr(timeline, "verify_checksums", eio_for_unreadable)
-    assert find_latest_snapshot(tmp_path)[0] == snapshot_path(tmp_path, 1)
+    monkeypatch.setattr(snapshot, "verify_checksums", eio_for_unreadable)
+    assert latest(tmp_path).path == snapshot_path(tmp_path, 1)
 
     def flipped(step: int) -> str:
         return (f"{snapshot_path(tmp_path, step)}: the bytes of its record {changed[step]} changed since it was "
@@ -752,7 +705,7 @@ def test_each_snapshot_a_resume_skips_is_named_with_why_and_a_read_error_with_it
                                                     for problem in (flipped(3), read_error)]
     changed[1] = flip_a_byte_in_tensor_data(snapshot_path(tmp_path, 1))
     with pytest.raises(ValueError) as none_loads:
-        find_latest_snapshot(tmp_path)
+        latest(tmp_path)
     assert str(none_loads.value) == (f"none of the 3 snapshots in {tmp_path} loads: {flipped(3)} {read_error} "
                                      f"{flipped(1)}")
 
@@ -761,52 +714,13 @@ def test_removing_a_file_someone_deleted_first_is_no_error(tmp_path):
     snapshot.remove(snapshot_path(tmp_path, 1))  # (a prune that another process, or the user, got to first)
 
 
-def test_a_torch_files_pickle_strings_are_read_in_order_and_only_from_a_whole_stored_pickle(tmp_path):
-    path = tmp_path / "snapshot.pt"
-    torch.save({"run": "abc", "again": "abc", "n": 3, "timeline": {"run": "abc", "x": [1, "yz"]}}, path)
-    # Each string where it stands, one met again (a memo GET) too: no unpickling, so nothing runs.
-    assert pickle_strings(path) == ["run", "abc", "again", "abc", "n", "timeline", "run", "abc", "x", "yz"]
-    whole = path.read_bytes()
-    path.write_bytes(whole[:120])  # cut short inside the pickle: nothing proven
-    assert pickle_strings(path) is None
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:  # a pickle, but compressed (torch never is)
-        archive.writestr("archive/data.pkl", pickle.dumps({"run": "abc"}))
-    assert pickle_strings(path) is None
-    with zipfile.ZipFile(path, "w") as archive:  # stored, but not first
-        archive.writestr("archive/version", "3")
-        archive.writestr("archive/data.pkl", pickle.dumps({"run": "abc"}))
-    assert pickle_strings(path) is None
-    many = [f"s{i}" for i in range(300)]  # past 256 memo entries: LONG_BINPUT and LONG_BINGET
-    for protocol, obj, strings in ((0, {"run": "abc", "again": "abc"}, ["run", "abc", "again", "abc"]),  # PUT, GET
-                                   (2, many + [many[-1]], many + ["s299"]),
-                                   (4, {"run": "abc", "again": "abc"}, ["run", "abc", "again", "abc"])):  # MEMOIZE
-        with zipfile.ZipFile(path, "w") as archive:
-            archive.writestr("archive/data.pkl", pickle.dumps(obj, protocol=protocol))
-        assert pickle_strings(path) == strings, protocol
-    path.write_bytes(b"PK\x03\x05" + path.read_bytes()[4:])  # no zip record's signature
-    assert pickle_strings(path) is None
-    garbage(path)
-    assert pickle_strings(path) is None and pickle_strings(tmp_path / "missing.pt") is None
-
-
-def test_pruning_with_nothing_to_delete_reads_no_snapshot_through(tmp_path, monkeypatch):
+def test_pruning_with_nothing_to_delete_reads_no_snapshot_through(data, tmp_path, monkeypatch):
     # Its health check reads a snapshot whole (checksums): gigabytes at every snapshot for nothing, were it run.
+    snapshots = tiny_snapshots(data, tmp_path, keep_last=2)
+    monkeypatch.setattr(snapshot, "verify_checksums", lambda *args: pytest.fail("a snapshot was read through"))
     for step in (1, 2):
-        save_snapshot(fake_snapshot(step), snapshot_path(tmp_path, step))
-    monkeypatch.setattr(snapshot_store, "verify_checksums", lambda *args: pytest.fail("a snapshot was read through"))
-    prune_snapshots(tmp_path, keep_last=2, timeline=TIMELINE)
+        snapshots.save_if_due(step, last_step=9, stopping=False)
     assert list_snapshots(tmp_path) == [snapshot_path(tmp_path, 2), snapshot_path(tmp_path, 1)]
-
-
-def test_a_file_or_directory_named_as_a_directory_snapshot_is_ours_only_with_our_meta_pt(tmp_path):
-    (tmp_path / "snapshot_0000005").write_bytes(b"a file, named as an fsdp snapshot's directory")
-    no_meta = tmp_path / "snapshot_0000007"  # shards alone: no meta.pt says a run of ours wrote them
-    no_meta.mkdir()
-    (no_meta / "__0_0.distcp").write_bytes(b"shards?")
-    not_our_meta = tmp_path / "snapshot_0000008.tmp"  # a temp directory whose meta.pt is someone else's
-    not_our_meta.mkdir()
-    torch.save({"epoch": 3}, not_our_meta / "meta.pt")
-    assert [written_here(p) for p in (tmp_path / "snapshot_0000005", no_meta, not_our_meta)] == [False] * 3
 
 
 def test_a_snapshot_file_without_a_key_or_with_a_key_of_another_type_is_refused_naming_it(tmp_path):

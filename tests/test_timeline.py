@@ -1,8 +1,8 @@
-"""timeline.py and the store: a run acts only on the snapshots of its own timeline (issue 50, items 1 and 2).
+"""rundir/store.py: a run acts only on its own snapshots, those whose .json names it (issue 50, items 1 and 2).
 
 Real runs of the tiny model on one CPU process: another run's snapshot copied into the directory is never pruned,
-never resumed, and never written over; a branch from an older snapshot keeps its own line, and --resume auto after
-a crash continues the branch, not the timeline it branched from.
+never resumed, and never written over; a branch from an older snapshot keeps its own directory, and --resume auto
+after a crash continues the branch, not the run it branched from.
 """
 
 import json
@@ -17,8 +17,8 @@ import pytest
 
 from conftest import ROOT, make_shards
 from helpers_train import main_in_process, read_metrics
-from rundir.snapshot import list_snapshots, load_snapshot, snapshot_path
-from rundir.timeline import TIMELINE_FILE, read_timeline
+from rundir.snapshot import list_snapshots, snapshot_path
+from rundir.store import RUN_FILE, read_run
 from training.errors import UserError
 
 B, T = 2, 16
@@ -94,7 +94,7 @@ def test_a_branch_from_an_older_snapshot_stops_before_writing_over_the_later_one
         train(data, run, "--resume", str(snapshot_path(run, 3)), "--max_steps", "20", "--snapshot_every", "1",
               "--keep_last", "2")
     # One directory holds one run: a branch from its older snapshot would write over the later ones, or orphan them.
-    assert f"holds run {read_timeline(run).run}'s snapshots (newest: snapshot_0000009.pt)" in str(refused.value)
+    assert f"holds run {read_run(run).run}'s snapshots (newest: snapshot_0000009.pt)" in str(refused.value)
     assert f"--snapshot_dir {run / 'branch_0000004'}" in str(refused.value)
     after = contents(run)
     assert {name: after[name] for name in before if name.startswith("snapshot_")} == \
@@ -119,9 +119,8 @@ def test_a_branch_killed_mid_run_resumes_its_own_line_and_never_prunes_its_paren
             proc.send_signal(signal.SIGKILL)
             break
     assert proc.wait(timeout=120) == -signal.SIGKILL
-    branch = read_timeline(branch_dir)
-    assert branch.branched_from == [[read_timeline(run).run, 3]]
-    assert branch.resumed_from == str(snapshot_path(run, 3).resolve())
+    branch = read_run(branch_dir)
+    assert branch.resumed_from == "../snapshot_0000003.pt"  # (relative: the directory may move with its parent)
     assert list_snapshots(branch_dir) == [snapshot_path(branch_dir, 8), snapshot_path(branch_dir, 7)]
 
     train(data, run, "--snapshot_dir", str(branch_dir), "--max_steps", "20", "--snapshot_every", "1",
@@ -131,34 +130,35 @@ def test_a_branch_killed_mid_run_resumes_its_own_line_and_never_prunes_its_paren
     own_metrics = [json.loads(line) for line in (run / f"metrics_{branch.run}.jsonl").read_text().splitlines()]
     resumed = [r for r in own_metrics if r.get("event") == "resume"]
     assert resumed[-1]["snapshot"] == str(snapshot_path(branch_dir, 8)) and resumed[-1]["step"] == 9
-    assert load_snapshot(snapshot_path(branch_dir, 19))["timeline"]["run"] == branch.run
+    assert json.loads((branch_dir / "snapshot_0000019.json").read_text())["run"] == branch.run
     after = contents(run)  # every snapshot of the parent, 3 among them, as it was
     assert {n: after[n] for n in before if n.startswith("snapshot_")} == \
         {n: b for n, b in before.items() if n.startswith("snapshot_")}
 
 
-def test_resuming_the_newest_snapshot_by_its_path_continues_the_timeline_in_place(data, parent, tmp_path):
+def test_resuming_the_newest_snapshot_by_its_path_continues_the_run_in_place(data, parent, tmp_path):
     run = shutil.copytree(parent, tmp_path / "run")
-    timeline = read_timeline(run)
+    recorded = read_run(run)
     train(data, run, "--resume", str(snapshot_path(run, 9)), "--max_steps", "12", "--snapshot_every", "1",
           "--keep_last", "2")
-    assert read_timeline(run) == timeline  # not a branch: the same line goes on, and prunes as it did, but for the
+    assert read_run(run) == recorded  # not a branch: the same run goes on, and prunes as it did, but for the
     # snapshot the user named: never deleted
     assert list_snapshots(run) == [snapshot_path(run, 11), snapshot_path(run, 10), snapshot_path(run, 9)]
 
 
-# A process killed inside its first snapshot's write: timeline.json already names the new timeline, so --resume auto
-# starts it afresh instead of resuming the higher-step snapshot of the run before it.
+# A process killed inside its first snapshot's write: run.json already names the new run, so --resume auto starts it
+# afresh instead of resuming the higher-step snapshot of another run.
 KILLED_IN_FIRST_WRITE = """
 import os, signal, sys
-import snapshot, train_gpt2
+import train_gpt2
+from rundir import snapshot
 snapshot.torch_save = lambda obj, f: os.kill(os.getpid(), signal.SIGKILL)
 train_gpt2.main(sys.argv[1:])
 """
 
 
 @pytest.mark.slow  # two processes
-def test_a_crash_in_a_new_timelines_first_write_never_resumes_the_older_timeline(data, foreign, tmp_path):
+def test_a_crash_in_a_new_runs_first_write_never_resumes_another_runs_snapshot(data, foreign, tmp_path):
     shutil.copy(foreign, tmp_path / foreign.name)
     args = ["--model", "tiny", "--device", "cpu", "--eval_every", "0", "--sample_every", "0", *JOB, "--data_dir",
             str(data), "--log_dir", str(tmp_path), "--snapshot_every", "2", "--max_steps", "6"]
@@ -166,7 +166,7 @@ def test_a_crash_in_a_new_timelines_first_write_never_resumes_the_older_timeline
     killed = subprocess.run([sys.executable, "-c", KILLED_IN_FIRST_WRITE, *args, "--resume", "never"], env=env,
                             capture_output=True, cwd=ROOT)
     assert killed.returncode == -signal.SIGKILL
-    assert (tmp_path / TIMELINE_FILE).exists() and list_snapshots(tmp_path) == [tmp_path / foreign.name]
+    assert (tmp_path / RUN_FILE).exists() and list_snapshots(tmp_path) == [tmp_path / foreign.name]
     train(data, tmp_path, *args[args.index("--snapshot_every"):])  # --resume auto
     assert [r for r in read_metrics(tmp_path) if r.get("event") == "resume"] == []  # a fresh start, at step 0
     assert list_snapshots(tmp_path)[0] == tmp_path / foreign.name

@@ -1,10 +1,11 @@
 """When training must not go on as it is. An update that would wreck the weights is skipped (DivergenceGuard: NaN or
 inf always, loss and gradient-norm spikes with --skip_zscore); a run that keeps skipping has diverged, and stops or
-rolls back to its newest healthy snapshot (DivergenceResponse, --on_divergence); a SIGTERM, a Ctrl-C or data that
-cannot be read asks for a snapshot and a clean stop (StopRequest).
+rolls back to its newest healthy snapshot (train_gpt2.DivergenceResponse, --on_divergence); a SIGTERM, a Ctrl-C or
+data that cannot be read asks for a snapshot and a clean stop (StopRequest).
 
 training.train_step asks the guard about every update; train_gpt2.run hands a divergence to the response and polls
-the stop request before every step. The guard's state, the rollback count included, goes into snapshots.
+the stop request before every step. The guard's state, the rollback count included, goes into snapshots. (Nothing
+here knows the snapshots: one training step, which imports this, imports no snapshot store.)
 """
 
 import math
@@ -16,12 +17,7 @@ from contextlib import contextmanager
 
 import torch
 
-from dataloader import DistributedDataLoader
-from rundir.store import Snapshots
-from training.config import TrainConfig
 from training.distributed import from_all_ranks, max_across_ranks
-from training.errors import UserError
-from training.run_logger import RunLogger
 
 
 def nonfinite_reason(loss: float, grad_norm: float, fp16: bool) -> str | None:
@@ -83,58 +79,7 @@ class DivergenceGuard:
         self.losses = deque(state["losses"], maxlen=self.SPIKE_WINDOW)
         self.grad_norms = deque(state["grad_norms"], maxlen=self.SPIKE_WINDOW)
         self.skips_in_a_row = state["skips_in_a_row"]
-        self.rollbacks = state.get("rollbacks", 0)  # (snapshots from before the count was kept)
-
-
-class DivergenceResponse:
-    """--on_divergence: what the run does once --max_skips updates in a row were skipped (DivergenceGuard).
-
-    rollback: restore the newest healthy snapshot (Snapshots.rollback), count the rollback, write it at once
-    (Snapshots.commit_rollback) and train on from the snapshot's step with the data after the divergence, at most
-    --max_rollbacks times. stop, or no rollback left: a UserError, raised on every rank at the same step, saying where
-    the run stands and what to try.
-    """
-
-    def __init__(self, cfg: TrainConfig, snapshots: Snapshots, guard: DivergenceGuard,
-                 train_loader: DistributedDataLoader, metrics: RunLogger, print0):
-        self.cfg, self.snapshots, self.guard, self.train_loader = cfg, snapshots, guard, train_loader
-        self.metrics, self.print0 = metrics, print0
-
-    def respond(self, step: int, reason: str) -> int:
-        """Roll back and return the step to go on at, or raise UserError."""
-        cfg, position = self.cfg, self.train_loader.state_dict()
-        where = (f"epoch {position['epoch']}, shard {position['shard_position']}, chunk "
-                 f"{position['chunk_position']}")
-        if cfg.on_divergence == "rollback" and self.guard.rollbacks < cfg.max_rollbacks:
-            rollbacks = self.guard.rollbacks
-            restored = self.snapshots.rollback()  # the guard's state too, from before this rollback
-            if restored is not None:
-                snapshot_step, path = restored
-                # The run's count, not the snapshot's (a snapshot from before the guard holds no count either).
-                self.guard.skips_in_a_row, self.guard.rollbacks = 0, rollbacks + 1
-                self.snapshots.commit_rollback(snapshot_step, path)
-                next_step, rollbacks = snapshot_step + 1, self.guard.rollbacks
-                self.print0(f"step {step:5d} | {cfg.max_skips} updates skipped in a row (last: {reason}): rollback "
-                            f"{rollbacks} of {cfg.max_rollbacks} to {path}; training goes on at step {next_step} "
-                            f"with the data after the skipped steps ({where})")
-                self.metrics.log({"event": "rollback", "step": step, "to_step": next_step, "snapshot": path,
-                                  "rollbacks": rollbacks, "reason": reason, "data_position": position})
-                return next_step
-        rollbacks = self.guard.rollbacks
-        healthy = self.snapshots.newest_healthy()
-        self.metrics.log({"event": "diverged", "step": step, "reason": reason, "rollbacks": rollbacks,
-                          "data_position": position, "healthy_snapshot": healthy})
-        self.metrics.finish()
-        after = f"after {rollbacks} rollback(s) (--max_rollbacks {cfg.max_rollbacks}), " if rollbacks else ""
-        restart = (f"The newest healthy snapshot is {healthy}: restart from it with --resume {healthy} "
-                   "--snapshot_dir NEW_DIR (a branch: its snapshots apart from this run's later ones) and "
-                   if healthy else "There is no healthy snapshot to restart from: start again with ")
-        raise UserError(
-            f"training diverged: {after}{cfg.max_skips} updates in a row were skipped up to step {step} (the last "
-            f"for {reason}; --max_skips {cfg.max_skips}), with the data loader at {where}. {restart}a lower "
-            f"--max_lr (now {cfg.max_lr:g}), or --skip_zscore 6 to skip loss spikes before they run away, or "
-            "--on_divergence rollback to reload the newest healthy snapshot automatically and skip the data that "
-            "diverged.")
+        self.rollbacks = state["rollbacks"]
 
 
 class StopRequest:

@@ -17,6 +17,9 @@ import shutil
 import sys
 from pathlib import Path
 
+from rundir.lock import RunLock
+from rundir.snapshot import FORMAT
+
 # metrics.jsonl key -> wandb key, so the dashboard groups train/, val/ and eval/ panels. The zero-shot tasks'
 # "<task>/<metric>" keys and eval_score go to eval/ too (wandb_key); hellaswag_acc is what runs logged before them.
 WANDB_KEYS = {
@@ -38,25 +41,21 @@ INIT_TIMEOUT_S = 60.0
 FINISH_TIMEOUT_S = 300.0
 
 
-def metrics_path(log_dir: Path, run: str | None, continued: bool) -> Path:
-    """Where a timeline's metrics go: metrics.jsonl, unless it holds another timeline's (a branch that shares its
-    parent's --log_dir); then metrics_<run>.jsonl, so that no two timelines' steps are spliced into one file. Whose
-    a metrics.jsonl is: the run of its first {"event": "timeline"} record (none: older code's)."""
+def metrics_path(log_dir: Path, run: str) -> Path:
+    """Where a run's metrics go: metrics.jsonl, unless its first {"event": "timeline"} record is another run's or
+    of another format (a branch that shares its parent's --log_dir, or another version's file): then
+    metrics_<run>.jsonl, so that no two runs' steps are spliced into one file, and the other file is left as it is."""
     default = log_dir / "metrics.jsonl"
-    if run is None or not default.is_file():
+    if not default.is_file():
         return default
-    owner = None
     with open(default, "rb") as f:
-        for line in f:
-            if b'"timeline"' in line:
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(record, dict) and record.get("event") == "timeline":
-                    owner = record.get("run")
-                    break
-    return default if owner == run or (owner is None and continued) else log_dir / f"metrics_{run}.jsonl"
+        line = next((line for line in f if b'"timeline"' in line), b"{}")
+    try:
+        record = json.loads(line)
+    except ValueError:
+        record = None
+    ours = isinstance(record, dict) and record.get("format") == FORMAT and record.get("run") == run
+    return default if ours else log_dir / f"metrics_{run}.jsonl"
 
 
 def free_space(directory: Path) -> str:
@@ -67,12 +66,12 @@ def free_space(directory: Path) -> str:
 
 
 class RunLogger:
-    def __init__(self, log_dir: str | Path, enabled: bool = True, run: str | None = None, continued: bool = True):
-        """run: the timeline's id (timeline.py); continued: whether the run continues the directory's timeline (a
-        metrics.jsonl that does not say whose it is, from older code, is then this run's)."""
-        self.enabled = enabled
+    def __init__(self, log_dir: str | Path, run: str, enabled: bool = True, run_lock: RunLock | None = None):
+        """run: the run's id (rundir.store); run_lock: the run's locked directories, --log_dir checked in place before
+        each line (a moved directory stops the run, nothing is written at its old path)."""
+        self.enabled, self.run_lock = enabled, run_lock or RunLock()
         self.wandb_run = None
-        self.metrics_path = metrics_path(Path(log_dir), run, continued)
+        self.metrics_path = metrics_path(Path(log_dir), run)
         self.metrics_failed = False  # warned once about a failed write
         self.logging_raised: bool | None = None  # logging.raiseExceptions before wandb started
         if enabled:
@@ -120,6 +119,7 @@ class RunLogger:
         meet half a line, and a line that an earlier process left unfinished (a crash mid-write) is not continued:
         this one starts on a line of its own. A failure is reported once; every later line is tried again (the disk
         may have room)."""
+        self.run_lock.check_in_place(self.metrics_path.parent)
         try:
             with open(self.metrics_path, "a+b", buffering=0) as f:
                 start = f.tell()

@@ -1,0 +1,161 @@
+"""Reading files that hold pickles without running code: a torch file (our snapshots, a file with just a model, a
+Hugging Face pytorch_model.bin) with torch.load(weights_only=True), and the shards of a torch.distributed.checkpoint
+directory (an fsdp run's snapshot), whose .metadata torch would unpickle with plain pickle: read here by an unpickler
+that builds only the classes such a file holds, its shards' non-tensor values with weights_only=True first, and every
+shard file it names must be a file of the directory. Whatever is refused is named in a ValueError.
+"""
+
+import os
+import pickle
+import re
+import stat
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+SHARD_DATA_NAME = re.compile(r"__\d+_\d+\.distcp")  # a rank's shards, in a directory snapshot
+SNAPSHOT_FILE = ("a snapshot", "Pass a snapshot written by train_gpt2.py: it holds only tensors, numbers and strings.")
+
+
+def read_torch_file(path: Path, kind: tuple[str, str] = SNAPSHOT_FILE, map_location: str = "cpu"):
+    """The one way a pickle-format file is read (ours, a Hugging Face pytorch_model.bin): weights_only, mmap. kind:
+    what it should be, and the fix a refusal ends with. ValueError naming the file if it is missing, refused or does
+    not load; a read error of its first bytes is raised as the OSError it is."""
+    what, fix = kind
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO or a device would block the read, or never end
+            raise ValueError(f"{path} could not be read as {what}: it is not a regular file (a FIFO, a socket or a "
+                             f"device). {fix}")
+        with open(path, "rb") as f:
+            is_zip = f.read(4) == b"PK\x03\x04"  # torch.save's container (torch's message otherwise: about mmap)
+    except FileNotFoundError as e:
+        raise ValueError(f"{path} could not be read as {what}: it is missing.") from e
+    except OSError as e:  # (a failing disk's EIO from read() names no file: errors.path_error names this one)
+        e.filename = e.filename or str(path)
+        raise
+    if not is_zip:
+        raise ValueError(f"{path} could not be read as {what}: it is truncated, corrupt or not a torch file.")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=True)
+    except Exception as e:
+        if (refused := unsafe_pickle(e)) is not None:
+            raise ValueError(f"{path} was refused: its pickle holds {refused}, which is not plain data, and "
+                             f"unpickling it could run code, so it will not be loaded. {fix}") from e
+        raise ValueError(f"{path} could not be read as {what} ({type(e).__name__}: {first_line(e)}); it is "
+                         "truncated, corrupt or not a torch file.") from e
+
+
+def unsafe_pickle(e: BaseException) -> str | None:
+    """What torch.load(weights_only=True) refused ("the global posix.system"), if that is why it raised: the one
+    line of torch's message that says it (its advice to load the file anyway is never repeated)."""
+    text = str(e)
+    if named := re.search(r"[Uu]nsupported (?:global: )?GLOBAL (\S+)", text):
+        return f"the global {named.group(1)}"
+    reason = next((line.split("WeightsUnpickler error:")[1].split(". Please")[0].strip()
+                   for line in text.splitlines() if "WeightsUnpickler error:" in line), None)
+    if reason is None and text.startswith("Weights only load failed"):
+        return "something torch's weights-only unpickler does not allow"
+    return reason
+
+
+def first_line(e: BaseException) -> str:
+    return str(e).strip().split("\n")[0]
+
+
+# What a torch.distributed.checkpoint .metadata holds (and torch's dtypes): unpickling calls what a pickle names, so
+# any other name is refused, as it could run code.
+METADATA_GLOBALS = {("torch.distributed.checkpoint.metadata", name) for name in (
+    "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
+    "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath")}  # (the checkpoint_id dcp.save was given)
+
+
+class RefusedGlobal(pickle.UnpicklingError):
+    """A name outside METADATA_GLOBALS in a .metadata pickle (the message: module.name)."""
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) in METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                   torch.dtype)):
+            return super().find_class(module, name)
+        raise RefusedGlobal(f"{module}.{name}")
+
+
+def read_shard_metadata(directory: Path) -> Metadata:
+    """A directory snapshot's .metadata (its shards' index) by MetadataUnpickler; ValueError naming what is wrong."""
+    path = directory / ".metadata"
+    try:
+        with open(path, "rb") as f:
+            metadata = MetadataUnpickler(f).load()
+    except FileNotFoundError as e:
+        raise ValueError(f"{directory} could not be read as a snapshot ({path} is missing): a write cut short, or "
+                         "not a snapshot directory.") from e
+    except RefusedGlobal as e:
+        raise ValueError(f"{path} was refused: it names {e}, which a torch.distributed.checkpoint .metadata file "
+                         "never holds, and unpickling it could run code. The snapshot directories of train_gpt2.py "
+                         "--parallel fsdp hold no such thing: pass one of those.") from e
+    except OSError:
+        raise
+    except Exception as e:  # anything else a damaged pickle raises
+        raise ValueError(f"{directory} could not be read as a snapshot ({path}: {type(e).__name__}: "
+                         f"{first_line(e)}): it is damaged, or not a snapshot directory.") from e
+    if not isinstance(metadata, Metadata):
+        raise ValueError(f"{path} holds a {type(metadata).__name__}, not a torch.distributed.checkpoint Metadata: it "
+                         "is not a snapshot directory of train_gpt2.py --parallel fsdp.")
+    # Each tensor is read from the file its entry names: only a shard file of this directory, never one out of it.
+    storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {None: None}
+    outside = sorted({str(getattr(info, "relative_path", info)) for info in storage.values()
+                      if not SHARD_DATA_NAME.fullmatch(str(getattr(info, "relative_path", "")))})
+    if outside:
+        raise ValueError(f"{path} was refused: it names {', '.join(outside[:3])} as shard files, and a snapshot's "
+                         f"shards are files of its own directory ({directory}), named __<rank>_<n>.distcp. Pass a "
+                         "snapshot directory written by train_gpt2.py --parallel fsdp.")
+    return metadata
+
+
+class SnapshotShardReader(FileSystemReader):
+    """torch.distributed.checkpoint's reader, but its .metadata is read by read_shard_metadata (torch: plain pickle)."""
+
+    def read_metadata(self) -> Metadata:
+        metadata = read_shard_metadata(Path(self.path))
+        metadata.storage_meta = metadata.storage_meta or StorageMeta()  # as FileSystemReader.read_metadata does
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class PlainDataLoadPlanner(DefaultLoadPlanner):
+    """torch's planner, but the shards' non-tensor values are unpickled with weights_only=True first (torch: False)."""
+
+    def __init__(self, directory: Path):
+        super().__init__()
+        self.directory = directory
+
+    def load_bytes(self, read_item, value) -> None:
+        try:
+            torch.load(value, weights_only=True)
+        except Exception as e:
+            raise ValueError(f"{self.directory}: the value of {read_item.dest_index.fqn} in its shards was refused "
+                             f"({unsafe_pickle(e) or first_line(e)}): it is not plain data, and unpickling it could "
+                             "run code. The snapshot directories of train_gpt2.py --parallel fsdp hold no such thing: "
+                             "pass one of those.") from e
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+def load_shards(state: dict, directory: Path, no_dist: bool = False) -> None:
+    """Fill `state` from a directory snapshot's shards, resharded (no_dist: one process without a process group)."""
+    try:
+        dcp.load(state, storage_reader=SnapshotShardReader(directory), planner=PlainDataLoadPlanner(directory),
+                 no_dist=no_dist)
+    except CheckpointException as e:  # (a BaseException) wraps what each rank raised
+        errors = [error for error, _ in e.failures.values()]
+        ours = next((error for error in errors if isinstance(error, ValueError)), None)
+        raise ValueError(str(ours) if ours else f"{directory} could not be read as a snapshot "
+                         f"({type(errors[0]).__name__}: {first_line(errors[0])}).") from e
