@@ -259,7 +259,7 @@ def test_every_pickle_format_file_is_read_through_snapshots_reader_alone():
     for name in listed:
         if not name.startswith("tests/") and (calls := unpickling_calls(ast.parse((ROOT / name).read_text()))):
             found[name] = calls
-    assert found == {"rundir/snapshot.py": {"read_torch_file", "read_shard_metadata",
+    assert found == {"training/safe_load.py": {"read_torch_file", "read_shard_metadata",
                                             "PlainDataLoadPlanner.load_bytes"}}
 
 

@@ -4,7 +4,6 @@ load into a plain GPT and are skipped when cut off mid-write."""
 
 import json
 import os
-import shutil
 import signal
 from datetime import timedelta
 from pathlib import Path
@@ -15,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
-from conftest import make_shards
+from conftest import copy_run, make_shards
 from dataloader import DistributedDataLoader
 from helpers_train import (
     RandomBatches,
@@ -30,8 +29,8 @@ from helpers_train import (
     worker_pids,
 )
 from model import GPT, GPTConfig
+from rundir import store
 from rundir.snapshot import list_snapshots, load_snapshot, read_model, snapshot_path
-from rundir.timeline import find_latest_snapshot
 from training import parallel
 from training.config import TrainConfig
 from training.distributed import Distributed, teardown_distributed
@@ -95,7 +94,7 @@ def test_fsdp_snapshots_are_directories_of_shards_that_load_into_a_plain_gpt(run
 
 def test_a_two_rank_fsdp_snapshot_continues_on_one_process_with_the_same_losses(runs, tmp_path):
     root = runs["root"]
-    shutil.copytree(snapshot_path(root / "fsdp", 3, sharded=True), snapshot_path(tmp_path, 3, sharded=True))
+    copy_run(root / "fsdp", tmp_path, 3)
     run = run_train([*JOB, "--data_dir", str(root / "data"), "--parallel", "fsdp"], tmp_path)
     resumed, whole = by_step(run.records, "loss"), by_step(runs["fsdp"].records, "loss")
     assert sorted(resumed) == [4, 5, 6, 7]
@@ -118,18 +117,18 @@ def test_a_killed_fsdp_rank_is_restarted_by_torchrun_and_the_job_finishes_with_t
 
 def test_a_snapshot_cut_off_mid_write_is_skipped_and_a_ddp_run_says_why_it_cannot_resume_one(runs, tmp_path):
     root = runs["root"]
-    shutil.copytree(snapshot_path(root / "fsdp", 3, sharded=True), snapshot_path(tmp_path, 3, sharded=True))
+    copy_run(root / "fsdp", tmp_path, 3, 5)
     cut = snapshot_path(tmp_path, 5, sharded=True)
-    shutil.copytree(snapshot_path(root / "fsdp", 5, sharded=True), cut)
     (cut / ".metadata").unlink()  # torch.distributed.checkpoint writes it last
-    path, state = find_latest_snapshot(tmp_path)
+    newest = store.first_loadable(store.survey(tmp_path), "here")
+    path, state = newest.path, newest.state
     assert path == snapshot_path(tmp_path, 3, sharded=True) and state["step"] == 3
     with pytest.raises(ValueError, match=r"snapshot_0000005 could not be read"):
         load_snapshot(cut)
 
     run = run_train([*JOB, "--data_dir", str(root / "data")], tmp_path, check=False)  # --parallel ddp
     assert run.proc.returncode == 2
-    assert "was written by a --parallel fsdp run, and this run is --parallel ddp" in run.proc.stderr
+    assert "was written with --parallel fsdp (this run: ddp)" in run.proc.stderr
     assert "--init_from" in run.proc.stderr and "Traceback" not in run.output
 
 
@@ -267,13 +266,13 @@ def test_a_compiled_fsdp_run_trains_like_the_eager_one(runs, tmp_path):
 
 
 def test_a_flipped_byte_in_a_shard_file_is_found_and_the_older_fsdp_snapshot_used(runs, tmp_path, capsys):
-    for step in (3, 5):
-        shutil.copytree(snapshot_path(runs["root"] / "fsdp", step, sharded=True), snapshot_path(tmp_path, step, True))
+    copy_run(runs["root"] / "fsdp", tmp_path, 3, 5)
     shard = max(snapshot_path(tmp_path, 5, True).glob("*.distcp"), key=lambda p: p.stat().st_size)
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x10
     shard.write_bytes(data)
-    path, state = find_latest_snapshot(tmp_path)
+    newest = store.first_loadable(store.survey(tmp_path), "here")
+    path, state = newest.path, newest.state
     assert path == snapshot_path(tmp_path, 3, sharded=True) and state["step"] == 3
     assert f"{shard} is missing or its bytes changed since it was written" in capsys.readouterr().err
 
@@ -292,6 +291,6 @@ def test_a_failed_fsdp_snapshot_write_removes_its_directory_and_training_goes_on
     monkeypatch.setattr(snapshot, "file_crc32", eio_the_first_time)
     main_in_process([*JOB, "--data_dir", str(runs["root"] / "data"), "--parallel", "fsdp", "--log_dir", str(tmp_path)])
     assert "WARNING: the snapshot of step 1 could not be written" in capsys.readouterr().err
-    assert sorted(p.name for p in tmp_path.glob("snapshot_*")) == [f"snapshot_000000{s}" for s in (3, 5, 7)]
+    assert sorted(p.name for p in tmp_path.glob("snapshot_*[0-9]")) == [f"snapshot_000000{s}" for s in (3, 5, 7)]
     finished, whole = by_step(read_metrics(tmp_path), "loss"), by_step(runs["one"].records, "loss")
     assert all(finished[s] == pytest.approx(whole[s], rel=1e-5) for s in whole)

@@ -50,8 +50,8 @@ def test_auto_dtype_is_fp16_before_ampere_and_bf16_from_ampere_on(monkeypatch, c
 
 def test_snapshots_are_loaded_memory_mapped_and_weights_only(tmp_path, monkeypatch):
     path = snapshot.snapshot_path(tmp_path, 1)
-    snapshot.save_snapshot({key: kind() for key, kind in snapshot.KEY_TYPES.items()} | {"model": {"w": torch.ones(3)}},
-                           path)
+    state = {key: kind() for key, kind in snapshot.KEY_TYPES.items()}
+    snapshot.save_snapshot(state | {"model": {"w": torch.ones(3)}, "format": snapshot.FORMAT}, path)
     calls, real_load = [], torch.load
     monkeypatch.setattr(torch, "load", lambda *args, **kwargs: (calls.append(kwargs), real_load(*args, **kwargs))[1])
     assert torch.equal(snapshot.load_snapshot(path)["model"]["w"], torch.ones(3))

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from conftest import make_shards, perturb_
+from conftest import copy_run, make_shards, perturb_
 from dataloader import DistributedDataLoader
 from helpers_train import run_train
 from rundir.snapshot import list_snapshots, read_model, snapshot_path
@@ -90,8 +90,7 @@ def test_a_restarted_finetune_resumes_from_its_own_snapshot_with_the_uninterrupt
             "--snapshot_every", "2", "--keep_last", "3"]
     whole = run_train(args, tmp_path / "whole")
     # The crash: the run got as far as the snapshot of step 3.
-    (tmp_path / "crashed").mkdir()
-    shutil.copy(snapshot_path(tmp_path / "whole", 3), tmp_path / "crashed")
+    copy_run(tmp_path / "whole", tmp_path / "crashed", 3)
     again = run_train(args, tmp_path / "crashed")
     assert [r.get("event") for r in again.records if "event" in r] == ["resume", "timeline"]  # not re-initialised
     assert "resuming from" in again.proc.stdout and "initialised from" not in again.proc.stdout

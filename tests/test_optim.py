@@ -5,7 +5,6 @@ snapshots, resume (exact, after a killed rank, on another number of ranks)."""
 import copy
 import math
 import os
-import shutil
 import signal
 from types import SimpleNamespace
 
@@ -18,7 +17,7 @@ from torch.distributed.tensor import distribute_tensor
 
 import cpu_host
 import train_gpt2
-from conftest import ROOT, make_shards
+from conftest import ROOT, copy_run, make_shards
 from helpers_train import (
     RandomBatches,
     launched,
@@ -465,12 +464,11 @@ def test_an_fp16_muon_run_steps_saves_both_optimizers_and_its_scale_and_resumes_
     # Muon stepped: a momentum buffer per block matrix, holding its gradients
     buffers = [s["momentum_buffer"] for s in state["optimizer"]["muon"]["state"].values()]
     assert len(buffers) == 4 * TINY.n_layer and all(b.abs().sum() > 0 for b in buffers)
-    (tmp_path / "resumed").mkdir()
-    shutil.copy(snapshot_path(tmp_path / "whole", 1), tmp_path / "resumed")
+    copy_run(tmp_path / "whole", tmp_path / "resumed", 1)
     main_in_process([*args, "--log_dir", str(tmp_path / "resumed")])
     assert losses(tmp_path / "resumed") == {2: whole[2], 3: whole[3]}  # bitwise
     # The snapshot of a Muon run cannot continue under AdamW.
-    with pytest.raises(UserError, match="--optimizer muon run, and this run is --optimizer adamw"):
+    with pytest.raises(UserError, match=r"--optimizer muon \(this run: adamw\)"):
         main_in_process([*args, "--log_dir", str(tmp_path / "other"), "--optimizer", "adamw", "--resume",
                          str(snapshot_path(tmp_path / "whole", 1))])
 
@@ -527,8 +525,7 @@ def test_muon_under_fsdp_on_two_ranks_trains_like_one_process_and_resumes_on_one
     assert momentum.size == (4 * TINY.n_embd, TINY.n_embd)
     assert sorted(chunk.offsets[0] for chunk in momentum.chunks) == [0, 2 * TINY.n_embd]
     for name, nproc in (("on_one", None), ("on_two", 2)):
-        shutil.copytree(snapshot_path(tmp_path / "two", 3, sharded=True),
-                        snapshot_path(tmp_path / name, 3, sharded=True))
+        copy_run(tmp_path / "two", tmp_path / name, 3)
         if nproc is None:
             main_in_process([*fsdp, "--log_dir", str(tmp_path / name)])
         else:

@@ -13,7 +13,6 @@ import json
 import math
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,12 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, make_shards
+from conftest import ROOT, copy_run, make_shards
 from dataloader import DistributedDataLoader
 from helpers_train import TrainRun, run_train, train_env
 from model import GPT, GPTConfig
+from rundir import store
 from rundir.snapshot import load_snapshot, save_snapshot, snapshot_path
-from rundir.timeline import find_latest_snapshot
 from tools.gpu_check.train import SAMPLE_PROMPT, printed_samples
 from training.config import TrainConfig
 from training.optim import bf16_matmul_is_slow
@@ -113,7 +112,7 @@ def test_deterministic_runs_repeat_their_losses_bit_for_bit(job, tmp_path):
 
 def test_a_resumed_run_continues_with_the_uninterrupted_losses(job, tmp_path):
     # A crash after step 5 leaves the snapshot of step 3: the rerun takes it and repeats steps 4..7.
-    shutil.copy(snapshot_path(job.root / "plain", 3), tmp_path)
+    copy_run(job.root / "plain", tmp_path, 3)
     run = run_train([*job.args, "--snapshot_every", "4", "--keep_last", "2"], tmp_path)
     assert "resuming from" in run.output and min(by_step(run.records, "loss")) == 4
     job.assert_trains_like_plain(run, steps=range(4, LAST_STEP + 1))
@@ -129,7 +128,7 @@ def test_fp16_trains_with_a_finite_loss_scale_saved_in_the_snapshot(job, tmp_pat
     assert all(loss is not None and math.isfinite(loss) for loss in losses.values())
     assert losses[LAST_STEP] < losses[0] - 0.5
     assert len(skipped) <= 2  # the GradScaler may lower its first scale of 65,536 once or twice, no more
-    _, state = find_latest_snapshot(tmp_path)  # the last step's
+    state = store.first_loadable(store.survey(tmp_path), "here").state  # the last step's
     scale = state["scaler"]["scale"]
     print(f"saved loss scale {scale}")
     assert math.isfinite(scale) and scale >= 1.0
