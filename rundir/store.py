@@ -29,7 +29,7 @@ from rundir import snapshot
 from rundir.lock import RunLock
 from training.distributed import Distributed, any_rank, from_rank_0
 from training.errors import UserError
-from training.files import atomic_write
+from training.files import atomic_write, reason
 from training.parallel import TrainingModel
 
 RUN_FILE = "run.json"
@@ -244,7 +244,7 @@ class Snapshots:
             try:
                 write_record(self.dir / RUN_FILE, asdict(self.record))
             except OSError as e:
-                refusal = (f"{self.dir / RUN_FILE} could not be written ({type(e).__name__}: {e}), so this run stops "
+                refusal = (f"{self.dir / RUN_FILE} could not be written ({reason(e)}), so this run stops "
                            "before its first step. Free space, or point --snapshot_dir at a directory that can be "
                            "written.")
         if (refusal := from_rank_0(refusal)) is not None:
@@ -304,11 +304,11 @@ class Snapshots:
     def _write_failed(self, step: int, path: Path, failure: BaseException | None, final: bool) -> None:
         """A warning (rank 0), and training goes on; but a run must not end without its last snapshot."""
         usage, older = shutil.disk_usage(self.dir), self._own_snapshots()
-        reason = f"{type(failure).__name__}: {str(failure).strip().splitlines()[0]}" if failure else "on another rank"
+        why = reason(failure) if failure else "on another rank"
         newest = f"the older snapshots are intact, the newest is {older[0][0]}" if older else \
             "there is no older snapshot"
         last = ", and it was the run's last" if final else ""
-        what = (f"the snapshot of step {step} could not be written to {path.parent} ({reason}; "
+        what = (f"the snapshot of step {step} could not be written to {path.parent} ({why}; "
                 f"{usage.free / 2**20:,.0f} MiB free of {usage.total / 2**20:,.0f} MiB){last}; {newest}")
         if final:
             raise UserError(f"{what}. Free space (or point --snapshot_dir at a disk with room) and rerun the same "
@@ -339,7 +339,7 @@ class Snapshots:
                 state["shard_crc32"] = snapshot.load_snapshot(path, verify=False)["shard_crc32"]
             snapshot.save_snapshot(state, Path(path) / "meta.pt" if Path(path).is_dir() else Path(path))
         except OSError as e:
-            print(f"WARNING: the rollback could not be written to {path} ({type(e).__name__}: {e}); a crash before "
+            print(f"WARNING: the rollback could not be written to {path} ({reason(e)}); a crash before "
                   "the next snapshot would resume from before the rollback.", file=sys.stderr)
         for abandoned, each in self._own_snapshots():
             if each["step"] > step and abandoned.resolve() not in self.named:

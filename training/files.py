@@ -36,6 +36,14 @@ def raise_for(path: Path, temporary: Path, error: BaseException) -> None:
     raise error
 
 
+def reason(error: BaseException) -> str:
+    """What went wrong, for a message that names the path itself: an OSError without its file name again."""
+    if isinstance(error, OSError) and error.strerror:
+        return f"{type(error).__name__}: [Errno {error.errno}] {error.strerror}"
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
 def atomic_write(path: str | Path, write: Callable) -> None:
     """Write a file so that a crash leaves either the old file (or none) or the complete new one at `path`.
 
