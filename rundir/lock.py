@@ -82,6 +82,11 @@ def check_writable(directory: Path, flag: str) -> None:
             print(f"WARNING: {flag} {directory}: the disk is full ({os.strerror(e.errno)}). Training starts; writes "
                   "there fail until there is room again.", file=sys.stderr)
             return
+        if isinstance(e, FileExistsError):  # mkdir's word for any name in the way: ask stat what that name is
+            try:
+                os.stat(directory)
+            except OSError as what_is_there:  # (a symbolic link loop: ELOOP)
+                e = what_is_there
         in_the_way = next((p for p in (directory, *directory.parents) if p.exists() and not p.is_dir()), None)
         reason = (f"{in_the_way} is {'a file, ' if in_the_way.is_file() else ''}not a directory" if in_the_way
                   else f"{type(e).__name__}: {e.strerror or e}")

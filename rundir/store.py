@@ -303,6 +303,7 @@ class Snapshots:
 
     def _write_failed(self, step: int, path: Path, failure: BaseException | None, final: bool) -> None:
         """A warning (rank 0), and training goes on; but a run must not end without its last snapshot."""
+        self._stop_if_moved()  # (a write that failed as the directory was moved away: the move is the error)
         usage, older = shutil.disk_usage(self.dir), self._own_snapshots()
         why = reason(failure) if failure else "on another rank"
         newest = f"the older snapshots are intact, the newest is {older[0][0]}" if older else \

@@ -25,7 +25,7 @@ from dataloader import DistributedDataLoader
 from helpers_train import TrainRun, run_train, train_env
 from model import GPT, GPTConfig
 from rundir import store
-from rundir.snapshot import load_snapshot, save_snapshot, snapshot_path
+from rundir.snapshot import load_snapshot, snapshot_path
 from tools.gpu_check.train import SAMPLE_PROMPT, printed_samples
 from training.config import TrainConfig
 from training.optim import bf16_matmul_is_slow
@@ -314,8 +314,7 @@ def test_a_planted_nan_is_skipped_and_a_divergence_rolls_back_and_goes_on(gpu_de
     # the bad data), resumed in a fresh process with nothing planted. Both are --deterministic: the same to the bit.
     state = load_snapshot(snapshot_path(tmp_path / "run", 4))
     assert state["loader"]["chunk_position"] == 9 * state["loader"]["chunks_per_step"]
-    (tmp_path / "reference").mkdir()
-    save_snapshot(state, snapshot_path(tmp_path / "reference", 4))
+    copy_run(tmp_path / "run", tmp_path / "reference", 4)  # (cp -r: the run's record and the snapshot's)
     reference = by_step(run_train(args, tmp_path / "reference").records, "loss")
     first = by_step(run.records, "loss")[0]
     print(f"{dtype} on {gpu_device.type}: skipped {sorted(skipped)}, rolled back at step 8 to 5; loss {first:.3f} -> "
