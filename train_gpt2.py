@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -84,22 +84,12 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None
     plan = resolve_plan(cfg, dist_env.world_size)
     torch.manual_seed(cfg.seed)
 
-    # --- data (token ids checked against the model's vocabulary now, not mid-step)
-    vocab_size = plan.model_config.vocab_size
-    train_loader = DistributedDataLoader(cfg.data_dir, "train", cfg.micro_batch_size, plan.seq_len, dist_env.rank,
-                                         dist_env.world_size, plan.grad_accum_steps, shuffle=cfg.shuffle, seed=cfg.seed,
-                                         vocab_size=vocab_size, align_bos=plan.align_bos)
-    val_loader = DistributedDataLoader(cfg.data_dir, "val", cfg.micro_batch_size, plan.seq_len, dist_env.rank,
-                                       dist_env.world_size, vocab_size=vocab_size) if plan.val_steps else None
-    # The data's tokenizer, which the tasks and samples read and write text with: loaded now, as the tasks' files,
-    # so that one this node cannot have (a tiktoken encoding offline) says so at start-up, not at its first use.
+    # --- data, and the text the tasks and samples are read and written with
+    train_loader, val_loader = data_loaders(cfg, plan, dist_env)
+    # The data's tokenizer: loaded now, as the tasks' files, so that one this node cannot have (a tiktoken encoding
+    # offline) says so at start-up, not at its first use.
     tokenizer = tokenizer_from_spec(train_loader.tokenizer) if cfg.eval_every or cfg.sample_every else None
-    eval_suite = None
-    if cfg.eval_every:  # now, so that a missing file or no network says so at start-up, not at the first evaluation
-        docs = evals.load_tasks(evals.parse_task_names(cfg.eval_tasks, "--eval_tasks"), cfg.eval_dir,
-                                cfg.eval_limit, dist_env.local_rank, device)
-        # Batches of a training micro-batch's tokens: that fits, as evaluating keeps no activations for a backward.
-        eval_suite = evals.Suite(docs, plan.model_config.block_size, cfg.micro_batch_size * plan.seq_len, tokenizer)
+    eval_suite = task_suite(cfg, plan, dist_env, tokenizer) if cfg.eval_every else None
 
     # --- model, optimizer, and the snapshot to resume from
     trainee = build_training_model(initial_model(cfg, plan), dist_env, dtype, cfg, cfg.compile, parallel=cfg.parallel)
@@ -108,85 +98,88 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None
                           asdict(cfg), dist_env, print0, {"guard": guard}, run_lock)
     start_step, resumed_from = snapshots.resume()
     if start_step >= cfg.max_steps:
-        print0(f"{resumed_from} is from step {start_step - 1}, the last of --max_steps {cfg.max_steps}: the run is "
-               "already finished, nothing to do. To train on, raise --max_steps and resume from a snapshot taken "
-               "before the LR decayed (--resume PATH --snapshot_dir NEW_DIR: a branch writes its snapshots apart from "
-               "the later ones of this run): with --lr_schedule wsd, one from the stable phase continues with no LR "
-               "jump; with cosine, or from this last snapshot (no new directory needed), the LR jumps back up (a "
-               "warning says by how much). Or --resume never to start over.")
+        print0(already_finished(resumed_from, start_step, cfg.max_steps))
         return
+
+    # --- logging, evaluations, speed
     metrics = RunLogger(cfg.log_dir, snapshots.run, master, run_lock)
-    if metrics.metrics_path.name != "metrics.jsonl":
-        print0(f"metrics go to {metrics.metrics_path}: {cfg.log_dir}/metrics.jsonl is another run's")
-    if resumed_from:
-        print0(f"resuming from {resumed_from} at step {start_step}")
-        replaced = trainee.optimizer.replaced_settings
-        metrics.log({"event": "resume", "step": start_step, "snapshot": str(resumed_from)}
-                    | ({"optimizer_settings": replaced} if replaced else {}))
-        if replaced:
-            print0("the snapshot's optimizer settings differ from this run's; this run's flags apply: "
-                   + ", ".join(f"{flag} {saved} → {flagged}" for flag, (saved, flagged) in replaced.items()))
-        change = schedule_change(start_step, snapshots.resumed_config, cfg)
-        if change and master:
-            line, jump = change
-            print(f"WARNING: {line}" if jump else line, file=sys.stderr if jump else sys.stdout)
-    elif cfg.init_from != "scratch":
-        print0(f"initialised from {cfg.init_from}")
-        metrics.log({"event": "init", "step": 0, "init_from": cfg.init_from})
-    # (after the resume or init event) whose metrics these are, for run_logger.metrics_path
-    metrics.log({"event": "timeline", "format": FORMAT, "step": start_step, "continued": snapshots.continued}
-                | asdict(snapshots.record))
-    metrics.start_wandb(cfg.wandb_project, cfg.wandb_mode or ("online" if cfg.wandb_project else "disabled"),
-                        snapshots.run, cfg.wandb_run_name, asdict(cfg) | {
-                           "model_config": asdict(plan.model_config), "world_size": dist_env.world_size,
-                           "grad_accum_steps": plan.grad_accum_steps})
+    log_start(cfg, plan, dist_env, snapshots, trainee, metrics, start_step, resumed_from)
     evaluations = Evaluations(cfg, plan, trainee, val_loader, eval_suite, metrics, stop, dist_env, dtype, tokenizer)
     peak = peak_flops(device, dtype)  # after the RNG restore: it leaves the global generators alone
     speed = Speedometer(trainee.raw.flops_per_token(plan.seq_len) * cfg.total_batch_size, cfg.total_batch_size,
                         peak.flops * dist_env.world_size)
     log_setup(cfg, plan, trainee.raw, dist_env, dtype, peak)
     divergence = DivergenceResponse(cfg, snapshots, guard, train_loader, metrics, print0)
+    loop = TrainingLoop(cfg, plan, trainee, train_loader, guard, snapshots, evaluations, divergence, speed, metrics,
+                        stop, device, dtype)
+    loop.train(start_step, print0)
 
-    last_step = cfg.max_steps - 1
-    step = start_step
-    stopped = None  # where the run stopped on a request, if it did
-    while step < cfg.max_steps:  # (not a for loop: a rollback takes the step back)
-        # --- between steps: this step's data is read now, and every rank stops here together if any was asked to
-        # (a signal) or cannot read its batches or finds a shard changed since the start
-        try:
-            train_loader.read_ahead()
-        except ShardReadError as e:
-            stop.data_failed(e)
-        if stop.agreed(device):
-            stopped = f"after step {step - 1}" if step > 0 else "before step 0"
-            break
-        # --- evaluate (before the update, so step 0 shows the untrained model); a stop request cuts it short
-        if not evaluations.run_due(step, last_step):
-            stopped = f"during the evaluation before step {step}"
-            break
-        # --- train
-        synchronize(device)
+
+@dataclass
+class TrainingLoop:
+    """The loop of a run, over what run() built."""
+    cfg: TrainConfig
+    plan: Plan
+    trainee: TrainingModel
+    train_loader: DistributedDataLoader
+    guard: DivergenceGuard
+    snapshots: Snapshots
+    evaluations: "Evaluations"
+    divergence: "DivergenceResponse"
+    speed: "Speedometer"
+    metrics: RunLogger
+    stop: StopRequest
+    device: torch.device
+    dtype: torch.dtype
+
+    def train(self, start_step: int, print0) -> None:
+        cfg, stop, snapshots, guard = self.cfg, self.stop, self.snapshots, self.guard
+        last_step = cfg.max_steps - 1
+        step = start_step
+        stopped = None  # where the run stopped on a request, if it did
+        while step < cfg.max_steps:  # (not a for loop: a rollback takes the step back)
+            # --- between steps: this step's data is read now, and every rank stops here together if any was asked
+            # to (a signal) or cannot read its batches or finds a shard changed since the start
+            try:
+                self.train_loader.read_ahead()
+            except ShardReadError as e:
+                stop.data_failed(e)
+            if stop.agreed(self.device):
+                stopped = f"after step {step - 1}" if step > 0 else "before step 0"
+                break
+            # --- evaluate (before the update, so step 0 shows the untrained model); a stop request cuts it short
+            if not self.evaluations.run_due(step, last_step):
+                stopped = f"during the evaluation before step {step}"
+                break
+            # --- train
+            result = self.timed_step(step)
+            if guard.skips_in_a_row >= cfg.max_skips:  # the same on every rank: they all stop or roll back
+                step = self.divergence.respond(step, result.skip_reason)
+                continue
+            # --- snapshot (of the state after the step)
+            snapshots.save_if_due(step, last_step, stopping=False, healthy=guard.skips_in_a_row == 0)
+            step += 1
+        if stopped:
+            written = snapshots.save_if_due(step - 1, last_step, stopping=True, healthy=guard.skips_in_a_row == 0)
+            self.metrics.finish()
+            if stop.reason == "data":
+                raise UserError(data_failure_message(stop.failure, stopped, written, snapshots))
+            print0(f"stopping {stopped} on {stop.reason}; rerun the same command to resume")
+            return
+        self.metrics.finish()
+
+    def timed_step(self, step: int) -> StepResult:
+        """One optimizer step, timed and logged."""
+        cfg, trainee = self.cfg, self.trainee
+        synchronize(self.device)
         t0 = time.perf_counter()
         lr = get_lr(step, cfg)
-        result = train_step(trainee.model, trainee.optimizer, trainee.scaler, train_loader, plan.grad_accum_steps,
-                            lr, cfg.grad_clip, device, dtype, guard, muon_momentum=get_muon_momentum(step, cfg),
-                            row_length=row_length(step, plan))
-        synchronize(device)
-        log_step(step, result, lr, speed.measure(time.perf_counter() - t0), metrics)
-        if guard.skips_in_a_row >= cfg.max_skips:  # the same on every rank: they all stop or roll back
-            step = divergence.respond(step, result.skip_reason)
-            continue
-        # --- snapshot (of the state after the step)
-        snapshots.save_if_due(step, last_step, stopping=False, healthy=guard.skips_in_a_row == 0)
-        step += 1
-    if stopped:
-        written = snapshots.save_if_due(step - 1, last_step, stopping=True, healthy=guard.skips_in_a_row == 0)
-        metrics.finish()
-        if stop.reason == "data":
-            raise UserError(data_failure_message(stop.failure, stopped, written, snapshots))
-        print0(f"stopping {stopped} on {stop.reason}; rerun the same command to resume")
-        return
-    metrics.finish()
+        result = train_step(trainee.model, trainee.optimizer, trainee.scaler, self.train_loader,
+                            self.plan.grad_accum_steps, lr, cfg.grad_clip, self.device, self.dtype, self.guard,
+                            muon_momentum=get_muon_momentum(step, cfg), row_length=row_length(step, self.plan))
+        synchronize(self.device)
+        log_step(step, result, lr, self.speed.measure(time.perf_counter() - t0), self.metrics)
+        return result
 
 
 def data_failure_message(failure: str, stopped: str, written: Path | None, snapshots: Snapshots) -> str:
@@ -204,6 +197,67 @@ def data_failure_message(failure: str, stopped: str, written: Path | None, snaps
 
 # ----------------------------------------------------------------------------------------------------------------
 # the steps of the run
+
+def data_loaders(cfg: TrainConfig, plan: Plan, dist_env: Distributed
+                 ) -> tuple[DistributedDataLoader, DistributedDataLoader | None]:
+    """Each rank's train and val loaders (token ids checked against the model's vocabulary now, not mid-step)."""
+    vocab_size = plan.model_config.vocab_size
+    train_loader = DistributedDataLoader(cfg.data_dir, "train", cfg.micro_batch_size, plan.seq_len, dist_env.rank,
+                                         dist_env.world_size, plan.grad_accum_steps, shuffle=cfg.shuffle, seed=cfg.seed,
+                                         vocab_size=vocab_size, align_bos=plan.align_bos)
+    val_loader = DistributedDataLoader(cfg.data_dir, "val", cfg.micro_batch_size, plan.seq_len, dist_env.rank,
+                                       dist_env.world_size, vocab_size=vocab_size) if plan.val_steps else None
+    return train_loader, val_loader
+
+
+def task_suite(cfg: TrainConfig, plan: Plan, dist_env: Distributed, tokenizer: Tokenizer | None) -> evals.Suite:
+    """The zero-shot tasks, loaded now, so that a missing file or no network says so at start-up, not at the first
+    evaluation."""
+    docs = evals.load_tasks(evals.parse_task_names(cfg.eval_tasks, "--eval_tasks"), cfg.eval_dir, cfg.eval_limit,
+                            dist_env.local_rank, dist_env.device)
+    # Batches of a training micro-batch's tokens: that fits, as evaluating keeps no activations for a backward.
+    return evals.Suite(docs, plan.model_config.block_size, cfg.micro_batch_size * plan.seq_len, tokenizer)
+
+
+def already_finished(resumed_from: str, start_step: int, max_steps: int) -> str:
+    return (f"{resumed_from} is from step {start_step - 1}, the last of --max_steps {max_steps}: the run is "
+            "already finished, nothing to do. To train on, raise --max_steps and resume from a snapshot taken "
+            "before the LR decayed (--resume PATH --snapshot_dir NEW_DIR: a branch writes its snapshots apart from "
+            "the later ones of this run): with --lr_schedule wsd, one from the stable phase continues with no LR "
+            "jump; with cosine, or from this last snapshot (no new directory needed), the LR jumps back up (a "
+            "warning says by how much). Or --resume never to start over.")
+
+
+def log_start(cfg: TrainConfig, plan: Plan, dist_env: Distributed, snapshots: Snapshots, trainee: TrainingModel,
+              metrics: RunLogger, start_step: int, resumed_from: str | None) -> None:
+    """Where the run starts, in the log and on wandb: a resume (and the settings it changed), or the weights it
+    started from, then whose metrics these are."""
+    print0 = print if dist_env.is_master else (lambda *args, **kwargs: None)
+    if metrics.metrics_path.name != "metrics.jsonl":
+        print0(f"metrics go to {metrics.metrics_path}: {cfg.log_dir}/metrics.jsonl is another run's")
+    if resumed_from:
+        print0(f"resuming from {resumed_from} at step {start_step}")
+        replaced = trainee.optimizer.replaced_settings
+        metrics.log({"event": "resume", "step": start_step, "snapshot": str(resumed_from)}
+                    | ({"optimizer_settings": replaced} if replaced else {}))
+        if replaced:
+            print0("the snapshot's optimizer settings differ from this run's; this run's flags apply: "
+                   + ", ".join(f"{flag} {saved} → {flagged}" for flag, (saved, flagged) in replaced.items()))
+        change = schedule_change(start_step, snapshots.resumed_config, cfg)
+        if change and dist_env.is_master:
+            line, jump = change
+            print(f"WARNING: {line}" if jump else line, file=sys.stderr if jump else sys.stdout)
+    elif cfg.init_from != "scratch":
+        print0(f"initialised from {cfg.init_from}")
+        metrics.log({"event": "init", "step": 0, "init_from": cfg.init_from})
+    # (after the resume or init event) whose metrics these are, for run_logger.metrics_path
+    metrics.log({"event": "timeline", "format": FORMAT, "step": start_step, "continued": snapshots.continued}
+                | asdict(snapshots.record))
+    metrics.start_wandb(cfg.wandb_project, cfg.wandb_mode or ("online" if cfg.wandb_project else "disabled"),
+                        snapshots.run, cfg.wandb_run_name, asdict(cfg) | {
+                           "model_config": asdict(plan.model_config), "world_size": dist_env.world_size,
+                           "grad_accum_steps": plan.grad_accum_steps})
+
 
 def initial_model(cfg: TrainConfig, plan: Plan) -> GPT:
     """Random weights, or the --init_from ones (cropped to --block_size), before compile and DDP see the model."""
