@@ -54,8 +54,8 @@ def logged(log_dir, key: str) -> dict[int, float]:
 
 
 def test_a_snapshot_gets_the_val_loss_and_task_scores_its_run_logged_after_that_step(trained, capsys):
-    result = evaluate_json(["--ckpt", str(trained / "logs" / "snapshot_0000001.pt"), "--tasks", "piqa",
-                            "--hellaswag"], capsys)
+    result = evaluate_json(["--snapshot", str(trained / "logs" / "snapshot_0000001.pt"), "--tasks", "piqa,hellaswag"],
+                           capsys)
     # snapshot_1 holds the weights after step 1; the run validated them before step 2's update.
     assert result["step"] == 1
     assert result["val_loss"] == logged(trained / "logs", "val_loss")[2]
@@ -68,7 +68,7 @@ def test_a_snapshot_gets_the_val_loss_and_task_scores_its_run_logged_after_that_
 
 @pytest.mark.slow  # torchrun with 2 processes
 def test_two_ranks_under_torchrun_give_the_numbers_of_one_process(trained, capsys):
-    argv = ["--ckpt", str(trained / "logs" / "snapshot_0000001.pt"), "--tasks", "hellaswag,piqa", "--limit", "7"]
+    argv = ["--snapshot", str(trained / "logs" / "snapshot_0000001.pt"), "--tasks", "hellaswag,piqa", "--limit", "7"]
     one = evaluate_json(argv, capsys)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            "-m", "tools.evaluate", *argv, "--json", "--device", "cpu"], capture_output=True,
@@ -105,26 +105,27 @@ def test_hugging_face_weights_get_hugging_faces_own_loss(tmp_path, capsys, share
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--ckpt", "missing.pt"], "--snapshot: snapshot missing.pt: no such file"),
-    (["--ckpt", "{logs}/snapshot_0000001.pt", "--seq_len", "128"], "--seq_len 128 exceeds the model's block_size 64"),
-    (["--ckpt", "{logs}/snapshot_0000001.pt", "--data_dir", "{logs}"], "no val shards"),
-    (["--ckpt", "{logs}/snapshot_0000001.pt", "--data_dir", "{logs}/nowhere"], "nowhere does not exist"),
-    (["--ckpt", "{logs}/snapshot_0000001.pt", "--micro_batch_size", "64"], "fewer than one optimizer step needs"),
-    (["--ckpt", "{logs}/snapshot_0000001.pt", "--hellaswag", "--eval_dir", "{logs}"],
+    (["--snapshot", "missing.pt"], "--snapshot: snapshot missing.pt: no such file"),
+    (["--snapshot", "{logs}/snapshot_0000001.pt", "--seq_len", "128"],
+     "--seq_len 128 exceeds the model's block_size 64"),
+    (["--snapshot", "{logs}/snapshot_0000001.pt", "--data_dir", "{logs}"], "no val shards"),
+    (["--snapshot", "{logs}/snapshot_0000001.pt", "--data_dir", "{logs}/nowhere"], "nowhere does not exist"),
+    (["--snapshot", "{logs}/snapshot_0000001.pt", "--micro_batch_size", "64"], "fewer than one optimizer step needs"),
+    (["--snapshot", "{logs}/snapshot_0000001.pt", "--tasks", "hellaswag", "--eval_dir", "{logs}"],
      "hellaswag: the data file {logs}/hellaswag.jsonl does not exist"),
-    (["--ckpt", "{logs}/snapshot_0000001.pt", "--tasks", "piqa,nope"], "--tasks 'piqa,nope': unknown task nope"),
-    (["--ckpt", "{logs}/snapshot_0000001.pt", "--tasks", "piqa", "--eval_dir", "{logs}/.."],
+    (["--snapshot", "{logs}/snapshot_0000001.pt", "--tasks", "piqa,nope"], "--tasks 'piqa,nope': unknown task nope"),
+    (["--snapshot", "{logs}/snapshot_0000001.pt", "--tasks", "piqa", "--eval_dir", "{logs}/.."],
      "piqa: the data file {logs}/../piqa.jsonl does not exist"),
-    (["--ckpt", "{logs}/snapshot_0000001.pt", "--tasks", "copa", "--eval_dir", "{logs}/../bad_evals"],
+    (["--snapshot", "{logs}/snapshot_0000001.pt", "--tasks", "copa", "--eval_dir", "{logs}/../bad_evals"],
      "bad_evals/copa.jsonl, line 2: no field 'choice2'"),
-    (["--ckpt", "{logs}/snapshot_0000001.pt", "--tasks", "copa", "--limit", "0"], "--limit 0: the number of"),
-    (["--ckpt", "{logs}/snapshot_0000001.pt", "--data_dir", "{logs}/../other_vocabulary"],
+    (["--snapshot", "{logs}/snapshot_0000001.pt", "--tasks", "copa", "--limit", "0"], "--limit 0: the number of"),
+    (["--snapshot", "{logs}/snapshot_0000001.pt", "--data_dir", "{logs}/../other_vocabulary"],
      "test_val_000000.bin: token id 50257 at position 0 is not in the model's vocabulary"),
     # Flags outside their ranges (config.FLAG_RANGES): tracebacks before
-    (["--ckpt", "{logs}/snapshot_0000001.pt", "--val_tokens", "0"], "--val_tokens 0: pass a number at least 1"),
-    (["--ckpt", "{logs}/snapshot_0000001.pt", "--micro_batch_size", "0"], "--micro_batch_size 0: pass a number at "
+    (["--snapshot", "{logs}/snapshot_0000001.pt", "--val_tokens", "0"], "--val_tokens 0: pass a number at least 1"),
+    (["--snapshot", "{logs}/snapshot_0000001.pt", "--micro_batch_size", "0"], "--micro_batch_size 0: pass a number at "
                                                                           "least 1"),
-    (["--ckpt", "{logs}/snapshot_0000001.pt", "--seq_len", "-4"], "--seq_len -4: pass a number at least 1"),
+    (["--snapshot", "{logs}/snapshot_0000001.pt", "--seq_len", "-4"], "--seq_len -4: pass a number at least 1"),
 ])
 def test_bad_paths_and_mismatched_shards_are_clear_errors(trained, argv, message, capsys):
     argv, message = [a.format(logs=trained / "logs") for a in argv], message.format(logs=trained / "logs")
@@ -144,7 +145,7 @@ def test_an_fsdp_snapshot_directory_gets_the_val_loss_and_task_scores_its_run_lo
     fsdp_job = [*JOB, "--max_steps", "2", "--snapshot_every", "1", "--eval_tasks", "piqa", "--parallel", "fsdp"]
     main_in_process([*fsdp_job, "--data_dir", str(trained / "data"), "--log_dir", str(tmp_path), "--eval_dir",
                      str(trained / "evals")])
-    result = evaluate_json(["--ckpt", str(tmp_path / "snapshot_0000000"), "--tasks", "piqa"], capsys)
+    result = evaluate_json(["--snapshot", str(tmp_path / "snapshot_0000000"), "--tasks", "piqa"], capsys)
     assert result["step"] == 0
     assert result["val_loss"] == pytest.approx(logged(tmp_path, "val_loss")[1], rel=1e-6)
     assert result["piqa/acc_norm"] == logged(tmp_path, "piqa/acc_norm")[1] and result["piqa/docs"] == 8

@@ -236,7 +236,7 @@ def test_the_tools_read_an_fsdp_snapshot(runs, tmp_path, capsys, gpt2_encoding):
     from tools import export_hf, sample
 
     path = snapshot_path(runs["root"] / "fsdp", 7, sharded=True)
-    sample.main(["--ckpt", str(path), "--num_samples", "1", "--max_new_tokens", "4", "--device", "cpu"])
+    sample.main(["--snapshot", str(path), "--num_samples", "1", "--max_new_tokens", "4", "--device", "cpu"])
     assert "--- sample 0 ---" in capsys.readouterr().out
     export_hf.main([str(path), str(tmp_path / "hf")])
     assert (tmp_path / "hf" / "model.safetensors").is_file()

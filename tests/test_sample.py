@@ -43,7 +43,7 @@ def test_sampling_leaves_the_global_rng_alone(tiny_ckpt, gpt2_encoding):
 @pytest.mark.slow  # over 3 s: keeps `-m 'not slow'` under 90 s
 def test_cli_prints_what_the_function_returns(tiny_ckpt, gpt2_encoding):
     args = ["--num_samples", "2", "--max_new_tokens", "8", "--temperature", "0.8", "--top_k", "20", "--seed", "5"]
-    result = subprocess.run([sys.executable, "-m", "tools.sample", "--ckpt", str(tiny_ckpt), "--device", "cpu",
+    result = subprocess.run([sys.executable, "-m", "tools.sample", "--snapshot", str(tiny_ckpt), "--device", "cpu",
                              *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     expected = generate_text(read_model(tiny_ckpt), PROMPT, num_samples=2, max_new_tokens=8,
@@ -52,9 +52,9 @@ def test_cli_prints_what_the_function_returns(tiny_ckpt, gpt2_encoding):
 
 
 @pytest.mark.parametrize("argv, message", [
-    ([], "one of the arguments --snapshot/--ckpt --model is required"),
-    (["--ckpt", "a.pt", "--model", "gpt2"], "not allowed with argument"),
-    (["--ckpt", "does_not_exist.pt"], "does_not_exist.pt: no such file"),
+    ([], "one of the arguments --snapshot --model is required"),
+    (["--snapshot", "a.pt", "--model", "gpt2"], "not allowed with argument"),
+    (["--snapshot", "does_not_exist.pt"], "does_not_exist.pt: no such file"),
 ])
 def test_needs_exactly_one_existing_model_source(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -66,7 +66,7 @@ def test_foreign_snapshot_is_refused_clearly(tmp_path, capsys):
     path = tmp_path / "other.pt"
     torch.save({"state_dict": {}}, path)
     with pytest.raises(SystemExit):
-        main(["--ckpt", str(path)])
+        main(["--snapshot", str(path)])
     assert "is not a snapshot of this codebase" in capsys.readouterr().err
 
 
@@ -93,6 +93,6 @@ def test_a_model_directory_that_is_none_exits_2_with_one_paragraph(tmp_path):
 ])
 def test_a_sampling_flag_outside_its_range_exits_2_naming_it(capsys, flags, message):
     with pytest.raises(SystemExit) as exit_info:  # (the flags are checked before the snapshot is read)
-        run_entry_point(lambda: main(["--ckpt", "never_read.pt", "--device", "cpu", *flags]))
+        run_entry_point(lambda: main(["--snapshot", "never_read.pt", "--device", "cpu", *flags]))
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == f"error: {message}\n"

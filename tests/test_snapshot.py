@@ -359,8 +359,8 @@ def run_args(fsdp_run: Path, log_dir: Path, *args: str) -> list[str]:
 # --init_from.
 ENTRY_POINTS = {
     "read_model": lambda run, snapshot: read_model(snapshot),
-    "sample.py": lambda run, snapshot: tools.sample.main(["--ckpt", str(snapshot), "--device", "cpu"]),
-    "evaluate.py": lambda run, snapshot: tools.evaluate.main(["--ckpt", str(snapshot), "--device", "cpu"]),
+    "sample.py": lambda run, snapshot: tools.sample.main(["--snapshot", str(snapshot), "--device", "cpu"]),
+    "evaluate.py": lambda run, snapshot: tools.evaluate.main(["--snapshot", str(snapshot), "--device", "cpu"]),
     "--resume PATH": lambda run, snapshot: main_in_process(run_args(run, snapshot.parent / "other", "--parallel",
                                                                     "fsdp", "--resume", str(snapshot))),
     "--resume auto": lambda run, snapshot: adopt(snapshot) or main_in_process(run_args(run, snapshot.parent,
@@ -561,7 +561,7 @@ def test_a_snapshot_with_a_model_config_this_code_does_not_write_is_refused(fsdp
     with pytest.raises(UserError, match=re.escape(named)):
         main_in_process(run_args(fsdp_run, tmp_path / "run", "--max_steps", "2"))
     if "model_config" in named:
-        assert named in tool_refusal(tools.sample.main, ["--ckpt", str(path), "--device", "cpu"], capsys)
+        assert named in tool_refusal(tools.sample.main, ["--snapshot", str(path), "--device", "cpu"], capsys)
 
 
 @pytest.mark.parametrize("change, named", [
@@ -580,7 +580,7 @@ def test_a_snapshot_whose_keys_hold_what_this_code_never_writes_is_refused_by_th
     with pytest.raises(ValueError, match=re.escape(named)):
         read_model(path)
     for tool in (tools.sample.main, tools.evaluate.main):
-        assert named in tool_refusal(tool, ["--ckpt", str(path), "--device", "cpu"], capsys)
+        assert named in tool_refusal(tool, ["--snapshot", str(path), "--device", "cpu"], capsys)
 
 
 # ----------------------------------------------------------------------------------------------------------------

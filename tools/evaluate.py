@@ -42,7 +42,7 @@ RUN_FLAGS = ["data_dir", "micro_batch_size", "seq_len", "val_tokens", "dtype", "
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--snapshot", "--ckpt", help="a snapshot of train_gpt2.py: a snapshot_*.pt file or an fsdp "
+    source.add_argument("--snapshot", help="a snapshot of train_gpt2.py: a snapshot_*.pt file or an fsdp "
                                                    "snapshot directory (or a file with just its model)")
     source.add_argument("--model", help="OpenAI's weights from Hugging Face: gpt2, gpt2-medium, gpt2-large, "
                                         "gpt2-xl, or a local save_pretrained directory")
@@ -51,7 +51,6 @@ def main(argv: list[str] | None = None) -> None:
                         help="the validation loss (--no-val: the tasks only)")
     parser.add_argument("--tasks", help="zero-shot tasks, scored as lm-evaluation-harness 0.4 does: a comma-separated "
                                         f"list of {', '.join(evals.TASKS)}, or all")
-    parser.add_argument("--hellaswag", action="store_true", help="the same as --tasks hellaswag (added to --tasks)")
     parser.add_argument("--limit", type=int, default=None, help="only the first N documents of each task")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON line on stdout")
     source_args = parser.parse_known_args(argv)[0]
@@ -76,8 +75,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def task_names(args: argparse.Namespace) -> list[str]:
-    names = evals.parse_task_names(args.tasks, "--tasks") if args.tasks else []
-    return names + ["hellaswag"] * (args.hellaswag and "hellaswag" not in names)
+    return evals.parse_task_names(args.tasks, "--tasks") if args.tasks else []
 
 
 def load_model(snapshot: str | None, hf_name: str | None) -> tuple[GPT, TokenizerSpec, dict, int | None]:

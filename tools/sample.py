@@ -26,7 +26,7 @@ SAMPLING_RANGES = {"num_samples": AT_LEAST_1, "max_new_tokens": AT_LEAST_0, "tem
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--snapshot", "--ckpt",
+    source.add_argument("--snapshot",
                         help="a snapshot_*.pt written by train_gpt2.py (or a file with just its model)")
     source.add_argument("--model", help="Hugging Face GPT-2: a hub name (gpt2, gpt2-medium, ...) or a local directory")
     parser.add_argument("--prompt", default="Hello, I'm a language model,")

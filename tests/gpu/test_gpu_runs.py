@@ -327,7 +327,7 @@ def test_a_planted_nan_is_skipped_and_a_divergence_rolls_back_and_goes_on(gpu_de
 def test_evaluate_py_gets_the_val_loss_the_run_logged_for_its_snapshot(job, tmp_path):
     # snapshot_3 holds the weights after step 3; the run validated them before step 4's update.
     snapshot = snapshot_path(job.root / "plain", 3)
-    proc = subprocess.run([sys.executable, "-m", "tools.evaluate", "--ckpt", str(snapshot), "--device",
+    proc = subprocess.run([sys.executable, "-m", "tools.evaluate", "--snapshot", str(snapshot), "--device",
                            job.device.type, "--json"], cwd=ROOT, env=train_env(), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
