@@ -13,7 +13,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 
@@ -43,29 +43,39 @@ class RunLock:
                         f"{fix}.")
 
 
+def agreed(work: Callable[[], object], dist_env: Distributed) -> object:
+    """work() on rank 0, its result on every rank; its UserError raised on every rank (collective: all stop together,
+    none waits out --dist_timeout)."""
+    result, refusal = None, None
+    try:
+        result = work() if dist_env.is_master else None
+    except UserError as e:
+        refusal = str(e)
+    result, refusal = from_rank_0((result, refusal))
+    if refusal is not None:
+        raise UserError(refusal)
+    return result
+
+
 @contextmanager
 def lock_run_directories(directories: dict[str, str | None], dist_env: Distributed,
                          lock: bool = True) -> Iterator[RunLock]:
     """Check that each directory, {flag: path} (None or "": not set), can be written (made if missing), and hold its
     lock for the block (unless not `lock`: --no-run_lock). Collective: on a refusal every rank raises it."""
-    run_lock, refusal = RunLock(), None
+    run_lock = RunLock()
+    distinct: dict[Path, str] = {}  # directory -> the first flag naming it
+    for flag, path in directories.items():
+        distinct.setdefault(Path(os.path.realpath(path)), flag) if path else None
     with ExitStack() as held:
-        if dist_env.is_master:
-            distinct: dict[Path, str] = {}  # directory -> the first flag naming it
-            for flag, path in directories.items():
-                distinct.setdefault(Path(os.path.realpath(path)), flag) if path else None
-            try:
-                for directory, flag in distinct.items():
-                    check_writable(directory, flag)
-                    if lock:
-                        run_lock.held[directory] = flag, held.enter_context(locked(directory, flag))
-            except UserError as e:
-                refusal = str(e)
-            if not lock and refusal is None:
+        def take_them() -> None:
+            for directory, flag in distinct.items():
+                check_writable(directory, flag)
+                if lock:
+                    run_lock.held[directory] = flag, held.enter_context(locked(directory, flag))
+            if not lock:
                 print(f"WARNING: --no-run_lock: nothing stops a second run from writing into "
                       f"{' and '.join(map(str, distinct))} alongside this one.", file=sys.stderr)
-        if refusal := from_rank_0(refusal):
-            raise UserError(refusal)
+        agreed(take_them, dist_env)
         yield run_lock
 
 
