@@ -105,26 +105,25 @@ def check_writable(directory: Path, flag: str) -> None:
 def locked(directory: Path, flag: str) -> Iterator[int]:
     """Hold the flock of directory/run.lock, this process's name in it; UserError naming the holder if another
     process holds it, or the fix if it cannot be taken."""
-    path = directory / LOCK_FILE
+    path, fd = directory / LOCK_FILE, None
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as e:
-        raise UserError(f"{path} could not be opened ({type(e).__name__}: {e.strerror or e}), so {flag} {directory} "
-                        f"cannot be locked. Make it writable, or pass another {flag}; then rerun.") from None
-    try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
-        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "a process starting up"
-        os.close(fd)
         if isinstance(e, BlockingIOError):
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "a process starting up"
+            os.close(fd)
             raise UserError(f"{flag} {directory} is in use by another run ({holder}; its lock: {path}). Two runs in "
                             "one directory delete each other's snapshots and mix their metrics.jsonl lines, so this "
                             "run stops before touching it. Wait for that run to end or stop it (a requeued SLURM job "
                             f"can start while the old job's processes are still ending), or give this run another "
                             f"{flag}. The lock goes when its process exits, however it ends.") from None
+        if fd is not None:
+            os.close(fd)
         fix = ("Put it on a filesystem with locks (Lustre: mount with `flock`; NFS has them unless mounted `nolock`), "
                "or, if you make sure that no second run writes there, pass --no-run_lock"
-               if e.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP) else f"Pass another {flag}")
+               if e.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP) else
+               f"Make it writable, or pass another {flag}")
         raise UserError(f"{path} cannot be locked ({type(e).__name__}: {e.strerror or e}). {fix}.") from None
     try:
         with suppress(OSError):  # (a full disk: the lock holds all the same, a refusal just cannot name us)
