@@ -13,7 +13,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 
@@ -43,29 +43,39 @@ class RunLock:
                         f"{fix}.")
 
 
+def agreed(work: Callable[[], object], dist_env: Distributed) -> object:
+    """work() on rank 0, its result on every rank; its UserError raised on every rank (collective: all stop together,
+    none waits out --dist_timeout)."""
+    result, refusal = None, None
+    try:
+        result = work() if dist_env.is_master else None
+    except UserError as e:
+        refusal = str(e)
+    result, refusal = from_rank_0((result, refusal))
+    if refusal is not None:
+        raise UserError(refusal)
+    return result
+
+
 @contextmanager
 def lock_run_directories(directories: dict[str, str | None], dist_env: Distributed,
                          lock: bool = True) -> Iterator[RunLock]:
     """Check that each directory, {flag: path} (None or "": not set), can be written (made if missing), and hold its
     lock for the block (unless not `lock`: --no-run_lock). Collective: on a refusal every rank raises it."""
-    run_lock, refusal = RunLock(), None
+    run_lock = RunLock()
+    distinct: dict[Path, str] = {}  # directory -> the first flag naming it
+    for flag, path in directories.items():
+        distinct.setdefault(Path(os.path.realpath(path)), flag) if path else None
     with ExitStack() as held:
-        if dist_env.is_master:
-            distinct: dict[Path, str] = {}  # directory -> the first flag naming it
-            for flag, path in directories.items():
-                distinct.setdefault(Path(os.path.realpath(path)), flag) if path else None
-            try:
-                for directory, flag in distinct.items():
-                    check_writable(directory, flag)
-                    if lock:
-                        run_lock.held[directory] = flag, held.enter_context(locked(directory, flag))
-            except UserError as e:
-                refusal = str(e)
-            if not lock and refusal is None:
+        def take_them() -> None:
+            for directory, flag in distinct.items():
+                check_writable(directory, flag)
+                if lock:
+                    run_lock.held[directory] = flag, held.enter_context(locked(directory, flag))
+            if not lock:
                 print(f"WARNING: --no-run_lock: nothing stops a second run from writing into "
                       f"{' and '.join(map(str, distinct))} alongside this one.", file=sys.stderr)
-        if refusal := from_rank_0(refusal):
-            raise UserError(refusal)
+        agreed(take_them, dist_env)
         yield run_lock
 
 
@@ -100,26 +110,25 @@ def check_writable(directory: Path, flag: str) -> None:
 def locked(directory: Path, flag: str) -> Iterator[int]:
     """Hold the flock of directory/run.lock, this process's name in it; UserError naming the holder if another
     process holds it, or the fix if it cannot be taken."""
-    path = directory / LOCK_FILE
+    path, fd = directory / LOCK_FILE, None
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as e:
-        raise UserError(f"{path} could not be opened ({type(e).__name__}: {e.strerror or e}), so {flag} {directory} "
-                        f"cannot be locked. Make it writable, or pass another {flag}; then rerun.") from None
-    try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
-        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "a process starting up"
-        os.close(fd)
         if isinstance(e, BlockingIOError):
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "a process starting up"
+            os.close(fd)
             raise UserError(f"{flag} {directory} is in use by another run ({holder}; its lock: {path}). Two runs in "
                             "one directory delete each other's snapshots and mix their metrics.jsonl lines, so this "
                             "run stops before touching it. Wait for that run to end or stop it (a requeued SLURM job "
                             f"can start while the old job's processes are still ending), or give this run another "
                             f"{flag}. The lock goes when its process exits, however it ends.") from None
+        if fd is not None:
+            os.close(fd)
         fix = ("Put it on a filesystem with locks (Lustre: mount with `flock`; NFS has them unless mounted `nolock`), "
                "or, if you make sure that no second run writes there, pass --no-run_lock"
-               if e.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP) else f"Pass another {flag}")
+               if e.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP) else
+               f"Make it writable, or pass another {flag}")
         raise UserError(f"{path} cannot be locked ({type(e).__name__}: {e.strerror or e}). {fix}.") from None
     try:
         with suppress(OSError):  # (a full disk: the lock holds all the same, a refusal just cannot name us)

@@ -18,16 +18,13 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
 
 from dataloader import DistributedDataLoader
 from rundir import snapshot
-from rundir.lock import RunLock
-from training.distributed import Distributed, any_rank, from_rank_0
+from rundir.lock import RunLock, agreed
+from rundir.training_state import TrainingState
+from training.distributed import Distributed, any_rank
 from training.errors import UserError
 from training.files import atomic_write, reason
 from training.parallel import TrainingModel
@@ -198,9 +195,8 @@ def remove_or_warn(path: Path) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # the run's snapshots
 
-class Snapshots:
-    """The snapshots of one run. stateful: the rest of the run's state, {name: object with state_dict() and
-    load_state_dict()}, the same on every rank (the divergence guard); run_lock: the run's locked directories."""
+class Snapshots(TrainingState):
+    """The snapshots of one run (of its TrainingState); run_lock: the run's locked directories."""
 
     def __init__(self, snapshot_dir: str, every: int, keep_last: int, resume_from: str, trainee: TrainingModel,
                  train_loader: DistributedDataLoader, run_config: dict, dist_env: Distributed,
@@ -208,10 +204,10 @@ class Snapshots:
         if keep_last < 1:
             raise UserError(f"--keep_last {keep_last} would delete every snapshot, so nothing could resume. Keep at "
                             "least 1 (--snapshot_every 0 leaves only the last step's and a stop's snapshots).")
+        super().__init__(trainee, train_loader, run_config, dist_env, print0, stateful)
         self.dir, self.every, self.keep_last, self.resume_from = Path(snapshot_dir), every, keep_last, resume_from
-        self.init_from, self.trainee, self.train_loader = run_config["init_from"], trainee, train_loader
-        self.run_config, self.dist_env, self.print0 = run_config, dist_env, print0
-        self.stateful, self.run_lock, self.record, self.surveyed = stateful or {}, run_lock or RunLock(), Run(), []
+        self.init_from, self.run_lock = run_config["init_from"], run_lock or RunLock()
+        self.record, self.surveyed = Run(), []
         self.continued, self.last_saved = False, -1  # continued: the directory's run, from one of its snapshots
         # What the user named on the command line is never deleted (pruning, rollbacks), even if it is this run's.
         self.named = {Path(p).resolve() for p in (resume_from, self.init_from) if p not in ("auto", "never", "scratch")}
@@ -232,23 +228,15 @@ class Snapshots:
     def resume(self) -> tuple[int, str | None]:
         """Do what TABLE says: returns the step to start at and the snapshot restored (None: a fresh start), having
         written run.json. Collective: every rank restores the same snapshot, or raises the same error."""
-        found, start, refusal = self._choose(), 0, None
+        found, start = self._choose(), 0
         if found is not None:
             path, state = found
             try:
-                self._restore(path, state)
+                self.restore(path, state)
             except ValueError as e:  # the shards: a value that is not plain data
                 raise UserError(f"--resume: {e} Pass another snapshot, or --resume never to start over.") from e
             self.last_saved, self.resumed_config, start = state["step"], state["config"], state["step"] + 1
-        if self.dist_env.is_master and (refusal := self._check_the_way(start)) is None:
-            try:
-                write_record(self.dir / RUN_FILE, asdict(self.record))
-            except OSError as e:
-                refusal = (f"{self.dir / RUN_FILE} could not be written ({reason(e)}), so this run stops "
-                           "before its first step. Free space, or point --snapshot_dir at a directory that can be "
-                           "written.")
-        if (refusal := from_rank_0(refusal)) is not None:
-            raise UserError(refusal)
+        agreed(lambda: self._check_the_way(start), self.dist_env)
         return start, found[0] if found else None
 
     def save_if_due(self, step: int, last_step: int, stopping: bool, healthy: bool = True) -> Path | None:
@@ -257,11 +245,12 @@ class Snapshots:
         due = (self.every and (step + 1) % self.every == 0) or step == last_step or stopping
         if not due or step <= self.last_saved:  # nothing trained since the last one (a stop during evaluation)
             return None
-        if not self._finite():
+        if not self.finite():
             self.print0(f"WARNING: no snapshot after step {step}: the weights or optimizer state hold NaN or inf. The "
                         f"snapshots in {self.dir} are kept as they are.")
             return None
-        state, path = self._capture(step, healthy), snapshot.snapshot_path(self.dir, step, self.trainee.sharded)
+        state = self.capture(step, healthy, self.run)
+        path = snapshot.snapshot_path(self.dir, step, self.trainee.sharded)
         self._stop_if_moved()
         failure, ours_already, written = None, sidecar(path).exists(), False
         try:
@@ -293,13 +282,7 @@ class Snapshots:
 
     def _stop_if_moved(self) -> None:
         """Collective: every rank raises rank 0's UserError if the directory is no longer where the run locked it."""
-        moved = None
-        try:
-            self.dist_env.is_master and self.run_lock.check_in_place(self.dir)
-        except UserError as e:
-            moved = str(e)
-        if moved := from_rank_0(moved):
-            raise UserError(moved)
+        agreed(lambda: self.run_lock.check_in_place(self.dir), self.dist_env)
 
     def _write_failed(self, step: int, path: Path, failure: BaseException | None, final: bool) -> None:
         """A warning (rank 0), and training goes on; but a run must not end without its last snapshot."""
@@ -325,14 +308,14 @@ class Snapshots:
         if path is None:
             return None
         state = snapshot.load_snapshot(path, verify=False)  # rank 0 has verified it
-        self._restore(path, state, data_position=False)
+        self.restore(path, state, data_position=False)
         return state["step"], path
 
     def commit_rollback(self, step: int, path: str) -> None:
         """Write the state as it is now over the snapshot restored (a crash before the next snapshot resumes after the
         rollback; of a directory only meta.pt, its shards hold the weights restored), and delete this run's newer
         snapshots (all unhealthy: --resume auto would pick one). Collective; a failed write is a warning."""
-        state, self.last_saved = self._capture(step, healthy=True), step
+        state, self.last_saved = self.capture(step, True, self.run), step
         if not self.dist_env.is_master:
             return
         try:
@@ -349,8 +332,7 @@ class Snapshots:
 
     def newest_healthy(self) -> str | None:
         """The newest healthy snapshot of this run (rank 0 looks, every rank gets its answer)."""
-        found = self.dist_env.is_master and next((p for p, good in health(self._own_snapshots()) if good), None)
-        return from_rank_0(str(found) if found else None)
+        return agreed(lambda: next((str(p) for p, good in health(self._own_snapshots()) if good), None), self.dist_env)
 
     def _own_snapshots(self) -> list[tuple[Path, dict]]:
         """This run's snapshots that load (bytes unchecked), newest first."""
@@ -377,106 +359,25 @@ class Snapshots:
         except (TypeError, ValueError):  # (not a temp's name, or no .json of this run's)
             return False
 
-    def _finite(self) -> bool:
-        """Whether every weight and optimizer tensor is finite on every rank (collective): a sum is NaN or inf if
-        any value is, one read of each tensor, 20x faster than isfinite() on a CPU."""
-        optimizer_state = (v for optimizer in self.trainee.optimizer for s in optimizer.state.values()
-                           for v in s.values() if torch.is_tensor(v))
-        tensors = [t.to_local() if isinstance(t, DTensor) else t for t in (*self.trainee.raw.parameters(),
-                                                                            *optimizer_state)]
-        finite = bool(torch.stack([t.sum() for t in tensors]).isfinite().all()) if tensors else True
-        return not any_rank(not finite, self.dist_env.device)
-
-    # --- what a snapshot holds
-
-    def _capture(self, step: int, healthy: bool) -> dict | None:
-        """Everything needed to continue exactly after `step` (with fsdp: but the sharded model and optimizer).
-        Collective; rank 0 gets it."""
-        per_rank = [(snapshot.capture_rng_state(self.dist_env.device), self.train_loader.state_dict())]
-        if dist.is_initialized():
-            mine, per_rank = per_rank[0], [None] * dist.get_world_size()
-            dist.all_gather_object(per_rank, mine)
-        rng_states, loader_states = zip(*per_rank)
-        # The loader's position is the same on every rank by design (dataloader.py), so one copy resumes any number
-        # of ranks: checked rather than trusted, on every rank so that all of them stop together.
-        if any(s != loader_states[0] for s in loader_states):
-            raise RuntimeError(f"data loader positions differ across ranks at step {step}: {loader_states}")
-        if not self.dist_env.is_master:
-            return None
-        t = self.trainee
-        state = {"format": snapshot.FORMAT, "model_config": asdict(t.raw.config), "scaler": t.scaler.state_dict(),
-                 "step": step, "loader": loader_states[0], "rng": list(rng_states), "config": self.run_config,
-                 "wandb_id": self.run, "healthy": healthy, "tokenizer": self.train_loader.tokenizer.to_dict()}
-        state |= {name: each.state_dict() for name, each in self.stateful.items()}
-        return state | ({} if t.sharded else {"model": t.raw.state_dict(), "optimizer": t.optimizer.state_dict()})
-
-    def _restore(self, path: str, state: dict, data_position: bool = True) -> None:
-        """Restore everything `state` holds (the data loader's position only if data_position)."""
-        t, dist_env = self.trainee, self.dist_env
-        # First: another tokenizer's data usually means another vocabulary too, and the model's shape is not the cause
-        snapshot.check_tokenizer(path, snapshot.tokenizer_of(state, path), self.run_config["data_dir"],
-                                 self.train_loader.tokenizer, "Resume it on data written with its tokenizer "
-                                 "(--data_dir), or start a new run on this data with --resume never.")
-        kind, written = "fsdp" if Path(path).is_dir() else "ddp", asdict(snapshot.model_config_of(state, path))
-        differ = [f"{what} {theirs} (this run: {ours})" for what, theirs, ours in (
-            ("a model", written, asdict(t.raw.config)), ("--parallel", kind, t.parallel),
-            ("--optimizer", state["config"]["optimizer"], self.run_config["optimizer"])) if theirs != ours]
-        if differ:  # (the optimizer states of another optimizer, or of another layout, do not convert)
-            raise UserError(f"{path} was written with {'; '.join(differ)}. Resume it with the flags of the run that "
-                            "wrote it (--arch/--model/--n_layer/--n_head/--n_embd/--block_size/--[no-]attention_bias, "
-                            "--optimizer; --parallel on any number of ranks), or start a new run from its weights "
-                            f"with --init_from {path} (a fresh optimizer, schedule and data order).")
-        if t.sharded:  # each rank reads its own shards, resharded if the number of ranks changed
-            model_state, optimizer_state = get_state_dict(t.raw, list(t.optimizer))
-            loaded = {"model": model_state, "optimizer": optimizer_state}
-            snapshot.load_shards(loaded, Path(path))
-            set_state_dict(t.raw, list(t.optimizer), model_state_dict=loaded["model"],
-                           optim_state_dict=loaded["optimizer"])
-        else:
-            t.raw.load_state_dict(state["model"])
-            t.optimizer.load_state_dict(state["optimizer"])
-        if t.scaler.is_enabled() and not state["scaler"]:  # a bf16 or fp32 run continued in fp16: no scale to carry
-            self.print0(f"{path} was written without fp16, so it has no GradScaler state: the fp16 loss scale starts "
-                        "fresh.")
-        else:  # (a disabled scaler ignores the state of an fp16 snapshot continued in bf16 or fp32)
-            t.scaler.load_state_dict(state["scaler"])
-        if data_position:
-            self.train_loader.load_state_dict(state["loader"])
-        for name, each in self.stateful.items():
-            each.load_state_dict(state[name])
-        if len(state["rng"]) == dist_env.world_size:
-            snapshot.restore_rng_state(state["rng"][dist_env.rank], dist_env.device)
-        else:  # a different number of ranks: the data position carries over exactly (see dataloader.py)
-            torch.manual_seed(self.run_config["seed"] + state["step"] + dist_env.rank)
-
     # --- which snapshot: the table
 
     def _choose(self) -> tuple[str, dict] | None:
         """This run's record, and the snapshot to restore (None: none), as TABLE says. Rank 0 decides; every rank
         reads the same snapshot, or raises the same error."""
-        decision, failure = None, None
         if self.resume_from not in ("auto", "never") and self.init_from != "scratch":
             raise UserError(f"--resume {self.resume_from} and --init_from {self.init_from} both name the weights to "
                             "start from. Pass --resume PATH to continue or branch from a snapshot with its optimizer "
                             "and data position, or --init_from to start a new run from weights alone, not both.")
-        try:
-            decision = self._decide() if self.dist_env.is_master else None
-        except ValueError as e:  # a record of the directory that is not one, or no snapshot to continue loads
-            failure = (f"--resume {self.resume_from}: {e} Nothing was deleted. Repair or move them away (a copy of a "
-                       "good snapshot elsewhere: --resume PATH), or start over with --resume never in a fresh "
-                       f"{self._own_directory_flag()}.")
-        except UserError as e:
-            failure = str(e)
-        decision, failure = from_rank_0((decision, failure))
-        if failure is not None:
-            raise UserError(failure)
-        self.record, self.continued, path, self.surveyed = decision
+        self.record, self.continued, path, self.surveyed = agreed(self._decide, self.dist_env)
         return (path, snapshot.load_snapshot(path, verify=False)) if path else None
 
     def _decide(self) -> tuple[Run, bool, str | None, list[Entry]]:
         """Rank 0: the run's record, whether it continues the directory's run, the snapshot to restore (None: none)
         and the directory's snapshots; a refusal is a UserError."""
-        recorded = read_run(self.dir)
+        try:
+            recorded = read_run(self.dir)
+        except ValueError as e:
+            raise UserError(self._damaged(e)) from e
         found = survey(self.dir, recorded and recorded.run)
         own = [e for e in found if recorded and e.run == recorded.run]
         origin, newest = self.as_now(recorded and recorded.resumed_from), next((e for e in own if e.state), None)
@@ -496,13 +397,20 @@ class Snapshots:
             branch and self._branch_from()
             return Run(init_from=init_from, resumed_from=self.relative(self.resume_from) if branch else None), \
                 False, self.resume_from if branch else None, found
-        if action is Action.CONTINUE:
-            return recorded, True, str(first_loadable(own, where).path), found
         if action is Action.RESTART:
             return recorded, False, origin, found
-        if action is Action.REFUSE_DAMAGED:
-            first_loadable(own, where)  # raises, naming every one
+        if action in (Action.CONTINUE, Action.REFUSE_DAMAGED):  # (REFUSE_DAMAGED: raises, naming every one)
+            try:
+                return recorded, True, str(first_loadable(own, where).path), found
+            except ValueError as e:
+                raise UserError(self._damaged(e)) from e
         raise UserError(self._refusal(action, recorded, newest))
+
+    def _damaged(self, e: ValueError) -> str:
+        """The refusal when a record of the directory is not one, or no snapshot to continue loads."""
+        return (f"--resume {self.resume_from}: {e} Nothing was deleted. Repair or move them away (a copy of a good "
+                f"snapshot elsewhere: --resume PATH), or start over with --resume never in a fresh "
+                f"{self._own_directory_flag()}.")
 
     def _loads(self, path: str) -> bool:
         try:
@@ -510,13 +418,13 @@ class Snapshots:
         except (ValueError, OSError):
             return False
 
-    def _branch_from(self) -> dict:
-        """--resume PATH's snapshot, checked; a UserError naming it if it is missing or does not load."""
+    def _branch_from(self) -> None:
+        """A UserError naming --resume PATH's snapshot if it is missing or does not load."""
         if not Path(self.resume_from).exists():
             raise UserError(f"--resume {self.resume_from}: no such file. Pass the path of a snapshot_* file, 'auto' "
                             "(the newest valid snapshot in --snapshot_dir) or 'never' (start fresh).")
         try:
-            return snapshot.load_snapshot(self.resume_from)
+            snapshot.load_snapshot(self.resume_from)
         except ValueError as e:
             raise UserError(f"--resume: {e} Pass another snapshot, 'auto' or 'never'.") from e
 
@@ -548,19 +456,24 @@ class Snapshots:
     def _own_directory_flag(self) -> str:
         return "--snapshot_dir" if self.run_config.get("snapshot_dir") else "--log_dir"
 
-    def _check_the_way(self, start: int) -> str | None:
+    def _check_the_way(self, start: int) -> None:
         """Rank 0, before the first step: other runs' snapshots are named once; one at a step this run will write
-        (from `start` to --max_steps) stops it, as writing over it would destroy it."""
+        (from `start` to --max_steps) stops it, as writing over it would destroy it. Then run.json is written."""
         others = [e for e in self.surveyed if e.run != self.run]
         in_the_way = [e.path.name for e in others if start <= e.step < self.run_config["max_steps"]]
         if in_the_way:
-            return (f"--snapshot_dir {self.dir} holds snapshots this run did not write, at steps it will write "
-                    f"({', '.join(in_the_way[:4])}{', ...' if len(in_the_way) > 4 else ''}): another run's, or "
-                    "without the .json that says whose. Writing over them would destroy them, so this run stops "
-                    f"before its first step. Give it a directory of its own (e.g. --snapshot_dir {self.dir}/branch_"
-                    f"{start:07d}), or move them out of the way.")
+            raise UserError(f"--snapshot_dir {self.dir} holds snapshots this run did not write, at steps it will "
+                            f"write ({', '.join(in_the_way[:4])}{', ...' if len(in_the_way) > 4 else ''}): another "
+                            "run's, or without the .json that says whose. Writing over them would destroy them, so "
+                            "this run stops before its first step. Give it a directory of its own (e.g. --snapshot_dir "
+                            f"{self.dir}/branch_{start:07d}), or move them out of the way.")
         if others:
             self.print0(f"note: {self.dir} also holds snapshots this run did not write: "
                         f"{', '.join(e.path.name for e in others)}. They are left as they are: never resumed by "
                         "--resume auto, never pruned.")
-        return None
+        try:
+            write_record(self.dir / RUN_FILE, asdict(self.record))
+        except OSError as e:
+            raise UserError(f"{self.dir / RUN_FILE} could not be written ({reason(e)}), so this run stops before "
+                            "its first step. Free space, or point --snapshot_dir at a directory that can be "
+                            "written.") from e
