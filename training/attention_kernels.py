@@ -29,7 +29,7 @@ FALLBACKS = {"cudnn": ("flash", "efficient", "math"), "flash": ("efficient", "ma
 OP_MARKERS = {"cudnn": "_cudnn_attention", "flash": "_flash_attention", "efficient": "_efficient_attention",
               "math": "_attention_math"}
 # Hopper and later: on an H200, dev.speed_levers timed one layer's causal forward + backward at B=64, T=1024, bf16 in
-# 1.72 ms with cuDNN's kernel against flash's 2.53 (docs/gpu_h200_2026-11-28.md).
+# 1.72 ms with cuDNN's kernel against flash's 2.53 (dev/notes/gpu_h200_2026-11-28.md).
 CUDNN_PREFERRED_FROM = (9, 0)
 
 

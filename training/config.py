@@ -40,8 +40,7 @@ class TrainConfig:
                                  "untied embeddings, biases on attention only (model.py; exports as Qwen3). Default: "
                                  "gpt2, or the --init_from weights'", choices=ARCHITECTURES)
     attention_bias: bool | None = arg(None, "--arch modern: biases on attention's q, k, v and output projections. "
-                                            "Default: on (--no-attention_bias is modern as it was before 2026-11-27, "
-                                            "and resumes its snapshots)")
+                                            "Default: on")
     model: str | None = arg(None, f"size preset: {', '.join(PRESETS)} (default: gpt2; with --init_from: the "
                                   "shape of those weights)")
     init_from: str = arg("scratch", f"start from: scratch (random weights) | {' | '.join(HF_MODELS)} (OpenAI's, from "

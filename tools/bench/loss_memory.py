@@ -6,7 +6,7 @@ the CUDA code's schedule can be read where the CPU's differs.
 On a CPU (torch 2.13), the compiled loop frees each chunk's logits before the next chunk's exist, but keeps every
 chunk's product grad_logitsᵀ @ x (the weight's gradient, in the matmul dtype) until one fused kernel adds them all
 into the fp32 sum after the last chunk: Inductor fuses the chain of adds. An H200 showed the compiled step holding
-every chunk's logits too (docs/gpu_h200_2026-11-28.md).
+every chunk's logits too (dev/notes/gpu_h200_2026-11-28.md).
 """
 
 import re
