@@ -53,8 +53,8 @@ def set_deterministic() -> None:
     Strict, not warn_only: torch picks the deterministic backward of flash and memory-efficient attention only when
     warnings are off (attention_backward.cu); with warn_only every step would keep the atomic-add kernel after one
     warning. Strict also means an op with no deterministic version raises. A training step uses none: the embedding
-    backward, index_put_ and gather have deterministic CUDA versions, and the loss (training/loss.py's ChunkedLinearCrossEntropy) is
-    matmuls, logsumexp and gather, with no atomic adds (the ops that raise are listed in torch's docstring of
+    backward, index_put_ and gather have deterministic CUDA versions, and the loss (training/loss.py) is matmuls,
+    logsumexp and gather, with no atomic adds (the ops that raise are listed in torch's docstring of
     use_deterministic_algorithms; tests/test_gpu_paths.py trains with it on)."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts, so before any GPU work
     torch.use_deterministic_algorithms(True)
