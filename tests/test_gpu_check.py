@@ -150,9 +150,12 @@ def test_cpu_smoke_runs_every_stage_and_reports_a_verdict_per_check(tmp_path, gp
     blocked.mkdir()
     for name in ABSENT_PACKAGES:  # importing any of them anywhere, in any subprocess, fails the run
         (blocked / f"{name}.py").write_text(f"raise ImportError('{name} is not installed on the GPU machine')\n")
-    hellaswag = SHARED_DATA / "hellaswag" / "hellaswag_val.jsonl"
+    hellaswag, eval_dir = SHARED_DATA / "hellaswag" / "hellaswag_val.jsonl", tmp_path / "evals"
+    eval_dir.mkdir()
+    if hellaswag.is_file():  # --eval_dir finds HellaSwag as hellaswag.jsonl
+        (eval_dir / "hellaswag.jsonl").symlink_to(hellaswag)
     command = [sys.executable, "-m", "tools.gpu_check", "--cpu-smoke", "--out", str(tmp_path / "out"),
-               *(["--hellaswag_path", str(hellaswag)] if hellaswag.is_file() else [])]
+               *(["--eval_dir", str(eval_dir)] if hellaswag.is_file() else [])]
     # (ROOT: `-m tools.gpu_check` from another directory; then the suite's own, tests/cpu_host: see conftest.py)
     python_path = os.pathsep.join([str(blocked), str(ROOT), os.environ["PYTHONPATH"]])
     # Muon's Newton–Schulz in fp32, as on a CPU without bf16 arithmetic, on every CPU: the GPU tests' Muon runs check

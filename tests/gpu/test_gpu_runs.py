@@ -32,7 +32,7 @@ from training.optim import bf16_matmul_is_slow
 
 pytestmark = pytest.mark.gpu
 
-HELLASWAG_ENV = "GPU_TESTS_HELLASWAG"  # a local hellaswag_val.jsonl (gpu_check.py --hellaswag_path sets it)
+HELLASWAG_ENV = "GPU_TESTS_HELLASWAG"  # a local HellaSwag file (gpu_check.py --eval_dir sets it)
 LAST_STEP = 7
 
 
@@ -179,7 +179,7 @@ def test_sampling_inside_a_compiled_run_decodes_text(evaluated_run):
 
 def test_hellaswag_inside_a_compiled_run_scores_a_slice(evaluated_run):
     if not os.environ.get(HELLASWAG_ENV):
-        pytest.skip(f"no local HellaSwag file: pass gpu_check.py --hellaswag_path (sets {HELLASWAG_ENV})")
+        pytest.skip(f"no local HellaSwag file: pass gpu_check.py --eval_dir (sets {HELLASWAG_ENV})")
     accuracy = by_step(evaluated_run.records, "hellaswag/acc_norm")
     print(f"HellaSwag acc_norm on 40 examples: {accuracy}")
     assert sorted(accuracy) == [0, 2] and all(0.0 <= a <= 1.0 for a in accuracy.values())

@@ -3,7 +3,7 @@ check a verdict.
 
     python -m tools.gpu_check --out gpu_report                 # all three stages, under 20 minutes on one H100
     python -m tools.gpu_check --out gpu_report --stage bench   # one stage: tests, bench or train
-    python -m tools.gpu_check --out gpu_report --data_dir data/fineweb_edu10B --hellaswag_path hellaswag_val.jsonl
+    python -m tools.gpu_check --out gpu_report --data_dir data/fineweb_edu10B --eval_dir data/evals
     python -m tools.gpu_check --out /tmp/smoke --cpu-smoke     # every stage on the CPU at a tiny size (the CPU suite)
     python -m tools.gpu_check --out perf_report --stage perf --data_dir data/enwiki   # issue 52's lease, 9 minutes
 
@@ -57,7 +57,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--stage", choices=("all", *STAGE_RUNNERS), default="all",
                         help="run one stage, or all three (tests, train, bench; perf runs only when named)")
     parser.add_argument("--data_dir", help="real *_train_* / *_val_* shards (default: learnable random tokens)")
-    parser.add_argument("--hellaswag_path", help="a local hellaswag_val.jsonl (without it HellaSwag is skipped)")
+    parser.add_argument("--eval_dir", help="a directory holding hellaswag.jsonl, as train_gpt2.py's --eval_dir "
+                                           "(without it HellaSwag is skipped)")
     parser.add_argument("--cpu-smoke", dest="cpu_smoke", action="store_true",
                         help="every stage on the CPU at a tiny size, in about a minute: checks the command itself")
     return parser.parse_args(argv)

@@ -22,8 +22,8 @@ def tests_stage(report: Report, scale: Scale, args: argparse.Namespace) -> None:
     env = os.environ | {"PYTHONUNBUFFERED": "1"}
     if scale.device == "cpu":
         env["GPU_TESTS_DEVICE"] = "cpu"  # tests/conftest.py: the GPU tests' bodies on the CPU, at a tiny size
-    if args.hellaswag_path:
-        env["GPU_TESTS_HELLASWAG"] = str(Path(args.hellaswag_path).resolve())
+    if args.eval_dir:
+        env["GPU_TESTS_HELLASWAG"] = str((Path(args.eval_dir) / "hellaswag.jsonl").resolve())
     command = [sys.executable, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-p", "no:cacheprovider",
                f"--junitxml={junit}", "-o", "junit_logging=system-out"]
     _, output = run_logged(command, env, 2 * scale.stage_seconds, report.out / "tests_output.txt")

@@ -57,15 +57,6 @@ class TrainRun:
         return [r for r in self.records if "loss" in r]
 
 
-def hellaswag_dir(report: Report, hellaswag_path: str) -> Path:
-    """A directory where train_gpt2.py's --eval_dir finds the --hellaswag_path file, as hellaswag.jsonl."""
-    eval_dir = report.out / "evals"
-    eval_dir.mkdir(exist_ok=True)
-    (eval_dir / "hellaswag.jsonl").unlink(missing_ok=True)
-    (eval_dir / "hellaswag.jsonl").symlink_to(Path(hellaswag_path).resolve())
-    return eval_dir
-
-
 def train_stage(report: Report, scale: Scale, args: argparse.Namespace) -> None:
     data_dir = args.data_dir
     if data_dir is None:
@@ -76,9 +67,9 @@ def train_stage(report: Report, scale: Scale, args: argparse.Namespace) -> None:
     shutil.rmtree(log_dir, ignore_errors=True)  # metrics.jsonl is appended to: start from nothing
     log_dir.mkdir(parents=True)
     no_tokenizer = tokenizer_problem()
-    hellaswag = args.hellaswag_path is not None and no_tokenizer is None
+    hellaswag = args.eval_dir is not None and no_tokenizer is None
     samples = no_tokenizer is None
-    skip_reason = no_tokenizer or "no --hellaswag_path given (the machine has no network to download it)"
+    skip_reason = no_tokenizer or "no --eval_dir given (the machine has no network to download HellaSwag)"
     # The 124M recipe's schedule (TrainConfig's defaults: 715 warmup steps of 19,073), shortened to train_steps.
     warmup = max(1, round(TrainConfig.warmup_steps * scale.train_steps / TrainConfig.max_steps))
     every = str(scale.eval_every)
@@ -89,7 +80,7 @@ def train_stage(report: Report, scale: Scale, args: argparse.Namespace) -> None:
                "--val_every", every, "--val_tokens", str(scale.val_tokens), "--sample_every", every if samples else "0",
                "--eval_every", every if hellaswag else "0", "--eval_limit", str(scale.hellaswag_limit),
                "--snapshot_every", "0", "--log_dir", str(log_dir), *(["--compile"] if scale.compile else []),
-               *(["--eval_dir", str(hellaswag_dir(report, args.hellaswag_path))] if hellaswag else [])]
+               *(["--eval_dir", args.eval_dir] if hellaswag else [])]
     print("train:", " ".join(command[1:]), flush=True)
     returncode, output = run_logged(command, os.environ | {"PYTHONUNBUFFERED": "1"}, 2 * scale.stage_seconds,
                                     log_dir / "output.txt")
