@@ -188,8 +188,7 @@ def from_pretrained(name_or_dir: str) -> GPT:
 def load_hf_state_dict(model: GPT, hf_state: dict[str, torch.Tensor]) -> None:
     ours = model.state_dict()
     # Skip the causal-mask buffers some versions save, and lm_head, which GPT-2 ties to wte.
-    hf_state = {k: v for k, v in hf_state.items()
-                if not k.endswith((".attn.bias", ".attn.masked_bias")) and k != "lm_head.weight"}
+    hf_state = {k: v for k, v in hf_state.items() if not k.endswith(CAUSAL_MASK_BUFFERS) and k != "lm_head.weight"}
     if set(ours) - {"lm_head.weight"} != set(hf_state):
         raise ValueError("Hugging Face weights do not match GPT-2's parameters: missing "
                          f"{sorted(set(ours) - set(hf_state) - {'lm_head.weight'})}, unexpected "

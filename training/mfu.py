@@ -81,13 +81,12 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, seconds: floa
 def peak_flops(device: torch.device, dtype: torch.dtype) -> Peak:
     """Peak FLOP/s of one device (for a CPU: of the threads torch uses) in dtype: from the table for known GPUs,
     else measured."""
-    dtype_label = {torch.float32: "tf32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    if device.type == "cuda":
-        tf32_on = torch.get_float32_matmul_precision() != "highest"
-        found = table_peak_flops(torch.cuda.get_device_name(device), dtype)
-        if found is not None and (dtype != torch.float32 or tf32_on):
-            name, flops = found
-            return Peak(flops, f"datasheet, {name} {dtype_label} dense")
+    dtype_label = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    tf32_on = torch.get_float32_matmul_precision() != "highest"
+    found = table_peak_flops(torch.cuda.get_device_name(device), dtype) if device.type == "cuda" else None
+    if found is not None and (dtype != torch.float32 or tf32_on):
+        name, flops = found
+        return Peak(flops, f"datasheet, {name} {'tf32' if dtype == torch.float32 else dtype_label} dense")
     if device.type == "cpu":
         # One thread's peak times the threads: a single thread finds a free core between its neighbours' work far
         # more often than all threads at once do, and matmuls scale about linearly in cores (bf16 on the 2-core
@@ -100,5 +99,4 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> Peak:
             torch.set_num_threads(threads)
     else:
         flops = measure_matmul_flops(device, dtype)
-    dtype_label = "fp32" if dtype == torch.float32 else dtype_label
     return Peak(flops, f"measured, {dtype_label} matmul on this {device.type}")

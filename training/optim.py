@@ -90,8 +90,6 @@ class Optimizers:
             group.update(settings)
 
     def load_state_dict(self, state: dict) -> None:
-        if "param_groups" in state:  # a snapshot from before there was a choice: AdamW's own state
-            state = {"adamw": state}
         if state.keys() != self.by_name.keys():
             raise ValueError(f"the optimizer state holds {sorted(state)}, this run has {sorted(self.by_name)}")
         for name, optimizer in self.by_name.items():
