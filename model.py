@@ -236,7 +236,7 @@ class GPT(nn.Module):
         self.transformer.h = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
         self.transformer.ln_f = norm(config, config.n_embd)
         # (modern's untied output layer starts random, as GPT-2's tied one: zero at init, as in modded-nanogpt, it ended
-        # 0.07 higher in val loss after 2M tokens of enwiki with Muon; docs/arch_compare.md)
+        # 0.07 higher in val loss after 2M tokens of enwiki with Muon; docs/architectures.md)
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
         self.tie_weights()
         self.apply(self._init_weights)
@@ -251,7 +251,7 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and getattr(module, "ZERO_INIT", False):
             # modern's output projections: each block starts as the identity and grows from there (modded-nanogpt
             # does so; Muon's first update of a zero matrix is as large as of any other). Drawn as GPT-2's, they
-            # were behind early and level at the end (docs/arch_compare.md).
+            # were behind early and level at the end (docs/architectures.md).
             nn.init.zeros_(module.weight)
         elif isinstance(module, nn.Linear):
             std = 0.02
