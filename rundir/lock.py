@@ -65,7 +65,8 @@ def lock_run_directories(directories: dict[str, str | None], dist_env: Distribut
     run_lock = RunLock()
     distinct: dict[Path, str] = {}  # directory -> the first flag naming it
     for flag, path in directories.items():
-        distinct.setdefault(Path(os.path.realpath(path)), flag) if path else None
+        if path:
+            distinct.setdefault(Path(os.path.realpath(path)), flag)
     with ExitStack() as held:
         def take_them() -> None:
             for directory, flag in distinct.items():

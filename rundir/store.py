@@ -135,6 +135,11 @@ class Entry:
     problem: str | None
 
 
+def problem_of(path: Path, error: ValueError | OSError) -> str:
+    """Why a snapshot cannot be used: a ValueError names the file already, an OSError does not."""
+    return f"{path} ({type(error).__name__}: {error})" if isinstance(error, OSError) else str(error)
+
+
 def survey(snapshot_dir: Path, owner: str | None = None) -> list[Entry]:
     """Every snapshot in snapshot_dir, newest first. One whose .json is damaged is `owner`'s (the directory's run),
     and damaged: a copy of another run's comes with its .json whole."""
@@ -143,11 +148,11 @@ def survey(snapshot_dir: Path, owner: str | None = None) -> list[Entry]:
         run, state, problem = None, None, None
         try:
             if sidecar(path).exists() or sidecar(path).is_symlink():
-                run = owner
+                run = owner  # (what stays if the record is damaged)
                 run = read_record(sidecar(path), SIDECAR_FIELDS)["run"]
             state = snapshot.load_snapshot(path, verify=False)
         except (ValueError, OSError) as e:
-            problem = f"{path} ({type(e).__name__}: {e})" if isinstance(e, OSError) else str(e)
+            problem = problem_of(path, e)
         found.append(Entry(path, int(snapshot.SNAPSHOT_NAME.fullmatch(path.name)[1]), run, state, problem))
     return found
 
@@ -162,7 +167,7 @@ def first_loadable(candidates: list[Entry], where: str) -> Entry:
                 snapshot.verify_checksums(entry.path, entry.state)
                 return entry
         except (ValueError, OSError) as e:
-            problem = f"{entry.path} ({type(e).__name__}: {e})" if isinstance(e, OSError) else str(e)
+            problem = problem_of(entry.path, e)
         print(f"WARNING: skipping snapshot: {problem} Trying the next older one.", file=sys.stderr)
         failures.append(problem)
     raise ValueError(f"none of the {len(failures)} snapshots {where} loads: {' '.join(failures)}")
@@ -174,7 +179,8 @@ def health(snapshots: list[tuple[Path, dict]]) -> Iterator[tuple[Path, bool | No
     for path, state in snapshots:
         healthy = state["healthy"]
         try:
-            healthy and snapshot.verify_checksums(path, state)
+            if healthy:
+                snapshot.verify_checksums(path, state)
         except ValueError:
             healthy = False
         except OSError:
@@ -186,7 +192,8 @@ def remove_or_warn(path: Path) -> None:
     """Remove a snapshot (and its .json) or a temp; one that cannot be removed is a warning: this is housekeeping."""
     try:
         snapshot.remove(path)
-        sidecar(path).unlink(missing_ok=True) if snapshot.SNAPSHOT_NAME.fullmatch(path.name) else None
+        if snapshot.SNAPSHOT_NAME.fullmatch(path.name):  # (a temp has no .json of its own)
+            sidecar(path).unlink(missing_ok=True)
     except OSError as e:
         print(f"WARNING: could not delete {path} ({type(e).__name__}: {e.strerror or e}); it is left as it is, and "
               "training goes on. Delete it yourself once it can be.", file=sys.stderr)
@@ -381,20 +388,13 @@ class Snapshots(TrainingState):
         found = survey(self.dir, recorded and recorded.run)
         own = [e for e in found if recorded and e.run == recorded.run]
         origin, newest = self.as_now(recorded and recorded.resumed_from), next((e for e in own if e.state), None)
-        holds = Holds.EMPTY if recorded is None else Holds.SNAPSHOTS if newest else Holds.DAMAGED if own else \
-            Holds.ORIGIN_LOST if origin and not self._loads(origin) else \
-            Holds.NOT_STARTED_INIT if recorded.init_from else Holds.NOT_STARTED
         branch = self.resume_from not in ("auto", "never")
-        if self.resume_from == "never" or (self.resume_from == "auto" and self.init_from == "scratch"):
-            asks = Asks.NEW if self.resume_from == "never" else Asks.AUTO
-        else:
-            asks = Asks.ORIGIN if recorded is None or (Path(self.resume_from).resolve() in (
-                origin and Path(origin), newest and newest.path.resolve()) if branch else
-                recorded.init_from == self.relative(self.init_from)) else Asks.NEW
-        action, where = decide(holds, asks), f"of run {recorded and recorded.run} in {self.dir}"
+        action = decide(self._holds(recorded, own, newest, origin), self._asks(recorded, newest, origin))
+        where = f"of run {recorded and recorded.run} in {self.dir}"
         if action is Action.START:
             init_from = self.relative(self.init_from) if self.init_from != "scratch" else None
-            branch and self._branch_from()
+            if branch:
+                self._branch_from()
             return Run(init_from=init_from, resumed_from=self.relative(self.resume_from) if branch else None), \
                 False, self.resume_from if branch else None, found
         if action is Action.RESTART:
@@ -405,6 +405,32 @@ class Snapshots(TrainingState):
             except ValueError as e:
                 raise UserError(self._damaged(e)) from e
         raise UserError(self._refusal(action, recorded, newest))
+
+    def _holds(self, recorded: Run | None, own: list[Entry], newest: Entry | None, origin: str | None) -> Holds:
+        """TABLE's row: what the directory holds."""
+        if recorded is None:
+            return Holds.EMPTY
+        if newest:
+            return Holds.SNAPSHOTS
+        if own:
+            return Holds.DAMAGED
+        if origin and not self._loads(origin):
+            return Holds.ORIGIN_LOST
+        return Holds.NOT_STARTED_INIT if recorded.init_from else Holds.NOT_STARTED
+
+    def _asks(self, recorded: Run | None, newest: Entry | None, origin: str | None) -> Asks:
+        """TABLE's column: what the command line asks, against the directory's run."""
+        if self.resume_from == "never":
+            return Asks.NEW
+        if self.resume_from == "auto" and self.init_from == "scratch":
+            return Asks.AUTO
+        if recorded is None:
+            return Asks.ORIGIN
+        if self.resume_from != "auto":  # a branch: its origin, or the snapshot --resume auto would continue
+            again = Path(self.resume_from).resolve() in (origin and Path(origin), newest and newest.path.resolve())
+        else:
+            again = recorded.init_from == self.relative(self.init_from)
+        return Asks.ORIGIN if again else Asks.NEW
 
     def _damaged(self, e: ValueError) -> str:
         """The refusal when a record of the directory is not one, or no snapshot to continue loads."""
