@@ -128,15 +128,13 @@ def document_streams(args: argparse.Namespace, inputs: list[Path], files: list[l
 def main(argv: list[str] | None = None) -> None:
     parser, args = parse_args(argv)
     output_dir = args.output_dir or DATA_DIR / "shakespeare"
-    tokenizer = load_tokenizer(args.tokenizer)
-    check_output_dir(parser, output_dir)
-    if args.input:
+    if args.input:  # first: what names no file needs no tokenizer (GPT-2's may be downloaded)
         check_input_files(parser, args.input + (args.val_input or []))
-        inputs = args.input
-    else:
-        inputs = [output_dir / "input.txt"]
-        if not inputs[0].exists():
-            download_shakespeare(inputs[0])
+    tokenizer = load_tokenizer(args.tokenizer)
+    check_output_dir(parser, output_dir)  # (makes it: after every check that can refuse before it)
+    inputs = args.input or [output_dir / "input.txt"]
+    if not args.input and not inputs[0].exists():
+        download_shakespeare(inputs[0])
     source = corpus_source(args)
     check_corpus(output_dir, source, args.shard_size)  # another corpus's shards there: a UserError, nothing written
     record_shards(output_dir, tokenizer.spec)  # another tokenizer's shards there: a UserError, nothing written
