@@ -23,10 +23,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from model import ARCHITECTURES, GPT, GPTConfig
 from training.distributed import any_rank
-from training.errors import UserError
 from training.files import atomic_write, fsync_directory
 from training.safe_load import load_shards, read_shard_metadata, read_torch_file
-from training.tokenizer import Tokenizer, TokenizerSpec, gpt2_spec, tokenizer_from_spec
 
 FORMAT = 1  # of what a snapshot holds; a snapshot of another format is refused, naming it
 SNAPSHOT_NAME = re.compile(r"snapshot_(\d{7}|[1-9]\d{7,})(\.pt)?")  # f"{step:07d}": a file (ddp), a directory (fsdp)
@@ -194,32 +192,6 @@ def model_config_of(state: dict, path: str | Path) -> GPTConfig:
                          f"n_head), arch ({' or '.join(ARCHITECTURES)}) and attention_bias (true or false). Pass a "
                          "snapshot written by train_gpt2.py.")
     return GPTConfig(**saved)
-
-
-def read_tokenizer(path: str | Path) -> TokenizerSpec:
-    return tokenizer_of(load_model_snapshot(path), path)
-
-
-def tokenizer_of(state: dict, path: str | Path) -> TokenizerSpec:
-    """A snapshot's record of its run's tokenizer; a file with just a model has none: GPT-2's (as Hugging Face's)."""
-    return gpt2_spec() if "tokenizer" not in state else TokenizerSpec.from_dict(state["tokenizer"], str(path))
-
-
-def load_tokenizer_of(path: str | Path) -> Tokenizer:
-    """read_tokenizer's tokenizer; a UserError naming both where it cannot be had here (not in the offline cache)."""
-    spec = read_tokenizer(path)
-    try:
-        return tokenizer_from_spec(spec)
-    except UserError as e:
-        raise UserError(f"{path} was trained with the tokenizer {spec.describe()}, which reads and writes its text: "
-                        f"{e}") from e
-
-
-def check_tokenizer(source: str, its: TokenizerSpec, data_dir: str | Path, data: TokenizerSpec, fix: str) -> None:
-    """A UserError naming both unless `source` was trained with the tokenizer of the data (else ids are other text)."""
-    if its.sha256 != data.sha256:
-        raise UserError(f"{source} was trained with the tokenizer {its.describe()}, but the data in {data_dir} was "
-                        f"written with {data.describe()}: the same token id is other text under each. {fix}")
 
 
 def is_snapshot_directory(path: Path) -> bool:

@@ -26,14 +26,14 @@ from dataloader import DistributedDataLoader, read_data_tokenizer
 from evaluation import tasks as evals
 from evaluation.validation import validation_loss
 from model import GPT
-from rundir.snapshot import check_tokenizer, load_model_snapshot, load_tokenizer_of, read_model, tokenizer_of
+from rundir.snapshot import load_model_snapshot, read_model
 from training import hf
 from training.config import HelpFormatter, TrainConfig, add_flags, check_flag_ranges, validation_steps
 from training.distributed import Distributed, checked_device, setup_distributed, teardown_distributed
 from training.errors import UserError, run_entry_point
 from training.inputs import val_shard_tokens
 from training.precision import pick_dtype
-from training.tokenizer import TokenizerSpec, gpt2_spec
+from training.tokenizer import TokenizerSpec, check_tokenizer, gpt2_spec, load_tokenizer_of, tokenizer_of
 
 # The training flags that decide the numbers; a snapshot's own values are their defaults.
 RUN_FLAGS = ["data_dir", "micro_batch_size", "seq_len", "val_tokens", "dtype", "eval_dir"]

@@ -38,12 +38,12 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 from transformers.convert_slow_tokenizer import TikTokenConverter, bytes_to_unicode
 
-from rundir.snapshot import load_tokenizer_of, read_model, read_tokenizer
+from rundir.snapshot import read_model
 from training.errors import UserError, run_entry_point
 from training.files import replace_directory, version_problem
 from training.hf import to_hf
 from training.parsing import PARSE_ERRORS, parse_problem
-from training.tokenizer import EOT_TEXT, TiktokenTokenizer, Tokenizer, gpt2_spec
+from training.tokenizer import EOT_TEXT, TiktokenTokenizer, Tokenizer, gpt2_spec, load_tokenizer_of, read_tokenizer
 
 EXPORT_RECORD = "export_hf.json"  # in an export: {"version", "snapshot", "files"}, what this tool wrote there
 EXPORT_VERSION = 1

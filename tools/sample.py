@@ -10,12 +10,12 @@ torch.Generator differs between CPU, CUDA and MPS, and GPU kernels may differ be
 import argparse
 import sys
 
-from rundir.snapshot import load_tokenizer_of, read_model
+from rundir.snapshot import read_model
 from training import hf
 from training.config import AT_LEAST_0, AT_LEAST_1, SEEDS, Range, check_range
 from training.distributed import checked_device, default_device
 from training.errors import run_entry_point
-from training.tokenizer import generate_text
+from training.tokenizer import generate_text, load_tokenizer_of
 
 # The values of the sampling flags: outside them sampling crashed (negative counts, a NaN temperature) or sampled
 # nonsense (a negative temperature favours the least likely tokens).

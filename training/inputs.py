@@ -11,12 +11,12 @@ from pathlib import Path
 from dataloader import find_shards, read_data_tokenizer, read_shard_header
 from evaluation.tasks import parse_task_names
 from model import PRESETS, GPTConfig
-from rundir.snapshot import check_tokenizer, is_snapshot_directory, read_model_config, read_tokenizer
+from rundir.snapshot import is_snapshot_directory, read_model_config
 from training.config import HF_MODELS, Plan, TrainConfig, check_flag_ranges, check_path_flags, make_plan, model_shape
 from training.distributed import this_process
 from training.errors import UserError
 from training.hf import local_config
-from training.tokenizer import TokenizerSpec, gpt2_spec
+from training.tokenizer import TokenizerSpec, check_tokenizer, gpt2_spec, read_tokenizer
 
 
 def check_inputs(cfg: TrainConfig) -> None:

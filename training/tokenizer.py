@@ -25,6 +25,7 @@ import tiktoken
 import torch
 
 from model import GPT
+from rundir.snapshot import load_model_snapshot
 from training.errors import UserError
 
 EOT_TEXT = "<|endoftext|>"
@@ -321,6 +322,33 @@ def tokenizer_from_spec(spec: TokenizerSpec) -> Tokenizer:
                         f"{tokenizer.spec.describe()}: another version of its files. Use the files it was recorded "
                         "with.")
     return tokenizer
+
+
+def read_tokenizer(path: str | Path) -> TokenizerSpec:
+    return tokenizer_of(load_model_snapshot(path), path)
+
+
+def tokenizer_of(state: dict, path: str | Path) -> TokenizerSpec:
+    """A snapshot's record of its run's tokenizer; a file with just a model has none: GPT-2's (as Hugging Face's)."""
+    return gpt2_spec() if "tokenizer" not in state else TokenizerSpec.from_dict(state["tokenizer"], str(path))
+
+
+def load_tokenizer_of(path: str | Path) -> Tokenizer:
+    """read_tokenizer's tokenizer; a UserError naming both where it cannot be had here (not in the offline cache)."""
+    spec = read_tokenizer(path)
+    try:
+        return tokenizer_from_spec(spec)
+    except UserError as e:
+        raise UserError(f"{path} was trained with the tokenizer {spec.describe()}, which reads and writes its text: "
+                        f"{e}") from e
+
+
+def check_tokenizer(source: str, its: TokenizerSpec, data_dir: str | Path, data: TokenizerSpec, fix: str) -> None:
+    """A UserError naming both unless `source` was trained with the tokenizer of the data (else ids are other text)."""
+    if its.sha256 != data.sha256:
+        raise UserError(f"{source} was trained with the tokenizer {its.describe()}, but the data in {data_dir} was "
+                        f"written with {data.describe()}: the same token id is other text under each. {fix}")
+
 
 
 def generate_text(model: GPT, prompt: str, num_samples: int = 4, max_new_tokens: int = 32,
