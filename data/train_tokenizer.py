@@ -21,10 +21,11 @@ import argparse
 import time
 from pathlib import Path
 
+from data.bpe import train_bpe
 from data.tokenize_shards import check_input_files, check_output_dir, is_jsonl, read_documents, split_val
 from training.errors import UserError, run_entry_point
 from training.files import atomic_write
-from training.tokenizer import EOT_TEXT, MAX_VOCAB_SIZE, load_tokenizer, train_bpe
+from training.tokenizer import EOT_TEXT, MAX_VOCAB_SIZE, load_tokenizer
 
 MIN_VOCAB = 257  # the 256 byte values and <|endoftext|>
 

@@ -4,7 +4,7 @@ each, and how fast each tokenizes, GPT-2's (tiktoken) and bytes against byte-lev
     nice python -m dev.tokenizer_compare                        # ../shared/data/enwiki; 8k, 32k and 64k; ~4 minutes
     nice python -m dev.tokenizer_compare --vocab_sizes 8192 --output_dir tokenizers   # and keep what it trains
 
-Each BPE is data/train_tokenizer.py's (tokenizer.train_bpe) on every document of enwiki.jsonl.gz; the val text is
+Each BPE is data/train_tokenizer.py's (data/bpe.py) on every document of enwiki.jsonl.gz; the val text is
 enwiki_val.jsonl.gz, which none of them saw. Throughput is one process encoding the val documents one at a time, as
 data/prepare.py does (Tokenizer.encode, Python's loop included), the best of --repeats passes: the machine's other
 work only slows a pass down.
@@ -14,8 +14,9 @@ import argparse
 import time
 from pathlib import Path
 
+from data.bpe import train_bpe
 from data.tokenize_shards import jsonl_texts
-from training.tokenizer import HFTokenizer, Tokenizer, load_tokenizer, train_bpe
+from training.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 
 SHARED_ENWIKI = Path(__file__).resolve().parents[2] / "shared" / "data" / "enwiki"
 

@@ -1,13 +1,18 @@
 
 import json
+from dataclasses import asdict, replace
+from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import save_tiny_model
+from data.bpe import train_bpe
+from model import GPT, PRESETS
 from rundir.snapshot import read_model
 from tools.export_hf import main
 from training.errors import UserError
+from training.tokenizer import HFTokenizer, TokenizerSpec, bytes_spec, gpt2_spec, read_tokenizer
 
 
 @pytest.fixture
@@ -73,15 +78,16 @@ def test_an_out_dir_that_is_no_export_of_this_version_is_refused_and_left_as_it_
     out = tmp_path / "hf"
     main([str(perturbed_ckpt), str(out)])
     record = json.loads((out / "export_hf.json").read_text())
-    assert record["version"] == 1 and record["files"] == ["config.json", "generation_config.json", "model.safetensors"]
+    assert record["version"] == 2 and record["files"] == ["config.json", "generation_config.json", "model.safetensors"]
+    assert record["tokenizer"] == gpt2_spec().to_dict()
     (out / "README.md").write_text("my notes")
     with pytest.raises(UserError, match=rf"^{out} is an earlier export, and also holds what it did not write: "
                                         rf"README.md. The export replaces {out} whole"):
         main([str(perturbed_ckpt), str(out)])
     (out / "README.md").unlink()
-    (out / "export_hf.json").write_text(json.dumps(record | {"version": 2}))
-    with pytest.raises(UserError, match=rf"^{out / 'export_hf.json'} has version 2, and this code reads export "
-                                        rf"records of version 1 only, so {out} is no export this tool replaces"):
+    (out / "export_hf.json").write_text(json.dumps(record | {"version": 1}))
+    with pytest.raises(UserError, match=rf"^{out / 'export_hf.json'} has version 1, and this code reads export "
+                                        rf"records of version 2 only, so {out} is no export this tool reads"):
         main([str(perturbed_ckpt), str(out)])
     assert sorted(path.name for path in out.iterdir()) == ["config.json", "export_hf.json", "generation_config.json",
                                                            "model.safetensors"]
@@ -95,3 +101,36 @@ def test_an_export_through_a_symbolic_link_replaces_the_directory_it_names(pertu
     assert (tmp_path / "link").readlink() == tmp_path / "real"
     assert json.loads((tmp_path / "real" / "config.json").read_text())["n_layer"] == 2
     assert sorted(path.name for path in tmp_path.iterdir()) == ["link", "model.pt", "real"]  # nothing left beside
+
+
+def export_with(spec: TokenizerSpec, tmp_path) -> Path:
+    """A tiny model of spec's vocabulary saved with spec as its tokenizer's record, and exported."""
+    model = GPT(replace(PRESETS["tiny"], vocab_size=spec.vocab_size))
+    torch.save({"model": model.state_dict(), "model_config": asdict(model.config), "tokenizer": spec.to_dict()},
+               tmp_path / "model.pt")
+    main([str(tmp_path / "model.pt"), str(tmp_path / "hf")])
+    return tmp_path / "hf"
+
+
+def test_an_export_is_read_with_its_snapshots_tokenizer_and_other_directories_with_gpt2s(tmp_path):
+    bpe = train_bpe(["the cat sat on the mat, and the dog sat on the log"] * 20, 300)
+    spec = HFTokenizer(bpe.to_str(), "tiny_bpe").spec
+    out = export_with(spec, tmp_path)
+    assert read_tokenizer(out) == spec and read_tokenizer(tmp_path / "model.pt") == spec
+    assert spec.vocab_size < 300 and (out / "tokenizer.json").read_text() == spec.definition
+    (out / "tokenizer.json").write_text(spec.definition.replace('"cat"', '"cot"'))  # the record no longer fits it
+    with pytest.raises(ValueError, match=rf"^{out / 'export_hf.json'}: its tokenizer record is malformed: the "
+                                         r"definition's sha256 is not the one recorded"):
+        read_tokenizer(out)
+    (out / "export_hf.json").unlink()  # a Hugging Face directory that is no export of ours: OpenAI's GPT-2
+    assert read_tokenizer(out) == gpt2_spec() == read_tokenizer("gpt2")
+
+
+def test_an_export_record_without_a_tokenizer_is_refused_naming_it(tmp_path):
+    out = export_with(bytes_spec(), tmp_path)
+    assert read_tokenizer(out) == bytes_spec()
+    record = json.loads((out / "export_hf.json").read_text())
+    (out / "export_hf.json").write_text(json.dumps(record | {"tokenizer": None}))
+    with pytest.raises(UserError, match=rf"^{out / 'export_hf.json'} lists no files or no tokenizer, so {out} is no "
+                                        r"export this tool reads. Export its snapshot again"):
+        read_tokenizer(out)

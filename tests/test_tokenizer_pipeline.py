@@ -139,6 +139,36 @@ def test_tools_sample_prints_text_decoded_with_the_snapshots_tokenizer(runs, kin
     assert capsys.readouterr().out == "".join(f"--- sample {i} ---\n{text}\n" for i, text in enumerate(expected))
 
 
+@pytest.mark.slow  # the runs
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_export_samples_scores_and_initialises_a_run_as_its_snapshot_does(runs, kind, tmp_path, capsys):
+    run, other = runs[kind][0], runs[KINDS[1 - KINDS.index(kind)]][0]
+    snapshot, export_dir = run / "snapshot_0000002.pt", tmp_path / "hf"
+    export_hf.main([str(snapshot), str(export_dir)])
+    printed = {}
+    for flag, source in (("--snapshot", snapshot), ("--model", export_dir)):
+        capsys.readouterr()
+        sample.main([flag, str(source), "--num_samples", "2", "--max_new_tokens", "12", "--seed", "3", "--device",
+                     "cpu", "--prompt", TEXT])
+        printed[f"sample {flag}"] = capsys.readouterr().out
+        evaluate.main([flag, str(source), "--data_dir", str(run / "data"), "--micro_batch_size", "2", "--seq_len",
+                       "32", "--val_tokens", "128", "--dtype", "fp32", "--tasks", "copa", "--limit", "4",
+                       "--eval_dir", str(SHARED_DATA / "evals"), "--json", "--device", "cpu"])
+        printed[f"evaluate {flag}"] = json.loads(capsys.readouterr().out)
+    expected = generate_text(read_model(snapshot), TEXT, num_samples=2, max_new_tokens=12, seed=3,
+                             tokenizer=tokenizer_of_run(run))
+    assert printed["sample --model"] == printed["sample --snapshot"] == \
+        "".join(f"--- sample {i} ---\n{text}\n" for i, text in enumerate(expected))
+    scores = {flag: {key: printed[f"evaluate {flag}"][key] for key in ("val_loss", "val_bpb", "copa/acc")}
+              for flag in ("--snapshot", "--model")}
+    assert scores["--model"] == scores["--snapshot"] and scores["--model"]["val_loss"] < 6
+    plan = resolve_plan(parse_args([*RUN, "--init_from", str(export_dir), "--data_dir", str(run / "data")]), 1)
+    assert plan.model_config.vocab_size == read_data_tokenizer(run / "data").vocab_size
+    with pytest.raises(UserError) as refused:
+        resolve_plan(parse_args([*RUN, "--init_from", str(export_dir), "--data_dir", str(other / "data")]), 1)
+    assert str(refused.value).startswith(f"--init_from {export_dir} {mismatch(run / 'data', other / 'data')}")
+
+
 def bytes_of_targets(kind: str, run: Path, steps: int) -> tuple[int, int]:
     """By hand, apart from validation.py: the UTF-8 bytes of the first `steps` val micro-batches' targets (the
     delimiter none), and their number. A BPE token's bytes are its spelling in the byte-level alphabet."""

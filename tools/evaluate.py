@@ -1,7 +1,7 @@
 """Evaluate a model: the validation loss on any shard directory, and zero-shot tasks scored as lm-evaluation-harness
 0.4 scores them (evals.py: hellaswag, lambada_openai, piqa, winogrande, arc_easy, arc_challenge, openbookqa, sciq,
 copa, boolq), for a snapshot of ours (a snapshot_*.pt file or an fsdp run's snapshot directory) or for OpenAI's GPT-2
-(a hub name or a Hugging Face directory).
+(a hub name or a Hugging Face directory; an export of ours is read with its tokenizer).
 
     python -m tools.evaluate --snapshot logs/snapshot_0019072.pt           # what the run logged, from its own flags
     python -m tools.evaluate --model gpt2 --tasks all --no-val --json      # the harness's zero-shot table
@@ -33,7 +33,7 @@ from training.distributed import Distributed, checked_device, setup_distributed,
 from training.errors import UserError, run_entry_point
 from training.inputs import val_shard_tokens
 from training.precision import pick_dtype
-from training.tokenizer import TokenizerSpec, check_tokenizer, gpt2_spec, load_tokenizer_of, tokenizer_of
+from training.tokenizer import TokenizerSpec, check_tokenizer, load_tokenizer_of, read_tokenizer, tokenizer_of
 
 # The training flags that decide the numbers; a snapshot's own values are their defaults.
 RUN_FLAGS = ["data_dir", "micro_batch_size", "seq_len", "val_tokens", "dtype", "eval_dir"]
@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> None:
     source.add_argument("--snapshot", help="a snapshot of train_gpt2.py: a snapshot_*.pt file or an fsdp "
                                                    "snapshot directory (or a file with just its model)")
     source.add_argument("--model", help="OpenAI's weights from Hugging Face: gpt2, gpt2-medium, gpt2-large, "
-                                        "gpt2-xl, or a local save_pretrained directory")
+                                        "gpt2-xl, or a local save_pretrained directory (tools.export_hf's: with its "
+                                        "tokenizer)")
     add_flags(parser, RUN_FLAGS + ["device"])
     parser.add_argument("--val", action=argparse.BooleanOptionalAction, default=True,
                         help="the validation loss (--no-val: the tasks only)")
@@ -79,16 +80,17 @@ def task_names(args: argparse.Namespace) -> list[str]:
 
 
 def load_model(snapshot: str | None, hf_name: str | None) -> tuple[GPT, TokenizerSpec, dict, int | None]:
-    """The model on the CPU, with the tokenizer it was trained with, and the flags and the last trained step of the
-    run that wrote it (a snapshot of ours; GPT-2's tokenizer, {} and None for OpenAI's weights)."""
-    if hf_name is not None:
-        return hf.from_pretrained(hf_name), gpt2_spec(), {}, None
+    """The model on the CPU, with the tokenizer it was trained with (read_tokenizer), and the flags and the last
+    trained step of the run that wrote it ({} and None for Hugging Face weights)."""
     try:
+        if hf_name is not None:
+            return hf.from_pretrained(hf_name), read_tokenizer(hf_name), {}, None
         model = read_model(snapshot)
         saved = load_model_snapshot(snapshot)
         tokenizer = tokenizer_of(saved, snapshot)
     except (FileNotFoundError, ValueError) as e:  # the message names the file and what to pass instead
-        raise UserError(f"--snapshot: {e} (For OpenAI's weights use --model gpt2.)") from e
+        hint = "" if hf_name else " (For OpenAI's weights use --model gpt2.)"
+        raise UserError(f"{'--model' if hf_name else '--snapshot'}: {e}{hint}") from e
     return model, tokenizer, saved.get("config", {}), saved.get("step")
 
 
@@ -125,7 +127,7 @@ def evaluate(model: GPT, tokenizer: TokenizerSpec, args: argparse.Namespace, dis
         docs = evals.load_tasks(names, cfg.eval_dir, args.limit, dist_env.local_rank, device)
         # Batches of --micro_batch_size × --seq_len tokens: what a training micro-step holds, with its backward.
         suite = evals.Suite(docs, model.config.block_size, cfg.micro_batch_size * seq_len,
-                            load_tokenizer_of(args.snapshot) if args.snapshot else None)  # (None: GPT-2's)
+                            load_tokenizer_of(args.snapshot or args.model))
         results |= evals.evaluate(model, suite, device, dtype, dist_env.rank, dist_env.world_size,
                                   progress=dist_env.is_master and not args.json)
         results |= {f"{name}/docs": len(task_docs) for name, task_docs in docs.items()}

@@ -20,8 +20,10 @@ transformers writes and reads, not a hand-made imitation of it.
 
 The directory is written whole or not at all (training/files.py's replace_directory): beside it first, each file
 fsynced, then swapped in; a full disk is an error naming it and leaves it as it was. It then holds exactly this
-model's files and export_hf.json, the record of an export (EXPORT_VERSION) that lets a later export replace it. A
-directory that is not empty and not such an export is refused: the export deletes nothing it did not write.
+model's files and export_hf.json, the record of an export (training/hf.py's EXPORT_VERSION): what it wrote, which lets
+a later export replace it, and the snapshot's tokenizer record, with which tools.sample, tools.evaluate --model and
+train_gpt2.py --init_from read the directory (tokenizer.read_tokenizer). A directory that is not empty and not such an
+export is refused: the export deletes nothing it did not write.
 """
 
 import argparse
@@ -33,20 +35,87 @@ from contextlib import suppress
 from pathlib import Path
 
 import tiktoken
+import torch
 from safetensors import SafetensorError
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
+from transformers import GPT2Config, GPT2LMHeadModel, Qwen3Config, Qwen3ForCausalLM
 from transformers.convert_slow_tokenizer import TikTokenConverter, bytes_to_unicode
 
+from model import GPT, NORM_EPS, ROPE_THETA
 from rundir.snapshot import read_model
 from training.errors import UserError, run_entry_point
-from training.files import replace_directory, version_problem
-from training.hf import to_hf
-from training.parsing import PARSE_ERRORS, parse_problem
+from training.files import replace_directory
+from training.hf import EXPORT_RECORD, EXPORT_VERSION, hf_state_dict, read_export_record
 from training.tokenizer import EOT_TEXT, TiktokenTokenizer, Tokenizer, gpt2_spec, load_tokenizer_of, read_tokenizer
 
-EXPORT_RECORD = "export_hf.json"  # in an export: {"version", "snapshot", "files"}, what this tool wrote there
-EXPORT_VERSION = 1
+
+def qwen3_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+    """An arch="modern" model's weights under Qwen3ForCausalLM's names: our fused matrices split into its q/k/v and
+    gate/up projections, and the padding rows of the vocabulary dropped."""
+    ours, cfg = model.state_dict(), model.config
+    hf_state = {"model.embed_tokens.weight": ours["transformer.wte.weight"][: cfg.vocab_size],
+                "model.norm.weight": ours["transformer.ln_f.weight"],
+                "lm_head.weight": ours["lm_head.weight"][: cfg.vocab_size]}
+    for i in range(cfg.n_layer):
+        block, layer = f"transformer.h.{i}.", f"model.layers.{i}."
+        q, k, v = ours[block + "attn.c_attn.weight"].split(cfg.n_embd)
+        gate, up = ours[block + "mlp.c_fc.weight"].split(model.transformer.h[i].mlp.hidden)
+        hf_state |= {layer + "input_layernorm.weight": ours[block + "ln_1.weight"],
+                     layer + "self_attn.q_proj.weight": q, layer + "self_attn.k_proj.weight": k,
+                     layer + "self_attn.v_proj.weight": v,
+                     layer + "self_attn.q_norm.weight": ours[block + "attn.q_norm.weight"],
+                     layer + "self_attn.k_norm.weight": ours[block + "attn.k_norm.weight"],
+                     layer + "self_attn.o_proj.weight": ours[block + "attn.c_proj.weight"],
+                     layer + "post_attention_layernorm.weight": ours[block + "ln_2.weight"],
+                     layer + "mlp.gate_proj.weight": gate, layer + "mlp.up_proj.weight": up,
+                     layer + "mlp.down_proj.weight": ours[block + "mlp.c_proj.weight"]}
+        if cfg.attention_bias:
+            q, k, v = ours[block + "attn.c_attn.bias"].split(cfg.n_embd)
+            hf_state |= {layer + "self_attn.q_proj.bias": q, layer + "self_attn.k_proj.bias": k,
+                         layer + "self_attn.v_proj.bias": v,
+                         layer + "self_attn.o_proj.bias": ours[block + "attn.c_proj.bias"]}
+    return {name: tensor.contiguous().clone() for name, tensor in hf_state.items()}
+
+
+def to_qwen3(model: GPT, eot: int = gpt2_spec().eot):
+    """A Qwen3ForCausalLM holding an arch="modern" model's weights: the same decoder (rotary positions paired half a
+    head apart, RMSNorm on each head's queries and keys, SwiGLU, untied embeddings, biases on attention only)."""
+    cfg = model.config
+    hf_config = Qwen3Config(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=model.transformer.h[0].mlp.hidden,
+        num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head,
+        head_dim=cfg.n_embd // cfg.n_head, max_position_embeddings=cfg.block_size, rms_norm_eps=NORM_EPS,
+        hidden_act="silu", tie_word_embeddings=False, attention_bias=cfg.attention_bias, bos_token_id=eot,
+        eos_token_id=eot)
+    # The rotary base: a config field whose name changed between transformers versions (rope_theta, then
+    # rope_parameters), with the same default as ours, checked here rather than set.
+    theta = getattr(hf_config, "rope_parameters", None) or {"rope_theta": getattr(hf_config, "rope_theta", None)}
+    if theta["rope_theta"] != ROPE_THETA:
+        raise ValueError(f"this transformers' Qwen3Config has rotary base {theta['rope_theta']}, ours {ROPE_THETA}")
+    hf_model = Qwen3ForCausalLM(hf_config)
+    hf_model.load_state_dict(qwen3_state_dict(model))  # strict: a name or shape mismatch fails here
+    return hf_model.eval()
+
+
+def to_hf(model: GPT, eot: int = gpt2_spec().eot):
+    """A GPT2LMHeadModel holding our weights (a Qwen3ForCausalLM for arch="modern", see to_qwen3); eot: the id of
+    its tokenizer's <|endoftext|>, the config's bos and eos (GPT-2's by default)."""
+    if model.config.arch == "modern":
+        return to_qwen3(model, eot)
+    cfg = model.config
+    hf_config = GPT2Config(
+        vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_ctx=cfg.block_size,
+        n_embd=cfg.n_embd, n_layer=cfg.n_layer, n_head=cfg.n_head,
+        activation_function="gelu_new",  # the tanh approximation of GELU, as in our MLP
+        layer_norm_epsilon=1e-5,  # nn.LayerNorm's default
+        # Our model has no dropout; zero here means fine-tuning in transformers continues the same way.
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        bos_token_id=eot, eos_token_id=eot,
+    )
+    hf_model = GPT2LMHeadModel(hf_config)
+    hf_model.load_state_dict(hf_state_dict(model))  # strict: a name or shape mismatch fails here, not later
+    return hf_model.eval()
 
 
 def write_tokenizer(tokenizer_dir: Path, out_dir: Path, model_max_length: int) -> None:
@@ -107,20 +176,12 @@ def check_out_dir(out_dir: Path) -> None:
     present = sorted(path.name for path in out_dir.iterdir()) if out_dir.exists() else []
     if not present:
         return
-    record = out_dir / EXPORT_RECORD
     fix = (f"The export replaces {out_dir} whole, and deletes nothing it did not write: pass a new or empty "
            "directory, or move those files out.")
-    if not record.is_file():
+    if not (out_dir / EXPORT_RECORD).is_file():
         raise UserError(f"{out_dir} holds files ({', '.join(present[:3])}{', ...' if len(present) > 3 else ''}) "
                         f"and no {EXPORT_RECORD}, so it is no earlier export of this tool. {fix}")
-    try:
-        recorded = json.loads(record.read_bytes())
-    except PARSE_ERRORS as e:
-        raise UserError(f"{record} is {parse_problem(e)}, so {out_dir} is no export of this tool. {fix}") from e
-    problem = version_problem(recorded, EXPORT_VERSION, "export records")
-    if problem or not isinstance(recorded.get("files"), list):
-        raise UserError(f"{record} {problem or 'lists no files'}, so {out_dir} is no export this tool replaces. "
-                        f"{fix}")
+    recorded = read_export_record(out_dir, fix)
     others = sorted(set(present) - set(recorded["files"]) - {EXPORT_RECORD})
     if others:
         raise UserError(f"{out_dir} is an earlier export, and also holds what it did not write: "
@@ -176,7 +237,8 @@ def main(argv: list[str] | None = None) -> None:
         elif args.tokenizer_dir is not None:
             write_tokenizer(args.tokenizer_dir, out_dir, model.config.block_size)
         record = {"version": EXPORT_VERSION, "snapshot": str(args.snapshot.resolve()),
-                  "files": sorted(path.name for path in out_dir.iterdir())}
+                  "files": sorted(path.name for path in out_dir.iterdir()),
+                  "tokenizer": tokenizer.to_dict() | {"definition": None}}  # (an "hf" one's: tokenizer.json)
         (out_dir / EXPORT_RECORD).write_text(json.dumps(record, indent=1) + "\n")
 
     replace_directory(args.out_dir, write)

@@ -1,4 +1,5 @@
-"""Sample text from a snapshot of this codebase (with the tokenizer its run trained with) or from a Hugging Face GPT-2.
+"""Sample text from a snapshot of this codebase or from a Hugging Face GPT-2 (an export of ours too), with the
+tokenizer the model was trained with (tokenizer.read_tokenizer).
 
     python -m tools.sample --snapshot logs/snapshot_0019072.pt
     python -m tools.sample --model gpt2 --prompt "The meaning of life is" --num_samples 2 --max_new_tokens 64
@@ -28,7 +29,8 @@ def main(argv: list[str] | None = None) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--snapshot",
                         help="a snapshot_*.pt written by train_gpt2.py (or a file with just its model)")
-    source.add_argument("--model", help="Hugging Face GPT-2: a hub name (gpt2, gpt2-medium, ...) or a local directory")
+    source.add_argument("--model", help="Hugging Face GPT-2: a hub name (gpt2, gpt2-medium, ...) or a local directory "
+                                        "(tools.export_hf's: with its tokenizer)")
     parser.add_argument("--prompt", default="Hello, I'm a language model,")
     parser.add_argument("--num_samples", type=int, default=4)
     parser.add_argument("--max_new_tokens", type=int, default=32)
@@ -47,15 +49,12 @@ def main(argv: list[str] | None = None) -> None:
         check_range(flag, getattr(args, flag), allowed)
     device = checked_device(args.device)
 
-    tokenizer = None  # GPT-2's, Hugging Face's GPT-2 weights'
-    if args.snapshot is not None:
-        try:
-            model = read_model(args.snapshot)
-            tokenizer = load_tokenizer_of(args.snapshot)
-        except (FileNotFoundError, ValueError) as e:
-            parser.error(f"--snapshot: {e} (For Hugging Face weights use --model instead.)")
-    else:
-        model = hf.from_pretrained(args.model)
+    try:
+        model = read_model(args.snapshot) if args.snapshot else hf.from_pretrained(args.model)
+        tokenizer = load_tokenizer_of(args.snapshot or args.model)
+    except (FileNotFoundError, ValueError) as e:  # the message names the file and what is wrong with it
+        parser.error(f"--snapshot: {e} (For Hugging Face weights use --model instead.)" if args.snapshot else
+                     f"--model: {e}")
     model.to(device)
 
     texts = generate_text(model, args.prompt, args.num_samples, args.max_new_tokens, args.temperature,

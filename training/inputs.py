@@ -16,7 +16,7 @@ from training.config import HF_MODELS, Plan, TrainConfig, check_flag_ranges, che
 from training.distributed import this_process
 from training.errors import UserError
 from training.hf import local_config
-from training.tokenizer import TokenizerSpec, check_tokenizer, gpt2_spec, read_tokenizer
+from training.tokenizer import TokenizerSpec, check_tokenizer, read_tokenizer
 
 
 def check_inputs(cfg: TrainConfig) -> None:
@@ -75,12 +75,8 @@ def init_weights_config(init_from: str) -> GPTConfig:
 
 
 def init_weights_tokenizer(init_from: str) -> TokenizerSpec:
-    """The tokenizer the --init_from weights were trained with: a snapshot's record of it; OpenAI's GPT-2's for
-    Hugging Face weights."""
-    path = Path(init_from)
-    if path.is_file() or is_snapshot_directory(path):
-        try:
-            return read_tokenizer(path)
-        except ValueError as e:  # the reader's message names the file and what is wrong with its record
-            raise UserError(f"--init_from: {e}") from e
-    return gpt2_spec()
+    """The tokenizer the --init_from weights were trained with (tokenizer.read_tokenizer)."""
+    try:
+        return read_tokenizer(init_from)
+    except ValueError as e:  # the reader's message names the file and what is wrong with its record
+        raise UserError(f"--init_from: {e}") from e

@@ -1,15 +1,7 @@
-"""The tokenizers (GPT-2's, the default; tiktoken's other encodings; bytes; a byte-level BPE of your own in a
-Hugging Face tokenizer.json, see data/train_tokenizer.py) behind one small interface, and text through the model: a
-prompt in, sampled continuations out (generate_text, around model.GPT.generate).
-
-A TokenizerSpec is what data (the manifest beside the shards, dataloader.py) and snapshots record of the tokenizer
-that wrote them: its kind, name, a sha256 of its definition (two tokenizers of one name are told apart), its vocabulary
-and <|endoftext|>'s id (the document delimiter); a Hugging Face one also carries its tokenizer.json, so that data and
-snapshots are self-contained. Data without a manifest (llm.c's shards) is GPT-2's: gpt2_spec(), known without
-loading anything.
-
-tiktoken downloads an encoding's files on first use, into its cache ($TIKTOKEN_CACHE_DIR); offline, point that at a
-copy (README, "tiktoken without network").
+"""The tokenizers (GPT-2's, the default; tiktoken's other encodings; bytes; a byte-level BPE in a Hugging Face
+tokenizer.json) behind one small interface; TokenizerSpec, the record of one that data and snapshots keep (docs/data.md,
+"Your own tokenizer"); the tokenizer a model was trained with (read_tokenizer); and text through the model
+(generate_text).
 """
 
 import base64
@@ -25,8 +17,9 @@ import tiktoken
 import torch
 
 from model import GPT
-from rundir.snapshot import load_model_snapshot
+from rundir.snapshot import is_snapshot_directory, load_model_snapshot
 from training.errors import UserError
+from training.hf import EXPORT_RECORD, read_export_record
 
 EOT_TEXT = "<|endoftext|>"
 KINDS = ("tiktoken", "bytes", "hf")
@@ -217,21 +210,6 @@ def byte_level_bpe_problem(definition: dict, vocab: dict[str, int]) -> str | Non
     return None
 
 
-def train_bpe(documents: list[str], vocab_size: int):
-    """A byte-level BPE (a tokenizers.Tokenizer) of at most vocab_size tokens (the 256 bytes, <|endoftext|>, merges)
-    trained on documents: data/train_tokenizer.py's, and dev/tokenizer_compare.py's."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from tqdm import tqdm
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # GPT-2's regex
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT_TEXT], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # every byte, seen or not
-    documents_read = tqdm(documents, desc="counting words", unit="doc", dynamic_ncols=True)
-    tokenizer.train_from_iterator(documents_read, trainer=trainer, length=len(documents))
-    return tokenizer
-
-
 def tiktoken_sha256(encoding: tiktoken.Encoding) -> str:
     """sha256 of a tiktoken encoding's definition: its pattern, its ranks as a .tiktoken file lists them, its
     special tokens."""
@@ -324,12 +302,22 @@ def tokenizer_from_spec(spec: TokenizerSpec) -> Tokenizer:
     return tokenizer
 
 
-def read_tokenizer(path: str | Path) -> TokenizerSpec:
-    return tokenizer_of(load_model_snapshot(path), path)
+def read_tokenizer(source: str | Path) -> TokenizerSpec:
+    """The tokenizer the model at `source` was trained with: a snapshot's record of it (tokenizer_of), an export's
+    (tools/export_hf.py), GPT-2's for any other Hugging Face model (a hub name, or a directory without that record)."""
+    path = Path(source)
+    if path.is_file() or is_snapshot_directory(path):
+        return tokenizer_of(load_model_snapshot(path), path)
+    if not (path / EXPORT_RECORD).is_file():
+        return gpt2_spec()
+    recorded = read_export_record(path, "Export its snapshot again (python -m tools.export_hf).")["tokenizer"]
+    if recorded.get("kind") == "hf":  # its definition is the tokenizer.json beside the record
+        recorded = recorded | {"definition": (path / "tokenizer.json").read_text(encoding="utf-8")}
+    return TokenizerSpec.from_dict(recorded, str(path / EXPORT_RECORD))
 
 
 def tokenizer_of(state: dict, path: str | Path) -> TokenizerSpec:
-    """A snapshot's record of its run's tokenizer; a file with just a model has none: GPT-2's (as Hugging Face's)."""
+    """A snapshot's record of its run's tokenizer; a file with just a model has none: GPT-2's."""
     return gpt2_spec() if "tokenizer" not in state else TokenizerSpec.from_dict(state["tokenizer"], str(path))
 
 
