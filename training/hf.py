@@ -40,8 +40,8 @@ EXPORT_VERSION = 2
 
 
 def gpt_config(hf: dict, where: str = "the Hugging Face config") -> GPTConfig:
-    """Our shape of a Hugging Face GPT-2 config (a config.json, or GPT2Config.to_dict()); a UserError naming `where`
-    if it is not one our GPT-2 can be."""
+    """Our shape of a Hugging Face GPT-2 config (config.json's dict); a UserError naming `where` if our GPT-2 cannot
+    be it."""
     problem = config_problem(hf)
     if problem:
         raise UserError(f"{where}: {problem}. {WHAT_LOADS}")
@@ -68,8 +68,8 @@ def config_problem(hf) -> str | None:
 
 
 def local_config(directory: Path) -> GPTConfig:
-    """The shape of the GPT-2 in a save_pretrained directory, read from its config.json, with the weight file that
-    from_pretrained loads checked against it. UserError naming the file if either is not what it should be."""
+    """The shape of the GPT-2 in a save_pretrained directory (its config.json), its weight file checked against it;
+    a UserError naming the file that is not what it should be."""
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise UserError(f"{directory} has no config.json, so it is not a Hugging Face model directory (save_pretrained "
@@ -86,9 +86,8 @@ def local_config(directory: Path) -> GPTConfig:
 
 
 def check_weight_file(directory: Path, config: GPTConfig) -> None:
-    """UserError naming the weight file unless it holds every weight of `config`'s GPT-2, of its shape, and no other
-    (the causal-mask buffers of older files aside). Names are GPT2LMHeadModel's or, as in OpenAI's files, its
-    transformer's; lm_head.weight, tied to the token embedding, may be left out."""
+    """UserError naming the weight file unless it holds every weight of `config`'s GPT-2, of its shape, and no other,
+    under GPT2LMHeadModel's names or (OpenAI's files) its transformer's; lm_head.weight, tied to wte, may be missing."""
     path, found = weight_shapes(directory)
     with torch.device("meta"):  # the shapes alone: no memory, however large the model
         expected = {name: tuple(tensor.shape) for name, tensor in hf_state_dict(GPT(config)).items()}
@@ -114,8 +113,8 @@ def first_few(names: list[str], few: int = 3) -> str:
 
 
 def weight_shapes(directory: Path) -> tuple[Path, dict[str, tuple[int, ...]]]:
-    """The weight file from_pretrained would load from `directory`, and the name and shape of every tensor in it
-    (in every shard it lists, if it is an index), read without loading a tensor."""
+    """The weight file from_pretrained would load from `directory`, and the shape of every tensor in it (in every
+    shard of an index), read without loading a tensor."""
     path = next((directory / name for name in WEIGHT_FILES if (directory / name).is_file()), None)
     if path is None:
         raise UserError(f"{directory} holds no weight file ({', '.join(WEIGHT_FILES)}); save_pretrained writes "
@@ -154,8 +153,7 @@ def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 
 def torch_file_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """A pytorch_model.bin's tensors, read as our snapshots are (snapshot.read_torch_file: no code is run), as meta
-    tensors, which take no memory."""
+    """A pytorch_model.bin's tensor shapes, read as our snapshots are (no code is run), as meta tensors (no memory)."""
     try:
         state = read_torch_file(path, PYTORCH_WEIGHT_FILE, map_location="meta")
     except ValueError as e:  # its message names the file and what is wrong with it
@@ -167,8 +165,7 @@ def torch_file_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 
 def from_pretrained(name_or_dir: str) -> GPT:
-    """Load Hugging Face GPT-2 weights: a hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl) or a local
-    directory written by transformers' save_pretrained (its files checked first: local_config)."""
+    """Hugging Face GPT-2 weights: a hub name (gpt2, ..., gpt2-xl) or a save_pretrained directory (checked first)."""
     from transformers import GPT2LMHeadModel  # only needed here, so not a hard dependency
 
     if Path(name_or_dir).is_dir():

@@ -1,8 +1,6 @@
 """The tokenizers (GPT-2's, the default; tiktoken's other encodings; bytes; a byte-level BPE in a Hugging Face
-tokenizer.json) behind one small interface; TokenizerSpec, the record of one that data and snapshots keep (docs/data.md,
-"Your own tokenizer"); the tokenizer a model was trained with (read_tokenizer); and text through the model
-(generate_text).
-"""
+tokenizer.json) behind one interface; TokenizerSpec, the record of one that data, snapshots and exports keep
+(docs/data.md, "Your own tokenizer"); and text through the model (generate_text)."""
 
 import base64
 import functools
@@ -22,14 +20,14 @@ from training.errors import UserError
 from training.hf import EXPORT_RECORD, read_export_record
 
 EOT_TEXT = "<|endoftext|>"
+EOT_BYTES = EOT_TEXT.encode()
 KINDS = ("tiktoken", "bytes", "hf")
 # sha256 of GPT-2's definition as tiktoken_sha256 computes it (tests/test_tokenizer.py checks it against tiktoken's
 # files): GPT-2's spec is known without its files, as data and snapshots without a record of their tokenizer are GPT-2's
 GPT2_SHA256 = "7affe1cd36b71600cd9b24913aaf649c85add537821d00f06d8f5a7abd186fdc"
 BYTES_DEFINITION = "bytes: ids 0-255 are the byte values, 256 is <|endoftext|>"
-# The most ids a tokenizer here may have: 64 times the largest vocabulary in use (Gemma's 262,144). The BPE trainer
-# reserves about 66 bytes an id up front (--vocab_size 2**31 asks 141 GB, and Rust aborts), and a manifest's or a
-# tokenizer.json's billions of ids would be a model whose embedding no machine holds.
+# The most ids a tokenizer here may have: 64 times Gemma's 262,144. The BPE trainer reserves ~66 bytes an id up front
+# (2**31 ids: 141 GB, and Rust aborts), and billions of ids would be an embedding no machine holds.
 MAX_VOCAB_SIZE = 2**24
 
 
@@ -88,15 +86,12 @@ class Tokenizer:
     def encode(self, text: str, allow_eot: bool = False) -> list[int]:
         """The ids of text. allow_eot: "<|endoftext|>" in text is the EOT id (as evals and prompts need); else it is
         plain text (as data preparation needs: a document that mentions it is not cut in two)."""
-        raise NotImplementedError
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of ids; bytes that are not valid UTF-8 (a token sequence cut mid-character) become U+FFFD."""
-        raise NotImplementedError
 
     def token_byte_lengths(self) -> list[int]:
         """The number of UTF-8 bytes each id stands for (0 for special tokens such as EOT), for bits per byte."""
-        raise NotImplementedError
 
 
 class TiktokenTokenizer(Tokenizer):
@@ -136,12 +131,8 @@ class ByteTokenizer(Tokenizer):
         return [token for i, piece in enumerate(pieces) for token in ([self.eot] if i else []) + piece]
 
     def decode(self, ids: Sequence[int]) -> str:
-        ids = list(ids)
-        pieces, start = [], 0
-        for i in [i for i, token in enumerate(ids) if token == self.eot] + [len(ids)]:
-            pieces.append(bytes(ids[start:i]).decode("utf-8", errors="replace"))
-            start = i + 1
-        return EOT_TEXT.join(pieces)
+        # (the delimiter's text is ASCII: a character it cuts in two decodes to U+FFFD on each side of it)
+        return b"".join(EOT_BYTES if i == self.eot else bytes([i]) for i in ids).decode("utf-8", errors="replace")
 
     def token_byte_lengths(self) -> list[int]:
         return [1] * 256 + [0]
@@ -155,8 +146,6 @@ class HFTokenizer(Tokenizer):
     def __init__(self, definition: str, name: str):
         import tokenizers  # here: GPT-2's and bytes' paths (the quickstart) do without it
         self.tokenizer = tokenizers.Tokenizer.from_str(definition)  # (exceptions: load_tokenizer says what is wrong)
-        self.ordinary = tokenizers.Tokenizer.from_str(definition)
-        self.ordinary.encode_special_tokens = True  # special tokens' text is plain text, as tiktoken's encode_ordinary
         vocab = self.tokenizer.get_vocab(with_added_tokens=True)
         problem = byte_level_bpe_problem(json.loads(definition), vocab)
         if problem:
@@ -175,7 +164,8 @@ class HFTokenizer(Tokenizer):
                                        definition))
 
     def encode(self, text: str, allow_eot: bool = False) -> list[int]:
-        return (self.tokenizer if allow_eot else self.ordinary).encode(text, add_special_tokens=False).ids
+        self.tokenizer.encode_special_tokens = not allow_eot  # else special tokens' text is text (encode_ordinary's)
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
@@ -211,8 +201,7 @@ def byte_level_bpe_problem(definition: dict, vocab: dict[str, int]) -> str | Non
 
 
 def tiktoken_sha256(encoding: tiktoken.Encoding) -> str:
-    """sha256 of a tiktoken encoding's definition: its pattern, its ranks as a .tiktoken file lists them, its
-    special tokens."""
+    """sha256 of a tiktoken encoding's pattern, ranks (as a .tiktoken file lists them) and special tokens."""
     digest = hashlib.sha256(encoding._pat_str.encode())
     for token, rank in sorted(encoding._mergeable_ranks.items(), key=lambda item: item[1]):
         digest.update(base64.b64encode(token) + f" {rank}\n".encode())
@@ -235,16 +224,11 @@ def load_tiktoken(name: str) -> tiktoken.Encoding:
         return tiktoken.get_encoding(name)
     except Exception as e:  # tiktoken downloads the files on first use: anything from DNS to HTTP errors
         reason = (str(e).strip().splitlines() or [""])[0]
-        if name == "gpt2":
-            raise UserError(f"the GPT-2 tokenizer could not be loaded ({type(e).__name__}: {reason}): tiktoken "
-                            "downloads its two files on first use into its cache. On a node without network, set "
-                            "TIKTOKEN_CACHE_DIR to a copy of that cache (README, \"tiktoken without network\"; "
-                            "../shared/data/gpt2_tokenizer/tiktoken_cache holds one), or run once where there is "
-                            "network.") from e
-        raise UserError(f"the tiktoken encoding {name!r} could not be loaded ({type(e).__name__}: {reason}): tiktoken "
-                        "downloads an encoding's files on first use into its cache (TIKTOKEN_CACHE_DIR, now "
-                        "unset or without it). On a node without network, run once where there is network with "
-                        "TIKTOKEN_CACHE_DIR set, and copy that directory here.") from e
+        what = "the GPT-2 tokenizer" if name == "gpt2" else f"the tiktoken encoding {name!r}"
+        raise UserError(f"{what} could not be loaded ({type(e).__name__}: {reason}): tiktoken downloads an encoding's "
+                        "files on first use into its cache. On a node without network, set TIKTOKEN_CACHE_DIR to a "
+                        "copy of that cache (README, \"tiktoken without network\"; ../shared/data/gpt2_tokenizer/"
+                        "tiktoken_cache holds GPT-2's), or run once where there is network.") from e
 
 
 @functools.cache  # one per process: data/tokenize_shards.py's pool workers build their own on first use
@@ -317,7 +301,7 @@ def read_tokenizer(source: str | Path) -> TokenizerSpec:
 
 
 def tokenizer_of(state: dict, path: str | Path) -> TokenizerSpec:
-    """A snapshot's record of its run's tokenizer; a file with just a model has none: GPT-2's."""
+    """A snapshot's record of its run's tokenizer (a file with just a model has none: GPT-2's)."""
     return gpt2_spec() if "tokenizer" not in state else TokenizerSpec.from_dict(state["tokenizer"], str(path))
 
 
@@ -338,17 +322,12 @@ def check_tokenizer(source: str, its: TokenizerSpec, data_dir: str | Path, data:
                         f"written with {data.describe()}: the same token id is other text under each. {fix}")
 
 
-
 def generate_text(model: GPT, prompt: str, num_samples: int = 4, max_new_tokens: int = 32,
                   temperature: float = 1.0, top_k: int | None = 50, seed: int = 42,
                   top_p: float | None = None, compile: bool = False, tokenizer: Tokenizer | None = None) -> list[str]:
-    """num_samples continuations of prompt, each returned with the prompt in front. tokenizer: the model's (None:
-    GPT-2's).
-
-    Runs on the device the model's weights are on. The generator is private, so sampling neither reads nor
-    advances the global RNG: calling this in the middle of training leaves the training run unchanged.
-    An empty prompt samples from <|endoftext|>, i.e. the start of a new document. compile: see GPT.generate.
-    """
+    """num_samples continuations of prompt, each with the prompt in front, on the model's device. tokenizer: the
+    model's (None: GPT-2's). A private generator leaves the global RNG, and so a training run, as they were; an empty
+    prompt starts from <|endoftext|>, a new document."""
     tokenizer = tokenizer or tiktoken_tokenizer("gpt2")
     prompt_tokens = tokenizer.encode(prompt, allow_eot=True) or [tokenizer.eot]
     device = next(model.parameters()).device
