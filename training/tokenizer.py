@@ -17,6 +17,7 @@ import torch
 from model import GPT
 from rundir.snapshot import is_snapshot_directory, load_model_snapshot
 from training.errors import UserError
+from training.files import reason
 from training.hf import EXPORT_RECORD, read_export_record
 
 EOT_TEXT = "<|endoftext|>"
@@ -223,9 +224,8 @@ def load_tiktoken(name: str) -> tiktoken.Encoding:
     try:
         return tiktoken.get_encoding(name)
     except Exception as e:  # tiktoken downloads the files on first use: anything from DNS to HTTP errors
-        reason = (str(e).strip().splitlines() or [""])[0]
         what = "the GPT-2 tokenizer" if name == "gpt2" else f"the tiktoken encoding {name!r}"
-        raise UserError(f"{what} could not be loaded ({type(e).__name__}: {reason}): tiktoken downloads an encoding's "
+        raise UserError(f"{what} could not be loaded ({reason(e)}): tiktoken downloads an encoding's "
                         "files on first use into its cache. On a node without network, set TIKTOKEN_CACHE_DIR to a "
                         "copy of that cache (README, \"tiktoken without network\"; ../shared/data/gpt2_tokenizer/"
                         "tiktoken_cache holds GPT-2's), or run once where there is network.") from e
@@ -256,11 +256,9 @@ def load_tokenizer(name: str) -> Tokenizer:
             definition = file.read_text(encoding="utf-8")
             return HFTokenizer(definition, file.resolve().parent.name if file.name == "tokenizer.json" else file.stem)
         except Exception as e:  # tokenizers raises its own (unnamed) error kinds for a malformed file
-            reason = (str(e).strip().splitlines() or [""])[0]
             raise UserError(f"--tokenizer {name}: {file} is not a Hugging Face tokenizer.json that can be used here "
-                            f"({type(e).__name__}: {reason}). Pass a directory written by `python -m "
-                            "data.train_tokenizer`, or a byte-level BPE's tokenizer.json with an <|endoftext|> "
-                            "token.") from e
+                            f"({reason(e)}). Pass a directory written by `python -m data.train_tokenizer`, or a "
+                            "byte-level BPE's tokenizer.json with an <|endoftext|> token.") from e
     raise UserError(f"--tokenizer {name}: no such file or directory, and not a tokenizer's name. Pass gpt2 (the "
                     "default), bytes (a token per byte), a directory holding a tokenizer.json (`python -m "
                     "data.train_tokenizer` writes one), or a tiktoken encoding: "
