@@ -1,9 +1,8 @@
 """Hugging Face's GPT-2 and ours: the same parameters under the same names, but for the Conv1D layers (nn.Linear's
-weights transposed) and our vocabulary padded to a multiple of 128. from_pretrained imports a hub name or a
-save_pretrained directory, its files checked first (local_config: transformers would start a missing weight from random
-numbers and go on); tools/export_hf.py exports, and leaves its record (read_export_record). transformers is imported
-where it is used: training from scratch does not need it.
-"""
+weights transposed) and our padded vocabulary. from_pretrained imports a hub name or a save_pretrained directory, its
+files checked first (local_config: transformers would start a missing weight from random numbers and go on);
+tools/export_hf.py exports, leaving a record (read_export_record). transformers is imported where it is used, so that
+training from scratch does without it."""
 
 import json
 from pathlib import Path

@@ -23,8 +23,7 @@ from training.hf import EXPORT_RECORD, read_export_record
 EOT_TEXT = "<|endoftext|>"
 EOT_BYTES = EOT_TEXT.encode()
 KINDS = ("tiktoken", "bytes", "hf")
-# sha256 of GPT-2's definition as tiktoken_sha256 computes it (tests/test_tokenizer.py checks it against tiktoken's
-# files): GPT-2's spec is known without its files, as data and snapshots without a record of their tokenizer are GPT-2's
+# tiktoken_sha256 of GPT-2's encoding (tests check it against its files): gpt2_spec() is known without them
 GPT2_SHA256 = "7affe1cd36b71600cd9b24913aaf649c85add537821d00f06d8f5a7abd186fdc"
 BYTES_DEFINITION = "bytes: ids 0-255 are the byte values, 256 is <|endoftext|>"
 # The most ids a tokenizer here may have: 64 times Gemma's 262,144. The BPE trainer reserves ~66 bytes an id up front
@@ -140,9 +139,8 @@ class ByteTokenizer(Tokenizer):
 
 
 class HFTokenizer(Tokenizer):
-    """A byte-level BPE in a Hugging Face tokenizer.json (data/train_tokenizer.py writes them) with an <|endoftext|>
-    token. Only that kind: every text encodes (each byte is a token) and each token's bytes are known, where another
-    (a WordLevel without an unknown token, say) fails on the first word it lacks, in the middle of a corpus."""
+    """A byte-level BPE in a Hugging Face tokenizer.json, with an <|endoftext|> token. Only that kind: every text
+    encodes and each token's bytes are known, where another (a WordLevel, say) fails mid-corpus on a word it lacks."""
 
     def __init__(self, definition: str, name: str):
         import tokenizers  # here: GPT-2's and bytes' paths (the quickstart) do without it
