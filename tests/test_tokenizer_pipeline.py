@@ -1,7 +1,8 @@
 """Every part of the pipeline follows the run's tokenizer (issue 56): snapshots record the data's, a resume or an
 --init_from across tokenizers stops naming both, the samples, zero-shot tasks, tools.sample and tools.evaluate read
 and write text with it, bits per byte count its bytes, and tools.export_hf writes it so that transformers gives our
-ids and our logits. On bytes-tokenized text and on a small byte-level BPE trained on it."""
+ids and our logits and our tools read the export as its snapshot (issue 61). On bytes-tokenized text and on a small
+byte-level BPE trained on it."""
 
 import contextlib
 import io
@@ -161,7 +162,7 @@ def test_an_export_samples_scores_and_initialises_a_run_as_its_snapshot_does(run
         "".join(f"--- sample {i} ---\n{text}\n" for i, text in enumerate(expected))
     scores = {flag: {key: printed[f"evaluate {flag}"][key] for key in ("val_loss", "val_bpb", "copa/acc")}
               for flag in ("--snapshot", "--model")}
-    assert scores["--model"] == scores["--snapshot"] and scores["--model"]["val_loss"] < 6
+    assert scores["--model"] == scores["--snapshot"]
     plan = resolve_plan(parse_args([*RUN, "--init_from", str(export_dir), "--data_dir", str(run / "data")]), 1)
     assert plan.model_config.vocab_size == read_data_tokenizer(run / "data").vocab_size
     with pytest.raises(UserError) as refused:
