@@ -20,7 +20,7 @@ from dataloader import HEADER_BYTES, MANIFEST, read_shard_header, read_shard_lay
 from forked import Command, run_forked
 from helpers_train import TINY_ARGS, TRAIN_SCRIPT, read_metrics, train_env
 from tools import export_hf
-from training.tokenizer import bytes_spec
+from training.tokenizer import bytes_spec, gpt2_spec
 
 RUN = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "32", "--max_steps", "1", "--dtype",
        "fp32", "--val_tokens", "64"]
@@ -212,7 +212,8 @@ def test_an_export_replaces_an_earlier_export_whole_and_refuses_a_users_director
     exported = world["root"] / "re_export"
     assert sorted(path.name for path in exported.iterdir()) == EXPORT_FILES  # the bytes export's tokenizer.json: gone
     assert json.loads((exported / "export_hf.json").read_text()) == {
-        "version": 1, "snapshot": str(world["snapshot"]), "files": sorted(set(EXPORT_FILES) - {"export_hf.json"})}
+        "version": 2, "snapshot": str(world["snapshot"]), "tokenizer": gpt2_spec().to_dict(),
+        "files": sorted(set(EXPORT_FILES) - {"export_hf.json"})}
     assert left_behind(world["root"]) == []
     mine = world["root"] / "mine"
     refused(runs["export into a user's directory"], f"{mine} holds files (notes.txt) and no export_hf.json, so it is "

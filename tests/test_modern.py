@@ -23,7 +23,6 @@ from model import GPT, PRESETS, GPTConfig, rotate, rotation_table
 from rundir.snapshot import load_snapshot, read_model, snapshot_path
 from tools import export_hf
 from train_gpt2 import initial_model
-from training import hf
 from training.config import TrainConfig, parse_args
 from training.errors import UserError
 from training.inputs import model_config, resolve_plan
@@ -70,7 +69,7 @@ def test_to_hf_gives_a_qwen3_with_our_logits_and_greedy_tokens(attention_bias):
     from transformers import Qwen3ForCausalLM
 
     ours = random_model(replace(EXPORT, attention_bias=attention_bias))
-    qwen3 = hf.to_hf(ours)
+    qwen3 = export_hf.to_hf(ours)
     assert isinstance(qwen3, Qwen3ForCausalLM) and qwen3.config.attention_bias is attention_bias
     assert_same_logits(ours, qwen3)
     prompt = random_tokens(EXPORT, B=2, T=8, seed=2)
