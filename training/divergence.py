@@ -1,11 +1,6 @@
-"""When training must not go on as it is. An update that would wreck the weights is skipped (DivergenceGuard: NaN or
-inf always, loss and gradient-norm spikes with --skip_zscore); a run that keeps skipping has diverged, and stops or
-rolls back to its newest healthy snapshot (train_gpt2.DivergenceResponse, --on_divergence); a SIGTERM, a Ctrl-C or
-data that cannot be read asks for a snapshot and a clean stop (StopRequest).
-
-training.train_step asks the guard about every update; train_gpt2.run hands a divergence to the response and polls
-the stop request before every step. The guard's state, the rollback count included, goes into snapshots. (Nothing
-here knows the snapshots: one training step, which imports this, imports no snapshot store.)
+"""When training must not go on as it is (docs/reliability.md, Divergence): an update that would wreck the weights is
+skipped (DivergenceGuard); a run asked to stop (a signal, data that cannot be read) stops between two steps with a
+snapshot (StopRequest). Nothing here knows the snapshots: one training step, which imports this, imports no store.
 """
 
 import math
@@ -21,9 +16,8 @@ from training.distributed import from_all_ranks, max_across_ranks
 
 
 def nonfinite_reason(loss: float, grad_norm: float, fp16: bool) -> str | None:
-    """Why an update must not be applied whatever the flags: a NaN or inf loss or gradient norm would put NaN into
-    the weights and AdamW's moments, from which no later step recovers. (In fp16 an inf norm with a finite loss is
-    the GradScaler's overflow, which it answers by halving the loss scale.)"""
+    """Why an update must not be applied whatever the flags: NaN in the weights or AdamW's moments never recovers.
+    (In fp16 an inf norm with a finite loss is the GradScaler's overflow: it halves the loss scale.)"""
     if not math.isfinite(loss):
         return "non-finite loss"
     if not math.isfinite(grad_norm):
@@ -32,15 +26,10 @@ def nonfinite_reason(loss: float, grad_norm: float, fp16: bool) -> str | None:
 
 
 class DivergenceGuard:
-    """Decides, from a step's global loss and gradient norm, whether its update is applied, and counts the updates
-    skipped in a row (DivergenceResponse acts on that count: --on_divergence).
-
-    Always: a non-finite loss or norm is skipped. With zscore > 0 (--skip_zscore), also a spike: a loss or norm more
-    than zscore standard deviations above its mean over the last SPIKE_WINDOW applied steps, once SPIKE_WARMUP
-    steps have been seen (llm.c skips outliers the same way). Every rank sees the same loss (averaged across ranks)
-    and norm (of the all-reduced gradients), so every rank decides the same without a collective of its own. The
-    state goes into snapshots, so a resumed run decides as the uninterrupted one would have.
-    """
+    """Whether a step's update is applied, from its loss (averaged across ranks) and gradient norm (of the reduced
+    gradients), the same on every rank without a collective; counts the skips in a row for --on_divergence. Skips a
+    non-finite loss or norm, and with zscore > 0 (--skip_zscore) one more than zscore standard deviations above its
+    mean over the last SPIKE_WINDOW applied steps. Its state goes into snapshots."""
 
     SPIKE_WINDOW = 100  # steps: long enough for a stable spread, short enough to follow the falling loss
     SPIKE_WARMUP = 20  # steps before the first spike check: the early statistics are noise
@@ -83,20 +72,10 @@ class DivergenceGuard:
 
 
 class StopRequest:
-    """Why every rank stops between two steps, with a snapshot: SIGTERM (a preemption, torchrun stopping workers), a
-    first Ctrl-C (SIGINT), or a rank that cannot read the next step's data or the validation's (a shard changed,
-    deleted or cut short under the run: dataloader.ShardWatch).
-
-    train_gpt2.main makes `request` the SIGTERM and SIGINT handler (handling_signals); it only records the signal,
-    but a second SIGINT raises KeyboardInterrupt: the user asked twice, so the run aborts at once (a snapshot being
-    written is removed, files.atomic_write). Ranks agree on a request (a collective) before every step and every few
-    batches of an evaluation, so they all stop at the same point and write the snapshot within a step of it.
-
-    Under torchrun the workers do not get the terminal's Ctrl-C (torchrun starts each in a session of its own):
-    torchrun gets it and sends each worker one SIGINT, so one Ctrl-C is one graceful stop on every rank. A second
-    Ctrl-C makes torchrun send SIGTERM, which changes nothing; it SIGKILLs workers still running 30 s after the last
-    (its --shutdown_timeout).
-    """
+    """Why every rank stops between two steps, with a snapshot: SIGTERM, a first Ctrl-C (SIGINT), or a rank that
+    cannot read its data (dataloader.ShardWatch). The handler only records the signal, but a second SIGINT raises
+    KeyboardInterrupt: the user asked twice, so the run aborts at once. Ranks agree on a request (agreed, a
+    collective) before every step and every few batches of an evaluation, so they all stop at the same point."""
 
     DATA_FAILURE = 1000  # above any signal number: a failed read ends the run with its error, whatever else asked
 
@@ -119,7 +98,6 @@ class StopRequest:
 
     @contextmanager
     def handling_signals(self) -> Iterator[None]:
-        """`request` handles SIGTERM and SIGINT in the block; the handlers from before are back after it."""
         previous = {each: signal.signal(each, self.request) for each in (signal.SIGTERM, signal.SIGINT)}
         try:
             yield
