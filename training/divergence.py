@@ -1,7 +1,6 @@
-"""When training must not go on as it is (docs/reliability.md, Divergence): an update that would wreck the weights is
-skipped (DivergenceGuard); a run asked to stop (a signal, data that cannot be read) stops between two steps with a
-snapshot (StopRequest). Nothing here knows the snapshots: one training step, which imports this, imports no store.
-"""
+"""When training must not go on as it is (docs/reliability.md): an update that would wreck the weights is skipped
+(DivergenceGuard); a run asked to stop (a signal, unreadable data) stops between two steps with a snapshot
+(StopRequest). Nothing here knows the snapshots: one training step, which imports this, imports no store."""
 
 import math
 import signal
@@ -15,21 +14,12 @@ import torch
 from training.distributed import from_all_ranks, max_across_ranks
 
 
-def nonfinite_reason(loss: float, grad_norm: float, fp16: bool) -> str | None:
-    """Why an update must not be applied whatever the flags: NaN in the weights or AdamW's moments never recovers.
-    (In fp16 an inf norm with a finite loss is the GradScaler's overflow: it halves the loss scale.)"""
-    if not math.isfinite(loss):
-        return "non-finite loss"
-    if not math.isfinite(grad_norm):
-        return "fp16 overflow" if fp16 else "non-finite grad norm"
-    return None
-
-
 class DivergenceGuard:
     """Whether a step's update is applied, from its loss (averaged across ranks) and gradient norm (of the reduced
     gradients), the same on every rank without a collective; counts the skips in a row for --on_divergence. Skips a
-    non-finite loss or norm, and with zscore > 0 (--skip_zscore) one more than zscore standard deviations above its
-    mean over the last SPIKE_WINDOW applied steps. Its state goes into snapshots."""
+    non-finite loss or norm whatever the flags (NaN in the weights or AdamW's moments never recovers), and with
+    zscore > 0 (--skip_zscore) one more than zscore standard deviations above its mean over the last SPIKE_WINDOW
+    applied steps. Its state goes into snapshots."""
 
     SPIKE_WINDOW = 100  # steps: long enough for a stable spread, short enough to follow the falling loss
     SPIKE_WARMUP = 20  # steps before the first spike check: the early statistics are noise
@@ -42,8 +32,14 @@ class DivergenceGuard:
         self.rollbacks = 0  # of the whole run, kept in snapshots so that a restart does not reset --max_rollbacks
 
     def review(self, loss: float, grad_norm: float, fp16: bool) -> str | None:
-        """The reason to skip this step's update (None: apply it); records the step either way."""
-        reason = nonfinite_reason(loss, grad_norm, fp16) or self._spike(loss, grad_norm)
+        """The reason to skip this step's update (None: apply it); records the step either way. (In fp16 an inf norm
+        with a finite loss is the GradScaler's overflow: it halves the loss scale.)"""
+        if not math.isfinite(loss):
+            reason = "non-finite loss"
+        elif not math.isfinite(grad_norm):
+            reason = "fp16 overflow" if fp16 else "non-finite grad norm"
+        else:
+            reason = self._spike(loss, grad_norm)
         if reason is None:
             self.losses.append(loss)
             self.grad_norms.append(grad_norm)

@@ -74,8 +74,7 @@ def command_line_path(path: str, argv: Sequence[str]) -> tuple[str | None, str |
 
 def check_torch_version(version: str) -> None:
     """UserError unless torch `version` (e.g. "2.12.0+cu128", "2.11.0a0+git1234") is MIN_TORCH or newer."""
-    major, minor = (int(n) for n in re.match(r"(\d+)\.(\d+)", version).groups())
-    if (major, minor) < MIN_TORCH:
+    if tuple(int(n) for n in re.match(r"(\d+)\.(\d+)", version).groups()) < MIN_TORCH:
         needed = ".".join(map(str, MIN_TORCH))
         raise UserError(f"PyTorch {version} is too old: this code needs torch >= {needed} (tested with 2.13). "
                         f"Load a newer PyTorch (cluster module, container image), or install one: `pip install "
@@ -87,18 +86,15 @@ def run_entry_point(main: Callable[[], None]) -> None:
     stderr and exit status 2. Under torchrun each rank that meets it prints it; the checks that raise one run on every
     rank (or agree through a collective first), so no rank is left waiting for a peer that has gone."""
     try:
-        try:
-            check_torch_version(torch.__version__)
-            main()
-        except (OSError, RuntimeError) as e:
-            user_error = path_error(e, sys.argv[1:])
-            if user_error is None:
-                raise
-            raise user_error from e
-    except UserError as e:
+        check_torch_version(torch.__version__)
+        main()
+    except (UserError, OSError, RuntimeError) as e:
+        user_error = e if isinstance(e, UserError) else path_error(e, sys.argv[1:])
+        if user_error is None:
+            raise
         # One write, newline included: print() writes the two apart, and where stderr is unbuffered
         # (PYTHONUNBUFFERED, as under many launchers) two ranks' messages could run into one line.
-        sys.stderr.write(f"error: {e}\n")
+        sys.stderr.write(f"error: {user_error}\n")
         sys.exit(2)
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from training.distributed import synchronize
+from training.precision import dtype_name
 
 # Datasheet dense FLOP/s: (name, bf16/fp16, TF32), matched in order against torch.cuda.get_device_name(), so the
 # more specific names come first ("H100 NVL" before "H100", "A100" before "A10"). V100 and T4: plain fp32, no TF32.
@@ -52,8 +53,7 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, seconds: floa
     fit between other processes' time slices; GPUs need 4096. A private generator leaves the run's random stream."""
     size = 512 if device.type == "cpu" else 4096
     generator = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
-    b = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
+    a, b = (torch.randn(size, size, device=device, dtype=dtype, generator=generator) for _ in range(2))
     for _ in range(2):  # warm-up: the first calls pay for kernel selection and allocation
         a @ b
     synchronize(device)
@@ -68,12 +68,11 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, seconds: floa
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> Peak:
     """Peak FLOP/s of one device (a CPU: of the threads torch uses) in dtype."""
-    dtype_label = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     tf32_on = torch.get_float32_matmul_precision() != "highest"
     found = table_peak_flops(torch.cuda.get_device_name(device), dtype) if device.type == "cuda" else None
     if found is not None and (dtype != torch.float32 or tf32_on):
         name, flops = found
-        return Peak(flops, f"datasheet, {name} {'tf32' if dtype == torch.float32 else dtype_label} dense")
+        return Peak(flops, f"datasheet, {name} {'tf32' if dtype == torch.float32 else dtype_name(dtype)} dense")
     if device.type == "cpu":
         # One thread's peak times the threads: one thread finds a free core between its neighbours' work far more
         # often than all threads at once do, and matmuls scale about linearly in cores.
@@ -85,4 +84,4 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> Peak:
             torch.set_num_threads(threads)
     else:
         flops = measure_matmul_flops(device, dtype)
-    return Peak(flops, f"measured, {dtype_label} matmul on this {device.type}")
+    return Peak(flops, f"measured, {dtype_name(dtype)} matmul on this {device.type}")

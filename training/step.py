@@ -8,7 +8,7 @@ from torch.distributed.tensor import DTensor
 
 from dataloader import DistributedDataLoader
 from training.distributed import average_across_ranks, to_device
-from training.divergence import DivergenceGuard, nonfinite_reason
+from training.divergence import DivergenceGuard
 from training.optim import Optimizers
 from training.parallel import set_gradient_sync
 from training.precision import autocast
@@ -60,8 +60,7 @@ def train_step(model: torch.nn.Module, optimizer: Optimizers, scaler: torch.amp.
     # The norm (already the same on every rank) rides along with the loss's average: the decision below is taken on
     # the very same numbers everywhere, at no extra collective.
     loss, grad_norm = average_across_ranks(torch.stack([loss_sum, grad_norm.float()])).tolist()
-    fp16 = scaler.is_enabled()
-    reason = guard.review(loss, grad_norm, fp16) if guard else nonfinite_reason(loss, grad_norm, fp16)
+    reason = (guard or DivergenceGuard()).review(loss, grad_norm, fp16=scaler.is_enabled())
     if reason is None:  # all optimizers step or none (AdamW, and Muon with --optimizer muon)
         for each in optimizer:
             scaler.step(each)
