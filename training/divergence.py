@@ -15,11 +15,9 @@ from training.distributed import from_all_ranks, max_across_ranks
 
 
 class DivergenceGuard:
-    """Whether a step's update is applied, from its loss (averaged across ranks) and gradient norm (of the reduced
-    gradients), the same on every rank without a collective; counts the skips in a row for --on_divergence. Skips a
-    non-finite loss or norm whatever the flags (NaN in the weights or AdamW's moments never recovers), and with
-    zscore > 0 (--skip_zscore) one more than zscore standard deviations above its mean over the last SPIKE_WINDOW
-    applied steps. Its state goes into snapshots."""
+    """Whether a step's update is applied, from its loss and gradient norm (the same on every rank, so no collective
+    is needed), and how many were skipped in a row (for --on_divergence). NaN in the weights or AdamW's moments never
+    recovers, so a non-finite loss or norm is always skipped; with --skip_zscore also a spike."""
 
     SPIKE_WINDOW = 100  # steps: long enough for a stable spread, short enough to follow the falling loss
     SPIKE_WARMUP = 20  # steps before the first spike check: the early statistics are noise
@@ -68,10 +66,9 @@ class DivergenceGuard:
 
 
 class StopRequest:
-    """Why every rank stops between two steps, with a snapshot: SIGTERM, a first Ctrl-C (SIGINT), or a rank that
-    cannot read its data (dataloader.ShardWatch). The handler only records the signal, but a second SIGINT raises
-    KeyboardInterrupt: the user asked twice, so the run aborts at once. Ranks agree on a request (agreed, a
-    collective) before every step and every few batches of an evaluation, so they all stop at the same point."""
+    """Why every rank stops between two steps, with a snapshot: SIGTERM, a first Ctrl-C, or a rank that cannot read
+    its data. A second SIGINT raises KeyboardInterrupt: the user asked twice, so the run aborts at once. Ranks agree
+    (agreed, a collective) before every step and every few batches of an evaluation: they all stop at one point."""
 
     DATA_FAILURE = 1000  # above any signal number: a failed read ends the run with its error, whatever else asked
 

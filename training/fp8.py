@@ -1,12 +1,7 @@
-"""FP8 operands for the output layer's three matmuls inside the chunked loss (--fp8_head, training/loss.py; see
-docs/gpus.md), through torch._scaled_mm with fp32 accumulation.
-
-e4m3 (up to 448) for the hidden states and the weight, e5m2 (up to 57,344, down to 2^-16) for the gradient of the
-logits, softmax − one_hot, whose entries span many orders of magnitude, as in Micikevicius et al. 2022 and
-modded-nanogpt. The gradient's scale is fixed: its entries lie in [−1, 1]. The others' are per-tensor and dynamic
-(the largest magnitude ↦ 448): our output layer reads a LayerNorm with a learned gain and its weight is also the
-input embedding, so neither has a bound to fix a scale by (modded-nanogpt fixes them for its own model).
-"""
+"""FP8 operands for the output layer's three matmuls inside the chunked loss (--fp8_head, training/loss.py), through
+torch._scaled_mm with fp32 accumulation: the hidden states and the weight in e4m3 at per-tensor dynamic scales (no
+bound on either fixes one), the logits' gradient, softmax − one_hot, in e5m2, whose wider exponent loses less of its
+many orders of magnitude, at the fixed scale its [−1, 1] range allows (docs/gpus.md)."""
 
 import torch
 
