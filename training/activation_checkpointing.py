@@ -11,8 +11,7 @@ from model import GPT
 
 ACTIVATION_CHECKPOINTING = ("none", "blocks", "selective")
 
-# "selective" keeps these ops' outputs: most of a block's time, while the cheap ops between them (LayerNorms, GELU,
-# casts) are run again.
+# "selective" keeps these ops' outputs (most of a block's time); the cheap ops between them are run again.
 KEPT_BY_SELECTIVE_CHECKPOINTING = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
                                    torch.ops.aten._scaled_dot_product_flash_attention.default,
                                    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,

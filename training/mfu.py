@@ -74,8 +74,7 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> Peak:
         name, flops = found
         return Peak(flops, f"datasheet, {name} {'tf32' if dtype == torch.float32 else dtype_name(dtype)} dense")
     if device.type == "cpu":
-        # One thread's peak times the threads: one thread finds a free core between its neighbours' work far more
-        # often than all threads at once do, and matmuls scale about linearly in cores.
+        # One thread's peak times the threads (about linear): one finds a free core far more often than all at once.
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:

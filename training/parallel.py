@@ -35,8 +35,7 @@ class TrainingModel:
         gets its own unsharded copy)."""
         if not self.sharded:
             return self.raw
-        # Gathered full tensors become the parameters (assign=True) of a copy built on the meta device: one full set
-        # of weights per rank, no random init.
+        # The gathered tensors become the parameters of a copy built on the meta device: no random init.
         full = get_model_state_dict(self.raw, options=StateDictOptions(full_state_dict=True))
         with torch.device("meta"):
             copy = GPT(self.raw.config)

@@ -60,8 +60,7 @@ def unsafe_pickle(e: BaseException) -> str | None:
     return f"the global {named.group(1)}" if named else "something torch's weights-only unpickler does not allow"
 
 
-# What a torch.distributed.checkpoint .metadata holds (and torch's dtypes): unpickling calls what a pickle names, so
-# any other name is refused, as it could run code.
+# What a torch.distributed.checkpoint .metadata holds (and torch's dtypes): any other name could run code.
 METADATA_GLOBALS = {("torch.distributed.checkpoint.metadata", name) for name in (
     "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
     "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")} | {

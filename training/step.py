@@ -57,8 +57,7 @@ def train_step(model: torch.nn.Module, optimizer: Optimizers, scaler: torch.amp.
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
     if isinstance(grad_norm, DTensor):  # fsdp: the norm over every rank's shards
         grad_norm = grad_norm.full_tensor()
-    # The norm (already the same on every rank) rides along with the loss's average: the decision below is taken on
-    # the very same numbers everywhere, at no extra collective.
+    # The norm (the same on every rank) rides along: the decision is taken on the same numbers everywhere.
     loss, grad_norm = average_across_ranks(torch.stack([loss_sum, grad_norm.float()])).tolist()
     reason = (guard or DivergenceGuard()).review(loss, grad_norm, fp16=scaler.is_enabled())
     if reason is None:  # all optimizers step or none (AdamW, and Muon with --optimizer muon)
