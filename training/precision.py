@@ -1,6 +1,5 @@
 """The autocast dtype a run trains in (fp32 is the one "off" value everywhere; docs/gpus.md), and determinism."""
 
-import contextlib
 import os
 
 import torch
@@ -31,10 +30,8 @@ def dtype_name(dtype: torch.dtype) -> str:
     return {v: k for k, v in DTYPES.items()}[dtype]
 
 
-def autocast(device: torch.device | str, dtype: torch.dtype):
-    if dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
+def autocast(device: torch.device | str, dtype: torch.dtype) -> torch.autocast:
+    return torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype != torch.float32)
 
 
 def set_deterministic() -> None:
