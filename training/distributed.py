@@ -40,8 +40,7 @@ def default_device() -> str:
     return "cpu"
 
 
-# What torchrun tells each worker of its place; this process's own (0, 0, 1) without torchrun.
-TORCHRUN_RANKS = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+TORCHRUN_RANKS = ("RANK", "LOCAL_RANK", "WORLD_SIZE")  # what torchrun tells each worker of its place
 
 
 def this_process(device_arg: str) -> Distributed:
@@ -49,7 +48,6 @@ def this_process(device_arg: str) -> Distributed:
     rank, local_rank, world_size = torchrun_ranks()
     device = checked_device(device_arg, local_rank)
     if device.type == "mps" and world_size > 1:
-        # gloo cannot reduce MPS tensors, so DDP and the loss average would fail at the first step.
         raise UserError(f"--device mps with {world_size} processes: a Mac has one GPU, and torch.distributed cannot "
                         "work on MPS tensors. Run one process (`python train_gpt2.py ...`, no torchrun), or "
                         "--device cpu for several CPU processes.")
