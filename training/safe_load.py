@@ -1,8 +1,6 @@
 """Reading pickle-format files without running code: a torch file (ours, a Hugging Face pytorch_model.bin) by
-torch.load(weights_only=True); a directory snapshot (--parallel fsdp), whose .metadata torch.distributed.checkpoint
-would unpickle with plain pickle, by an unpickler that builds only the classes such a file holds, its shards' values
-weights_only first, and only shard files of the directory itself. Whatever is refused is named in a ValueError.
-"""
+torch.load(weights_only=True); a directory snapshot (--parallel fsdp) by an unpickler of its .metadata that builds only
+what such a file holds (torch's: plain pickle), its shards' values weights_only. Refusals are ValueErrors naming why."""
 
 import os
 import pickle
