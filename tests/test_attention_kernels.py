@@ -6,28 +6,21 @@ import torch
 
 from model import GPT, GPTConfig
 from tools.bench.step import profiled
-from training.attention_kernels import (
-    attention_kernel,
-    available_kernels,
-    kernel_of_op,
-    kernels_in_profile,
-    preferred_kernel,
-    resolve_kernel,
-)
+from training.attention_kernels import attention_kernel, available_kernels, kernels_in_profile, resolve_kernel
 
 HOPPER, AMPERE, ADA = (9, 0), (8, 0), (8, 9)
 
 
 def test_the_profiles_aten_ops_name_the_kernel_forward_and_backward_eager_or_on_the_cpu():
-    assert kernel_of_op("aten::_scaled_dot_product_flash_attention") == "flash"
-    assert kernel_of_op("aten::_scaled_dot_product_flash_attention_backward") == "flash"
-    assert kernel_of_op("aten::_scaled_dot_product_flash_attention_for_cpu") == "flash"
-    assert kernel_of_op("aten::_scaled_dot_product_cudnn_attention_backward") == "cudnn"
-    assert kernel_of_op("aten::_scaled_dot_product_efficient_attention") == "efficient"
-    assert kernel_of_op("aten::_efficient_attention_forward") == "efficient"
-    assert kernel_of_op("aten::_scaled_dot_product_attention_math") == "math"
-    assert kernel_of_op("aten::scaled_dot_product_attention") is None  # the dispatcher's entry, not a kernel
-    assert kernel_of_op("aten::mm") is None and kernel_of_op("flash_fwd_kernel") is None  # (a CUDA kernel's name)
+    assert kernels_in_profile(["aten::_scaled_dot_product_flash_attention"]) == ["flash"]
+    assert kernels_in_profile(["aten::_scaled_dot_product_flash_attention_backward"]) == ["flash"]
+    assert kernels_in_profile(["aten::_scaled_dot_product_flash_attention_for_cpu"]) == ["flash"]
+    assert kernels_in_profile(["aten::_scaled_dot_product_cudnn_attention_backward"]) == ["cudnn"]
+    assert kernels_in_profile(["aten::_scaled_dot_product_efficient_attention"]) == ["efficient"]
+    assert kernels_in_profile(["aten::_efficient_attention_forward"]) == ["efficient"]
+    assert kernels_in_profile(["aten::_scaled_dot_product_attention_math"]) == ["math"]
+    assert kernels_in_profile(["aten::scaled_dot_product_attention"]) == []  # the dispatcher's entry, not a kernel
+    assert kernels_in_profile(["aten::mm", "flash_fwd_kernel"]) == []  # (the latter a CUDA kernel's name)
     names = ["aten::mm", "aten::_scaled_dot_product_cudnn_attention", "aten::_scaled_dot_product_attention_math",
              "aten::_scaled_dot_product_cudnn_attention_backward"]
     assert kernels_in_profile(names) == ["cudnn", "math"]
@@ -37,9 +30,10 @@ def test_the_choice_on_each_device_and_its_fallback_where_a_kernel_is_missing():
     everything = {"flash", "cudnn", "efficient", "math"}
     assert resolve_kernel("default", HOPPER, everything) == (None, "torch's own order")
     # auto: cuDNN's on Hopper (where it was timed 0.68x flash's), torch's order before Hopper or without cuDNN 9
-    assert preferred_kernel(HOPPER, everything) == "cudnn" and resolve_kernel("auto", HOPPER, everything)[0] == "cudnn"
-    assert preferred_kernel(ADA, everything) is None and preferred_kernel(HOPPER, everything - {"cudnn"}) is None
-    assert preferred_kernel(None, {"flash", "math"}) is None  # not CUDA
+    assert resolve_kernel("auto", HOPPER, everything) == ("cudnn", "auto: cudnn")
+    assert resolve_kernel("auto", ADA, everything)[0] is None
+    assert resolve_kernel("auto", HOPPER, everything - {"cudnn"})[0] is None
+    assert resolve_kernel("auto", None, {"flash", "math"})[0] is None  # not CUDA
     assert resolve_kernel("auto", AMPERE, everything) == (
         None, "auto: torch's own order (no kernel preferred on this device)")
     assert resolve_kernel("cudnn", HOPPER, everything) == ("cudnn", "cudnn")

@@ -1,8 +1,5 @@
-"""--activation_checkpointing: what each Block keeps for backward and recomputes in it instead. "none" keeps every
-activation; "blocks" keeps only the block's input and runs the whole block again in backward; "selective" keeps the
-outputs of the matmuls and attention and recomputes only the cheap ops between them.
-
-A block takes its recomputation as Block.recompute (model.py knows nothing of the modes): a function that runs the
+"""--activation_checkpointing (docs/memory.md): what each Block keeps for backward and recomputes in it instead. A
+block takes its recomputation as Block.recompute (model.py knows nothing of the modes): a function that runs the
 block's residual branches under torch.utils.checkpoint."""
 
 import functools
@@ -14,9 +11,7 @@ from model import GPT
 
 ACTIVATION_CHECKPOINTING = ("none", "blocks", "selective")
 
-# "selective" keeps the outputs of these ops for backward and recomputes the rest of a block (LayerNorms, GELU,
-# dtype casts, reshapes): the matmuls and attention are most of a block's time, and the rest is cheap to run again
-# while its outputs are a third of the activations (GPT-2 124M keeps 226 of 334 MiB per sequence).
+# "selective" keeps these ops' outputs (most of a block's time); the cheap ops between them are run again.
 KEPT_BY_SELECTIVE_CHECKPOINTING = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
                                    torch.ops.aten._scaled_dot_product_flash_attention.default,
                                    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
@@ -43,6 +38,5 @@ RECOMPUTE = {"none": None, "blocks": recompute_the_block, "selective": recompute
 
 
 def set_activation_checkpointing(model: GPT, mode: str) -> None:
-    """Every block of model recomputes what `mode` says in backward (one of ACTIVATION_CHECKPOINTING)."""
     for block in model.transformer.h:
         block.recompute = RECOMPUTE[mode]

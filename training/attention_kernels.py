@@ -1,11 +1,7 @@
-"""Which kernel runs attention (F.scaled_dot_product_attention): naming the one a step ran, from its profile, and
-choosing one for a device, with a fallback where it is missing.
-
-torch picks among its kernels (flash, cuDNN, memory-efficient, math) by a priority order and by what the inputs and
-the device allow. torch.compile picks when it traces the step and keeps that kernel in its code, so the order in
-force at the first (compiling) call is the one a compiled step runs; `attention_kernel` sets it around the step, and
-`kernels_in_profile` reads back what ran. Default: torch's own order (flash first on CUDA), until a GPU lease
-measures the others end to end (tools/gpu_check.py --stage perf).
+"""Which kernel runs attention (F.scaled_dot_product_attention): naming the ones a step ran, from its profile, and
+choosing one for a device, with a fallback where it is missing. torch.compile keeps the kernel in force when it traced
+the step, so `attention_kernel` is held around the step's first call. Default: torch's own order (flash first on CUDA),
+until a GPU lease measures the others end to end (tools/gpu_check.py --stage perf).
 """
 
 from collections.abc import Collection, Iterable, Iterator
@@ -18,53 +14,39 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 KERNELS = tuple(BACKENDS)
-# What --attention may ask for: torch's order as it is, the preferred kernel of the device (preferred_kernel), or one.
+# What --attention may ask for: torch's order as it is, the preferred kernel of the device, or one.
 CHOICES = ("default", "auto", *KERNELS)
 # Where a kernel cannot run (cuDNN's needs cuDNN 9 and sm80+, flash sm80+), the next of these that can.
 FALLBACKS = {"cudnn": ("flash", "efficient", "math"), "flash": ("efficient", "math"), "efficient": ("math",),
              "math": ()}
-# The profiler's names of the aten ops each kernel runs as, forward and backward, eager or compiled (Inductor calls
-# the fused ones as extern kernels): aten::_scaled_dot_product_flash_attention[_for_cpu][_backward], ... The math
-# kernel Inductor writes out as its own matmuls and softmax, so a compiled step under it shows no kernel's op.
+# The names of the aten ops each kernel runs as, forward and backward, eager or compiled (Inductor calls the fused ones
+# as extern kernels). The math kernel Inductor writes out as its own matmuls and softmax: no kernel's op.
 OP_MARKERS = {"cudnn": "_cudnn_attention", "flash": "_flash_attention", "efficient": "_efficient_attention",
               "math": "_attention_math"}
-# Hopper and later: on an H200, dev.speed_levers timed one layer's causal forward + backward at B=64, T=1024, bf16 in
-# 1.72 ms with cuDNN's kernel against flash's 2.53 (dev/notes/gpu_h200_2026-11-28.md).
+# --attention auto: cuDNN's from Hopper on; on an H200, dev.speed_levers timed one layer's causal forward + backward at
+# B=64, T=1024, bf16 in 1.72 ms with cuDNN's kernel against flash's 2.53 (dev/notes/gpu_h200_2026-11-28.md).
 CUDNN_PREFERRED_FROM = (9, 0)
-
-
-def kernel_of_op(name: str) -> str | None:
-    """The kernel an aten op of the profile belongs to (see OP_MARKERS), or None for any other op."""
-    if not name.startswith("aten::"):
-        return None
-    return next((kernel for kernel, marker in OP_MARKERS.items() if marker in name), None)
 
 
 def kernels_in_profile(op_names: Iterable[str]) -> list[str]:
     """The attention kernels that ran, in KERNELS' order, from the names of a profile's events."""
-    found = {kernel_of_op(name) for name in op_names}
+    found = {kernel for name in op_names if name.startswith("aten::")
+             for kernel, marker in OP_MARKERS.items() if marker in name}
     return [kernel for kernel in KERNELS if kernel in found]
-
-
-def preferred_kernel(capability: tuple[int, int] | None, available: Collection[str]) -> str | None:
-    """--attention auto: cuDNN's kernel on Hopper and later where it runs (CUDNN_PREFERRED_FROM), else None: torch's
-    own order (flash first where it runs). capability is the CUDA device's (major, minor), None off CUDA."""
-    if capability is not None and capability >= CUDNN_PREFERRED_FROM and "cudnn" in available:
-        return "cudnn"
-    return None
 
 
 def resolve_kernel(requested: str, capability: tuple[int, int] | None,
                    available: Collection[str]) -> tuple[str | None, str]:
-    """The kernel to put first for --attention `requested` on a device with this capability where the `available`
-    kernels run, and a line that says why: (None, ...) leaves torch's order as it is."""
+    """The kernel to put first for --attention `requested` on a device of this CUDA capability (None off CUDA) where
+    the `available` kernels run, and a line that says why: (None, ...) leaves torch's order as it is."""
     if requested not in CHOICES:
         raise ValueError(f"attention kernel {requested!r} is none of {', '.join(CHOICES)}")
     if requested == "default":
         return None, "torch's own order"
     if requested == "auto":
-        kernel = preferred_kernel(capability, available)
-        return kernel, f"auto: {kernel}" if kernel else "auto: torch's own order (no kernel preferred on this device)"
+        if capability is not None and capability >= CUDNN_PREFERRED_FROM and "cudnn" in available:
+            return "cudnn", "auto: cudnn"
+        return None, "auto: torch's own order (no kernel preferred on this device)"
     if requested in available:
         return requested, requested
     fallback = next((kernel for kernel in FALLBACKS[requested] if kernel in available), None)
@@ -97,8 +79,7 @@ def choose_kernel(requested: str, device: torch.device, dtype: torch.dtype, head
 
 @contextmanager
 def attention_kernel(kernel: str | None) -> Iterator[None]:
-    """Attention runs `kernel` where it can, and its FALLBACKS in order where not (None: torch's order, untouched).
-    Held around a compiled step's first call, it is the kernel the compiled code keeps."""
+    """Attention runs `kernel` where it can, and its FALLBACKS in order where not (None: torch's order, untouched)."""
     if kernel is None:
         yield
         return

@@ -40,17 +40,14 @@ def default_device() -> str:
     return "cpu"
 
 
-# What torchrun tells each worker of its place; this process's own (0, 0, 1) without torchrun.
-TORCHRUN_RANKS = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+TORCHRUN_RANKS = ("RANK", "LOCAL_RANK", "WORLD_SIZE")  # what torchrun tells each worker of its place
 
 
 def this_process(device_arg: str) -> Distributed:
-    """This process's ranks (from torchrun's environment: torchrun_ranks) and its device (--device: checked_device),
-    checked before anything starts: a UserError naming the variable or flag and the fix."""
+    """This process's ranks (torchrun_ranks) and device (checked_device), checked before anything starts."""
     rank, local_rank, world_size = torchrun_ranks()
     device = checked_device(device_arg, local_rank)
     if device.type == "mps" and world_size > 1:
-        # gloo cannot reduce MPS tensors, so DDP and the loss average would fail at the first step.
         raise UserError(f"--device mps with {world_size} processes: a Mac has one GPU, and torch.distributed cannot "
                         "work on MPS tensors. Run one process (`python train_gpt2.py ...`, no torchrun), or "
                         "--device cpu for several CPU processes.")
@@ -58,9 +55,8 @@ def this_process(device_arg: str) -> Distributed:
 
 
 def torchrun_ranks() -> tuple[int, int, int]:
-    """(rank, local rank, world size) as torchrun set them; (0, 0, 1) where none of them is set. Set otherwise (by
-    hand, or left over in a job script's environment) they would make this process wait for peers that never come,
-    or crash at the rendezvous, so a UserError says which."""
+    """(rank, local rank, world size) as torchrun set them; (0, 0, 1) where none is set. Set otherwise (by hand, left
+    over in a job script) they would make this process wait for peers that never come: a UserError says which."""
     given = {name: os.environ[name] for name in TORCHRUN_RANKS if name in os.environ}
     if not given:
         return 0, 0, 1
@@ -80,8 +76,7 @@ def torchrun_ranks() -> tuple[int, int, int]:
 
 def checked_device(device_arg: str, local_rank: int = 0) -> torch.device:
     """The device --device names (auto: the best this machine has; cuda: this rank's GPU, cuda:LOCAL_RANK), where
-    torch knows it and this machine has it; else a UserError naming it and the fix. For train_gpt2.py,
-    tools.sample and tools.evaluate alike."""
+    torch knows it and this machine has it; else a UserError naming it and the fix."""
     name = default_device() if device_arg == "auto" else device_arg
     fix = "Pass --device cpu, or leave --device out for the best device this machine has."
     try:
@@ -108,48 +103,40 @@ def checked_device(device_arg: str, local_rank: int = 0) -> torch.device:
 
 
 def setup_distributed(device_arg: str, parallel: str = "ddp", timeout_s: float = 600) -> Distributed:
-    """One process per device (this_process, checked). torchrun sets RANK/LOCAL_RANK/WORLD_SIZE; without them we
-    are the only process (with --parallel fsdp, in a process group of one, which FSDP needs). timeout_s: how long a
-    collective waits for a peer before it raises (--dist_timeout)."""
+    """One process per device (this_process, checked); without torchrun the only process, in a process group of one
+    with --parallel fsdp, which FSDP needs. timeout_s: how long a collective waits for a peer (--dist_timeout)."""
     dist_env = this_process(device_arg)
-    rank, world_size, device = dist_env.rank, dist_env.world_size, dist_env.device
+    device = dist_env.device
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if world_size == 1 and parallel == "fsdp":
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                                world_size=1, device_id=device if device.type == "cuda" else None)
-    elif world_size > 1:
+    if dist_env.world_size > 1:
         store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(minutes=10)))
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            # torchrun's agent keeps one TCPStore for the whole job, where a dead round's addresses are still
-            # stored after a restart; a per-restart prefix makes each round meet only its own peers. (With
-            # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 every round gets a fresh store instead, and needs no prefix.)
+            # torchrun's agent keeps one TCPStore for the whole job, where a dead round's addresses stay after a
+            # restart: a per-restart prefix makes each round meet only its own peers (docs/multi_node.md).
             store = dist.PrefixStore(f"restart_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
             nodes, max_restarts = int(os.environ["GROUP_WORLD_SIZE"]), int(os.environ["TORCHELASTIC_MAX_RESTARTS"])
-            if rank == 0 and nodes > 1 and max_restarts > 0:
-                # A node whose workers are restarted for another node's failure keeps its restart count, so
-                # after a failure the nodes' prefixes can differ and their workers never meet.
+            if dist_env.rank == 0 and nodes > 1 and max_restarts > 0:
+                # A node restarted for another node's failure keeps its restart count: the prefixes can differ.
                 print("WARNING: restarts of a multi-node job need a fresh store per restart: export "
                       "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node before torchrun (see README, Multi-node).",
                       file=sys.stderr)
-        # A timeout, so that ranks whose peer died or hangs raise instead of waiting forever in a collective (gloo
-        # raises; NCCL's watchdog aborts the process). device_id
-        # binds NCCL to this rank's GPU, so its barriers need not guess the device (and warn).
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=timeout_s),
-                                device_id=device if device.type == "cuda" else None)
+    elif parallel == "fsdp":
+        store = dist.HashStore()
+    else:
+        return dist_env
+    # A timeout, so that ranks whose peer died or hangs raise instead of waiting forever (gloo raises; NCCL's
+    # watchdog aborts the process); device_id binds NCCL to this rank's GPU, so its barriers need not guess it.
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=dist_env.rank,
+                            world_size=dist_env.world_size, timeout=timedelta(seconds=timeout_s),
+                            device_id=device if device.type == "cuda" else None)
     return dist_env
 
 
 def teardown_distributed() -> None:
-    """Destroy the process group (if any) so that its threads end now, not while Python shuts down. Call it once the
-    run's model is gone.
-
-    With FSDP, destroy_process_group alone leaves gloo's worker threads running: the group is still held by device
-    meshes that DTensor's caches keep (and by the model's FSDP state until the garbage collector frees it). Threads
-    alive at interpreter shutdown can abort the process at exit ("terminate called without an active exception": rank
-    1 of a finished 2-rank FSDP run, about 1 run in 100), a run that did everything right failing. DDP's group has no
-    such holders, and its threads end in destroy_process_group."""
+    """Destroy the process group (if any) once the run's model is gone, so that its threads end now: with FSDP,
+    device meshes in DTensor's caches (and the model's FSDP state, until collected) keep gloo's worker threads alive,
+    and threads alive at interpreter shutdown can abort a finished run at exit (about 1 run in 100)."""
     if not dist.is_initialized():
         return
     gc.collect()  # the model's FSDP state, in reference cycles, holds the group
@@ -160,17 +147,15 @@ def teardown_distributed() -> None:
 
 @contextmanager
 def hangs_reported(timeout_s: float, rank: int):
-    """Turn a collective's timeout in the block (a peer stopped: SIGSTOP, a stuck filesystem, a dead link) into one
-    paragraph naming the step and the line of ours that waited, so that the rank exits non-zero and torchrun
-    (--max-restarts) restarts the job from the newest snapshot. Other errors pass through untouched."""
+    """A collective's timeout in the block (a peer stopped) as one paragraph naming the step and the line of ours
+    that waited, so that the rank exits and torchrun --max-restarts restarts the job. Other errors pass through."""
     try:
         yield
     except RuntimeError as e:
         if "timed out" not in str(e).lower():  # gloo: "Timed out waiting 10000ms for recv operation to complete"
             raise
-        # Read from the traceback rather than passed in, so that no phase of the run needs wrapping: the innermost
-        # line of ours is the collective (or the backward pass, for DDP's gradient all-reduce), and the nearest
-        # `step` variable is the training step.
+        # From the traceback, so that no phase of the run needs wrapping: the innermost line of ours is the
+        # collective (or the backward, for DDP's all-reduce), and the nearest `step` variable the training step.
         frames = [(frame, line) for frame, line in traceback.walk_tb(e.__traceback__)
                   if frame.f_code.co_filename.startswith(PROJECT_DIR + os.sep)
                   and "site-packages" not in frame.f_code.co_filename]
@@ -190,7 +175,7 @@ def hangs_reported(timeout_s: float, rank: int):
 
 
 def average_across_ranks(value: torch.Tensor) -> torch.Tensor:
-    """Mean of a tensor over ranks, for logging (gloo's AVG is right in torch 2.13: tests/test_train.py checks)."""
+    """Mean of a tensor over ranks (gloo's AVG is right in torch 2.13: tests/test_train.py checks)."""
     if dist.is_initialized():
         dist.all_reduce(value, op=dist.ReduceOp.AVG)
     return value
@@ -198,11 +183,7 @@ def average_across_ranks(value: torch.Tensor) -> torch.Tensor:
 
 def from_rank_0(value):
     """Rank 0's value (any picklable object) on every rank (a collective: every rank must call it)."""
-    if dist.is_initialized():
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        value = box[0]
-    return value
+    return from_all_ranks(value)[0]
 
 
 def from_all_ranks(value) -> list:

@@ -1,8 +1,6 @@
-"""The one error type for mistakes a user can fix (a bad flag, a missing file), and how entry points report it:
-one paragraph and exit status 2, without a traceback; so too an OSError that the file system or the disk raised on a
-path the user gave (PATH_PROBLEMS: a name too long, a symlink loop, EIO, ...). Any other exception is a bug and keeps
-its traceback.
-Also the one check every entry point makes first: that the installed PyTorch is one this code supports."""
+"""UserError, for mistakes a user can fix, and how entry points report it: one paragraph, exit status 2, no
+traceback; so too an OSError of the file system or disk on a path the user gave (PATH_PROBLEMS). Any other exception
+is a bug and keeps its traceback. And the check every entry point makes first: a PyTorch this code supports."""
 
 import ast
 import errno
@@ -20,9 +18,7 @@ class UserError(Exception):
     """A problem the user can fix. The message is one paragraph that names the file or flag and the fix."""
 
 
-# OSErrors that say something about a path the user gave, or the disk under it, and nothing about our code: what each
-# means and what to do. Wherever one is raised (making a directory, opening a snapshot, reading a shard),
-# run_entry_point turns it into one paragraph naming the flag and the path (path_error).
+# OSErrors that say something about a path the user gave, or the disk under it, and nothing about our code.
 PATH_PROBLEMS = {
     errno.ENAMETOOLONG: "a name in it is longer than the file system allows (on most, 255 bytes a name and 4,096 a "
                         "path). Pass a shorter path",
@@ -46,9 +42,8 @@ SYMLINK_LOOP = re.compile(r"Symlink loop from ('.*'|\".*\")")  # Path.resolve()'
 
 
 def path_error(error: OSError | RuntimeError, argv: Sequence[str]) -> UserError | None:
-    """A UserError for an OSError of PATH_PROBLEMS on a named path, naming the command-line argument the path is or
-    lies under (--flag VALUE, --flag=VALUE or a positional one, found in argv), the path, what the errno means and the
-    fix. None for any other error: that may be a bug of ours, which keeps its traceback."""
+    """A UserError for an OSError of PATH_PROBLEMS on a named path, naming the argument of argv it is or lies under,
+    the path, what the errno means and the fix; None for any other error."""
     if isinstance(error, RuntimeError):  # pathlib's resolve() before Python 3.13 says ELOOP so
         loop = SYMLINK_LOOP.fullmatch(str(error))
         if loop is None:
@@ -64,27 +59,22 @@ def path_error(error: OSError | RuntimeError, argv: Sequence[str]) -> UserError 
 
 
 def command_line_path(path: str, argv: Sequence[str]) -> tuple[str | None, str | None]:
-    """The argument of argv that names `path` or a directory above it, the nearest: (its flag, or None for a
-    positional one, and its value as given); (None, None) if none does."""
+    """(flag or None for a positional one, value) of the argument of argv that names `path` or the nearest directory
+    above it; (None, None) if none does. Only names are compared: nothing on disk is looked at."""
     found = []
     for i, arg in enumerate(argv):
         flag, value = arg.split("=", 1) if arg.startswith("--") and "=" in arg else (None, arg)
         if flag is None and i and argv[i - 1].startswith("--") and "=" not in argv[i - 1]:
             flag = argv[i - 1]
-        if value and not value.startswith("--") and is_within(path, value):
-            found.append((len(os.path.abspath(value)), flag, value))
+        directory = os.path.abspath(value) if value and not value.startswith("--") else None
+        if directory and os.path.commonpath([os.path.abspath(path), directory]) == directory:
+            found.append((len(directory), flag, value))
     return max(found, default=(0, None, None), key=lambda match: match[0])[1:]
-
-
-def is_within(path: str, directory: str) -> bool:
-    """Whether `path` is `directory` or lies under it, by their names (nothing on disk is looked at)."""
-    return os.path.commonpath([os.path.abspath(path), os.path.abspath(directory)]) == os.path.abspath(directory)
 
 
 def check_torch_version(version: str) -> None:
     """UserError unless torch `version` (e.g. "2.12.0+cu128", "2.11.0a0+git1234") is MIN_TORCH or newer."""
-    major, minor = (int(n) for n in re.match(r"(\d+)\.(\d+)", version).groups())
-    if (major, minor) < MIN_TORCH:
+    if tuple(int(n) for n in re.match(r"(\d+)\.(\d+)", version).groups()) < MIN_TORCH:
         needed = ".".join(map(str, MIN_TORCH))
         raise UserError(f"PyTorch {version} is too old: this code needs torch >= {needed} (tested with 2.13). "
                         f"Load a newer PyTorch (cluster module, container image), or install one: `pip install "
@@ -92,29 +82,22 @@ def check_torch_version(version: str) -> None:
 
 
 def run_entry_point(main: Callable[[], None]) -> None:
-    """Call main(); a UserError becomes `error: <message>` on stderr and exit status 2, with no traceback, and so does
-    an OSError of PATH_PROBLEMS on a path (path_error), wherever it was raised.
-
-    Under torchrun each rank that meets the error prints it; the checks that raise one run on every rank (or agree
-    through a collective first), so no rank is left waiting for a peer that has gone.
-    """
+    """Call main(); a UserError, or an OSError of PATH_PROBLEMS on a path (path_error), becomes `error: <message>` on
+    stderr and exit status 2. Under torchrun each rank that meets it prints it; the checks that raise one run on every
+    rank (or agree through a collective first), so no rank is left waiting for a peer that has gone."""
     try:
-        try:
-            check_torch_version(torch.__version__)
-            main()
-        except (OSError, RuntimeError) as e:
-            user_error = path_error(e, sys.argv[1:])
-            if user_error is None:
-                raise
-            raise user_error from e
-    except UserError as e:
+        check_torch_version(torch.__version__)
+        main()
+    except (UserError, OSError, RuntimeError) as e:
+        user_error = e if isinstance(e, UserError) else path_error(e, sys.argv[1:])
+        if user_error is None:
+            raise
         # One write, newline included: print() writes the two apart, and where stderr is unbuffered
         # (PYTHONUNBUFFERED, as under many launchers) two ranks' messages could run into one line.
-        sys.stderr.write(f"error: {e}\n")
+        sys.stderr.write(f"error: {user_error}\n")
         sys.exit(2)
 
 
-# Also on import: this is the first of our modules each entry point loads (config -> dataloader -> errors), before
-# the ones that import newer torch APIs at their top (parallel: fully_shard), where an older torch would fail with
-# an ImportError before run_entry_point could say why.
+# Also on import, the first of our modules each entry point loads: before those that import newer torch APIs at their
+# top (parallel: fully_shard), where an older torch would fail with an ImportError before run_entry_point could say why.
 run_entry_point(lambda: None)

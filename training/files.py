@@ -1,5 +1,5 @@
-"""Writing files and directories so that a crash never leaves a half-written one where a whole one is expected, and a
-failed write (a full disk) is an OSError naming the path it was for; and the version check of our JSON files."""
+"""Files and directories written so that a crash never leaves a half-written one where a whole one is expected, and
+a failed write (a full disk) is an OSError naming the path it was for; and the version check of our JSON files."""
 
 import os
 import shutil
@@ -18,8 +18,7 @@ def fsync_directory(directory: Path) -> None:
 
 def version_problem(record: object, version: int, kind: str) -> str | None:
     """None where `record` (one of our JSON files, parsed) is of format `version`; else, for the refusal naming the
-    file, e.g. "has version 2, and this code reads manifests of version 1 only". An older or other version is refused,
-    never read: there is no code path for the files of our earlier versions."""
+    file, e.g. "has version 2, and this code reads manifests of version 1 only"."""
     if isinstance(record, dict) and record.get("version") == version:
         return None
     found = f"version {record['version']!r}" if isinstance(record, dict) and "version" in record else "no version"
@@ -27,9 +26,8 @@ def version_problem(record: object, version: int, kind: str) -> str | None:
 
 
 def raise_for(path: Path, temporary: Path, error: BaseException) -> None:
-    """Raise `error`, as an OSError naming `path` where it is one that names no file or names `temporary` (or a file
-    in it): a write or an fsync that fails (ENOSPC) names none, and the temp file is no name the user gave.
-    errors.run_entry_point then reports it as one paragraph naming the flag the path came from."""
+    """Raise `error`, as an OSError naming `path` where it names no file (a failed write or fsync: ENOSPC) or names
+    `temporary`, no name the user gave (errors.run_entry_point then names the flag the path came from)."""
     if isinstance(error, OSError) and error.errno is not None and (
             error.filename is None or Path(os.fsdecode(error.filename)).is_relative_to(temporary)):
         raise OSError(error.errno, error.strerror or os.strerror(error.errno), str(path)) from error
@@ -45,11 +43,8 @@ def reason(error: BaseException) -> str:
 
 
 def atomic_write(path: str | Path, write: Callable) -> None:
-    """Write a file so that a crash leaves either the old file (or none) or the complete new one at `path`.
-
-    write(f) fills a temp file beside it (opened "wb"); then fsync, rename over `path`, fsync of the directory. On
-    any failure (disk full, Ctrl-C) the temp file is removed, so no half-written gigabytes stay behind.
-    """
+    """Leave at `path` the old file (or none) or the complete new one, which write(f) writes into a temp file beside
+    it (opened "wb"). On any failure (disk full, Ctrl-C) the temp file is removed: no half-written gigabytes stay."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # one per process: concurrent writers never collide
@@ -66,12 +61,8 @@ def atomic_write(path: str | Path, write: Callable) -> None:
 
 
 def replace_directory(path: str | Path, fill: Callable[[Path], None]) -> None:
-    """Write a directory so that `path` holds either what it held before (or nothing) or the complete new one.
-
-    fill(tmp) writes the files into a new directory beside `path`; each is fsynced, then the new directory takes
-    `path`'s place (the old one renamed aside first, then removed). On any failure the new directory is removed and
-    `path` is as it was. Between the two renames a crash leaves the old one beside, as <name>.<pid>.old.
-    """
+    """Leave at `path` what it held before (or nothing) or the complete new directory, which fill(tmp) writes beside
+    it; the old one is renamed aside, then removed (a crash between the renames leaves it as <name>.<pid>.old)."""
     path = Path(os.path.realpath(path))  # (".": a name to put the new one beside; a link: the directory it names)
     tmp, old = (path.with_name(f"{path.name}.{os.getpid()}.{end}") for end in ("tmp", "old"))
     try:

@@ -1,10 +1,5 @@
-"""Model FLOPs utilisation: the FLOPs a step needs (model.GPT.flops_per_token) over what the hardware can do.
-
-The hardware peak comes from a table of datasheet dense tensor-core numbers for known GPUs, in the run's dtype:
-the 16-bit peak for bf16/fp16, the TF32 peak for fp32 (train_gpt2.py turns TF32 on). Otherwise (CPU, MPS, GPUs not in
-the table, fp32 without TF32) it is measured by timing matmuls at start-up in the training dtype, so MFU there is
-relative to what this machine's matmul actually reaches. `Peak.source` says which, and the run prints it.
-"""
+"""Model FLOPs utilisation's denominator: one device's peak FLOP/s in the run's dtype, from the datasheet for known
+GPUs, else measured by timing matmuls at start-up (docs/gpus.md). `Peak.source` says which; the run prints it."""
 
 import math
 import time
@@ -13,11 +8,10 @@ from dataclasses import dataclass
 import torch
 
 from training.distributed import synchronize
+from training.precision import dtype_name
 
-# Datasheet dense (no sparsity) FLOP/s: (name, bf16/fp16, TF32). Matched in order against
-# torch.cuda.get_device_name(), so the more specific names come first ("H100 NVL" and "H100 PCIe" before "H100",
-# "GH200" before "H200", "A100" before "A10", "L40S" and "L40" before "L4"). V100 and T4 have no TF32: their fp32
-# figure is the plain fp32 peak. The NVL cards run at lower clocks than the SXM ones of the same chip.
+# Datasheet dense FLOP/s: (name, bf16/fp16, TF32), matched in order against torch.cuda.get_device_name(), so the
+# more specific names come first ("H100 NVL" before "H100", "A100" before "A10"). V100 and T4: plain fp32, no TF32.
 GPU_PEAK_FLOPS = [
     ("B200", 2250e12, 1100e12),
     ("GH200", 989e12, 494e12),
@@ -54,18 +48,12 @@ def table_peak_flops(device_name: str, dtype: torch.dtype) -> tuple[str, float] 
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.3) -> float:
-    """The best FLOP/s of a square matmul in dtype on device, over about `seconds` of repeats.
-
-    The fastest repeat, not the mean: on a shared machine the slow ones measure the neighbours, not the hardware.
-    On a CPU, 512 already reaches a core's peak (on the AMD EPYC this was tuned on, larger sizes are 5-10% slower)
-    and takes ~3 ms, short enough for some repeats to run between other processes' time slices; GPUs need 4096
-    to fill their cores. The operands come from a private generator: drawing from the global one would change the
-    random stream of a run that measures after restoring its RNG state from a snapshot.
-    """
+    """The best FLOP/s of a square matmul in dtype on device, over about `seconds` of repeats: the fastest, as on a
+    shared machine the slow ones measure the neighbours. On a CPU 512 reaches a core's peak in ~3 ms, short enough to
+    fit between other processes' time slices; GPUs need 4096. A private generator leaves the run's random stream."""
     size = 512 if device.type == "cpu" else 4096
     generator = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
-    b = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
+    a, b = (torch.randn(size, size, device=device, dtype=dtype, generator=generator) for _ in range(2))
     for _ in range(2):  # warm-up: the first calls pay for kernel selection and allocation
         a @ b
     synchronize(device)
@@ -79,18 +67,14 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, seconds: floa
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> Peak:
-    """Peak FLOP/s of one device (for a CPU: of the threads torch uses) in dtype: from the table for known GPUs,
-    else measured."""
-    dtype_label = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    """Peak FLOP/s of one device (a CPU: of the threads torch uses) in dtype."""
     tf32_on = torch.get_float32_matmul_precision() != "highest"
     found = table_peak_flops(torch.cuda.get_device_name(device), dtype) if device.type == "cuda" else None
     if found is not None and (dtype != torch.float32 or tf32_on):
         name, flops = found
-        return Peak(flops, f"datasheet, {name} {'tf32' if dtype == torch.float32 else dtype_label} dense")
+        return Peak(flops, f"datasheet, {name} {'tf32' if dtype == torch.float32 else dtype_name(dtype)} dense")
     if device.type == "cpu":
-        # One thread's peak times the threads: a single thread finds a free core between its neighbours' work far
-        # more often than all threads at once do, and matmuls scale about linearly in cores (bf16 on the 2-core
-        # machine this was tuned on: 210 GFLOP/s on 1 thread, 420 on 2).
+        # One thread's peak times the threads (about linear): one finds a free core far more often than all at once.
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
@@ -99,4 +83,4 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> Peak:
             torch.set_num_threads(threads)
     else:
         flops = measure_matmul_flops(device, dtype)
-    return Peak(flops, f"measured, {dtype_label} matmul on this {device.type}")
+    return Peak(flops, f"measured, {dtype_name(dtype)} matmul on this {device.type}")

@@ -1,5 +1,5 @@
-"""The model as a run trains it: on its device, sharded (fsdp) or replicated (ddp), compiled, with its optimizer
-and GradScaler; `build_training_model` does all of it in one place for train_gpt2.py and bench.py."""
+"""The model as a run trains it (build_training_model, for train_gpt2.py and bench.py): on its device, sharded (fsdp)
+or replicated (ddp), compiled, with its optimizer and GradScaler."""
 
 from dataclasses import dataclass
 
@@ -31,12 +31,11 @@ class TrainingModel:
         return self.parallel == "fsdp"
 
     def full_model(self) -> torch.nn.Module:
-        """A GPT with all of its weights, for the zero-shot tasks and sampling, which run different work on each rank.
-        With fsdp a collective: every rank calls it and gets its own unsharded copy."""
+        """A GPT with all of its weights, for the zero-shot tasks and sampling (with fsdp a collective: every rank
+        gets its own unsharded copy)."""
         if not self.sharded:
             return self.raw
-        # Gathered on the training device, one full tensor per parameter, which become the copy's own parameters
-        # (assign=True) on a copy built on the meta device: one full set of weights per rank, no random init.
+        # The gathered tensors become the parameters of a copy built on the meta device: no random init.
         full = get_model_state_dict(self.raw, options=StateDictOptions(full_state_dict=True))
         with torch.device("meta"):
             copy = GPT(self.raw.config)
@@ -48,12 +47,9 @@ class TrainingModel:
 def build_training_model(raw_model: torch.nn.Module, dist_env: Distributed, dtype: torch.dtype, cfg: TrainConfig,
                          compile: bool, plain: bool = False, parallel: str = "ddp",
                          compile_mode: str | None = None) -> TrainingModel:
-    """Move the model to the device (ddp) or shard it onto the device (fsdp), set its --activation_checkpointing and
-    --fp8_head, make its optimizers (cfg's; Muon's work shared by the ranks) and GradScaler, then compile it (in
-    torch.compile's compile_mode: None is its default) and wrap it in DDP (ddp, several ranks).
-
-    plain: bench.py's baseline, with the for-loop AdamW instead of the fused one.
-    """
+    """The model on its device (ddp) or sharded onto it (fsdp), with cfg's --activation_checkpointing, --fp8_head and
+    optimizers (Muon's work shared by the ranks), compiled (compile_mode: torch.compile's), wrapped in DDP (ddp, several
+    ranks). plain: bench.py's baseline, the for-loop AdamW instead of the fused one."""
     device = dist_env.device
     if compile and device.type == "mps":
         raise UserError("--compile is not supported on MPS (torch.compile's MPS backend is experimental and fails "
@@ -66,8 +62,7 @@ def build_training_model(raw_model: torch.nn.Module, dist_env: Distributed, dtyp
         raise UserError("--parallel fsdp with fp16 is not supported (its loss scaling would need a sharded "
                         "GradScaler): use --dtype bf16 on GPUs that have it, --dtype fp32, or --parallel ddp.")
     if parallel == "fsdp":
-        # From the CPU: fully_shard moves one unit's weights at a time to the device and keeps only this rank's
-        # shard of them, so the whole model never sits on one GPU (a model that only fits sharded would not start).
+        # From the CPU: fully_shard moves one unit at a time and keeps this rank's shard, so no GPU holds it whole.
         shard(raw_model, dtype, init_device_mesh(device.type, (dist_env.world_size,)))
     else:
         raw_model = raw_model.to(device)
@@ -77,16 +72,15 @@ def build_training_model(raw_model: torch.nn.Module, dist_env: Distributed, dtyp
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     model = torch.compile(raw_model, mode=compile_mode) if compile else raw_model
     if dist_env.world_size > 1 and parallel == "ddp":
-        # (No buffers to send every step: the only ones, modern's rotation tables, are the same constants everywhere.)
+        # (The only buffers, modern's rotation tables, are the same constants everywhere: none to send every step.)
         model = DDP(model, device_ids=[dist_env.local_rank] if device.type == "cuda" else None,
                     broadcast_buffers=False)
     return TrainingModel(raw_model, model, optimizer, scaler, parallel)
 
 
 def shard(model: torch.nn.Module, dtype: torch.dtype, mesh: DeviceMesh) -> None:
-    """FSDP2, in place, onto the mesh's device: each Block's parameters are one shard group (gathered just before
-    the block runs, freed after), the rest (embeddings, tied with the output layer, and the last LayerNorm) the
-    root's. Under bf16 the gathered weights are bf16 for compute and gradients are reduced in fp32."""
+    """FSDP2, in place, onto the mesh's device: each Block one shard group (gathered just before it runs, freed
+    after), the rest the root's. Under bf16 the weights are gathered in bf16 and gradients reduced in fp32."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if dtype == torch.bfloat16 else MixedPrecisionPolicy()
     for block in model.transformer.h:
@@ -95,11 +89,9 @@ def shard(model: torch.nn.Module, dtype: torch.dtype, mesh: DeviceMesh) -> None:
 
 
 def set_gradient_sync(model: torch.nn.Module, sync: bool) -> None:
-    """Whether this backward pass reduces gradients across ranks: only the last micro-step's does, the earlier
-    ones add into the local gradients (DDP: the all-reduce; FSDP: the reduce-scatter)."""
+    """Whether this backward pass reduces gradients across ranks (DDP: all-reduce; FSDP: reduce-scatter)."""
     inner = getattr(model, "_orig_mod", model)  # under torch.compile
     if isinstance(model, DDP):
-        # Setting the flag rather than `with model.no_sync()` keeps one code path.
         model.require_backward_grad_sync = sync
     elif isinstance(inner, FSDPModule):
         inner.set_requires_gradient_sync(sync)

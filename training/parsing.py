@@ -1,18 +1,12 @@
-"""Why a JSON or TOML text that someone else wrote could not be parsed, in a few words for an error message.
-
-json.loads and tomllib raise more than their own decode errors on bad input: bytes that are not UTF-8 raise a
-UnicodeDecodeError, a value nested thousands of levels deep a RecursionError, and a number of over 4,300 digits a
-ValueError from Python's limit on parsing integers, whose message advises sys.set_int_max_str_digits(). Readers
-catch PARSE_ERRORS and put parse_problem(e) in their own message, which names the file and the fix.
-"""
+"""Why a JSON or TOML text that someone else wrote could not be parsed, in a few words for an error message that
+names the file and the fix. Readers catch PARSE_ERRORS: json and tomllib raise more than their own decode errors on
+bad input (a UnicodeDecodeError, a RecursionError, a ValueError for an integer over 4,300 digits)."""
 
 import json
 
 import tomllib
 
-# What json.loads(text or bytes) and tomllib.load(s) raise on bad input: JSONDecodeError, TOMLDecodeError and
-# UnicodeDecodeError are ValueErrors too.
-PARSE_ERRORS = (ValueError, RecursionError)
+PARSE_ERRORS = (ValueError, RecursionError)  # (JSONDecodeError, TOMLDecodeError, UnicodeDecodeError: ValueErrors)
 
 
 def parse_problem(error: ValueError | RecursionError) -> str:

@@ -1,9 +1,6 @@
-"""Reading files that hold pickles without running code: a torch file (our snapshots, a file with just a model, a
-Hugging Face pytorch_model.bin) with torch.load(weights_only=True), and the shards of a torch.distributed.checkpoint
-directory (an fsdp run's snapshot), whose .metadata torch would unpickle with plain pickle: read here by an unpickler
-that builds only the classes such a file holds, its shards' non-tensor values with weights_only=True first, and every
-shard file it names must be a file of the directory. Whatever is refused is named in a ValueError.
-"""
+"""Reading pickle-format files without running code: a torch file (ours, a Hugging Face pytorch_model.bin) by
+torch.load(weights_only=True); a directory snapshot (--parallel fsdp) by an unpickler of its .metadata that builds only
+what such a file holds (torch's: plain pickle), its shards' values weights_only. Refusals are ValueErrors naming why."""
 
 import os
 import pickle
@@ -18,14 +15,16 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from training.files import reason
+
 SHARD_DATA_NAME = re.compile(r"__\d+_\d+\.distcp")  # a rank's shards, in a directory snapshot
 SNAPSHOT_FILE = ("a snapshot", "Pass a snapshot written by train_gpt2.py: it holds only tensors, numbers and strings.")
+FSDP_FIX = "The snapshot directories of train_gpt2.py --parallel fsdp hold no such thing: pass one of those."
 
 
 def read_torch_file(path: Path, kind: tuple[str, str] = SNAPSHOT_FILE, map_location: str = "cpu"):
-    """The one way a pickle-format file is read (ours, a Hugging Face pytorch_model.bin): weights_only, mmap. kind:
-    what it should be, and the fix a refusal ends with. ValueError naming the file if it is missing, refused or does
-    not load; a read error of its first bytes is raised as the OSError it is."""
+    """torch.load(weights_only=True, mmap=True); kind: (what the file should be, the fix a refusal ends with). A
+    ValueError naming the file if it is missing, refused or does not load; an OSError reading it is raised as it is."""
     what, fix = kind
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO or a device would block the read, or never end
@@ -46,29 +45,20 @@ def read_torch_file(path: Path, kind: tuple[str, str] = SNAPSHOT_FILE, map_locat
         if (refused := unsafe_pickle(e)) is not None:
             raise ValueError(f"{path} was refused: its pickle holds {refused}, which is not plain data, and "
                              f"unpickling it could run code, so it will not be loaded. {fix}") from e
-        raise ValueError(f"{path} could not be read as {what} ({type(e).__name__}: {first_line(e)}); it is "
-                         "truncated, corrupt or not a torch file.") from e
+        raise ValueError(f"{path} could not be read as {what} ({reason(e)}); it is truncated, corrupt or not a "
+                         "torch file.") from e
 
 
 def unsafe_pickle(e: BaseException) -> str | None:
-    """What torch.load(weights_only=True) refused ("the global posix.system"), if that is why it raised: the one
-    line of torch's message that says it (its advice to load the file anyway is never repeated)."""
-    text = str(e)
-    if named := re.search(r"[Uu]nsupported (?:global: )?GLOBAL (\S+)", text):
-        return f"the global {named.group(1)}"
-    reason = next((line.split("WeightsUnpickler error:")[1].split(". Please")[0].strip()
-                   for line in text.splitlines() if "WeightsUnpickler error:" in line), None)
-    if reason is None and text.startswith("Weights only load failed"):
-        return "something torch's weights-only unpickler does not allow"
-    return reason
+    """What torch.load(weights_only=True) refused ("the global posix.system"), if that is why it raised (its advice
+    to load the file anyway is never repeated)."""
+    if not str(e).startswith("Weights only load failed"):
+        return None
+    named = re.search(r"GLOBAL (\S+)", str(e))
+    return f"the global {named.group(1)}" if named else "something torch's weights-only unpickler does not allow"
 
 
-def first_line(e: BaseException) -> str:
-    return str(e).strip().split("\n")[0]
-
-
-# What a torch.distributed.checkpoint .metadata holds (and torch's dtypes): unpickling calls what a pickle names, so
-# any other name is refused, as it could run code.
+# What a torch.distributed.checkpoint .metadata holds (and torch's dtypes): any other name could run code.
 METADATA_GLOBALS = {("torch.distributed.checkpoint.metadata", name) for name in (
     "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
     "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")} | {
@@ -99,13 +89,12 @@ def read_shard_metadata(directory: Path) -> Metadata:
                          "not a snapshot directory.") from e
     except RefusedGlobal as e:
         raise ValueError(f"{path} was refused: it names {e}, which a torch.distributed.checkpoint .metadata file "
-                         "never holds, and unpickling it could run code. The snapshot directories of train_gpt2.py "
-                         "--parallel fsdp hold no such thing: pass one of those.") from e
+                         f"never holds, and unpickling it could run code. {FSDP_FIX}") from e
     except OSError:
         raise
     except Exception as e:  # anything else a damaged pickle raises
-        raise ValueError(f"{directory} could not be read as a snapshot ({path}: {type(e).__name__}: "
-                         f"{first_line(e)}): it is damaged, or not a snapshot directory.") from e
+        raise ValueError(f"{directory} could not be read as a snapshot ({path}: {reason(e)}): it is damaged, or not "
+                         "a snapshot directory.") from e
     if not isinstance(metadata, Metadata):
         raise ValueError(f"{path} holds a {type(metadata).__name__}, not a torch.distributed.checkpoint Metadata: it "
                          "is not a snapshot directory of train_gpt2.py --parallel fsdp.")
@@ -121,7 +110,7 @@ def read_shard_metadata(directory: Path) -> Metadata:
 
 
 class SnapshotShardReader(FileSystemReader):
-    """torch.distributed.checkpoint's reader, but its .metadata is read by read_shard_metadata (torch: plain pickle)."""
+    """torch's reader, its .metadata read by read_shard_metadata (torch's: plain pickle)."""
 
     def read_metadata(self) -> Metadata:
         metadata = read_shard_metadata(Path(self.path))
@@ -131,7 +120,7 @@ class SnapshotShardReader(FileSystemReader):
 
 
 class PlainDataLoadPlanner(DefaultLoadPlanner):
-    """torch's planner, but the shards' non-tensor values are unpickled with weights_only=True first (torch: False)."""
+    """torch's planner, the shards' non-tensor values unpickled with weights_only=True first (torch's: False)."""
 
     def __init__(self, directory: Path):
         super().__init__()
@@ -142,9 +131,8 @@ class PlainDataLoadPlanner(DefaultLoadPlanner):
             torch.load(value, weights_only=True)
         except Exception as e:
             raise ValueError(f"{self.directory}: the value of {read_item.dest_index.fqn} in its shards was refused "
-                             f"({unsafe_pickle(e) or first_line(e)}): it is not plain data, and unpickling it could "
-                             "run code. The snapshot directories of train_gpt2.py --parallel fsdp hold no such thing: "
-                             "pass one of those.") from e
+                             f"({unsafe_pickle(e) or reason(e)}): it is not plain data, and unpickling it could run "
+                             f"code. {FSDP_FIX}") from e
         value.seek(0)
         super().load_bytes(read_item, value)
 
@@ -157,5 +145,4 @@ def load_shards(state: dict, directory: Path, no_dist: bool = False) -> None:
     except CheckpointException as e:  # (a BaseException) wraps what each rank raised
         errors = [error for error, _ in e.failures.values()]
         ours = next((error for error in errors if isinstance(error, ValueError)), None)
-        raise ValueError(str(ours) if ours else f"{directory} could not be read as a snapshot "
-                         f"({type(errors[0]).__name__}: {first_line(errors[0])}).") from e
+        raise ours or ValueError(f"{directory} could not be read as a snapshot ({reason(errors[0])}).") from e

@@ -1,5 +1,4 @@
-"""One optimizer step: shared by train_gpt2.py and bench.py. Whether its update is applied is the divergence guard's
-call (divergence.py)."""
+"""One optimizer step, train_gpt2.py's and bench.py's; whether its update is applied is the divergence guard's call."""
 
 import time
 from dataclasses import dataclass
@@ -9,7 +8,7 @@ from torch.distributed.tensor import DTensor
 
 from dataloader import DistributedDataLoader
 from training.distributed import average_across_ranks, to_device
-from training.divergence import DivergenceGuard, nonfinite_reason
+from training.divergence import DivergenceGuard
 from training.optim import Optimizers
 from training.parallel import set_gradient_sync
 from training.precision import autocast
@@ -31,9 +30,8 @@ def train_step(model: torch.nn.Module, optimizer: Optimizers, scaler: torch.amp.
                loader: DistributedDataLoader, grad_accum_steps: int, lr: float, grad_clip: float,
                device: torch.device, dtype: torch.dtype, guard: DivergenceGuard | None = None,
                muon_momentum: float | None = None, row_length: int | None = None) -> StepResult:
-    """One optimizer update on total_batch_size tokens, accumulated over grad_accum_steps micro-steps; not applied
-    if the loss or gradient norm is non-finite, or if `guard` says it is a spike. muon_momentum: this step's, if
-    scheduled; row_length: the loader's rows are cut into rows of this many tokens (--short_rows)."""
+    """One update, accumulated over grad_accum_steps micro-steps; not applied if the loss or gradient norm is
+    non-finite, or if `guard` says so. muon_momentum: this step's, if scheduled; row_length: --short_rows."""
     model.train()
     optimizer.set_lr(lr)
     if muon_momentum is not None:
@@ -47,14 +45,11 @@ def train_step(model: torch.nn.Module, optimizer: Optimizers, scaler: torch.amp.
         if row_length is not None:
             x, y = x.reshape(-1, row_length), y.reshape(-1, row_length)
         data_seconds += time.perf_counter() - t0
-        # Gradients are reduced across ranks only after the last micro-step: the earlier backward passes just add
-        # into .grad locally.
+        # Gradients are reduced across ranks only in the last micro-step's backward: the earlier ones add locally.
         set_gradient_sync(model, micro_step == grad_accum_steps - 1)
         with autocast(device, dtype):
             _, loss = model(x, y)
-        # Each micro-loss is a mean over its B·T tokens; dividing by the number of micro-steps makes the summed
-        # gradients the gradient of the mean over the whole batch, not their sum.
-        loss = loss / grad_accum_steps
+        loss = loss / grad_accum_steps  # the summed gradients: of the mean over the whole batch
         loss_sum += loss.detach()
         scaler.scale(loss).backward()
     for each in optimizer:  # the GradScaler works on real optimizers: AdamW, and Muon with --optimizer muon
@@ -62,11 +57,9 @@ def train_step(model: torch.nn.Module, optimizer: Optimizers, scaler: torch.amp.
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
     if isinstance(grad_norm, DTensor):  # fsdp: the norm over every rank's shards
         grad_norm = grad_norm.full_tensor()
-    # The norm rides along with the loss's average: it is already the same on every rank, and this way the
-    # decision below is taken on the very same numbers everywhere, at no extra collective.
+    # The norm (the same on every rank) rides along: the decision is taken on the same numbers everywhere.
     loss, grad_norm = average_across_ranks(torch.stack([loss_sum, grad_norm.float()])).tolist()
-    fp16 = scaler.is_enabled()
-    reason = guard.review(loss, grad_norm, fp16) if guard else nonfinite_reason(loss, grad_norm, fp16)
+    reason = (guard or DivergenceGuard()).review(loss, grad_norm, fp16=scaler.is_enabled())
     if reason is None:  # all optimizers step or none (AdamW, and Muon with --optimizer muon)
         for each in optimizer:
             scaler.step(each)
