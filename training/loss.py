@@ -74,9 +74,7 @@ def cross_entropy_chunk(ops: HeadOperands, targets: torch.Tensor, vocab_size: in
     if grads is not None:
         grad_x, grad_w = grads
         # d loss / d logits = softmax − one_hot(target). The mean's 1/N and grad_output are applied in fp32 in
-        # backward, not here: divided by N first, the small probabilities would underflow in fp16 before the
-        # GradScaler's scale could lift them. The backward matmuls run in the autocast dtype, as nn.Linear's would
-        # (or in FP8: e5m2, see fp8.py).
+        # backward: divided by N first, small probabilities would underflow in fp16 before the GradScaler's scale.
         if torch.compiler.is_compiling():
             # One expression, which Inductor fuses with the log-sum-exp into two passes over the logits in the
             # matmul's dtype, with no fp32 copy of them in memory (a scatter of the −1s would break the fusion).
@@ -104,9 +102,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int,
                 chunk_tokens: int, compute_grads: bool, use_fp8: bool) -> torch.Tensor:
-        # x (N, C): final hidden states; weight (padded_vocab, C); targets (N,): token ids in [0, vocab_size). There is
-        # no ignore_index: every position is a real token. An id of a padding row gives an infinite loss, and one past
-        # the padded width fails in gather (the loader checks shards for such ids before training starts).
+        # x (N, C); weight (padded_vocab, C); targets (N,), every one a real token (no ignore_index): the loader checks
+        # shards for ids outside the vocabulary before training starts.
         device_type = x.device.type
         # Under autocast, run the matmuls in its dtype as nn.Linear would; softmax and the sums stay in fp32.
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
@@ -137,8 +134,7 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
                          chunk_tokens: int, fp8: bool = False) -> torch.Tensor:
     """F.cross_entropy(x @ weight[:vocab_size]ᵀ, targets), chunk_tokens rows at a time. fp8: the training step's
     matmuls in FP8 (validation, without gradients, stays in the autocast dtype: its loss measures the weights)."""
-    # Inside forward, autograd has already switched grad mode off, so whether gradients are wanted (not in validation
-    # under no_grad, where they would triple the cost) is decided here.
+    # Decided here: inside forward, autograd has switched grad mode off (validation, under no_grad, wants none).
     compute_grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     return ChunkedLinearCrossEntropy.apply(x, weight, targets, vocab_size, chunk_tokens, compute_grads,
                                            fp8 and compute_grads)

@@ -24,8 +24,7 @@ SETTING_FLAGS = {("adamw", "weight_decay"): "--weight_decay", ("muon", "weight_d
                  ("muon", "momentum"): "--muon_momentum", ("muon", "adjust_lr_fn"): "--muon_adjust_lr",
                  ("adamw", "lr_ratio"): "--embed_lr (as a ratio to --max_lr)", ("adamw", "betas"): "--adam_beta1"}
 # modern's untied input embedding learns at this multiple of --max_lr unless --embed_lr says otherwise: a row is
-# updated only where its token occurs. On enwiki 10× ended 0.125 lower in val loss than 1×, and 30× another 0.011
-# (within seed noise), so 10× (docs/architectures.md).
+# updated only where its token occurs (on enwiki 10× ended 0.125 lower in val loss than 1×: docs/architectures.md).
 EMBED_LR_RATIO = 10.0
 # --muon_momentum_warmup starts Muon's momentum here: early gradients change fast, and a shorter average follows them.
 MUON_MOMENTUM_START = 0.85
@@ -42,9 +41,8 @@ class Optimizers:
     def __init__(self, optimizers: dict[str, torch.optim.Optimizer], lr_ratios: dict[str, float],
                  scheduled_momentum: bool = False):
         self.by_name, self.lr_ratios = optimizers, lr_ratios
-        # A loaded state brings the saving run's settings in its param_groups; this run's flags win, and what they
-        # replaced is kept for the resume to say: {flag: (saved, this run's)}. The learning rate (and Muon's momentum
-        # under --muon_momentum_warmup) follows the step, so it is not a setting.
+        # A loaded state brings the saving run's settings; this run's flags win, and replaced_settings keeps {flag:
+        # (saved, this run's)} for the resume to say. The scheduled lr (and momentum) are not settings.
         scheduled = ("params", "lr", "momentum") if scheduled_momentum else ("params", "lr")
         self.run_settings = {name: [{k: v for k, v in group.items() if k not in scheduled}
                                     for group in optimizer.param_groups] for name, optimizer in optimizers.items()}
@@ -88,10 +86,9 @@ class Optimizers:
             saved, mine = len(state[name]["param_groups"]), len(optimizer.param_groups)
             if saved != mine:  # (torch would say only that the numbers differ)
                 raise ValueError(f"the snapshot's {name} state has {saved} parameter groups, this run's {mine}: it "
-                                 "was written by a version of this code that split the parameters differently "
-                                 "(--arch modern's token embedding has had a group of its own, at --embed_lr, since "
-                                 "2026-11-26). Start from its weights with --init_from (a fresh optimizer), or resume "
-                                 "it with the code that wrote it.")
+                                 "was written by a version of this code without --arch modern's group at --embed_lr. "
+                                 "Start from its weights with --init_from (a fresh optimizer), or resume it with the "
+                                 "code that wrote it.")
             optimizer.load_state_dict(state[name])
 
 
@@ -199,9 +196,8 @@ def muon_owners(shapes: list[torch.Size], world_size: int) -> list[int]:
     return owners
 
 
-# Muon's work shared: given the whole matrices' shapes, what this rank holds of their gradients (whole, or fsdp's
-# rows), update(i) (what it holds of matrix i's update) and orthogonalise (Newton–Schulz over a list of matrices),
-# what this rank holds of each orthogonalised update.
+# Muon's work shared: from the whole matrices' shapes, what this rank holds of their gradients, update(i) (what it
+# holds of matrix i's update) and orthogonalise (of a list of matrices), what it holds of each orthogonalised update.
 
 def orthogonalise_replicated(shapes: list[torch.Size], held: list[torch.Tensor], update: Callable,
                              orthogonalise: Callable) -> list[torch.Tensor]:
@@ -277,21 +273,17 @@ def bf16_matmul_is_slow(device: torch.device) -> bool:
     return pick_dtype("auto", device) != torch.bfloat16
 
 
-def newton_schulz(grad: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
+def newton_schulz(stack: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
                   eps: float) -> torch.Tensor:
-    """torch.optim._muon._zeropower_via_newtonschulz of a matrix, or of a stack of same-shaped ones at once; in bf16
-    as torch's, but in fp32 where bf16 matmuls are slow (torch has no option for that)."""
+    """torch.optim._muon._zeropower_via_newtonschulz of each of a stack of wide matrices (matrices, rows <= columns)
+    at once; in bf16 as torch's, but in fp32 where bf16 matmuls are slow (torch has no option for that)."""
     a, b, c = ns_coefficients
-    x = grad.to(torch.float32 if bf16_matmul_is_slow(grad.device) else torch.bfloat16)
-    x = x if grad.dim() == 3 else x.unsqueeze(0)  # a stack of one
-    tall = x.size(1) > x.size(2)
-    x = x.mT if tall else x  # iterate on the (small, small) Gram matrix
+    x = stack.to(torch.float32 if bf16_matmul_is_slow(stack.device) else torch.bfloat16)
     x = x / x.norm(dim=(1, 2), keepdim=True).clamp(min=eps)  # spectral norm ≤ Frobenius norm = 1
     for _ in range(ns_steps):
-        gram = x @ x.mT
+        gram = x @ x.mT  # (rows, rows): the small side
         x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    x = x.mT if tall else x
-    return x if grad.dim() == 3 else x.squeeze(0)
+    return x
 
 
 # ----------------------------------------------------------------------------------------------------------------
