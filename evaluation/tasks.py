@@ -1,9 +1,7 @@
 """Zero-shot evaluation scored as EleutherAI's lm-evaluation-harness 0.4 scores it, so that the numbers are the ones
-published tables use: evaluate.py --tasks, and in training --eval_tasks / --eval_every. How each task is scored, the
-aggregate eval_score and the data files: docs/evaluation.md.
-
-A task turns each document into requests, (context, continuation) strings whose log-likelihood the model gives: one
-per choice of a multiple-choice task (winogrande: one per context), one for LAMBADA.
+published tables use (evaluate.py --tasks; in training --eval_tasks). A task turns each document into requests,
+(context, continuation) strings whose log-likelihood the model gives. The rules, the aggregate eval_score and the
+data files: docs/evaluation.md.
 """
 
 import hashlib
@@ -292,8 +290,7 @@ def tokenize(encode: Callable[[str], tuple[int, ...]], eot: int, context: str, c
         whole = encode(continuation)
         context_tokens, continuation_tokens = ((eot,), whole) if whole[0] != eot else (whole[:1], whole[1:])
     row = (context_tokens + continuation_tokens)[-(block_size + 1):][:-1]
-    # A continuation longer than the context (small models only: PIQA's longest solution is 246 tokens) keeps its
-    # last block_size tokens; the harness stops at an assertion there.
+    # A continuation longer than the context keeps its last block_size tokens (the harness stops at an assertion).
     return Request(list(row), list(continuation_tokens[-block_size:]))
 
 

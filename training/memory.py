@@ -34,14 +34,9 @@ def state_bytes(model: nn.Module) -> int:
 def measure_activation_bytes_per_sequence(config: GPTConfig, seq_len: int, dtype: torch.dtype, device: str = "cpu",
                                           batch_size: int = 2, activation_checkpointing: str = "none") -> int:
     """Activation memory of one more sequence in a micro-batch: the peak above the model's state of a forward and
-    backward of a fresh model at batch_size sequences, less that at 1, divided by batch_size - 1.
-
-    A difference, not peak / batch_size: part of the peak does not grow with the batch (autocast's copies of the
-    weights, a chunk of the loss's logits, lm_head's gradient) and is left to largest_micro_batch's headroom. The loss
-    runs in chunks of one sequence, so that its chunk drops out of the difference.
-    """
-    if batch_size < 2:
-        raise ValueError(f"batch_size must be at least 2 to measure a difference, got {batch_size}")
+    backward of a fresh model at batch_size sequences, less that at 1, divided by batch_size - 1. A difference, as
+    part of the peak does not grow with the batch (autocast's copies of the weights, lm_head's gradient; the loss runs
+    in chunks of one sequence, so its chunk too): that is left to largest_micro_batch's headroom."""
     torch.manual_seed(0)
     model = GPT(config).to(device)
     model.loss_chunk_tokens = seq_len
