@@ -128,11 +128,11 @@ def available_bytes(device: torch.device, ranks_on_node: int) -> int:
 
 
 def fixed_bytes(config: GPTConfig, world_size: int, parallel: str, dtype: torch.dtype) -> int:
-    """What a rank holds whatever its micro-batch size. ddp: the whole state, plus DDP's gradient buckets when there
-    are peers. fsdp: its 1/world_size of the state; the weights and gradients FSDP gathers, in the compute dtype, of
-    the root (for the whole step) and two Blocks (the one computing, the one prefetched); and the fp32 gradients FSDP2
-    keeps unsharded between the micro-steps of an accumulation (counted even without one: small where that fits).
-    """
+    """What a rank holds whatever its micro-batch size. ddp: the whole state, plus DDP's gradient buckets (a copy of
+    the gradients, 4 of the 16 bytes a parameter) when there are peers. fsdp: its 1/world_size of the state; the
+    weights and gradients FSDP gathers, in the compute dtype, of the root (for the whole step) and two Blocks (the one
+    computing, the one prefetched); and the fp32 gradients FSDP2 keeps unsharded between the micro-steps of an
+    accumulation (counted even without one: small where that fits)."""
     with torch.device("meta"):
         model = GPT(config)
     state = state_bytes(model)
