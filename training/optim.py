@@ -145,9 +145,14 @@ class Muon(torch.optim.Muon):
         self.shared = shared  # an attribute, not a setting: snapshots hold what torch.optim.Muon's hold
 
     @torch.no_grad()
-    def step(self):
+    def step(self, closure=None):  # (torch's signature: fsdp's get_state_dict calls step(closure=None))
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         for group in self.param_groups:
             self._step_group(group)
+        return loss
 
     def _step_group(self, group: dict) -> None:
         params, grads, buffers = [], [], []
