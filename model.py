@@ -1,9 +1,6 @@
 """GPT-2, written from scratch, in the order data flows through it; and, with GPTConfig(arch="modern"), the same
-decoder with the parts that models trained since 2023 share (see ModernAttention and SwiGLU).
-
-Parameter names follow Hugging Face's GPT-2 (transformer.h.0.attn.c_attn, ...), so pretrained weights load
-by name and a trained model exports back the same way (training/hf.py: GPT-2 as GPT2LMHeadModel, modern as
-Qwen3ForCausalLM); rundir/snapshot.py reads a trained one back (read_model).
+decoder with the parts that models trained since 2023 share (see ModernAttention and SwiGLU). Parameter names follow
+Hugging Face's GPT-2, so that weights load and export by name (training/hf.py).
 """
 
 from __future__ import annotations
@@ -68,8 +65,8 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: the residual stream itself is never normalised."""
 
-    # --activation_checkpointing's recomputation (training/activation_checkpointing.py), called with the residual
-    # branches, x and positions instead of keeping the block's activations for backward; None: keep them.
+    # --activation_checkpointing's recomputation (training/activation_checkpointing.py) of residual_branches(x,
+    # positions); None: the block's activations are kept for backward.
     recompute: Callable | None = None
 
     def __init__(self, config: GPTConfig):
@@ -96,20 +93,17 @@ class Block(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The option arch="modern": what decoders trained since GPT-2 changed (Llama, Qwen3, modded-nanogpt), each part a
-# known gain: rotary positions instead of learned ones, RMSNorm instead of LayerNorm, RMSNorm on each head's queries
-# and keys (QK-norm: attention logits cannot blow up, so higher learning rates stay stable), a SwiGLU MLP, biases only
-# on attention's projections (Qwen3's attention_bias; they earned their place, the MLP's did not), the blocks' output
-# projections initialised to zero, and input and output embeddings untied. The layout is Qwen3's, so that a trained
-# model exports as a Qwen3ForCausalLM (training/hf.py) with the same logits.
+# arch="modern": what decoders since GPT-2 changed (Llama, Qwen3, modded-nanogpt; docs/architectures.md): rotary
+# positions, RMSNorm, QK-norm, a SwiGLU MLP, biases on attention's projections only, zero-initialised output
+# projections, untied embeddings; laid out as Qwen3, so that it exports as a Qwen3ForCausalLM with the same logits.
 
 ROPE_THETA = 10_000.0  # rotary base: the wavelengths run from 2π to 2π·10,000 positions, plenty for 1,024
 NORM_EPS = 1e-6
 
 
 def rotation_table(max_len: int, head_size: int) -> torch.Tensor:
-    """(2, max_len, head_size), fp32: the cos and sin by which rotate turns each channel at positions 0 .. max_len − 1.
-    The pair of channels (i, i + hs/2) turns by the angle position · θ^(−2i/hs)."""
+    """(2, max_len, head_size), fp32: the cos and sin by which rotate turns the pair of channels (i, i + hs/2) at each
+    position p: by the angle p · θ^(−2i/hs)."""
     inv_freq = ROPE_THETA ** -(torch.arange(0, head_size, 2, dtype=torch.float32) / head_size)
     angles = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]  # (max_len, hs/2)
     angles = torch.cat((angles, angles), dim=-1)
@@ -117,10 +111,8 @@ def rotation_table(max_len: int, head_size: int) -> torch.Tensor:
 
 
 def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding (Su et al. 2021) of x (B, nh, T, hs) by rotation (2, T, hs), the rows of
-    rotation_table at x's positions: each pair of channels turned by its angle, so that a query–key dot product
-    depends only on how far apart the two tokens are. The pairs are half a head apart, as Hugging Face's Llama/Qwen
-    pair them."""
+    """Rotary position embedding (Su et al. 2021) of x (B, nh, T, hs) by rotation_table's rows at its positions, so
+    that a query–key dot product depends only on how far apart the two tokens are (pairs as Hugging Face's Qwen)."""
     cos, sin = rotation.to(x.dtype)
     first, second = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-second, first), dim=-1) * sin
@@ -137,12 +129,10 @@ class ModernAttention(nn.Module):
         self.k_norm = norm(config, head_size)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
         self.c_proj.ZERO_INIT = True
-        # The angles' cos and sin, computed once here: computed in forward, the compiled step computed them again for
-        # every element of q and k (Inductor fused the pow, cos and sin into the rotation's kernels), and modern's
-        # forward and backward took 1.156x GPT-2's on an H100 instead of 1.011x. Constants: not in state_dict.
+        # Computed once here: in forward, Inductor recomputed them for every element of q and k (modern's step took
+        # 1.156x GPT-2's on an H100 instead of 1.011x). Constants: not in state_dict.
         self.register_buffer("rotation", rotation_table(config.block_size, head_size), persistent=False)
-        if config.attention_bias:  # on q, k, v and the output. Zero at init, set here rather than drawn by nn.Linear
-            # and zeroed later, so that the weights' random draws are the same as without them.
+        if config.attention_bias:  # on q, k, v and the output; zeros made here, so the weights' draws stay the same
             for linear in (self.c_attn, self.c_proj):
                 linear.bias = nn.Parameter(torch.zeros(linear.out_features))
 
@@ -197,8 +187,7 @@ class GPTConfig:
 
     @property
     def padded_vocab_size(self) -> int:
-        # The embedding table is padded to a multiple of 128 because matmuls with "nice" shapes run faster on
-        # GPUs; the extra rows are never a target: they are sliced off the logits and the loss never reads them.
+        # A multiple of 128, whose matmuls run faster on GPUs; the extra rows are never a target, nor in the logits.
         return math.ceil(self.vocab_size / 128) * 128
 
 
@@ -235,29 +224,26 @@ class GPT(nn.Module):
             self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)  # position embedding
         self.transformer.h = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
         self.transformer.ln_f = norm(config, config.n_embd)
-        # (modern's untied output layer starts random, as GPT-2's tied one: zero at init, as in modded-nanogpt, it ended
-        # 0.07 higher in val loss after 2M tokens of enwiki with Muon; docs/architectures.md)
+        # (modern's untied output layer starts random too: zero, as in modded-nanogpt, it ended 0.07 higher in val loss)
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
         self.tie_weights()
         self.apply(self._init_weights)
 
     def tie_weights(self) -> None:
-        """GPT-2 reads a token in and writes it out with one matrix (saves 38M parameters at 124M). Untied, as in
-        modern, the two can learn what each job needs: an input row is a lookup, an output row a direction."""
+        """GPT-2 reads a token in and writes it out with one matrix (38M parameters fewer at 124M); modern unties them:
+        an input row is a lookup, an output row a direction."""
         if self.config.arch == "gpt2":
             self.lm_head.weight = self.transformer.wte.weight
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear) and getattr(module, "ZERO_INIT", False):
-            # modern's output projections: each block starts as the identity and grows from there (modded-nanogpt
-            # does so; Muon's first update of a zero matrix is as large as of any other). Drawn as GPT-2's, they
-            # were behind early and level at the end (docs/architectures.md).
+            # modern's output projections: each block starts as the identity (modded-nanogpt's; Muon's first update
+            # of a zero matrix is as large as of any other).
             nn.init.zeros_(module.weight)
         elif isinstance(module, nn.Linear):
             std = 0.02
             if getattr(module, "RESIDUAL_SCALED_INIT", False):
-                # Each block adds two projections to the residual stream; scaling them keeps its variance flat
-                # in depth (GPT-2 paper, section 2.3).
+                # Scaled, a block's two projections keep the residual stream's variance flat in depth (GPT-2, 2.3)
                 std *= (2 * self.config.n_layer) ** -0.5
             nn.init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
@@ -277,21 +263,16 @@ class GPT(nn.Module):
         return n
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token (forward + backward), as in the PaLM paper, appendix B:
-        6·N for the matmuls with the N weights (2 FLOPs per multiply-add, backward twice forward), plus
-        6·n_layer·2·seq_len·n_embd for attention's Q·Kᵀ and A·V, whose size grows with the sequence.
-        Causal masking is not subtracted, as is the convention."""
+        """Training FLOPs per token (PaLM paper, appendix B): 6·N for the matmuls with the N weights, plus
+        6·n_layer·2·seq_len·n_embd for attention's Q·Kᵀ and A·V (causal masking not subtracted, by convention)."""
         cfg = self.config
         return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_embd * seq_len
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, kv_caches: list[KVCache] | None = None,
                 positions: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(logits, None) without targets, for sampling and evaluation; (None, mean loss) with targets, for
-        training, where the (B, T, vocab) logits are never built (training/loss.py).
-
-        kv_caches (one per layer, see generate): idx holds the tokens at `positions` (T,), which continue those the
-        caches hold; their keys and values are written into the caches, and each token attends to every cached
-        position up to its own. The positions are a tensor, not a number, so that a CUDA graph can replay the step."""
+        """(logits, None) without targets; (None, mean loss) with targets, the (B, T, vocab) logits never built
+        (training/loss.py). kv_caches (one per layer, see generate): idx holds the tokens at `positions` (T,), a
+        tensor so that a CUDA graph can replay the step; each attends to every cached position up to its own."""
         x = self.hidden_states(idx, kv_caches, positions)
         if targets is None:
             return self.logits(x), None  # (B, T, vocab)
@@ -303,8 +284,8 @@ class GPT(nn.Module):
 
     def hidden_states(self, idx: torch.Tensor, kv_caches: list[KVCache] | None = None,
                       positions: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, T, n_embd): the final LayerNorm's output, which the LM head reads. An evaluation that scores a few
-        positions of each row (evaluation/tasks.py) projects only those, instead of building (B, T, vocab) logits."""
+        """(B, T, n_embd): the final LayerNorm's output, which the LM head reads (evaluation/tasks.py projects only the
+        positions it scores)."""
         B, T = idx.size()
         if positions is None:
             if T > self.config.block_size:
@@ -329,18 +310,9 @@ class GPT(nn.Module):
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, generator: torch.Generator | None = None,
                  compile: bool = False) -> torch.Tensor:
-        """Extend idx (B, T) by max_new_tokens sampled tokens (see sample_next_token; temperature 0 is greedy).
-
-        The prompt is read once into key/value caches, then each new token alone (DecodeStep: on a GPU one CUDA
-        graph per token): n tokens cost n one-token forwards instead of n whole-context ones. Past block_size the
-        context window slides, and since a cached key holds its position (GPT-2's embedding, modern's rotation),
-        every one would have to move to another position: the caches are refilled from the last block_size tokens at
-        each step there, so from then on a token costs a whole-window forward, as it would without a cache (the
-        tokens are the same either way).
-        compile: the one-token step through torch.compile, which fuses a layer's ~20 kernels into 8 (as counted in
-        Inductor's code on a CPU); it pays on a GPU, where the step's time is its kernels', and costs a compilation the
-        first time.
-        The caches live only in this call."""
+        """Extend idx (B, T) by max_new_tokens sampled tokens, the prompt read once into key/value caches, then each
+        new token alone (DecodeStep; compile: through torch.compile). Past block_size a cached key would change its
+        position, so the caches are refilled from the last block_size tokens at each step (docs/generation.md)."""
         block_size = self.config.block_size
         kv_caches = [KVCache(block_size) for _ in range(self.config.n_layer)]
         decode, filled = None, 0  # filled: the positions the caches hold
@@ -358,8 +330,7 @@ class GPT(nn.Module):
         return idx
 
     def crop_block_size(self, block_size: int) -> None:
-        """Shorten the context to block_size: keep the first position embeddings (a finetune on shorter sequences
-        than the 1,024 GPT-2 was trained on needs no more)."""
+        """Shorten the context to block_size (a finetune on shorter sequences): keep the first position embeddings."""
         if block_size > self.config.block_size:
             raise ValueError(f"cannot crop block_size {self.config.block_size} to the longer {block_size}")
         self.config = replace(self.config, block_size=block_size)
@@ -371,9 +342,8 @@ class GPT(nn.Module):
 # generation: the keys and values of the tokens so far kept per layer, one new token a step
 
 class KVCache:
-    """One attention layer's keys and values for max_len positions, allocated at the first write and then written in
-    place at the positions given: the shapes of a generation step never change, so that a GPU can replay the whole
-    step as one CUDA graph (DecodeStep)."""
+    """One attention layer's keys and values for max_len positions, allocated at the first write, then written in
+    place: a generation step's shapes never change, so that a GPU can replay it as one CUDA graph (DecodeStep)."""
 
     def __init__(self, max_len: int):
         self.max_len = max_len
@@ -392,13 +362,9 @@ class KVCache:
 
 
 class DecodeStep:
-    """One new token per row through the model with its caches: the step that generation repeats.
-
-    On CUDA it is captured once as a CUDA graph and replayed for every token: at batch 1 the ~300 kernels of a 124M
-    model's step take less time to run than to launch one by one from Python. The graph reads the token and its
-    position from tensors of its own and writes the logits into one; the caches are written in place, so a replay
-    does exactly what the eager step would. Elsewhere the step is a plain call. With compile, the step is
-    torch.compile's code (compiled at the warm-up run, before the capture)."""
+    """One new token per row through the model with its caches: the step that generation repeats. On CUDA it is
+    captured once as a CUDA graph and replayed for every token (at batch 1 the ~300 kernels of a 124M step take less
+    time to run than to launch from Python), reading the token and position from tensors of its own."""
 
     def __init__(self, model: GPT, kv_caches: list[KVCache], token: torch.Tensor, position: int,
                  compile: bool = False):
@@ -409,8 +375,7 @@ class DecodeStep:
         self.step = lambda: forward(model, self.token, kv_caches, self.position)
         self.graph = None
         if token.device.type == "cuda":
-            # Capture needs a warm-up run on a side stream first (torch.cuda.graphs); being the first real step, it
-            # writes into the caches exactly what that step will.
+            # A capture needs a warm-up run on a side stream first; the first real step's, it writes what that would.
             side = torch.cuda.Stream(token.device)
             side.wait_stream(torch.cuda.current_stream(token.device))
             with torch.cuda.stream(side):
@@ -436,10 +401,9 @@ def decode_forward(model: GPT, token: torch.Tensor, kv_caches: list[KVCache], po
 
 def sample_next_token(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
                       generator: torch.Generator | None) -> torch.Tensor:
-    """The next token (B, 1) from the last position's logits (B, vocab): the likeliest one at temperature 0; else
-    sampled from softmax(logits / temperature), among the top_k likeliest tokens and, within those, the nucleus:
-    the fewest likeliest tokens whose probabilities add up to top_p (Holtzman et al. 2019). None (or top_p 1): no
-    such limit."""
+    """The next token (B, 1) from the last position's logits (B, vocab): the likeliest at temperature 0; else sampled
+    from softmax(logits / temperature) among the top_k likeliest and, within those, the nucleus (Holtzman et al.
+    2019) of top_p."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits / temperature

@@ -69,7 +69,7 @@ def newton_schulz(model: GPT, device: torch.device, repeats: int) -> None:
     updates = [torch.randn_like(p) for name, p in model.named_parameters() if p.dim() == 2 and ".h." in name]
 
     def one_each() -> list[torch.Tensor]:
-        return [optim.newton_schulz(u, *NS_ARGS) for u in updates]
+        return [optim.orthogonalise_by_shape([u], *NS_ARGS)[0] for u in updates]
 
     def by_shape() -> list[torch.Tensor]:
         return optim.orthogonalise_by_shape(updates, *NS_ARGS)

@@ -1,24 +1,7 @@
 """Zero-shot evaluation scored as EleutherAI's lm-evaluation-harness 0.4 scores it, so that the numbers are the ones
-published tables use: evaluate.py --tasks, and in training --eval_tasks / --eval_every.
-
-A task turns each document into requests, (context, continuation) strings whose log-likelihood the model gives:
-- multiple choice (hellaswag, piqa, arc_easy, arc_challenge, openbookqa, sciq, copa, boolq): one request per choice,
-  the context being the task's prompt (the harness's doc_to_text) and the continuation " " + the choice (its target
-  delimiter). winogrande the other way round (partial scoring): one context per option, the rest of the sentence
-  as the shared continuation. acc: the request with the highest summed log-likelihood is the gold one; acc_norm:
-  the same after dividing each by its choice's length in characters. A tie goes to the first (numpy's argmax).
-- lambada_openai: one request, the text's last word after the rest. acc: every continuation token is the model's
-  greedy (argmax) token; perplexity: exp(-mean log-likelihood) over the documents.
-Tokens are the harness's Hugging Face model's: trailing whitespace of the context moves to the continuation, whose
-tokens are enc(context + continuation)[len(enc(context)):]; an empty context is the EOT token; a row longer than the
-model's context loses tokens from the left (so the continuation is always kept).
-
-The aggregate, eval_score, is the mean over the tasks of each task's accuracy centred on chance, (a - c) / (1 - c),
-as nanochat's CORE does: a is acc_norm where the harness reports it, else acc; c is the accuracy of guessing
-uniformly, the mean of 1/choices over the documents (0 for LAMBADA). 0 is chance, 1 every answer right.
-
-The data are <task>.jsonl files, one document a line, with the fields of the Hugging Face dataset the harness task
-loads and the split it scores (SOURCES); in data/evals/ (downloaded on first use) or any --eval_dir.
+published tables use (evaluate.py --tasks; in training --eval_tasks). A task turns each document into requests,
+(context, continuation) strings whose log-likelihood the model gives. The rules, the aggregate eval_score and the
+data files: docs/evaluation.md.
 """
 
 import hashlib
@@ -78,10 +61,6 @@ def lambada(row: dict) -> Doc:
     return Doc(((" ".join(words), " " + last),), 0, ())
 
 
-def piqa(row: dict) -> Doc:
-    return multiple_choice(f"Question: {row['goal']}\nAnswer:", [row["sol1"], row["sol2"]], row["label"])
-
-
 def winogrande(row: dict) -> Doc:
     sentence = row["sentence"]
     blank = sentence.index("_")
@@ -94,11 +73,6 @@ def arc(row: dict) -> Doc:
     choices = row["choices"]
     return multiple_choice(f"Question: {row['question']}\nAnswer:", choices["text"],
                            choices["label"].index(row["answerKey"]))
-
-
-def openbookqa(row: dict) -> Doc:
-    choices = row["choices"]
-    return multiple_choice(row["question_stem"], choices["text"], choices["label"].index(row["answerKey"].lstrip()))
 
 
 def sciq(row: dict) -> Doc:
@@ -115,35 +89,56 @@ def copa(row: dict) -> Doc:
                            choices.index(choices[row["label"]]))
 
 
-def boolq(row: dict) -> Doc:
-    return multiple_choice(f"{row['passage']}\nQuestion: {row['question']}?\nAnswer:", ["no", "yes"], row["label"])
+@dataclass(frozen=True)
+class Url:
+    url: str
+    sha256: str
+
+
+@dataclass(frozen=True)
+class HubDataset:  # what the harness's task YAML loads: dataset_path and dataset_name (the split is the Task's)
+    path: str
+    name: str | None = None
 
 
 @dataclass(frozen=True)
 class Task:
     name: str
     split: str  # the split the harness scores, which the file holds
+    source: Url | HubDataset
     fields: dict[str, type | tuple[type, ...]]  # what a line must hold
     to_doc: Callable[[dict], Doc]
-    metrics: tuple[str, ...]  # as the harness's metric_list
+    metrics: tuple[str, ...] = ("acc", "acc_norm")  # as the harness's metric_list
 
 
+ARC_FIELDS = {"question": str, "choices": dict, "answerKey": str}
 TASKS = {task.name: task for task in [
-    Task("hellaswag", "validation", {"activity_label": str, "ctx_a": str, "ctx_b": str, "endings": list,
-                                     "label": (int, str)}, hellaswag, ("acc", "acc_norm")),
-    Task("lambada_openai", "test", {"text": str}, lambada, ("acc", "perplexity")),
-    Task("piqa", "validation", {"goal": str, "sol1": str, "sol2": str, "label": int}, piqa, ("acc", "acc_norm")),
-    Task("winogrande", "validation (winogrande_xl)", {"sentence": str, "option1": str, "option2": str, "answer": str},
-         winogrande, ("acc",)),
-    Task("arc_easy", "test", {"question": str, "choices": dict, "answerKey": str}, arc, ("acc", "acc_norm")),
-    Task("arc_challenge", "test", {"question": str, "choices": dict, "answerKey": str}, arc, ("acc", "acc_norm")),
-    Task("openbookqa", "test", {"question_stem": str, "choices": dict, "answerKey": str}, openbookqa,
-         ("acc", "acc_norm")),
-    Task("sciq", "test", {"question": str, "support": str, "correct_answer": str, "distractor1": str,
-                          "distractor2": str, "distractor3": str}, sciq, ("acc", "acc_norm")),
-    Task("copa", "validation", {"premise": str, "choice1": str, "choice2": str, "question": str, "label": int}, copa,
-         ("acc",)),
-    Task("boolq", "validation", {"passage": str, "question": str, "label": int}, boolq, ("acc",)),
+    Task("hellaswag", "validation",
+         Url("https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl",
+             "0aa3b88843990f3f10a97b9575c94d7b71fb2205240ba04ae4884d9e9c992588"),
+         {"activity_label": str, "ctx_a": str, "ctx_b": str, "endings": list, "label": (int, str)}, hellaswag),
+    Task("lambada_openai", "test",
+         Url("https://openaipublic.blob.core.windows.net/gpt-2/data/lambada_test.jsonl",
+             "4aa8d02cd17c719165fc8a7887fddd641f43fcafa4b1c806ca8abc31fabdb226"),
+         {"text": str}, lambada, ("acc", "perplexity")),
+    Task("piqa", "validation", HubDataset("baber/piqa"), {"goal": str, "sol1": str, "sol2": str, "label": int},
+         lambda row: multiple_choice(f"Question: {row['goal']}\nAnswer:", [row["sol1"], row["sol2"]], row["label"])),
+    Task("winogrande", "validation", HubDataset("allenai/winogrande", "winogrande_xl"),
+         {"sentence": str, "option1": str, "option2": str, "answer": str}, winogrande, ("acc",)),
+    Task("arc_easy", "test", HubDataset("allenai/ai2_arc", "ARC-Easy"), ARC_FIELDS, arc),
+    Task("arc_challenge", "test", HubDataset("allenai/ai2_arc", "ARC-Challenge"), ARC_FIELDS, arc),
+    Task("openbookqa", "test", HubDataset("allenai/openbookqa", "main"),
+         {"question_stem": str, "choices": dict, "answerKey": str},
+         lambda row: multiple_choice(row["question_stem"], row["choices"]["text"],
+                                     row["choices"]["label"].index(row["answerKey"].lstrip()))),
+    Task("sciq", "test", HubDataset("allenai/sciq"), {"question": str, "support": str, "correct_answer": str,
+                                                      "distractor1": str, "distractor2": str, "distractor3": str},
+         sciq),
+    Task("copa", "validation", HubDataset("aps/super_glue", "copa"),
+         {"premise": str, "choice1": str, "choice2": str, "question": str, "label": int}, copa, ("acc",)),
+    Task("boolq", "validation", HubDataset("aps/super_glue", "boolq"), {"passage": str, "question": str, "label": int},
+         lambda row: multiple_choice(f"{row['passage']}\nQuestion: {row['question']}?\nAnswer:", ["no", "yes"],
+                                     row["label"]), ("acc",)),
 ]}
 
 
@@ -160,35 +155,6 @@ def parse_task_names(text: str, flag: str) -> list[str]:
 # ----------------------------------------------------------------------------------------------------------------
 # the data files
 
-@dataclass(frozen=True)
-class Url:
-    url: str
-    sha256: str
-
-
-@dataclass(frozen=True)
-class HubDataset:  # what the harness's task YAML loads: dataset_path, dataset_name, and the split it scores
-    path: str
-    name: str | None
-    split: str
-
-
-SOURCES = {
-    "hellaswag": Url("https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl",
-                     "0aa3b88843990f3f10a97b9575c94d7b71fb2205240ba04ae4884d9e9c992588"),
-    "lambada_openai": Url("https://openaipublic.blob.core.windows.net/gpt-2/data/lambada_test.jsonl",
-                          "4aa8d02cd17c719165fc8a7887fddd641f43fcafa4b1c806ca8abc31fabdb226"),
-    "piqa": HubDataset("baber/piqa", None, "validation"),
-    "winogrande": HubDataset("allenai/winogrande", "winogrande_xl", "validation"),
-    "arc_easy": HubDataset("allenai/ai2_arc", "ARC-Easy", "test"),
-    "arc_challenge": HubDataset("allenai/ai2_arc", "ARC-Challenge", "test"),
-    "openbookqa": HubDataset("allenai/openbookqa", "main", "test"),
-    "sciq": HubDataset("allenai/sciq", None, "test"),
-    "copa": HubDataset("aps/super_glue", "copa", "validation"),
-    "boolq": HubDataset("aps/super_glue", "boolq", "validation"),
-}
-
-
 def leave_out(name: str) -> str:
     return f"leave {name} out of --eval_tasks (evaluate.py: --tasks; --eval_every 0 turns them all off)"
 
@@ -199,8 +165,8 @@ def task_file(name: str, eval_dir: str | None) -> Path:
 
 def download(name: str, path: Path) -> None:
     """Write the task's file, atomically (a crash, or another node writing the same shared file, never leaves half a
-    file). Raises UserError, one paragraph, if it cannot be had."""
-    source = SOURCES[name]
+    file); a UserError if it cannot be had."""
+    source = TASKS[name].source
     print(f"downloading {name} to {path}")
     try:
         if isinstance(source, Url):
@@ -210,7 +176,7 @@ def download(name: str, path: Path) -> None:
                 raise OSError(f"the file at {source.url} is not the expected one (sha256 mismatch)")
         else:
             import datasets
-            rows = datasets.load_dataset(source.path, source.name, split=source.split)
+            rows = datasets.load_dataset(source.path, source.name, split=TASKS[name].split)
             data = b"".join(json.dumps(row).encode() + b"\n" for row in rows)
     except Exception as e:  # urllib and datasets raise many kinds: no network, no such dataset, HTTP errors
         where = source.url if isinstance(source, Url) else f"the Hugging Face dataset {source.path}"
@@ -225,10 +191,10 @@ def download(name: str, path: Path) -> None:
 def load_docs(name: str, path: Path, limit: int | None = None) -> list[Doc]:
     """The task's documents in file order (the first `limit` if given), each line checked."""
     task = TASKS[name]
+    the_file = f"{name}.jsonl (the harness's {task.split} split, one JSON document a line)"
     if not path.is_file():
         raise UserError(f"{name}: the data file {path} does not exist. Point --eval_dir at a directory holding "
-                        f"{name}.jsonl (the harness's {task.split} split, one JSON document a line), leave --eval_dir "
-                        f"out to download it to {DEFAULT_DIR}, or {leave_out(name)}.")
+                        f"{the_file}, leave --eval_dir out to download it to {DEFAULT_DIR}, or {leave_out(name)}.")
     docs = []
     with open(path, "rb") as f:
         for number, line in enumerate(f, start=1):
@@ -237,62 +203,53 @@ def load_docs(name: str, path: Path, limit: int | None = None) -> list[Doc]:
             line = line.strip()
             if not line:
                 continue
-            doc, problem = None, None
             try:
-                row = json.loads(line)
-            except PARSE_ERRORS as e:
-                problem = parse_problem(e)
-            else:
-                problem = wrong_fields(row, task)
-                if problem is None:
-                    try:
-                        doc = task.to_doc(row)
-                    except (KeyError, ValueError, IndexError, TypeError, AttributeError) as e:
-                        problem = f"{type(e).__name__}: {e}"
-                    else:
-                        problem = wrong_doc(doc)
-            if problem:
+                docs.append(read_doc(line, task))
+            except ValueError as e:
                 fields = ", ".join(f"{key} ({kind_name(kind)})" for key, kind in task.fields.items())
-                raise UserError(f"{path}, line {number}: {problem}. A {name} document is a JSON object with {fields}, "
+                raise UserError(f"{path}, line {number}: {e}. A {name} document is a JSON object with {fields}, "
                                 f"as in the harness's {task.split} split, one a line. Point --eval_dir at the "
-                                "directory of the right file, or leave --eval_dir out to download "
-                                f"it, or {leave_out(name)}.")
-            docs.append(doc)
+                                f"directory of the right file, or leave --eval_dir out to download it, or "
+                                f"{leave_out(name)}.") from None
     if not docs:
-        raise UserError(f"{path} holds no {name} document. Point --eval_dir at a directory holding {name}.jsonl, "
-                        f"the harness's {task.split} split, one JSON document a line, or {leave_out(name)}.")
+        raise UserError(f"{path} holds no {name} document. Point --eval_dir at a directory holding {the_file}, or "
+                        f"{leave_out(name)}.")
     return docs
+
+
+def read_doc(line: bytes, task: Task) -> Doc:
+    """The line's document, or a ValueError saying what is wrong with it."""
+    try:
+        row = json.loads(line)
+    except PARSE_ERRORS as e:
+        raise ValueError(parse_problem(e)) from None
+    if not isinstance(row, dict):
+        raise ValueError("not a JSON object")
+    for key, kind in task.fields.items():
+        if key not in row:
+            raise ValueError(f"no field {key!r}")
+        if not isinstance(row[key], kind) or isinstance(row[key], bool):
+            raise ValueError(f"{key} is {type(row[key]).__name__}, not {kind_name(kind)}")
+    try:
+        doc = task.to_doc(row)
+    except (KeyError, ValueError, IndexError, TypeError, AttributeError) as e:
+        raise ValueError(f"{type(e).__name__}: {e}") from None
+    strings = [text for request in doc.requests for text in request] + list(doc.choices)
+    if not all(isinstance(text, str) for text in strings):
+        raise ValueError("a choice is not a string")
+    if not 0 <= doc.gold < len(doc.requests):
+        raise ValueError(f"the answer is choice {doc.gold}, but there are {len(doc.requests)}")
+    return doc
 
 
 def kind_name(kind: type | tuple[type, ...]) -> str:
     return " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
 
 
-def wrong_fields(row, task: Task) -> str | None:
-    if not isinstance(row, dict):
-        return "not a JSON object"
-    for key, kind in task.fields.items():
-        if key not in row:
-            return f"no field {key!r}"
-        if not isinstance(row[key], kind) or isinstance(row[key], bool):
-            return f"{key} is {type(row[key]).__name__}, not {kind_name(kind)}"
-    return None
-
-
-def wrong_doc(doc: Doc) -> str | None:
-    strings = [text for request in doc.requests for text in request] + list(doc.choices)
-    if not all(isinstance(text, str) for text in strings):
-        return "a choice is not a string"
-    if not 0 <= doc.gold < len(doc.requests):
-        return f"the answer is choice {doc.gold}, but there are {len(doc.requests)}"
-    return None
-
-
 def load_tasks(names: list[str], eval_dir: str | None, limit: int | None,
                local_rank: int = 0, device: torch.device | str = "cpu") -> dict[str, list[Doc]]:
     """Each task's documents. A file missing from the default directory is downloaded first, by local rank 0 of
-    each node (the other ranks would fetch the same bytes); then all ranks agree on whether that worked (a
-    collective, so that none waits for one that failed), and a failure is a UserError on every rank."""
+    each node; then all ranks agree on whether that worked, so that a failure is a UserError on every rank."""
     reason = None
     if eval_dir is None and local_rank == 0:
         try:
@@ -333,16 +290,14 @@ def tokenize(encode: Callable[[str], tuple[int, ...]], eot: int, context: str, c
         whole = encode(continuation)
         context_tokens, continuation_tokens = ((eot,), whole) if whole[0] != eot else (whole[:1], whole[1:])
     row = (context_tokens + continuation_tokens)[-(block_size + 1):][:-1]
-    # A continuation longer than the context (small models only: PIQA's longest solution is 246 tokens) keeps its
-    # last block_size tokens; the harness stops at an assertion there.
+    # A continuation longer than the context keeps its last block_size tokens (the harness stops at an assertion).
     return Request(list(row), list(continuation_tokens[-block_size:]))
 
 
 class Suite:
-    """The tasks' documents, tokenized once, and the batches their requests are scored in: longest rows first, up to
-    batch_tokens padded tokens a batch. The batches depend on nothing else, so each request is computed the same
-    way on any number of ranks (each scores every world_size-th batch), and so are the results, bit for bit.
-    tokenizer: the model's (None: GPT-2's)."""
+    """The tasks' documents, tokenized once (tokenizer None: GPT-2's), and the batches their requests are scored in:
+    longest rows first, up to batch_tokens padded tokens a batch. The batches depend on nothing else, so any number
+    of ranks gives the same results, bit for bit."""
 
     def __init__(self, docs: dict[str, list[Doc]], block_size: int, batch_tokens: int,
                  tokenizer: Tokenizer | None = None):
@@ -372,8 +327,7 @@ LOGIT_ROWS = 2048
 def score_batch(model: torch.nn.Module, requests: list[Request], device: torch.device,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Each request's summed log-likelihood of its targets (float32, as the harness's sum) and whether every target
-    is the argmax of its log-softmax; one forward pass over the right-padded rows (causal: padding changes nothing
-    before it), the LM head only at the target positions."""
+    is the argmax; one forward pass over the right-padded rows, the LM head only at the target positions."""
     T = max(len(request.tokens) for request in requests)
     idx = torch.tensor([request.tokens + [0] * (T - len(request.tokens)) for request in requests])
     row = torch.tensor([i for i, request in enumerate(requests) for _ in request.targets])
@@ -405,11 +359,9 @@ def score(model: torch.nn.Module, suite: Suite, device: torch.device | str, dtyp
           rank: int = 0, world_size: int = 1, progress: bool = False,
           should_stop: Callable[[], bool] | None = None) -> list[tuple[float, float]] | None:
     """(log-likelihood, greedy 1/0) of every request of the suite, on every rank: rank r scores batches r,
-    r + world_size, ..., and the results are summed across ranks. `model` is a plain GPT (not compiled or
-    DDP-wrapped); its train/eval mode is restored afterwards. dtype is the autocast dtype (torch.float32: none).
-
-    should_stop, if given, is called every STOP_CHECK_EVERY batches on every rank (in training a collective that
-    agrees on a SIGTERM); when it returns True the evaluation ends at once and returns None."""
+    r + world_size, ..., summed across ranks. `model`: a plain GPT, its train/eval mode restored afterwards.
+    should_stop (in training a collective that agrees on a SIGTERM) is called every STOP_CHECK_EVERY batches on every
+    rank; True ends the evaluation at once, returning None."""
     device = torch.device(device)
     results = torch.zeros(len(suite.requests), 2, dtype=torch.float64)
     was_training = model.training
@@ -436,7 +388,7 @@ def score(model: torch.nn.Module, suite: Suite, device: torch.device | str, dtyp
 
 def metrics(docs: dict[str, list[Doc]], results: list[tuple[float, float]]) -> dict[str, float]:
     """Each task's metrics from its requests' (log-likelihood, greedy) results, in Suite.requests' order, and the
-    aggregate."""
+    aggregate: the mean of each task's accuracy centred on chance (docs/evaluation.md)."""
     out, centred = {}, []
     start = 0
     for name, task_docs in docs.items():

@@ -6,6 +6,7 @@ harness itself is tests/test_evals_harness.py (and dev/harness_compare.py)."""
 import hashlib
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -276,10 +277,12 @@ def evaluate_and_download(rank: int, shared_data: str, out_dir: str) -> dict:
     evals.download = lambda name, path: (downloads.append(name), download(name, path))
     source = shared_data / "evals" / "copa.jsonl"
     evals.DEFAULT_DIR = out_dir / "cache"
-    evals.SOURCES["copa"] = evals.Url(source.as_uri(), hashlib.sha256(source.read_bytes()).hexdigest())
+    copa = evals.TASKS["copa"]
+    sha256 = hashlib.sha256(source.read_bytes()).hexdigest()
+    evals.TASKS["copa"] = replace(copa, source=evals.Url(source.as_uri(), sha256))
     results["docs"] = len(evals.load_tasks(["copa"], None, 3, rank)["copa"])
     evals.DEFAULT_DIR = out_dir / "empty_cache"
-    evals.SOURCES["copa"] = evals.Url((out_dir / "offline.jsonl").as_uri(), "0" * 64)
+    evals.TASKS["copa"] = replace(copa, source=evals.Url((out_dir / "offline.jsonl").as_uri(), "0" * 64))
     try:
         evals.load_tasks(["copa"], None, 3, rank)
     except UserError as e:
@@ -390,8 +393,9 @@ def test_missing_files_of_the_default_directory_are_downloaded_once_and_a_failur
     lambada.parent.mkdir()
     lambada.write_text('{"text": "a b c"}\n{"text": "d e"}\n')
     monkeypatch.setattr(evals, "DEFAULT_DIR", tmp_path / "evals")
-    monkeypatch.setitem(evals.SOURCES, "lambada_openai",
-                        evals.Url(lambada.as_uri(), hashlib.sha256(lambada.read_bytes()).hexdigest()))
+    task = evals.TASKS["lambada_openai"]
+    sha256 = hashlib.sha256(lambada.read_bytes()).hexdigest()
+    monkeypatch.setitem(evals.TASKS, "lambada_openai", replace(task, source=evals.Url(lambada.as_uri(), sha256)))
     loads = []
     monkeypatch.setattr(datasets, "load_dataset", lambda path, name, split: loads.append((path, name, split)) or
                         [GOOD_PIQA, GOOD_PIQA | {"label": 0}])
@@ -401,7 +405,7 @@ def test_missing_files_of_the_default_directory_are_downloaded_once_and_a_failur
     assert evals.load_tasks(["piqa"], None, 1)["piqa"] == docs["piqa"][:1] and len(loads) == 1  # cached
 
     (tmp_path / "evals" / "lambada_openai.jsonl").unlink()
-    monkeypatch.setitem(evals.SOURCES, "lambada_openai", evals.Url(lambada.as_uri(), "0" * 64))
+    monkeypatch.setitem(evals.TASKS, "lambada_openai", replace(task, source=evals.Url(lambada.as_uri(), "0" * 64)))
     with pytest.raises(UserError, match=r"could not download lambada_openai from file:.*sha256 mismatch.*--eval_dir"):
         evals.load_tasks(["lambada_openai"], None, None)
     assert not (tmp_path / "evals" / "lambada_openai.jsonl").exists()  # nothing half-written is left

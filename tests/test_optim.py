@@ -101,13 +101,20 @@ def test_an_adamw_state_saved_before_optimizers_were_named_is_refused_naming_wha
 NS_ARGS = ((3.4445, -4.7750, 2.0315), 5, 1e-7)  # torch.optim.Muon's defaults
 
 
+def alone(matrix: torch.Tensor, *args) -> torch.Tensor:
+    """newton_schulz of one matrix, wide or tall: as torch's _zeropower_via_newtonschulz takes it."""
+    tall = matrix.size(0) > matrix.size(1)
+    result = newton_schulz((matrix.T if tall else matrix)[None], *(args or NS_ARGS))[0]
+    return result.T if tall else result
+
+
 @pytest.mark.parametrize("shape", [(48, 16), (16, 48)])
 @pytest.mark.parametrize("slow", [False, True])
 def test_newton_schulz_is_torchs_iteration_in_bf16_or_fp32(monkeypatch, shape, slow):
     grad = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
     theirs = torch_muon._zeropower_via_newtonschulz(grad, *NS_ARGS).float()  # bf16
     monkeypatch.setattr(optim, "bf16_matmul_is_slow", lambda device: slow)
-    ours = newton_schulz(grad, *NS_ARGS)
+    ours = alone(grad)
     assert ours.dtype == (torch.float32 if slow else torch.bfloat16) and ours.shape == grad.shape
     # bf16: the same operations (equal on this machine's CPU); fp32: bf16's rounding, compounded over 5 iterations
     assert (ours.float() - theirs).norm() / theirs.norm() < (0.02 if slow else 0.005)
@@ -115,7 +122,7 @@ def test_newton_schulz_is_torchs_iteration_in_bf16_or_fp32(monkeypatch, shape, s
 
 def test_newton_schulz_runs_in_fp32_exactly_where_the_cpu_has_no_bf16_arithmetic(cpu_bf16):
     grad = torch.randn(16, 48, generator=torch.Generator().manual_seed(0))
-    assert newton_schulz(grad, *NS_ARGS).dtype == (torch.bfloat16 if cpu_bf16 else torch.float32)
+    assert newton_schulz(grad[None], *NS_ARGS).dtype == (torch.bfloat16 if cpu_bf16 else torch.float32)
     assert pick_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if cpu_bf16 else torch.float32)
 
 
@@ -141,9 +148,9 @@ def test_muon_orthogonalises_each_shape_once_as_a_stack_and_each_matrix_as_alone
     results = optim.orthogonalise_by_shape(updates, *NS_ARGS)
     assert sorted(calls) == [(1, 8, 24), (1, 16, 16), (3, 16, 48)]
     for update, result in zip(updates, results):
-        alone = real(update, *NS_ARGS).float()
+        one = alone(update).float()
         assert result.dtype == torch.float32 and result.is_contiguous() and result.shape == update.shape
-        assert (result - alone).abs().max() <= 1e-5 * alone.abs().max()  # fp32: a stack's matmul may round apart
+        assert (result - one).abs().max() <= 1e-5 * one.abs().max()  # fp32: a stack's matmul may round apart
 
 
 def set_random_grads(model: torch.nn.Module, seed: int) -> None:
@@ -187,7 +194,7 @@ def test_muon_updates_exactly_as_torchs_muon(monkeypatch, request, parallel, adj
     once per matrix, ours batched by shape."""
     if parallel != "one process":  # (one process needs none, and tearing one down takes a while)
         request.getfixturevalue("process_group_of_one")
-    monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", newton_schulz)
+    monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", alone)
     model = GPT(TINY)
     reference = copy.deepcopy(model)
     initial = [p.detach().clone() for p in split_for_muon(reference)[0]]

@@ -10,13 +10,11 @@ from training import fp8
 
 
 class HeadOperands(NamedTuple):
-    """The output layer's matmul operands as a chunk of the loss reads them: its rows of the hidden states x (n, C)
-    and the weight w (padded_vocab, C) in the autocast dtype; or, with --fp8_head, both in e4m3 with their per-tensor
-    scales, w also column-major (w_columns, as torch._scaled_mm takes its second operand), and the scale of the
-    gradient's e5m2 (fp8.py)."""
+    """The hidden states x (n, C) and the weight w (padded_vocab, C) as the chunks' matmuls read them: in the autocast
+    dtype, or (--fp8_head) in e4m3 with their scales and the gradient's (fp8.py)."""
     x: torch.Tensor
     w: torch.Tensor
-    w_columns: torch.Tensor  # w itself in the autocast dtype
+    w_columns: torch.Tensor  # w column-major, as torch._scaled_mm takes its second operand (not FP8: w itself)
     x_scale: torch.Tensor | None = None  # None: not FP8
     w_scale: torch.Tensor | None = None
     grad_scale: torch.Tensor | None = None
@@ -27,7 +25,7 @@ class HeadOperands(NamedTuple):
 
 
 def head_operands(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, use_fp8: bool) -> HeadOperands:
-    """x and weight as the chunks' matmuls read them: cast once to dtype, or quantised once to FP8."""
+    """Cast once to dtype, or quantised once to FP8, for every chunk."""
     if not use_fp8:
         w = weight.to(dtype)
         return HeadOperands(x.to(dtype), w, w)
@@ -58,19 +56,15 @@ def head_grad_w(grad_logits: torch.Tensor, x: torch.Tensor, grad_scale: torch.Te
 
 
 def add_weight_gradient(grad_w: torch.Tensor, grad_logits: torch.Tensor, ops: HeadOperands) -> None:
-    """grad_w += the chunk's gradient of the weight, summed over chunks in fp32 (the add reads the product as it is:
-    no copy)."""
+    """grad_w (fp32) += the chunk's gradient of the weight, the product added as it is, without a cast copy."""
     grad_w += head_grad_w(grad_logits, ops.x, ops.grad_scale, ops.x_scale)
 
 
 def cross_entropy_chunk(ops: HeadOperands, targets: torch.Tensor, vocab_size: int,
                         grads: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     """Summed cross-entropy of one chunk of n tokens (ops.x, n rows) against the first vocab_size of w's rows; with
-    grads = (grad_x (n, C), grad_w (padded_vocab, C) in fp32), also writes the chunk's gradient of x into grad_x and
-    adds its gradient of w to grad_w, both unscaled.
-
-    A function of its own so that the chunk's logits are freed when it returns: a loop variable would keep them alive
-    until the next chunk's logits had been allocated, two chunks at once."""
+    grads = (grad_x (n, C), grad_w (fp32)), also writes the chunk's gradient of x into grad_x and adds its gradient of
+    w to grad_w, both unscaled. A function, so that the chunk's logits are freed before the next chunk's exist."""
     # The matmul runs at the padded width, a multiple of 128, where GPUs have their fastest kernels (at 50,257 an
     # H100 falls back to an older, slower one); the padding columns get no probability, so neither loss nor gradient.
     columns = torch.arange(ops.w.size(0), device=ops.x.device)
@@ -80,9 +74,7 @@ def cross_entropy_chunk(ops: HeadOperands, targets: torch.Tensor, vocab_size: in
     if grads is not None:
         grad_x, grad_w = grads
         # d loss / d logits = softmax − one_hot(target). The mean's 1/N and grad_output are applied in fp32 in
-        # backward, not here: divided by N first, the small probabilities would underflow in fp16 before the
-        # GradScaler's scale could lift them. The backward matmuls run in the autocast dtype, as nn.Linear's would
-        # (or in FP8: e5m2, see fp8.py).
+        # backward: divided by N first, small probabilities would underflow in fp16 before the GradScaler's scale.
         if torch.compiler.is_compiling():
             # One expression, which Inductor fuses with the log-sum-exp into two passes over the logits in the
             # matmul's dtype, with no fp32 copy of them in memory (a scatter of the −1s would break the fusion).
@@ -101,21 +93,17 @@ def cross_entropy_chunk(ops: HeadOperands, targets: torch.Tensor, vocab_size: in
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of the logits x @ weight[:vocab_size]ᵀ against targets, without ever holding them all.
 
-    The full logits of a GPT-2 micro-batch (64 × 1024 tokens × 50,257) and their fp32 copy are most of a training
-    step's activation memory, and all of it exists only to be turned into two gradients. So the forward walks the
-    tokens a chunk at a time and, while it holds a chunk's logits, turns them straight into the gradients of x and
-    of weight: the derivative of cross-entropy with respect to the logits is just softmax − one_hot(target).
-    Nothing of the logits is kept for backward, which only scales the two stored gradients by grad_output (1, or
-    the GradScaler's scale in fp16). The peak is one chunk's logits instead of all of them; the price is that the
-    weight's gradient (fp32, the weight's size) is held from forward on, a cost that does not grow with the batch.
+    The full logits of a GPT-2 micro-batch and their fp32 copy are most of a step's activation memory. So the forward
+    walks the tokens a chunk at a time and turns each chunk's logits straight into the gradients of x and of weight
+    (softmax − one_hot(target)); backward only scales them by grad_output. The price: the weight's fp32 gradient is
+    held from forward on, a cost that does not grow with the batch.
     """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int,
                 chunk_tokens: int, compute_grads: bool, use_fp8: bool) -> torch.Tensor:
-        # x (N, C): final hidden states; weight (padded_vocab, C); targets (N,): token ids in [0, vocab_size). There is
-        # no ignore_index: every position is a real token. An id of a padding row gives an infinite loss, and one past
-        # the padded width fails in gather (the loader checks shards for such ids before training starts).
+        # x (N, C); weight (padded_vocab, C); targets (N,), every one a real token (no ignore_index): the loader checks
+        # shards for ids outside the vocabulary before training starts.
         device_type = x.device.type
         # Under autocast, run the matmuls in its dtype as nn.Linear would; softmax and the sums stay in fp32.
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
@@ -144,19 +132,15 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int,
                          chunk_tokens: int, fp8: bool = False) -> torch.Tensor:
-    """F.cross_entropy(x @ weight[:vocab_size]ᵀ, targets) for x (N, C) and targets (N,), chunk_tokens rows at a time.
-    fp8: the training step's matmuls in FP8 (--fp8_head; validation, without gradients, stays in the autocast dtype,
-    so that its loss measures the weights)."""
-    # Inside forward, autograd has already switched grad mode off, so whether gradients are wanted (not in validation
-    # under no_grad, where they would triple the cost) is decided here.
+    """F.cross_entropy(x @ weight[:vocab_size]ᵀ, targets), chunk_tokens rows at a time. fp8: the training step's
+    matmuls in FP8 (validation, without gradients, stays in the autocast dtype: its loss measures the weights)."""
+    # Decided here: inside forward, autograd has switched grad mode off (validation, under no_grad, wants none).
     compute_grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     return ChunkedLinearCrossEntropy.apply(x, weight, targets, vocab_size, chunk_tokens, compute_grads,
                                            fp8 and compute_grads)
 
 
 def loss_chunk_tokens(device: torch.device) -> int:
-    """Tokens per chunk of the loss on this device. A GPU wants a few large chunks: 4,096 tokens make each logits
-    matmul big enough to run at full speed and 16 chunks of a 64 × 1,024 micro-batch, while a chunk's logits (0.8 GiB
-    in bf16 at GPT-2's vocabulary, twice that in eager fp32) stay small beside the activations. A CPU wants them
-    small enough to stay in its caches: 1,024 (295 MiB of logits, measured fastest there)."""
+    """Tokens per chunk of the loss: on a GPU 4,096, a logits matmul large enough to run at full speed whose logits
+    (0.8 GiB in bf16) stay small beside the activations; on a CPU 1,024, measured fastest there."""
     return 4096 if device.type == "cuda" else 1024

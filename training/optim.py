@@ -1,13 +1,6 @@
-"""How the model learns: which optimizer updates which parameter (AdamW, or Muon for the block matrices and AdamW
-for the rest), and the learning-rate schedule every one of them follows (warmup + cosine, or warmup-stable-decay).
-
-    --optimizer adamw   GPT-2's: AdamW for every parameter, decay on matrices only.
-    --optimizer muon    torch.optim.Muon for the 2-D weights inside the blocks (c_attn, attn.c_proj, c_fc,
-                        mlp.c_proj); AdamW as above for the tied wte/lm_head, wpe, biases and LayerNorms (with
-                        --arch modern: the untied wte, at --embed_lr, and lm_head, and the RMSNorm gains, QK-norm's
-                        too), which Muon is not for (an embedding row is a lookup, not a linear map, and 1-D tensors
-                        have no orthogonal update). optim.Muon: torch's update, its Newton–Schulz batched by
-                        shape; on several ranks, and under fsdp, each rank orthogonalising its share of the matrices.
+"""Which optimizer updates which parameter (--optimizer adamw: AdamW for all; muon: Muon for the blocks' matrices,
+AdamW for the rest, which Muon is not for: an embedding row is a lookup, not a linear map, and 1-D tensors have no
+orthogonal update), and the learning-rate schedule they all follow. See docs/optimizers.md.
 """
 
 import functools
@@ -19,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+from torch.optim._muon import _adjust_lr
 
 from training.config import TrainConfig
 from training.precision import pick_dtype
@@ -30,8 +24,7 @@ SETTING_FLAGS = {("adamw", "weight_decay"): "--weight_decay", ("muon", "weight_d
                  ("muon", "momentum"): "--muon_momentum", ("muon", "adjust_lr_fn"): "--muon_adjust_lr",
                  ("adamw", "lr_ratio"): "--embed_lr (as a ratio to --max_lr)", ("adamw", "betas"): "--adam_beta1"}
 # modern's untied input embedding learns at this multiple of --max_lr unless --embed_lr says otherwise: a row is
-# updated only where its token occurs. On enwiki 10× ended 0.125 lower in val loss than 1×, and 30× another 0.011
-# (within seed noise), so 10× (README, Architectures).
+# updated only where its token occurs (on enwiki 10× ended 0.125 lower in val loss than 1×: docs/architectures.md).
 EMBED_LR_RATIO = 10.0
 # --muon_momentum_warmup starts Muon's momentum here: early gradients change fast, and a shorter average follows them.
 MUON_MOMENTUM_START = 0.85
@@ -48,10 +41,8 @@ class Optimizers:
     def __init__(self, optimizers: dict[str, torch.optim.Optimizer], lr_ratios: dict[str, float],
                  scheduled_momentum: bool = False):
         self.by_name, self.lr_ratios = optimizers, lr_ratios
-        # A loaded state brings the settings of the run that saved it (weight decay, betas, momentum, ...) in its
-        # param_groups; this run's flags win, and what they replaced is kept for the resume to say: {flag: (saved,
-        # this run's)}. The learning rate is set_lr's, and the schedule's change is told apart (schedule_change);
-        # so is Muon's momentum under --muon_momentum_warmup (set_muon_momentum's, a snapshot holds that step's).
+        # A loaded state brings the saving run's settings; this run's flags win, and replaced_settings keeps {flag:
+        # (saved, this run's)} for the resume to say. The scheduled lr (and momentum) are not settings.
         scheduled = ("params", "lr", "momentum") if scheduled_momentum else ("params", "lr")
         self.run_settings = {name: [{k: v for k, v in group.items() if k not in scheduled}
                                     for group in optimizer.param_groups] for name, optimizer in optimizers.items()}
@@ -64,9 +55,8 @@ class Optimizers:
         return iter(self.by_name.values())
 
     def set_lr(self, lr: float) -> None:
-        """The schedule's learning rate; Muon's groups take it scaled by --muon_lr / --max_lr, and a group with an
-        lr_ratio (modern's embedding: --embed_lr / --max_lr) by that, so that every group warms up and decays
-        together."""
+        """The schedule's learning rate, scaled per optimizer (Muon: --muon_lr / --max_lr) and per group (modern's
+        embedding: --embed_lr / --max_lr), so that every group warms up and decays together."""
         for name, optimizer in self.by_name.items():
             for group in optimizer.param_groups:
                 group["lr"] = lr * self.lr_ratios[name] * group.get("lr_ratio", 1.0)
@@ -96,25 +86,22 @@ class Optimizers:
             saved, mine = len(state[name]["param_groups"]), len(optimizer.param_groups)
             if saved != mine:  # (torch would say only that the numbers differ)
                 raise ValueError(f"the snapshot's {name} state has {saved} parameter groups, this run's {mine}: it "
-                                 "was written by a version of this code that split the parameters differently "
-                                 "(--arch modern's token embedding has had a group of its own, at --embed_lr, since "
-                                 "2026-11-26). Start from its weights with --init_from (a fresh optimizer), or resume "
-                                 "it with the code that wrote it.")
+                                 "was written by a version of this code without --arch modern's group at --embed_lr. "
+                                 "Start from its weights with --init_from (a fresh optimizer), or resume it with the "
+                                 "code that wrote it.")
             optimizer.load_state_dict(state[name])
 
 
 def build_optimizers(model: torch.nn.Module, cfg: TrainConfig, device_type: str, fused: bool = True,
                      shared: bool = False) -> Optimizers:
-    """AdamW, or Muon + AdamW (see the module docstring), at the schedule's peak learning rate. shared: Muon's
-    Newton–Schulz work is split over the ranks (several ranks, or a model sharded by fsdp)."""
+    """AdamW, or Muon + AdamW, at the schedule's peak learning rate. shared: Muon's Newton–Schulz work is split over
+    the ranks."""
     embedding = model.transformer.wte.weight if model.config.arch == "modern" else None  # (gpt2's is lm_head too)
     if cfg.optimizer == "adamw":
         return Optimizers({"adamw": adamw(list(model.parameters()), cfg, device_type, fused, embedding)},
                           {"adamw": 1.0})
     matrices, rest = split_for_muon(model)
-    # Muon's adjust_lr_fn reads the shape as (A, B) = (rows, columns) = (out, in) for nn.Linear: "original" scales
-    # the step by sqrt(max(1, out/in)), more for the matrices that widen (c_fc ×2, c_attn ×√3), which is the
-    # RMS-to-RMS operator-norm scaling it is meant to be. HF's Conv1D stores (in, out) and would scale the others.
+    # adjust_lr_fn reads (rows, columns), nn.Linear's (out, in): "original" scales up the widening c_fc and c_attn.
     muon = Muon(matrices, shared=shared, lr=cfg.muon_lr, weight_decay=cfg.muon_weight_decay, momentum=cfg.muon_momentum,
                 adjust_lr_fn=cfg.muon_adjust_lr)
     return Optimizers({"muon": muon, "adamw": adamw(rest, cfg, device_type, fused, embedding)},
@@ -122,8 +109,7 @@ def build_optimizers(model: torch.nn.Module, cfg: TrainConfig, device_type: str,
 
 
 def split_for_muon(model: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
-    """(the 2-D weights inside the transformer blocks, everything else). named_parameters lists the tied
-    wte/lm_head weight once, so every parameter is in exactly one of the two."""
+    """(the 2-D weights inside the transformer blocks, everything else), each parameter in one of the two."""
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     in_muon = [".h." in f".{name}" and p.dim() == 2 for name, p in named]
     return [p for (_, p), m in zip(named, in_muon) if m], [p for (_, p), m in zip(named, in_muon) if not m]
@@ -138,8 +124,7 @@ def adamw(params: list[torch.nn.Parameter], cfg: TrainConfig, device_type: str, 
     if embedding is not None:
         embed_lr = cfg.embed_lr if cfg.embed_lr is not None else EMBED_LR_RATIO * cfg.max_lr
         groups.append({"params": [embedding], "weight_decay": cfg.weight_decay, "lr_ratio": embed_lr / cfg.max_lr})
-    # The fused kernel does the whole update in one pass per tensor instead of a dozen; on a CPU that is
-    # 12 ms instead of 70 ms per step for the small preset. fused=False is the plain loop (bench.py's baseline).
+    # The fused kernel: one pass per tensor instead of a dozen (on a CPU 12 ms instead of 70 a step, small preset).
     fused = fused and device_type in ("cuda", "mps", "cpu")
     return torch.optim.AdamW(groups, lr=cfg.max_lr, betas=(cfg.adam_beta1, 0.95), eps=1e-8, fused=fused)
 
@@ -148,20 +133,11 @@ def adamw(params: list[torch.nn.Parameter], cfg: TrainConfig, device_type: str, 
 # Muon: torch's update, its Newton–Schulz batched by shape and, on several ranks, shared
 
 class Muon(torch.optim.Muon):
-    """torch.optim.Muon's update (momentum, Nesterov, decoupled weight decay, the per-shape learning rate, the same
-    state in snapshots), with its Newton–Schulz iteration run once per shape over the stack of that shape's updates
-    instead of once per matrix: GPT-2 124M's 48 matrices make 3 stacks (a tall matrix joins the wide ones of its
-    transposed shape), and on an H200 the 3 batched iterations took 3.8 ms where the 48 single ones took 24.6
-    (`python -m dev.speed_levers`), with bitwise the same result.
+    """torch.optim.Muon's update and state, with its Newton–Schulz iteration run once per shape over the stack of that
+    shape's updates instead of once per matrix (on an H200 3.8 ms instead of 24.6 for GPT-2 124M, bitwise the same).
 
-    shared (several ranks, or a model sharded by fsdp): each matrix has one owner (muon_owners), which alone
-    orthogonalises the matrix's update, and every rank receives what it holds of the result. The momentum stays
-    where torch.optim.Muon keeps it, beside its parameter (under fsdp resharded, like AdamW's moments).
-
-    ddp: every rank holds the whole all-reduced gradient and momentum, so each owner broadcasts its results.
-    fsdp: a rank holds rows of every matrix (FSDP2 shards dim 0), and of its momentum. The owner gathers the rows of
-    its matrices' updates from every rank, orthogonalises them, and sends each rank its rows of the result back: one
-    all-to-all each way, each rank receiving about 1/world of the matrices.
+    shared (several ranks, or fsdp): each matrix has one owner (muon_owners), which alone orthogonalises its update,
+    and every rank receives what it holds of the result; the momentum stays beside its parameter, as torch keeps it.
     """
 
     def __init__(self, params, shared: bool = False, **settings):
@@ -169,7 +145,7 @@ class Muon(torch.optim.Muon):
         self.shared = shared  # an attribute, not a setting: snapshots hold what torch.optim.Muon's hold
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None):  # (torch's signature: fsdp's get_state_dict calls step(closure=None))
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -194,27 +170,20 @@ class Muon(torch.optim.Muon):
 
         shapes = [p.shape for p in params]  # the whole matrices' shapes, also of fsdp's shards
         if any(isinstance(p, DTensor) for p in params):
-            exchange = orthogonalise_sharded
+            orthogonal = orthogonalise_sharded(shapes, grads, update, orthogonalise)
+        elif self.shared:
+            orthogonal = orthogonalise_replicated(shapes, grads, update, orthogonalise)
         else:
-            exchange = orthogonalise_replicated if self.shared else orthogonalise_here
-        for p, shape, orthogonal in zip(params, shapes, exchange(shapes, grads, update, orthogonalise)):
+            orthogonal = orthogonalise([update(i) for i in range(len(params))])
+        for p, shape, result in zip(params, shapes, orthogonal):
             p = local(p)
             p.mul_(1 - group["lr"] * group["weight_decay"])
-            p.add_(orthogonal, alpha=-group["lr"] * muon_lr_scale(group["adjust_lr_fn"], shape))
+            p.add_(result, alpha=-_adjust_lr(group["lr"], group["adjust_lr_fn"], shape))
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """What this rank holds of a tensor: its shard of an fsdp DTensor (a view: in-place changes reach the DTensor)."""
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def muon_lr_scale(adjust_lr_fn: str | None, shape: torch.Size) -> float:
-    """torch.optim.Muon's per-shape factor of the learning rate, the two rules its documentation gives, for a matrix
-    of (rows, columns)."""
-    rows, columns = shape[:2]
-    if adjust_lr_fn == "match_rms_adamw":
-        return 0.2 * math.sqrt(max(rows, columns))
-    return math.sqrt(max(1, rows / columns))  # "original" (and torch's default, None)
 
 
 def muon_owners(shapes: list[torch.Size], world_size: int) -> list[int]:
@@ -232,15 +201,8 @@ def muon_owners(shapes: list[torch.Size], world_size: int) -> list[int]:
     return owners
 
 
-# The three ways of Muon.step to the orthogonalised updates: given the shapes of the whole matrices, what this rank
-# holds of their gradients (whole, or fsdp's rows), update(i) (what it holds of matrix i's update) and orthogonalise
-# (Newton–Schulz over a list of matrices), they return what this rank holds of each orthogonalised update.
-
-def orthogonalise_here(shapes: list[torch.Size], held: list[torch.Tensor], update: Callable,
-                       orthogonalise: Callable) -> list[torch.Tensor]:
-    """One process, or every rank all of the matrices: each update orthogonalised here."""
-    return orthogonalise([update(i) for i in range(len(shapes))])
-
+# Muon's work shared: from the whole matrices' shapes, what this rank holds of their gradients, update(i) (what it
+# holds of matrix i's update) and orthogonalise (of a list of matrices), what it holds of each orthogonalised update.
 
 def orthogonalise_replicated(shapes: list[torch.Size], held: list[torch.Tensor], update: Callable,
                              orthogonalise: Callable) -> list[torch.Tensor]:
@@ -258,9 +220,10 @@ def orthogonalise_replicated(shapes: list[torch.Size], held: list[torch.Tensor],
 
 def orthogonalise_sharded(shapes: list[torch.Size], held: list[torch.Tensor], update: Callable,
                           orthogonalise: Callable) -> list[torch.Tensor]:
-    """fsdp: every rank holds some rows of each matrix (torch.chunk's split of dim 0, as FSDP2 shards: ceil(rows /
-    world) to each rank in turn, the last ones fewer or none). Each rank's rows are padded to that chunk, so that a
-    matrix's pieces line up: rank r's piece of every matrix is row r of the (world, chunk) view of the padded whole."""
+    """fsdp: every rank holds some rows of each matrix (FSDP2's torch.chunk of dim 0: ceil(rows / world) each, the
+    last ranks fewer or none). The owner gathers its matrices' rows from every rank, one all-to-all, and sends each
+    its rows of the result back, another. Rows are padded to the chunk, so that rank r's piece of every matrix is row
+    r of the (world, chunk) view of the padded whole."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     owners = muon_owners(shapes, world_size)
     chunk_rows = [math.ceil(shape[0] / world_size) for shape in shapes]
@@ -295,9 +258,9 @@ def orthogonalise_sharded(shapes: list[torch.Size], held: list[torch.Tensor], up
 
 def orthogonalise_by_shape(updates: list[torch.Tensor], ns_coefficients: tuple[float, float, float], ns_steps: int,
                            eps: float) -> list[torch.Tensor]:
-    """newton_schulz of each update, run once per shape on the stack of that shape's updates, a tall matrix
-    transposed to join the wide ones of its shape (Newton–Schulz iterates on the wide form anyway); in fp32 (exact for
-    a bf16 result, and what a broadcast sends), contiguous, in the updates' order."""
+    """newton_schulz of each update, once per shape on the stack of that shape's updates, a tall matrix transposed to
+    join the wide ones (Newton–Schulz iterates on the wide form anyway); in fp32 (what a broadcast sends), contiguous,
+    in the updates' order."""
     wide = [u if u.size(0) <= u.size(1) else u.T for u in updates]
     by_shape: dict[torch.Size, list[int]] = {}
     for i, w in enumerate(wide):
@@ -311,38 +274,29 @@ def orthogonalise_by_shape(updates: list[torch.Tensor], ns_coefficients: tuple[f
 
 
 def bf16_matmul_is_slow(device: torch.device) -> bool:
-    """Where --dtype auto does not pick bf16, bf16 matmuls are emulated or unsafe: CPUs without AVX512-BF16 or AMX
-    (several times slower than fp32), pre-Ampere GPUs, MPS."""
+    """Where --dtype auto does not pick bf16 (CPUs without AVX512-BF16 or AMX, pre-Ampere GPUs, MPS)."""
     return pick_dtype("auto", device) != torch.bfloat16
 
 
-def newton_schulz(grad: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
+def newton_schulz(stack: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
                   eps: float) -> torch.Tensor:
-    """torch.optim.Muon's orthogonalisation (torch.optim._muon._zeropower_via_newtonschulz: the same quintic
-    iteration, coefficients and normalisation) of a matrix (rows, columns), or of a stack of same-shaped ones
-    (matrices, rows, columns) at once. In bf16 as torch's, but in fp32 where bf16 matmuls are slow (torch has no
-    option for that)."""
+    """torch.optim._muon._zeropower_via_newtonschulz of each of a stack of wide matrices (matrices, rows <= columns)
+    at once; in bf16 as torch's, but in fp32 where bf16 matmuls are slow (torch has no option for that)."""
     a, b, c = ns_coefficients
-    x = grad.to(torch.float32 if bf16_matmul_is_slow(grad.device) else torch.bfloat16)
-    x = x if grad.dim() == 3 else x.unsqueeze(0)  # a stack of one
-    tall = x.size(1) > x.size(2)
-    x = x.mT if tall else x  # iterate on the (small, small) Gram matrix
+    x = stack.to(torch.float32 if bf16_matmul_is_slow(stack.device) else torch.bfloat16)
     x = x / x.norm(dim=(1, 2), keepdim=True).clamp(min=eps)  # spectral norm ≤ Frobenius norm = 1
     for _ in range(ns_steps):
-        gram = x @ x.mT
+        gram = x @ x.mT  # (rows, rows): the small side
         x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    x = x.mT if tall else x
-    return x if grad.dim() == 3 else x.squeeze(0)
+    return x
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # the learning-rate schedule
 
 def get_lr(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup to max_lr, then
-    cosine: cosine decay to min_lr_ratio·max_lr at the last step;
-    wsd: max_lr held, then over the last --warmdown_frac of the steps a linear decay to min_lr_ratio·max_lr at the
-    last step. Only wsd's warmdown depends on max_steps, so a longer run continues a stable-phase snapshot as is."""
+    """Linear warmup to max_lr, then cosine decay to min_lr_ratio·max_lr at the last step; or (wsd) max_lr held, then
+    a linear decay to it over the last --warmdown_frac of the steps, so that a longer run continues as is."""
     min_lr = cfg.max_lr * cfg.min_lr_ratio
     if step < cfg.warmup_steps:
         return cfg.max_lr * (step + 1) / cfg.warmup_steps
@@ -364,8 +318,8 @@ def get_muon_momentum(step: int, cfg: TrainConfig) -> float:
 
 
 def schedule_change(step: int, snapshot_config: dict, cfg: TrainConfig) -> tuple[str, bool] | None:
-    """On a resume at `step` with another schedule than the snapshot's run had (max_steps or any schedule flag):
-    a line saying what the LR was going to be and what it is now, and whether that is a jump. None if unchanged."""
+    """On a resume with another schedule than the snapshot's run had: (a line saying what the LR was going to be at
+    `step` and what it is now, whether that is a jump); None if unchanged."""
     schedule_flags = ("lr_schedule", "max_steps", "warmup_steps", "max_lr", "min_lr_ratio", "warmdown_frac")
     old = replace(cfg, **{k: snapshot_config[k] for k in schedule_flags if k in snapshot_config})
     if all(getattr(old, k) == getattr(cfg, k) for k in schedule_flags):

@@ -2,6 +2,8 @@
 per sequence measured on this device, and the largest micro-batch that fits a card, for GPT-2's sizes under ddp and
 fsdp with each --activation_checkpointing."""
 
+from dataclasses import replace
+
 import torch
 
 from model import GPT, PRESETS, GPTConfig
@@ -10,10 +12,9 @@ from training.activation_checkpointing import ACTIVATION_CHECKPOINTING
 from training.memory import (
     GiB,
     MiB,
-    activation_bytes_per_sequence_from_two_depths,
+    fixed_bytes,
     largest_micro_batch,
     measure_activation_bytes_per_sequence,
-    plan_micro_batches,
     state_bytes,
 )
 
@@ -39,6 +40,34 @@ def memory_budget(work: Workload, dtype: torch.dtype, memory_gb: list[float]) ->
         except ValueError:
             largest[f"{gb:g}"] = 0
     return {"state_bytes": state, "activation_bytes_per_sequence": per_sequence, "largest_micro_batch": largest}
+
+
+def activation_bytes_per_sequence_from_two_depths(config: GPTConfig, seq_len: int, dtype: torch.dtype,
+                                                  device: torch.device, activation_checkpointing: str) -> int:
+    """measure_activation_bytes_per_sequence of config's whole depth, from models of 1 and 2 of its layers: every
+    block keeps the same tensors, so the figure grows by the same amount per layer on top of what the embeddings and
+    the loss keep. (Measuring GPT-2 1.5B whole would take a CPU minutes per mode, and more memory than it has.)"""
+    one, two = (measure_activation_bytes_per_sequence(replace(config, n_layer=n), seq_len, dtype, device,
+                                                      activation_checkpointing=activation_checkpointing)
+                for n in (1, 2))
+    return one + (config.n_layer - 1) * (two - one)
+
+
+def plan_micro_batches(config: GPTConfig, bytes_per_sequence: dict[str, int], memory_bytes: int, cards: int,
+                       seq_len: int, total_batch_size: int, dtype: torch.dtype) -> dict[tuple[str, str], int]:
+    """For `cards` cards of memory_bytes each, {(parallel, activation checkpointing): the largest micro-batch that
+    fits a card next to what it holds under that parallelism (fixed_bytes), or 0 if not even one sequence does}, from
+    the activations per sequence of each checkpointing mode."""
+    rank_sequences = total_batch_size // (seq_len * cards)
+    fits = {}
+    for parallel in ("ddp", "fsdp"):
+        fixed = fixed_bytes(config, cards, parallel, dtype)
+        for mode, per_sequence in bytes_per_sequence.items():
+            try:
+                fits[parallel, mode] = largest_micro_batch(memory_bytes, fixed, per_sequence, rank_sequences).size
+            except ValueError:  # one sequence does not fit
+                fits[parallel, mode] = 0
+    return fits
 
 
 def memory_plan(memory_gb: list[float], device: torch.device, models: dict[str, GPTConfig] | None = None,
