@@ -18,7 +18,7 @@ converted by transformers' TikTokenConverter; the config's bos and eos ids are i
 Weights go through transformers' own save_pretrained (model.safetensors), so the layout is whatever the installed
 transformers writes and reads, not a hand-made imitation of it.
 
-The directory is written whole or not at all (training/files.py's replace_directory): beside it first, each file
+The directory is written whole or not at all (replace_directory): beside it first, each file
 fsynced, then swapped in; a full disk is an error naming it and leaves it as it was. It then holds exactly this
 model's files and export_hf.json, the record of an export (training/hf.py's EXPORT_VERSION): what it wrote, which lets
 a later export replace it, and the snapshot's tokenizer record, with which tools.sample, tools.evaluate --model and
@@ -31,6 +31,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
 
@@ -45,9 +46,34 @@ from transformers.convert_slow_tokenizer import TikTokenConverter, bytes_to_unic
 from model import GPT, NORM_EPS, ROPE_THETA
 from rundir.snapshot import read_model
 from training.errors import UserError, run_entry_point
-from training.files import replace_directory
+from training.files import fsync_directory, raise_for
 from training.hf import EXPORT_RECORD, EXPORT_VERSION, hf_state_dict, read_export_record
 from training.tokenizer import EOT_TEXT, TiktokenTokenizer, Tokenizer, gpt2_spec, load_tokenizer_of, read_tokenizer
+
+
+def replace_directory(path: str | Path, fill: Callable[[Path], None]) -> None:
+    """Leave at `path` what it held before (or nothing) or the complete new directory, which fill(tmp) writes beside
+    it; the old one is renamed aside, then removed (a crash between the renames leaves it as <name>.<pid>.old)."""
+    path = Path(os.path.realpath(path))  # (".": a name to put the new one beside; a link: the directory it names)
+    tmp, old = (path.with_name(f"{path.name}.{os.getpid()}.{end}") for end in ("tmp", "old"))
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)  # a dead process's of the same pid
+        tmp.mkdir(parents=True)
+        fill(tmp)
+        for file in tmp.iterdir():
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
+        fsync_directory(tmp)
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not path.exists():
+            old.rename(path)
+        raise_for(path, tmp, e)
+    shutil.rmtree(old, ignore_errors=True)
+    fsync_directory(path.parent)
 
 
 def qwen3_state_dict(model: GPT) -> dict[str, torch.Tensor]:

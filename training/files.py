@@ -1,8 +1,7 @@
-"""Files and directories written so that a crash never leaves a half-written one where a whole one is expected, and
-a failed write (a full disk) is an OSError naming the path it was for; and the version check of our JSON files."""
+"""Files written so that a crash never leaves a half-written one where a whole one is expected, and a failed write
+(a full disk) is an OSError naming the path it was for; and the version check of our JSON files."""
 
 import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -58,28 +57,3 @@ def atomic_write(path: str | Path, write: Callable) -> None:
     except BaseException as e:
         tmp.unlink(missing_ok=True)
         raise_for(path, tmp, e)
-
-
-def replace_directory(path: str | Path, fill: Callable[[Path], None]) -> None:
-    """Leave at `path` what it held before (or nothing) or the complete new directory, which fill(tmp) writes beside
-    it; the old one is renamed aside, then removed (a crash between the renames leaves it as <name>.<pid>.old)."""
-    path = Path(os.path.realpath(path))  # (".": a name to put the new one beside; a link: the directory it names)
-    tmp, old = (path.with_name(f"{path.name}.{os.getpid()}.{end}") for end in ("tmp", "old"))
-    try:
-        shutil.rmtree(tmp, ignore_errors=True)  # a dead process's of the same pid
-        tmp.mkdir(parents=True)
-        fill(tmp)
-        for file in tmp.iterdir():
-            with open(file, "rb") as f:
-                os.fsync(f.fileno())
-        fsync_directory(tmp)
-        if path.exists():
-            path.rename(old)
-        tmp.rename(path)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old.exists() and not path.exists():
-            old.rename(path)
-        raise_for(path, tmp, e)
-    shutil.rmtree(old, ignore_errors=True)
-    fsync_directory(path.parent)
