@@ -1,39 +1,6 @@
-"""Sharded token files and the loader that gives each rank its own slice of them.
-
-Shard format (llm.c's, so data is interchangeable with it): a header of 256 little-endian int32
-[MAGIC, VERSION, num_tokens, 0, ...] followed by num_tokens little-endian uint16 token ids; for a vocabulary of over
-65,536 ids, [MAGIC_32, VERSION_32, ...] and uint32 ids (llm.c's Llama 3 shards). Shards live in one directory as
-<anything>_train_<NNNNNN>.bin and <anything>_val_<NNNNNN>.bin, beside a manifest.json (version MANIFEST_VERSION)
-naming the tokenizer that wrote them (a TokenizerSpec, tokenizer.py) and listing them: one directory, one tokenizer.
-A directory without one (llm.c's) holds GPT-2's tokens.
-
-The stream is cut into chunks of B·T tokens (plus the one next token as the last target). Every micro-step
-consumes world_size consecutive chunks, rank r taking the r-th; every optimizer step consumes
-chunks_per_step = world_size·grad_accum_steps of them. A shard is used up to a whole number of optimizer
-steps, then all ranks move to the next shard together. So the chunks a step trains on depend only on B, T and
-the total batch, never on how they are split across ranks, and the loader's position is the same on every
-rank: a 2-rank snapshot resumes on 1 rank at exactly the next tokens.
-
-Document-aligned batches (align_bos=True): every row starts at a document's first token, or continues a document
-longer than a row. Each shard's documents are packed into rows of T+1 tokens (x and its shifted y) by
-training/packing.py's pack_rows, before and independently of the ranks; a chunk is then B consecutive packed rows
-instead of B·T consecutive tokens, and everything above (chunk order, ranks, steps, state) is unchanged.
-
-Shards are read with plain reads, each checked to return every byte asked for, never through a memory map: a shard
-truncated under a running job (a copy or a download over it in place) is then a ShardReadError naming it, where a
-memory map would kill the process with SIGBUS and no snapshot. The train loader reads each optimizer step's batches
-ahead (read_ahead), between steps, so that a failed read stops every rank together with a snapshot
-(train_gpt2.run) instead of one rank failing inside a step while the others wait for it in a collective.
-
-A run trains on exactly the shards it started with. The loader keeps each shard's os.stat from when it was made
-(ShardWatch: device and inode, size, change time) and compares every shard's against it after reading each step's
-batches (read_ahead) and after each validation (validation.validation_loss): one stat per shard, 0.15 ms for 100
-shards on a local disk. A shard deleted or moved away, another file renamed over it (a new inode), a truncation or
-append (the size) and a write in place of the same size (the ctime, which no one can set back, unlike the mtime) are
-each a ShardReadError naming the shard and what changed, and so is a read that comes back short. Checked after the
-reads, a change during one is seen before the step trains on what it read. A chmod, chown or new hard link moves the
-ctime too, and stops the run just the same: the check cannot tell them from a write.
-"""
+"""Sharded token files (llm.c's format), and the loader that gives each rank its own chunks of them, the same chunks
+for any number of ranks. docs/data.md says how: the shard format, the chunk stream, --align_bos, the checks at start-up
+and the shards that change under a run (ShardWatch)."""
 
 import hashlib
 import json
@@ -305,6 +272,15 @@ def check_token_ids(shard: Shard, vocab_size: int) -> None:
                         "data/fineweb.py (--tokenizer: the model's), or move it out of the data directory.")
 
 
+def check_shard_fills_a_step(path: Path, num_tokens: int, chunks_per_step: int, B: int, T: int) -> None:
+    """A UserError unless a shard of num_tokens tokens holds one optimizer step's chunks of B·T tokens (+1)."""
+    step_tokens = chunks_per_step * B * T + 1
+    if num_tokens < step_tokens:
+        raise UserError(f"{path}: shard has {num_tokens} tokens, fewer than one optimizer step needs ({step_tokens} = "
+                        f"{chunks_per_step} chunks of B·T = {B}·{T}, +1). Use a smaller --total_batch_size / "
+                        "--micro_batch_size / --seq_len, or larger shards.")
+
+
 class DistributedDataLoader:
     def __init__(self, data_dir: str | Path, split: str, B: int, T: int, rank: int = 0, world_size: int = 1,
                  grad_accum_steps: int = 1, shuffle: bool = False, seed: int = 0, vocab_size: int | None = None,
@@ -320,12 +296,8 @@ class DistributedDataLoader:
         # Check every header now, so a bad shard fails the run in its first second rather than hours in.
         layouts = [read_shard_layout(p) for p in self.shards]
         self.shard_tokens, self.shard_dtypes = [n for n, _ in layouts], [dtype for _, dtype in layouts]
-        step_tokens = self.chunks_per_step * B * T + 1
         for path, n in zip(self.shards, self.shard_tokens):
-            if n < step_tokens:
-                raise UserError(f"{path}: shard has {n} tokens, fewer than one optimizer step needs ({step_tokens} = "
-                                 f"{self.chunks_per_step} chunks of B·T = {B}·{T}, +1). Use a smaller "
-                                 "--total_batch_size / --micro_batch_size / --seq_len, or larger shards.")
+            check_shard_fills_a_step(path, n, self.chunks_per_step, B, T)
         # One look at every shard's tokens: an id the model has no embedding for fails the run now too, and the
         # shards' sizes, first and last tokens, in order, tell which data this is, whatever directory holds it.
         fingerprint = hashlib.sha256()
@@ -408,8 +380,14 @@ class DistributedDataLoader:
         self._ahead_from: tuple[int, int, int] | None = None  # (epoch, shard_position, chunk_position)
 
     def _read_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = self.read_chunk(self.rank)
+        self.advance(self.world_size)
+        return batch
+
+    def read_chunk(self, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y) of the chunk `offset` chunks on from the position (the loader's own rank reads offset rank)."""
         B, T = self.B, self.T
-        chunk = int(self.chunk_order[self.chunk_position + self.rank])
+        chunk = int(self.chunk_order[self.chunk_position + offset])
         if self.align_bos:  # B consecutive packed rows of T+1 tokens, each its own x and y
             pieces = np.concatenate(self.rows[chunk * B : (chunk + 1) * B])
             buf = np.concatenate([self.tokens[start : start + n] for start, n in pieces]).astype(np.int64)
@@ -418,7 +396,11 @@ class DistributedDataLoader:
         else:  # B consecutive T-token runs: B·T tokens in one slice, then reshaped
             buf = torch.from_numpy(self.shard.read(chunk * B * T, B * T + 1).astype(np.int64))  # uint16/32 until here
             x, y = buf[:-1].view(B, T), buf[1:].view(B, T)
-        self.chunk_position += self.world_size
+        return x, y
+
+    def advance(self, chunks: int) -> None:
+        """Past `chunks` chunks, into the next shard (and epoch) at the end of this one's usable chunks."""
+        self.chunk_position += chunks
         if self.chunk_position >= self.usable_chunks:
             self.chunk_position = 0
             self.shard_position += 1
@@ -426,7 +408,17 @@ class DistributedDataLoader:
                 self.shard_position = 0
                 self.epoch += 1
             self._open_shard()
-        return x, y
+
+    def where(self) -> str:
+        return f"epoch {self.epoch}, shard {self.shard_position}, chunk {self.chunk_position}"
+
+    def tokens_by_source(self, steps: int) -> dict[str, int]:
+        """{data_dir: the tokens the run read in its first `steps` steps} (every rank's)."""
+        return {self.data_dir: steps * self.chunks_per_step * self.B * self.T}
+
+    @property
+    def sources(self) -> list["DistributedDataLoader"]:
+        return [self]  # (a MixtureLoader's are several)
 
     def state_dict(self) -> dict[str, int | str]:
         # B·T and chunks_per_step give the position its meaning; rank and world size do not (see module doc).
@@ -438,8 +430,14 @@ class DistributedDataLoader:
                 "align_bos": int(self.align_bos),
                 "data_dir": self.data_dir, "data_fingerprint": self.data_fingerprint}
 
-    def load_state_dict(self, state: dict[str, int | str]) -> None:
+    def load_state_dict(self, state: dict, whole_steps: bool = True) -> None:
+        """whole_steps: the position must be between two optimizer steps (a mixture's source is at any chunk)."""
         mine = self.state_dict()
+        if "sources" in state:
+            raise UserError(f"cannot resume the data loader: the snapshot's run trained on a --data_mix of "
+                            f"{', '.join(source['data_dir'] for source in state['sources'])}, this one on --data_dir "
+                            f"{self.data_dir}. Pass the snapshot's --data_mix, or start a new run from its weights "
+                            "with --init_from SNAPSHOT.")
         if state["data_fingerprint"] != self.data_fingerprint:
             raise UserError(
                 f"cannot resume the data loader: the snapshot's run read other shards (--data_dir {state['data_dir']}, "
@@ -462,7 +460,7 @@ class DistributedDataLoader:
                 f"the loss curves would jump. Pass --seq_len {state['seq_len']} --micro_batch_size "
                 f"{self.B * self.T // state['seq_len']}, or start a new run from the snapshot's weights with "
                 "--init_from SNAPSHOT.")
-        if state["chunk_position"] % self.chunks_per_step:
+        if whole_steps and state["chunk_position"] % self.chunks_per_step:
             raise UserError(f"cannot resume the data loader: its state (chunk_position {state['chunk_position']}) "
                              "was taken in the middle of an optimizer step; snapshots are only valid between steps.")
         self.epoch, self.shard_position = state["epoch"], state["shard_position"]

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from dataloader import DistributedDataLoader, ShardReadError
 from evaluation import tasks as evals
-from evaluation.validation import validation_loss
+from evaluation.validation import validation_loss, validation_record
 from model import GPT
 from rundir.lock import RunLock, lock_run_directories
 from rundir.snapshot import FORMAT, read_model
@@ -39,12 +39,15 @@ from training.errors import UserError, run_entry_point
 from training.inputs import check_inputs, resolve_plan
 from training.memory import choose_micro_batch, keep_freed_memory
 from training.mfu import Peak, peak_flops
+from training.mixture import MixtureLoader, source_names
 from training.optim import get_lr, get_muon_momentum, schedule_change
 from training.parallel import TrainingModel, build_training_model
 from training.precision import dtype_name, pick_dtype, set_deterministic
 from training.run_logger import RunLogger
 from training.step import StepResult, train_step
 from training.tokenizer import Tokenizer, generate_text, tokenizer_from_spec
+
+MAX_EPOCHS = 4  # a source read more often than this is warned of at the start (log_epochs)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -85,7 +88,7 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None
     torch.manual_seed(cfg.seed)
 
     # --- data, and the text the tasks and samples are read and written with
-    train_loader, val_loader = data_loaders(cfg, plan, dist_env)
+    train_loader, val_loaders = data_loaders(cfg, plan, dist_env)
     # The data's tokenizer: loaded now, as the tasks' files, so that one this node cannot have (a tiktoken encoding
     # offline) says so at start-up, not at its first use.
     tokenizer = tokenizer_from_spec(train_loader.tokenizer) if cfg.eval_every or cfg.sample_every else None
@@ -104,11 +107,13 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None
     # --- logging, evaluations, speed
     metrics = RunLogger(cfg.log_dir, snapshots.run, master, run_lock)
     log_start(cfg, plan, dist_env, snapshots, trainee, metrics, start_step, resumed_from)
-    evaluations = Evaluations(cfg, plan, trainee, val_loader, eval_suite, metrics, stop, dist_env, dtype, tokenizer)
+    evaluations = Evaluations(cfg, plan, trainee, val_loaders, eval_suite, metrics, stop, dist_env, dtype, tokenizer)
     peak = peak_flops(device, dtype)  # after the RNG restore: it leaves the global generators alone
     speed = Speedometer(trainee.raw.flops_per_token(plan.seq_len) * cfg.total_batch_size, cfg.total_batch_size,
                         peak.flops * dist_env.world_size)
     log_setup(cfg, plan, trainee.raw, dist_env, dtype, peak)
+    if master:
+        log_epochs(cfg, plan, train_loader)
     divergence = DivergenceResponse(cfg, snapshots, guard, train_loader, metrics, print0)
     loop = TrainingLoop(cfg, plan, trainee, train_loader, guard, snapshots, evaluations, divergence, speed, metrics,
                         stop, device, dtype)
@@ -121,7 +126,7 @@ class TrainingLoop:
     cfg: TrainConfig
     plan: Plan
     trainee: TrainingModel
-    train_loader: DistributedDataLoader
+    train_loader: DistributedDataLoader | MixtureLoader
     guard: DivergenceGuard
     snapshots: Snapshots
     evaluations: "Evaluations"
@@ -152,6 +157,10 @@ class TrainingLoop:
                 stopped = f"during the evaluation before step {step}"
                 break
             # --- train
+            if step == self.plan.anneal_step:
+                mix = dict(zip(self.plan.sources, self.plan.anneal_weights))
+                print0(f"step {step:5d} | the --anneal_mix starts: {mix}")
+                self.metrics.log({"event": "anneal", "step": step, "data_mix": mix})
             result = self.timed_step(step)
             if guard.skips_in_a_row >= cfg.max_skips:  # the same on every rank: they all stop or roll back
                 step = self.divergence.respond(step, result.skip_reason)
@@ -178,7 +187,9 @@ class TrainingLoop:
                             self.plan.grad_accum_steps, lr, cfg.grad_clip, self.device, self.dtype, self.guard,
                             muon_momentum=get_muon_momentum(step, cfg), row_length=row_length(step, self.plan))
         synchronize(self.device)
-        log_step(step, result, lr, self.speed.measure(time.perf_counter() - t0), self.metrics)
+        sources = {"tokens_by_source": self.train_loader.tokens_by_source(step + 1),
+                   "epoch_by_source": {source.data_dir: source.epoch for source in self.train_loader.sources}}
+        log_step(step, result, lr, self.speed.measure(time.perf_counter() - t0), self.metrics, sources)
         return result
 
 
@@ -199,15 +210,19 @@ def data_failure_message(failure: str, stopped: str, written: Path | None, snaps
 # the steps of the run
 
 def data_loaders(cfg: TrainConfig, plan: Plan, dist_env: Distributed
-                 ) -> tuple[DistributedDataLoader, DistributedDataLoader | None]:
-    """Each rank's train and val loaders (token ids checked against the model's vocabulary now, not mid-step)."""
-    vocab_size = plan.model_config.vocab_size
-    train_loader = DistributedDataLoader(cfg.data_dir, "train", cfg.micro_batch_size, plan.seq_len, dist_env.rank,
-                                         dist_env.world_size, plan.grad_accum_steps, shuffle=cfg.shuffle, seed=cfg.seed,
-                                         vocab_size=vocab_size, align_bos=plan.align_bos)
-    val_loader = DistributedDataLoader(cfg.data_dir, "val", cfg.micro_batch_size, plan.seq_len, dist_env.rank,
-                                       dist_env.world_size, vocab_size=vocab_size) if plan.val_steps else None
-    return train_loader, val_loader
+                 ) -> tuple[DistributedDataLoader | MixtureLoader, dict[str, DistributedDataLoader]]:
+    """Each rank's train loader, and val loader of each source by name (token ids checked against the model's
+    vocabulary now, not mid-step)."""
+    def loader(source: str, split: str, **train) -> DistributedDataLoader:
+        return DistributedDataLoader(source, split, cfg.micro_batch_size, plan.seq_len, dist_env.rank,
+                                     dist_env.world_size, vocab_size=plan.model_config.vocab_size, **train)
+
+    sources = [loader(source, "train", grad_accum_steps=plan.grad_accum_steps, shuffle=cfg.shuffle, seed=cfg.seed,
+                      align_bos=plan.align_bos) for source in plan.sources]
+    train_loader = MixtureLoader(sources, plan.weights, plan.anneal_weights, plan.anneal_step, cfg.seed) \
+        if cfg.data_mix or cfg.anneal_mix else sources[0]
+    names = source_names(plan.sources)
+    return train_loader, {names[source]: loader(source, "val") for source in plan.sources} if plan.val_steps else {}
 
 
 def task_suite(cfg: TrainConfig, plan: Plan, dist_env: Distributed, tokenizer: Tokenizer | None) -> evals.Suite:
@@ -296,9 +311,7 @@ class DivergenceResponse:
 
     def respond(self, step: int, reason: str) -> int:
         """Roll back and return the step to go on at, or raise UserError."""
-        cfg, position = self.cfg, self.train_loader.state_dict()
-        where = (f"epoch {position['epoch']}, shard {position['shard_position']}, chunk "
-                 f"{position['chunk_position']}")
+        cfg, position, where = self.cfg, self.train_loader.state_dict(), self.train_loader.where()
         if cfg.on_divergence == "rollback" and self.guard.rollbacks < cfg.max_rollbacks:
             rollbacks = self.guard.rollbacks
             restored = self.snapshots.rollback()  # the guard's state too, from before this rollback
@@ -334,10 +347,10 @@ class DivergenceResponse:
 class Evaluations:
     """Validation, the zero-shot tasks and samples, each on its own beat."""
 
-    def __init__(self, cfg: TrainConfig, plan: Plan, trainee: TrainingModel, val_loader, eval_suite,
+    def __init__(self, cfg: TrainConfig, plan: Plan, trainee: TrainingModel, val_loaders, eval_suite,
                  metrics: RunLogger, stop: StopRequest, dist_env: Distributed, dtype: torch.dtype,
                  tokenizer: Tokenizer | None = None):
-        self.cfg, self.plan, self.trainee, self.val_loader = cfg, plan, trainee, val_loader
+        self.cfg, self.plan, self.trainee, self.val_loaders = cfg, plan, trainee, val_loaders
         self.eval_suite, self.metrics, self.stop = eval_suite, metrics, stop
         self.dist_env, self.dtype, self.tokenizer = dist_env, dtype, tokenizer  # the data's (None: GPT-2's)
 
@@ -349,19 +362,22 @@ class Evaluations:
             return self.stop.agreed(device)
 
         print0 = print if self.dist_env.is_master else (lambda *args: None)
-        if self.val_loader and (step % cfg.val_every == 0 or step == last_step):
-            try:
-                val = validation_loss(self.trainee.model, self.val_loader, self.plan.val_steps, device, dtype,
-                                      should_stop)
-            except ShardReadError as e:  # raised on every rank together: they agree on the stop as on a train shard's
-                self.stop.data_failed(e)
-                self.stop.agreed(device)
-                return False
-            if val is None:
-                return False
-            bpb = {"val_bpb": val.bpb} if val.bpb is not None else {}  # None: no tokenizer (offline)
-            print0(f"step {step:5d} | val loss {val.loss:.4f}" + (f" | val bpb {val.bpb:.4f}" if bpb else ""))
-            self.metrics.log({"step": step, "val_loss": val.loss} | bpb)
+        if self.val_loaders and (step % cfg.val_every == 0 or step == last_step):
+            results = {}
+            for name, loader in self.val_loaders.items():
+                try:
+                    results[name] = validation_loss(self.trainee.model, loader, self.plan.val_steps, device, dtype,
+                                                    should_stop)
+                except ShardReadError as e:  # raised on every rank together: they agree on the stop as on a train's
+                    self.stop.data_failed(e)
+                    self.stop.agreed(device)
+                    return False
+                if results[name] is None:
+                    return False
+            record = validation_record(results)  # (no bpb where the tokenizer cannot be loaded offline)
+            print0(f"step {step:5d} | " + " | ".join(f"{key.replace('_', ' ')} {value:.4f}" for key, value in
+                                                   record.items()))
+            self.metrics.log({"step": step} | record)
         evals_due = self.eval_suite and (step % cfg.eval_every == 0 or step == last_step)
         sample_due = cfg.sample_every and step > 0 and (step % cfg.sample_every == 0 or step == last_step)
         # The uncompiled module, whole: the tasks' sequence lengths vary and would make torch.compile recompile,
@@ -410,14 +426,27 @@ def log_setup(cfg: TrainConfig, plan: Plan, model: GPT, dist_env: Distributed, d
           + (f"\nvalidation: {plan.val_steps} × {tokens_per_micro_step:,} tokens" if plan.val_steps else ""))
 
 
-def log_step(step: int, result: StepResult, lr: float, speed: dict, metrics: RunLogger) -> None:
+def log_epochs(cfg: TrainConfig, plan: Plan, train_loader: DistributedDataLoader | MixtureLoader) -> None:
+    """Each source's tokens, and how many times --max_steps reads them (its expected share of the steps' tokens)."""
+    anneal_step = cfg.max_steps if plan.anneal_step is None else min(plan.anneal_step, cfg.max_steps)
+    for source, weight, annealed in zip(train_loader.sources, plan.weights, plan.anneal_weights or plan.weights):
+        tokens = sum(source.shard_tokens)
+        epochs = (anneal_step * weight + (cfg.max_steps - anneal_step) * annealed) * cfg.total_batch_size / tokens
+        print(f"data: {source.data_dir}: {tokens:,} tokens, read {epochs:.2f} times by step {cfg.max_steps}")
+        if epochs > MAX_EPOCHS:
+            print(f"WARNING: {source.data_dir} is read {epochs:.1f} times: past about {MAX_EPOCHS} epochs, repeated "
+                  "data stops helping (Muennighoff et al., 2023, \"Scaling Data-Constrained Language Models\"). More "
+                  "data, or fewer --max_steps, or a smaller weight for it, use the compute better.", file=sys.stderr)
+
+
+def log_step(step: int, result: StepResult, lr: float, speed: dict, metrics: RunLogger, sources: dict) -> None:
     print0 = print if metrics.enabled else (lambda *args: None)
     print0(f"step {step:5d} | loss {result.loss:.6f} | lr {lr:.2e} | norm {result.grad_norm:.4f} | "
            f"{speed['dt_ms']:.1f} ms | {speed['tokens_per_sec']:,.0f} tok/s | mfu {100 * speed['mfu']:.1f}%"
            + (f" | step skipped: {result.skip_reason}" if result.skipped else ""))
     # A NaN or inf loss or norm (a skipped step) is logged as null, as strict JSON readers reject NaN.
     loss, grad_norm = (v if math.isfinite(v) else None for v in (result.loss, result.grad_norm))
-    metrics.log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm} | speed
+    metrics.log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm} | speed | sources
                 | ({"skipped": True, "skip_reason": result.skip_reason} if result.skipped else {}))
 
 

@@ -99,6 +99,23 @@ def validation_loss(model: torch.nn.Module, loader: DistributedDataLoader, steps
     return Validation(loss, loss / math.log(2) / bytes_per_token)
 
 
+def validation_record(results: dict[str, Validation]) -> dict[str, float]:
+    """metrics.jsonl's keys of one validation of each source, by name: val_loss and val_bpb of one source; of
+    several, each one's val/<name>/loss and val/<name>/bpb, and as val_loss and val_bpb their means (unweighted: the
+    same average before and after an --anneal_mix)."""
+    if len(results) == 1:
+        (val,) = results.values()
+        return {"val_loss": val.loss} | ({"val_bpb": val.bpb} if val.bpb is not None else {})
+    record = {"val_loss": sum(val.loss for val in results.values()) / len(results)}
+    if all(val.bpb is not None for val in results.values()):
+        record["val_bpb"] = sum(val.bpb for val in results.values()) / len(results)
+    for name, val in results.items():
+        record[f"val/{name}/loss"] = val.loss
+        if val.bpb is not None:
+            record[f"val/{name}/bpb"] = val.bpb
+    return record
+
+
 @functools.cache  # once a process: a run validates hundreds of times
 def warn_once(message: str) -> None:
     print(message, file=sys.stderr)

@@ -31,6 +31,12 @@ def arg(default, help: str, choices: tuple[str, ...] | None = None):
 class TrainConfig:
     # data
     data_dir: str = arg("data/fineweb_edu10B", "directory of *_train_*.bin / *_val_*.bin shards")
+    data_mix: str = arg("", "train on several data directories, DIR=WEIGHT pairs: 'data/enwiki=3,data/code=1' draws "
+                            "each chunk of B·T tokens from one, 3:1 (the weights normalised; one tokenizer for all; "
+                            "instead of --data_dir)")
+    anneal_mix: str = arg("", "DIR=WEIGHT pairs: the mixture from --anneal_from on (default: from wsd's decay on); a "
+                              "directory not in --data_mix (or --data_dir) joins the run there")
+    anneal_from: int | None = arg(None, "the step --anneal_mix starts at")
     shuffle: bool = arg(True, "shuffle shard and chunk order each epoch (seeded; validation never shuffles)")
     align_bos: bool | None = arg(None, "train rows start at a document's first token, documents packed best-fit (see "
                                        "dataloader.py; validation reads the plain stream). Default: on for --arch "
@@ -197,7 +203,7 @@ FLAG_RANGES = {
     "grad_clip": AT_LEAST_0, "seed": SEEDS, "val_every": AT_LEAST_0, "val_tokens": AT_LEAST_1,
     "eval_every": AT_LEAST_0, "eval_limit": AT_LEAST_1, "sample_every": AT_LEAST_0, "snapshot_every": AT_LEAST_0,
     "dist_timeout": AT_LEAST_1, "skip_zscore": AT_LEAST_0, "max_skips": AT_LEAST_1, "max_rollbacks": AT_LEAST_0,
-    "keep_last": AT_LEAST_1,
+    "keep_last": AT_LEAST_1, "anneal_from": AT_LEAST_0,
 }
 
 
@@ -242,12 +248,18 @@ def parse_args(argv: list[str] | None = None, description: str = __doc__) -> Tra
                                          "the command line override it")
     add_flags(parser)
     recipe_path = parser.parse_known_args(argv)[0].config
+    recipe = {}
     if recipe_path is not None:
         check_path_flag("config", recipe_path)
-        parser.set_defaults(**load_recipe(recipe_path))
-    values = vars(parser.parse_args(argv))
+        recipe = load_recipe(recipe_path)
+        parser.set_defaults(**recipe)
+    values = vars(parser.parse_args(argv, argparse.Namespace(data_dir=None)))  # (None: no --data_dir given)
     values.pop("config")
-    return TrainConfig(**values)
+    data_dir = recipe.get("data_dir") if values["data_dir"] is None else values["data_dir"]
+    if data_dir is not None and values["data_mix"]:
+        raise UserError(f"--data_mix {values['data_mix']!r} and --data_dir {data_dir} both name the training data. "
+                        f"Pass one: add {data_dir}=WEIGHT to --data_mix, or leave --data_mix out.")
+    return TrainConfig(**values | {"data_dir": TrainConfig.data_dir if data_dir is None else data_dir})
 
 
 def load_recipe(path: str) -> dict:
@@ -289,14 +301,18 @@ class Plan:
     seq_len: int
     short_rows: tuple[tuple[int, int], ...]  # --short_rows: (row length, until which step), the steps increasing
     grad_accum_steps: int
-    val_steps: int  # validation micro-batches per rank (0: no validation)
+    val_steps: int  # validation micro-batches per rank, of each source (0: no validation)
     snapshot_dir: str
+    sources: tuple[str, ...]  # the data directories: --data_dir, or --data_mix's and --anneal_mix's
+    weights: tuple[float, ...]  # each source's share of the chunks (normalised), before anneal_step
+    anneal_weights: tuple[float, ...] | None  # --anneal_mix's, from anneal_step on
+    anneal_step: int | None
 
 
-def make_plan(cfg: TrainConfig, config: GPTConfig, world_size: int, val_shard_tokens: list[int]) -> Plan:
+def make_plan(cfg: TrainConfig, config: GPTConfig, world_size: int, val_shard_tokens: list[list[int]]) -> Plan:
     """What the flags (each checked on its own first: check_flag_ranges) imply for a model of `config` on world_size
-    ranks, with val shards of val_shard_tokens tokens each: the first bad combination raises a UserError naming it
-    and the fix."""
+    ranks, with val shards of val_shard_tokens[i] tokens each in source i: the first bad combination raises a
+    UserError naming it and the fix."""
     if not isinstance(cfg.micro_batch_size, int):  # (a number's range: check_flag_ranges)
         raise UserError(f"--micro_batch_size {cfg.micro_batch_size!r}: pass a number of sequences (1 or more) or "
                         "'auto'.")
@@ -306,7 +322,8 @@ def make_plan(cfg: TrainConfig, config: GPTConfig, world_size: int, val_shard_to
                         "or raise --block_size.")
     short_rows = parse_short_rows(cfg.short_rows, seq_len)
     grad_accum_steps = grad_accum_steps_for(cfg, seq_len, world_size)
-    val_steps = validation_steps(cfg, seq_len, world_size, val_shard_tokens) if cfg.val_every else 0
+    val_steps = min(validation_steps(cfg, seq_len, world_size, tokens) for tokens in val_shard_tokens) \
+        if cfg.val_every else 0
     if cfg.on_divergence == "rollback" and not cfg.snapshot_every:
         raise UserError("--on_divergence rollback reloads the newest healthy snapshot, and --snapshot_every 0 writes "
                         "none. Pass --snapshot_every N (e.g. 500), or --on_divergence stop.")
@@ -317,7 +334,48 @@ def make_plan(cfg: TrainConfig, config: GPTConfig, world_size: int, val_shard_to
         raise UserError(f"--{'' if cfg.attention_bias else 'no-'}attention_bias: gpt2 has biases on every layer, "
                         "attention's included, as OpenAI's. Leave the flag out, or train --arch modern.")
     align_bos = cfg.align_bos if cfg.align_bos is not None else config.arch == "modern"
-    return Plan(config, align_bos, seq_len, short_rows, grad_accum_steps, val_steps, cfg.snapshot_dir or cfg.log_dir)
+    return Plan(config, align_bos, seq_len, short_rows, grad_accum_steps, val_steps, cfg.snapshot_dir or cfg.log_dir,
+                *mixture(cfg))
+
+
+def mixture(cfg: TrainConfig) -> tuple[tuple[str, ...], tuple[float, ...], tuple[float, ...] | None, int | None]:
+    """(sources, weights, anneal_weights, anneal_step) of --data_dir or --data_mix, and --anneal_mix."""
+    base = parse_mix(cfg.data_mix, "data_mix") if cfg.data_mix else {cfg.data_dir: 1.0}
+    if not cfg.anneal_mix:
+        if cfg.anneal_from is not None:
+            raise UserError(f"--anneal_from {cfg.anneal_from} names when --anneal_mix starts, and there is no "
+                            "--anneal_mix. Pass one (DIR=WEIGHT pairs), or leave --anneal_from out.")
+        return tuple(base), tuple(base.values()), None, None
+    if cfg.anneal_from is None and cfg.lr_schedule != "wsd":
+        raise UserError(f"--anneal_mix {cfg.anneal_mix!r}: it starts where --lr_schedule wsd's decay does, or at "
+                        f"--anneal_from STEP, and this run has --lr_schedule {cfg.lr_schedule}. Pass --lr_schedule "
+                        "wsd or --anneal_from STEP.")
+    anneal = parse_mix(cfg.anneal_mix, "anneal_mix")
+    sources = tuple(base) + tuple(source for source in anneal if source not in base)
+    anneal_step = cfg.anneal_from if cfg.anneal_from is not None else \
+        cfg.max_steps - max(1, round(cfg.warmdown_frac * cfg.max_steps))  # (optim.get_lr's warmdown)
+    return (sources, tuple(base.get(source, 0.0) for source in sources),
+            tuple(anneal.get(source, 0.0) for source in sources), anneal_step)
+
+
+def parse_mix(text: str, flag: str) -> dict[str, float]:
+    """--data_mix 'a=3,b=1' as {"a": 0.75, "b": 0.25}."""
+    mix: dict[str, float] = {}
+    for pair in text.split(","):
+        source, _, weight = pair.rpartition("=")
+        try:
+            value = float(weight)
+        except ValueError:
+            value = math.nan
+        if not source or not math.isfinite(value) or value <= 0:
+            raise UserError(f"--{flag} {text!r}: {pair!r} is not DIR=WEIGHT with a positive number as its weight. "
+                            "Pass e.g. 'data/enwiki=3,data/shakespeare=1' (the weights are normalised).")
+        if source in mix:
+            raise UserError(f"--{flag} {text!r} names {source} twice. Name each directory once, with its whole "
+                            "weight.")
+        mix[source] = value
+    total = sum(mix.values())
+    return {source: weight / total for source, weight in mix.items()}
 
 
 def check_flag_ranges(cfg: TrainConfig) -> None:

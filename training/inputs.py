@@ -8,11 +8,20 @@ on what they say."""
 from dataclasses import replace
 from pathlib import Path
 
-from dataloader import find_shards, read_data_tokenizer, read_shard_header
+from dataloader import check_shard_fills_a_step, find_shards, read_data_tokenizer, read_shard_header
 from evaluation.tasks import parse_task_names
 from model import PRESETS, GPTConfig
 from rundir.snapshot import check_tokenizer, is_snapshot_directory, read_model_config, read_tokenizer
-from training.config import HF_MODELS, Plan, TrainConfig, check_flag_ranges, check_path_flags, make_plan, model_shape
+from training.config import (
+    HF_MODELS,
+    Plan,
+    TrainConfig,
+    check_flag_ranges,
+    check_path_flags,
+    make_plan,
+    mixture,
+    model_shape,
+)
 from training.distributed import this_process
 from training.errors import UserError
 from training.hf import local_config
@@ -24,7 +33,12 @@ def check_inputs(cfg: TrainConfig) -> None:
     later, on the device (memory.choose_micro_batch); the plan is checked here with one sequence a micro-batch."""
     check_path_flags(cfg)
     world_size = this_process(cfg.device).world_size
-    resolve_plan(replace(cfg, micro_batch_size=1) if cfg.micro_batch_size == "auto" else cfg, world_size)
+    train_shards = [path for source in mixture(cfg)[0] for path in find_shards(source, "train")]
+    cfg = replace(cfg, micro_batch_size=1) if cfg.micro_batch_size == "auto" else cfg
+    plan = resolve_plan(cfg, world_size)
+    for path in train_shards:
+        check_shard_fills_a_step(path, read_shard_header(path), world_size * plan.grad_accum_steps,
+                                 cfg.micro_batch_size, plan.seq_len)
 
 
 def resolve_plan(cfg: TrainConfig, world_size: int) -> Plan:
@@ -33,7 +47,8 @@ def resolve_plan(cfg: TrainConfig, world_size: int) -> Plan:
     config = model_config(cfg)
     if cfg.eval_every:
         parse_task_names(cfg.eval_tasks, "--eval_tasks")
-    return make_plan(cfg, config, world_size, val_shard_tokens(cfg.data_dir) if cfg.val_every else [])
+    return make_plan(cfg, config, world_size, [val_shard_tokens(source) for source in mixture(cfg)[0]]
+                     if cfg.val_every else [])
 
 
 def val_shard_tokens(data_dir: str) -> list[int]:
@@ -44,7 +59,7 @@ def val_shard_tokens(data_dir: str) -> list[int]:
 def model_config(cfg: TrainConfig) -> GPTConfig:
     """The model's shape (config.model_shape): for the data's tokenizer's vocabulary (GPT-2's 50,257 without a
     manifest), or the --init_from weights', whose tokenizer must be the data's."""
-    data_tokenizer = read_data_tokenizer(cfg.data_dir)
+    data_tokenizer = sources_tokenizer(mixture(cfg)[0])
     if cfg.init_from == "scratch":
         return model_shape(cfg, data_tokenizer.vocab_size)
     weights = init_weights_config(cfg.init_from)
@@ -52,6 +67,17 @@ def model_config(cfg: TrainConfig) -> GPTConfig:
                     data_tokenizer, "Start from weights trained with this data's tokenizer, train them on data written "
                     "with theirs (data/prepare.py --tokenizer), or train from scratch (--init_from scratch).")
     return model_shape(cfg, data_tokenizer.vocab_size, weights)
+
+
+def sources_tokenizer(sources: tuple[str, ...]) -> TokenizerSpec:
+    """The tokenizer of every source's shards: one, or a UserError naming two sources of two."""
+    first = read_data_tokenizer(sources[0])
+    for source in sources[1:]:
+        if (its := read_data_tokenizer(source)).sha256 != first.sha256:
+            raise UserError(f"--data_mix: {sources[0]} holds shards of the tokenizer {first.describe()}, {source} of "
+                            f"{its.describe()}; a model reads one tokenizer's ids. Write {source}'s text again with "
+                            f"data/prepare.py --tokenizer (the one of {sources[0]}), or leave it out of the mix.")
+    return first
 
 
 def init_weights_config(init_from: str) -> GPTConfig:

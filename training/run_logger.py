@@ -31,7 +31,9 @@ WANDB_KEYS = {
 
 
 def wandb_key(key: str) -> str | None:
-    return WANDB_KEYS.get(key) or (f"eval/{key}" if "/" in key else None)
+    if key in WANDB_KEYS or key.startswith("val/"):  # (a mixture's val/<source>/loss and val/<source>/bpb)
+        return WANDB_KEYS.get(key, key)
+    return f"eval/{key}" if "/" in key else None
 # wandb.init retries an unreachable server for init_timeout (90 s by default in wandb 0.31), then raises; a minute
 # tells as well. WANDB_INIT_TIMEOUT overrides it (keep it under --dist_timeout, 10 minutes by default: the other
 # ranks wait for rank 0 in their first collective meanwhile).

@@ -1,0 +1,102 @@
+"""--data_mix: several sources' chunk streams, each a DistributedDataLoader, and for every chunk of the run a seeded
+draw of the source that supplies it (docs/data.md, "Mixtures, annealing and epochs")."""
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dataloader import DistributedDataLoader
+from training.errors import UserError
+
+
+def source_names(sources: tuple[str, ...]) -> dict[str, str]:
+    """{source: its name in the validation's keys}: the directory's last part, or the whole path where two share it."""
+    names = [Path(source).name for source in sources]
+    return {source: name if names.count(name) == 1 else source for source, name in zip(sources, names)}
+
+MIX_STREAM = 0x6D6978  # ("mix") keeps the draws' seeds apart from the shuffles' ([seed, epoch], [seed, epoch, shard])
+
+
+class MixtureLoader:
+    """The train loader of a mixture: the run's j-th chunk (j counted over every rank and step) comes from the source
+    that np.random.default_rng([seed, MIX_STREAM, j]) draws against the weights of the phase of its step (anneal from
+    anneal_step on). Every rank advances every source past every chunk and reads its own, so the sources' positions,
+    and the chunks a step trains on, are the same for any number of ranks."""
+
+    def __init__(self, sources: list[DistributedDataLoader], weights: tuple[float, ...],
+                 anneal_weights: tuple[float, ...] | None, anneal_step: int | None, seed: int):
+        self.sources, self.seed, self.anneal_step = sources, seed, anneal_step
+        first = sources[0]
+        self.rank, self.world_size, self.chunks_per_step = first.rank, first.world_size, first.chunks_per_step
+        self.B, self.T, self.tokenizer = first.B, first.T, first.tokenizer
+        self.bounds = [np.cumsum(w) for w in (weights, anneal_weights or weights)]
+        self.chunk = 0  # chunks the run has read, on every rank together
+        self.chunks_read = [0] * len(sources)
+        self._ahead: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._ahead_from: dict | None = None  # the state before the chunks read ahead
+
+    def source_of(self, chunk: int) -> int:
+        annealing = self.anneal_step is not None and chunk // self.chunks_per_step >= self.anneal_step
+        bounds = self.bounds[annealing]
+        draw = np.random.default_rng([self.seed, MIX_STREAM, chunk]).random() * bounds[-1]
+        return int(np.searchsorted(bounds, draw, side="right"))
+
+    def _read_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's chunk of the next micro-step; the other ranks' chunks are passed over in their sources."""
+        for k in range(self.world_size):
+            i = self.source_of(self.chunk)
+            if k == self.rank:
+                batch = self.sources[i].read_chunk()
+            self.sources[i].advance(1)
+            self.chunks_read[i] += 1
+            self.chunk += 1
+        return batch
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self._ahead:
+            return self._read_batch()
+        batch = self._ahead.pop(0)
+        if not self._ahead:
+            self._ahead_from = None
+        return batch
+
+    def read_ahead(self) -> None:
+        """DistributedDataLoader.read_ahead's, for the mixture: a snapshot meanwhile resumes before these batches."""
+        if self._ahead_from is None:
+            self._ahead_from = self.state_dict()
+        while len(self._ahead) < self.chunks_per_step // self.world_size:
+            self._ahead.append(self._read_batch())
+        self.check_unchanged()
+
+    def check_unchanged(self) -> None:
+        for source in self.sources:
+            source.check_unchanged()
+
+    def where(self) -> str:
+        return f"chunk {self.chunk}; " + "; ".join(f"{s.data_dir}: {s.where()}" for s in self.sources)
+
+    def tokens_by_source(self, steps: int) -> dict[str, int]:
+        return {s.data_dir: n * self.B * self.T for s, n in zip(self.sources, self.chunks_read)}
+
+    def state_dict(self) -> dict:
+        if self._ahead_from is not None:
+            return self._ahead_from
+        return {"chunk": self.chunk, "chunks_read": list(self.chunks_read),
+                "sources": [source.state_dict() for source in self.sources]}
+
+    def load_state_dict(self, state: dict) -> None:
+        theirs = [source["data_dir"] for source in state["sources"]] if "sources" in state else [state["data_dir"]]
+        mine = [source.data_dir for source in self.sources]
+        if theirs != mine:
+            raise UserError(f"cannot resume the data loader: the snapshot's run trained on {', '.join(theirs)}, this "
+                            f"one on the --data_mix sources {', '.join(mine)}. Name the same sources in the same "
+                            "order (their weights may change), or start a new run from the snapshot's weights with "
+                            "--init_from SNAPSHOT.")
+        if state["chunk"] % self.chunks_per_step:
+            raise UserError(f"cannot resume the data loader: its state (chunk {state['chunk']}) was taken in the "
+                            "middle of an optimizer step; snapshots are only valid between steps.")
+        for source, position in zip(self.sources, state["sources"]):
+            source.load_state_dict(position, whole_steps=False)
+        self.chunk, self.chunks_read = state["chunk"], list(state["chunks_read"])
+        self._ahead, self._ahead_from = [], None
