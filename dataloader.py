@@ -281,7 +281,39 @@ def check_shard_fills_a_step(path: Path, num_tokens: int, chunks_per_step: int, 
                         "--micro_batch_size / --seq_len, or larger shards.")
 
 
-class DistributedDataLoader:
+class ReadAhead:
+    """next_batch and read_ahead, over a loader's _read_batch (this rank's next micro-batch) and _state_dict."""
+
+    def _forget_read_ahead(self) -> None:
+        self._ahead: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._ahead_from: dict | None = None  # the state before the batches read ahead
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's (x, y) for one micro-step, each (B, T) int64 on the CPU; y is x shifted by one token. Raises
+        ShardReadError if a shard cannot be read."""
+        if not self._ahead:
+            return self._read_batch()
+        batch = self._ahead.pop(0)
+        if not self._ahead:
+            self._ahead_from = None
+        return batch
+
+    def read_ahead(self) -> None:
+        """Read this rank's micro-batches of the next optimizer step now; next_batch hands them out. A shard that
+        cannot be read, or that changed since the loader was made (check_unchanged), raises ShardReadError here,
+        between steps. Until they are handed out, state_dict is the position before them: a snapshot taken now (after
+        a ShardReadError too) resumes at that step."""
+        if self._ahead_from is None:
+            self._ahead_from = self._state_dict()
+        while len(self._ahead) < self.chunks_per_step // self.world_size:
+            self._ahead.append(self._read_batch())
+        self.check_unchanged()
+
+    def state_dict(self) -> dict:
+        return self._ahead_from or self._state_dict()
+
+
+class DistributedDataLoader(ReadAhead):
     def __init__(self, data_dir: str | Path, split: str, B: int, T: int, rank: int = 0, world_size: int = 1,
                  grad_accum_steps: int = 1, shuffle: bool = False, seed: int = 0, vocab_size: int | None = None,
                  align_bos: bool = False):
@@ -349,35 +381,9 @@ class DistributedDataLoader:
         else:
             self.chunk_order = np.arange(num_chunks)
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's (x, y) for one micro-step, each (B, T) int64 on the CPU; y is x shifted by one token. Raises
-        ShardReadError if the shard cannot be read."""
-        if self._ahead:
-            batch = self._ahead.pop(0)
-            if not self._ahead:
-                self._ahead_from = None
-            return batch
-        return self._read_batch()
-
-    def read_ahead(self) -> None:
-        """Read this rank's micro-batches of the next optimizer step now; next_batch hands them out. A shard that
-        cannot be read, or any shard that changed since the loader was made (check_unchanged, after the reads),
-        raises ShardReadError here, between steps. Until they are handed out, state_dict is the position before
-        them: a snapshot taken now resumes at that step (after a ShardReadError too, when the position is all the
-        loader is good for until load_state_dict)."""
-        if self._ahead_from is None:
-            self._ahead_from = (self.epoch, self.shard_position, self.chunk_position)
-        while len(self._ahead) < self.chunks_per_step // self.world_size:
-            self._ahead.append(self._read_batch())
-        self.check_unchanged()
-
     def check_unchanged(self) -> None:
         """ShardReadError naming the first of the loader's shards that changed since the loader was made."""
         self.watch.check()
-
-    def _forget_read_ahead(self) -> None:
-        self._ahead: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._ahead_from: tuple[int, int, int] | None = None  # (epoch, shard_position, chunk_position)
 
     def _read_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         batch = self.read_chunk(self.rank)
@@ -420,11 +426,9 @@ class DistributedDataLoader:
     def sources(self) -> list["DistributedDataLoader"]:
         return [self]  # (a MixtureLoader's are several)
 
-    def state_dict(self) -> dict[str, int | str]:
-        # B·T and chunks_per_step give the position its meaning; rank and world size do not (see module doc).
-        epoch, shard_position, chunk_position = self._ahead_from or (self.epoch, self.shard_position,
-                                                                     self.chunk_position)
-        return {"epoch": epoch, "shard_position": shard_position, "chunk_position": chunk_position,
+    def _state_dict(self) -> dict[str, int | str]:
+        # B·T and chunks_per_step give the position its meaning; rank and world size do not (see docs/data.md).
+        return {"epoch": self.epoch, "shard_position": self.shard_position, "chunk_position": self.chunk_position,
                 "chunk_tokens": self.B * self.T, "chunks_per_step": self.chunks_per_step,
                 "num_shards": len(self.shards), "shuffle": int(self.shuffle), "seed": self.seed, "seq_len": self.T,
                 "align_bos": int(self.align_bos),

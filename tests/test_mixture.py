@@ -139,8 +139,8 @@ def door(tmp_path, two_sources):
     (["--data_mix", "{a}=1,{b}=inf"], r"'{b}=inf' is not DIR=WEIGHT"),
     (["--data_mix", "{a}=1,{a}=2"], r"names {a} twice"),
     (["--data_mix", "{a}=1", "--data_dir", "{b}"], r"--data_mix '{a}=1' and --data_dir {b} both name the training"),
-    (["--data_mix", "{a}=1", "--anneal_mix", "{b}=1"], r"and this run has --lr_schedule cosine\. Pass --lr_schedule"),
-    (["--data_mix", "{a}=1", "--anneal_from", "3"], r"--anneal_from 3 names when --anneal_mix starts, and there is no"),
+    (["--data_mix", "{a}=1", "--anneal_mix", "{b}=1"], r"this run has --lr_schedule cosine\. Pass --lr_schedule wsd"),
+    (["--data_mix", "{a}=1", "--anneal_from", "3"], r"--anneal_from 3: there is no --anneal_mix to start then"),
     (["--data_mix", "{a}=1,{root}/missing=1"], r"data directory {root}/missing does not exist"),
     (["--data_mix", "{a}=1,{root}/empty=1"], r"no train shards .* in {root}/empty"),
     (["--data_mix", "{a}=1,{root}/bytes=1"], r"--data_mix: {a} holds shards of the tokenizer gpt2 .*, {root}/bytes of"),
@@ -247,7 +247,7 @@ def test_a_sigkilled_mixture_run_resumes_exactly(job, tmp_path):
     killed_at = max(steps(records_so_far(tmp_path), "loss"))
     run = run_train(job.args, tmp_path)
     resume = [r for r in run.records if r.get("event") == "resume"]
-    assert len(resume) == 1 and resume[0]["step"] <= killed_at + 1
+    assert len(resume) == 1 and resume[0]["step"] in (6, 9) and resume[0]["step"] <= killed_at + 1
     reference = job.one_rank.records
     assert steps(run.records, "tokens_by_source") == steps(reference, "tokens_by_source")
     for key in ("loss", "val_loss"):

@@ -148,6 +148,24 @@ class TrainConfig:
                                "filesystem has no flock (the error says so): then nothing stops two runs from "
                                "writing into one directory")
 
+    def mixture(self) -> tuple[tuple[str, ...], tuple[float, ...], tuple[float, ...] | None, int | None]:
+        """(sources, weights, anneal_weights, anneal_step) of --data_dir or --data_mix, and --anneal_mix."""
+        base = parse_mix(self.data_mix, "data_mix") if self.data_mix else {self.data_dir: 1.0}
+        if not self.anneal_mix and self.anneal_from is not None:
+            raise UserError(f"--anneal_from {self.anneal_from}: there is no --anneal_mix to start then. Pass "
+                            "--anneal_mix DIR=WEIGHT,..., or leave --anneal_from out.")
+        if not self.anneal_mix:
+            return tuple(base), tuple(base.values()), None, None
+        if self.anneal_from is None and self.lr_schedule != "wsd":
+            raise UserError(f"--anneal_mix starts where --lr_schedule wsd's decay does, or at --anneal_from STEP, and "
+                            f"this run has --lr_schedule {self.lr_schedule}. Pass --lr_schedule wsd or --anneal_from.")
+        anneal = parse_mix(self.anneal_mix, "anneal_mix")
+        sources = tuple(base) + tuple(source for source in anneal if source not in base)
+        anneal_step = self.anneal_from if self.anneal_from is not None else \
+            self.max_steps - max(1, round(self.warmdown_frac * self.max_steps))  # (optim.get_lr's warmdown)
+        return (sources, tuple(base.get(source, 0.0) for source in sources),
+                tuple(anneal.get(source, 0.0) for source in sources), anneal_step)
+
 
 # The --help sections, named at the first flag of each (the comments in TrainConfig).
 FLAG_GROUPS = {"data_dir": "data", "arch": "model", "seq_len": "batch", "max_steps": "optimization",
@@ -335,27 +353,7 @@ def make_plan(cfg: TrainConfig, config: GPTConfig, world_size: int, val_shard_to
                         "attention's included, as OpenAI's. Leave the flag out, or train --arch modern.")
     align_bos = cfg.align_bos if cfg.align_bos is not None else config.arch == "modern"
     return Plan(config, align_bos, seq_len, short_rows, grad_accum_steps, val_steps, cfg.snapshot_dir or cfg.log_dir,
-                *mixture(cfg))
-
-
-def mixture(cfg: TrainConfig) -> tuple[tuple[str, ...], tuple[float, ...], tuple[float, ...] | None, int | None]:
-    """(sources, weights, anneal_weights, anneal_step) of --data_dir or --data_mix, and --anneal_mix."""
-    base = parse_mix(cfg.data_mix, "data_mix") if cfg.data_mix else {cfg.data_dir: 1.0}
-    if not cfg.anneal_mix:
-        if cfg.anneal_from is not None:
-            raise UserError(f"--anneal_from {cfg.anneal_from} names when --anneal_mix starts, and there is no "
-                            "--anneal_mix. Pass one (DIR=WEIGHT pairs), or leave --anneal_from out.")
-        return tuple(base), tuple(base.values()), None, None
-    if cfg.anneal_from is None and cfg.lr_schedule != "wsd":
-        raise UserError(f"--anneal_mix {cfg.anneal_mix!r}: it starts where --lr_schedule wsd's decay does, or at "
-                        f"--anneal_from STEP, and this run has --lr_schedule {cfg.lr_schedule}. Pass --lr_schedule "
-                        "wsd or --anneal_from STEP.")
-    anneal = parse_mix(cfg.anneal_mix, "anneal_mix")
-    sources = tuple(base) + tuple(source for source in anneal if source not in base)
-    anneal_step = cfg.anneal_from if cfg.anneal_from is not None else \
-        cfg.max_steps - max(1, round(cfg.warmdown_frac * cfg.max_steps))  # (optim.get_lr's warmdown)
-    return (sources, tuple(base.get(source, 0.0) for source in sources),
-            tuple(anneal.get(source, 0.0) for source in sources), anneal_step)
+                *cfg.mixture())
 
 
 def parse_mix(text: str, flag: str) -> dict[str, float]:

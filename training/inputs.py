@@ -12,16 +12,7 @@ from dataloader import check_shard_fills_a_step, find_shards, read_data_tokenize
 from evaluation.tasks import parse_task_names
 from model import PRESETS, GPTConfig
 from rundir.snapshot import check_tokenizer, is_snapshot_directory, read_model_config, read_tokenizer
-from training.config import (
-    HF_MODELS,
-    Plan,
-    TrainConfig,
-    check_flag_ranges,
-    check_path_flags,
-    make_plan,
-    mixture,
-    model_shape,
-)
+from training.config import HF_MODELS, Plan, TrainConfig, check_flag_ranges, check_path_flags, make_plan, model_shape
 from training.distributed import this_process
 from training.errors import UserError
 from training.hf import local_config
@@ -33,7 +24,7 @@ def check_inputs(cfg: TrainConfig) -> None:
     later, on the device (memory.choose_micro_batch); the plan is checked here with one sequence a micro-batch."""
     check_path_flags(cfg)
     world_size = this_process(cfg.device).world_size
-    train_shards = [path for source in mixture(cfg)[0] for path in find_shards(source, "train")]
+    train_shards = [path for source in cfg.mixture()[0] for path in find_shards(source, "train")]
     cfg = replace(cfg, micro_batch_size=1) if cfg.micro_batch_size == "auto" else cfg
     plan = resolve_plan(cfg, world_size)
     for path in train_shards:
@@ -47,7 +38,7 @@ def resolve_plan(cfg: TrainConfig, world_size: int) -> Plan:
     config = model_config(cfg)
     if cfg.eval_every:
         parse_task_names(cfg.eval_tasks, "--eval_tasks")
-    return make_plan(cfg, config, world_size, [val_shard_tokens(source) for source in mixture(cfg)[0]]
+    return make_plan(cfg, config, world_size, [val_shard_tokens(source) for source in cfg.mixture()[0]]
                      if cfg.val_every else [])
 
 
@@ -59,7 +50,7 @@ def val_shard_tokens(data_dir: str) -> list[int]:
 def model_config(cfg: TrainConfig) -> GPTConfig:
     """The model's shape (config.model_shape): for the data's tokenizer's vocabulary (GPT-2's 50,257 without a
     manifest), or the --init_from weights', whose tokenizer must be the data's."""
-    data_tokenizer = sources_tokenizer(mixture(cfg)[0])
+    data_tokenizer = sources_tokenizer(cfg.mixture()[0])
     if cfg.init_from == "scratch":
         return model_shape(cfg, data_tokenizer.vocab_size)
     weights = init_weights_config(cfg.init_from)

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dataloader import DistributedDataLoader
+from dataloader import DistributedDataLoader, ReadAhead
 from training.errors import UserError
 
 
@@ -18,7 +18,7 @@ def source_names(sources: tuple[str, ...]) -> dict[str, str]:
 MIX_STREAM = 0x6D6978  # ("mix") keeps the draws' seeds apart from the shuffles' ([seed, epoch], [seed, epoch, shard])
 
 
-class MixtureLoader:
+class MixtureLoader(ReadAhead):
     """The train loader of a mixture: the run's j-th chunk (j counted over every rank and step) comes from the source
     that np.random.default_rng([seed, MIX_STREAM, j]) draws against the weights of the phase of its step (anneal from
     anneal_step on). Every rank advances every source past every chunk and reads its own, so the sources' positions,
@@ -33,8 +33,7 @@ class MixtureLoader:
         self.bounds = [np.cumsum(w) for w in (weights, anneal_weights or weights)]
         self.chunk = 0  # chunks the run has read, on every rank together
         self.chunks_read = [0] * len(sources)
-        self._ahead: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._ahead_from: dict | None = None  # the state before the chunks read ahead
+        self._forget_read_ahead()
 
     def source_of(self, chunk: int) -> int:
         annealing = self.anneal_step is not None and chunk // self.chunks_per_step >= self.anneal_step
@@ -53,23 +52,7 @@ class MixtureLoader:
             self.chunk += 1
         return batch
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self._ahead:
-            return self._read_batch()
-        batch = self._ahead.pop(0)
-        if not self._ahead:
-            self._ahead_from = None
-        return batch
-
-    def read_ahead(self) -> None:
-        """DistributedDataLoader.read_ahead's, for the mixture: a snapshot meanwhile resumes before these batches."""
-        if self._ahead_from is None:
-            self._ahead_from = self.state_dict()
-        while len(self._ahead) < self.chunks_per_step // self.world_size:
-            self._ahead.append(self._read_batch())
-        self.check_unchanged()
-
-    def check_unchanged(self) -> None:
+    def check_unchanged(self) -> None:  # (DistributedDataLoader.check_unchanged's, of every source)
         for source in self.sources:
             source.check_unchanged()
 
@@ -79,24 +62,19 @@ class MixtureLoader:
     def tokens_by_source(self, steps: int) -> dict[str, int]:
         return {s.data_dir: n * self.B * self.T for s, n in zip(self.sources, self.chunks_read)}
 
-    def state_dict(self) -> dict:
-        if self._ahead_from is not None:
-            return self._ahead_from
+    def _state_dict(self) -> dict:
         return {"chunk": self.chunk, "chunks_read": list(self.chunks_read),
                 "sources": [source.state_dict() for source in self.sources]}
 
     def load_state_dict(self, state: dict) -> None:
-        theirs = [source["data_dir"] for source in state["sources"]] if "sources" in state else [state["data_dir"]]
+        theirs = [source["data_dir"] for source in state.get("sources", [state])]  # (a plain run's: one)
         mine = [source.data_dir for source in self.sources]
-        if theirs != mine:
-            raise UserError(f"cannot resume the data loader: the snapshot's run trained on {', '.join(theirs)}, this "
-                            f"one on the --data_mix sources {', '.join(mine)}. Name the same sources in the same "
-                            "order (their weights may change), or start a new run from the snapshot's weights with "
-                            "--init_from SNAPSHOT.")
-        if state["chunk"] % self.chunks_per_step:
-            raise UserError(f"cannot resume the data loader: its state (chunk {state['chunk']}) was taken in the "
-                            "middle of an optimizer step; snapshots are only valid between steps.")
+        if "sources" not in state or theirs != mine:
+            raise UserError(f"cannot resume the data loader: the snapshot's run trained on {', '.join(theirs)}"
+                            f"{'' if 'sources' in state else ' (--data_dir)'}, this one on the --data_mix sources "
+                            f"{', '.join(mine)}. Name the same sources in the same order (their weights may change), "
+                            "or start a new run from the snapshot's weights with --init_from SNAPSHOT.")
         for source, position in zip(self.sources, state["sources"]):
             source.load_state_dict(position, whole_steps=False)
         self.chunk, self.chunks_read = state["chunk"], list(state["chunks_read"])
-        self._ahead, self._ahead_from = [], None
+        self._forget_read_ahead()
