@@ -20,24 +20,16 @@ from training.packing import pack_rows
 from training.parsing import PARSE_ERRORS, parse_problem
 from training.tokenizer import TokenizerSpec, gpt2_spec
 
-MAGIC = 20240520
-VERSION = 1
+MAGIC, VERSION = 20240520, 1
+MAGIC_32, VERSION_32 = 20240801, 7  # llm.c's header for uint32 tokens (its Llama 3 shards): vocabularies over 2**16
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 TOKEN_DTYPE = np.dtype("<u2")
-# Vocabularies above 65,536 ids: uint32 tokens under llm.c's header for them (its Llama 3 shards), so that its shards
-# and ours stay interchangeable.
-MAGIC_32, VERSION_32 = 20240801, 7
 TOKEN_DTYPES = {(MAGIC, VERSION): TOKEN_DTYPE, (MAGIC_32, VERSION_32): np.dtype("<u4")}
 EOT = 50256  # GPT-2's <|endoftext|>, before every document (data/tokenize_shards.py); other data: its manifest's eot
 MANIFEST = "manifest.json"  # beside the shards: the tokenizer that wrote them and their names (read_data_tokenizer)
 MANIFEST_VERSION = 1  # of its format: {"version", "tokenizer", "shards"}
 SCAN_TOKENS = 2**20  # tokens read at a time when the loader checks a whole shard (2 MiB)
-
-
-def shard_format(vocab_size: int) -> tuple[int, int]:
-    """(magic, version) of the shards of a vocabulary: uint16 tokens while its ids fit, else uint32."""
-    return (MAGIC, VERSION) if vocab_size <= 2**16 else (MAGIC_32, VERSION_32)
 
 
 def write_shard(path: str | Path, tokens: np.ndarray, vocab_size: int = 2**16) -> None:
@@ -46,7 +38,7 @@ def write_shard(path: str | Path, tokens: np.ndarray, vocab_size: int = 2**16) -
     tokens = np.asarray(tokens)
     if not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(f"{path}: token ids must be integers, got dtype {tokens.dtype}")
-    magic, version = shard_format(vocab_size)
+    magic, version = (MAGIC, VERSION) if vocab_size <= 2**16 else (MAGIC_32, VERSION_32)
     dtype = TOKEN_DTYPES[magic, version]
     if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(dtype).max):
         raise ValueError(f"{path}: token ids must fit in {dtype.name} (0..{np.iinfo(dtype).max}), got range "
@@ -62,12 +54,11 @@ def write_shard(path: str | Path, tokens: np.ndarray, vocab_size: int = 2**16) -
 
 
 def read_shard_header(path: str | Path) -> int:
-    """Check a shard's header against its size; returns the number of tokens. Raises UserError naming the file."""
     return read_shard_layout(path)[0]
 
 
 def read_shard_layout(path: str | Path) -> tuple[int, np.dtype]:
-    """read_shard_header's check; returns (the number of tokens, their dtype: uint16 or uint32)."""
+    """(the number of tokens, their dtype) of a shard whose header agrees with its size, else a UserError."""
     path = Path(path)
     size = path.stat().st_size
     if size < HEADER_BYTES:
@@ -180,7 +171,7 @@ class ShardReadError(UserError):
 
 class ShardWatch:
     """Each shard's os.stat when the run started, and check(): a ShardReadError naming the first shard no longer as it
-    was (see the module doc)."""
+    was (docs/data.md, "Shards that change under a run")."""
 
     def __init__(self, paths: list[Path]):
         self.started = {path: os.stat(path) for path in paths}
@@ -212,9 +203,8 @@ def shard_change(path: Path, then: os.stat_result) -> str | None:
 
 
 class Shard:
-    """An open shard whose tokens are read with plain reads: read() returns every token asked for or raises
-    ShardReadError naming the file. The file stays open, so what it reads stays the file it opened, whatever takes
-    its name (ShardWatch then stops the run)."""
+    """An open shard read with plain reads (not a memory map: docs/data.md, "The loader"): every token asked for, or
+    a ShardReadError naming the file."""
 
     def __init__(self, path: Path, num_tokens: int, dtype: np.dtype = TOKEN_DTYPE):
         self.path, self.num_tokens, self.dtype = path, num_tokens, dtype  # (dtype: read_shard_layout's)
@@ -245,8 +235,8 @@ class Shard:
         return tokens
 
     def blocks(self) -> Iterator[tuple[int, np.ndarray]]:
-        """The whole shard as (start, tokens) in pieces of SCAN_TOKENS, read into one buffer: each piece is valid
-        until the next is read (a buffer the size of a CPU cache, reused, reads about as fast as a memory map)."""
+        """The whole shard as (start, tokens) in pieces of SCAN_TOKENS, read into one reused buffer: each piece is
+        valid until the next is read."""
         buffer = np.empty(min(SCAN_TOKENS, self.num_tokens), dtype=self.dtype)
         for start in range(0, self.num_tokens, SCAN_TOKENS):
             count = min(SCAN_TOKENS, self.num_tokens - start)
@@ -317,8 +307,7 @@ class DistributedDataLoader(ReadAhead):
     def __init__(self, data_dir: str | Path, split: str, B: int, T: int, rank: int = 0, world_size: int = 1,
                  grad_accum_steps: int = 1, shuffle: bool = False, seed: int = 0, vocab_size: int | None = None,
                  align_bos: bool = False):
-        """vocab_size: the model's; every token id is checked to be below it (None: not checked). align_bos: rows
-        start at documents' first tokens (see the module doc)."""
+        """vocab_size: the model's, above every token id (None: not checked). align_bos: rows start at documents."""
         self.B, self.T, self.rank, self.world_size, self.align_bos = B, T, rank, world_size, align_bos
         self.chunks_per_step = world_size * grad_accum_steps
         self.shuffle, self.seed = shuffle, seed

@@ -296,13 +296,8 @@ def initial_model(cfg: TrainConfig, plan: Plan) -> GPT:
 
 
 class DivergenceResponse:
-    """--on_divergence: what the run does once --max_skips updates in a row were skipped (DivergenceGuard).
-
-    rollback: restore the newest healthy snapshot (Snapshots.rollback), count the rollback, write it at once
-    (Snapshots.commit_rollback) and train on from the snapshot's step with the data after the divergence, at most
-    --max_rollbacks times. stop, or no rollback left: a UserError, raised on every rank at the same step, saying where
-    the run stands and what to try.
-    """
+    """--on_divergence, once --max_skips updates in a row were skipped: roll back to the newest healthy snapshot (at
+    most --max_rollbacks times), or stop with a UserError on every rank (docs/reliability.md)."""
 
     def __init__(self, cfg: TrainConfig, snapshots: Snapshots, guard: DivergenceGuard,
                  train_loader: DistributedDataLoader, metrics: RunLogger, print0):

@@ -21,10 +21,8 @@ VAL_STOP_CHECK_EVERY = 16
 @dataclass(frozen=True)
 class Validation:
     loss: float  # mean cross-entropy per target token, in nats
-    bpb: float | None  # bits per UTF-8 byte of the target text: the same nats per byte instead of per token, in
-    #                    bits; unlike the loss it does not depend on the tokenizer, so models with other vocabularies
-    #                    compare. None where the data's tokenizer cannot be loaded (offline, no tiktoken cache), or
-    #                    where the targets have no bytes (empty documents: every target <|endoftext|>)
+    bpb: float | None  # bits per UTF-8 byte of the targets' text, which compares across tokenizers. None where the
+    #                    tokenizer cannot be loaded (offline), or the targets have no bytes (only <|endoftext|>)
 
 
 @functools.cache
@@ -100,19 +98,12 @@ def validation_loss(model: torch.nn.Module, loader: DistributedDataLoader, steps
 
 
 def validation_record(results: dict[str, Validation]) -> dict[str, float]:
-    """metrics.jsonl's keys of one validation of each source, by name: val_loss and val_bpb of one source; of
-    several, each one's val/<name>/loss and val/<name>/bpb, and as val_loss and val_bpb their means (unweighted: the
-    same average before and after an --anneal_mix)."""
-    if len(results) == 1:
-        (val,) = results.values()
-        return {"val_loss": val.loss} | ({"val_bpb": val.bpb} if val.bpb is not None else {})
-    record = {"val_loss": sum(val.loss for val in results.values()) / len(results)}
-    if all(val.bpb is not None for val in results.values()):
-        record["val_bpb"] = sum(val.bpb for val in results.values()) / len(results)
-    for name, val in results.items():
-        record[f"val/{name}/loss"] = val.loss
-        if val.bpb is not None:
-            record[f"val/{name}/bpb"] = val.bpb
+    """metrics.jsonl's keys of a validation of each source, by name: val_loss and val_bpb, their means over the sources
+    (unweighted: the same average before and after an --anneal_mix), and of several, val/<name>/loss and /bpb."""
+    losses, bpbs = [val.loss for val in results.values()], [val.bpb for val in results.values()]
+    record = {"val_loss": sum(losses) / len(losses)} | ({"val_bpb": sum(bpbs) / len(bpbs)} if None not in bpbs else {})
+    for name, val in results.items() if len(results) > 1 else ():
+        record |= {f"val/{name}/loss": val.loss} | ({f"val/{name}/bpb": val.bpb} if val.bpb is not None else {})
     return record
 
 

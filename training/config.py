@@ -1,15 +1,10 @@
-"""The flags of a training run, recipes (TOML files of flags), and the plan they resolve to.
-
-    python train_gpt2.py --config recipes/shakespeare_small.toml --max_steps 50   # a recipe; flags override it
-
-`TrainConfig` is what the user asked for; `check_flag_ranges` and `check_path_flags` check each flag on its own, and
-`make_plan` turns them into a `Plan` (the model's shape, the sequence length, the accumulation steps, the validation
-steps, the snapshot directory) from what the files they name hold, which training/inputs.py reads: this module reads
-no file but a recipe.
-"""
+"""The flags of a training run (TrainConfig), recipes (TOML files of flags: `--config recipes/x.toml`, flags
+override them), each flag's checks on its own, and the Plan they resolve to with what training/inputs.py reads from
+the files they name: this module reads no file but a recipe."""
 
 import argparse
 import math
+import re
 import typing
 from dataclasses import dataclass, field, fields, replace
 
@@ -31,9 +26,8 @@ def arg(default, help: str, choices: tuple[str, ...] | None = None):
 class TrainConfig:
     # data
     data_dir: str = arg("data/fineweb_edu10B", "directory of *_train_*.bin / *_val_*.bin shards")
-    data_mix: str = arg("", "train on several data directories, DIR=WEIGHT pairs: 'data/enwiki=3,data/code=1' draws "
-                            "each chunk of B·T tokens from one, 3:1 (the weights normalised; one tokenizer for all; "
-                            "instead of --data_dir)")
+    data_mix: str = arg("", "instead of --data_dir, several: 'data/enwiki=3,data/code=1' draws each chunk of B·T "
+                            "tokens from one, 3:1 (DIR=WEIGHT pairs; the weights normalised; one tokenizer)")
     anneal_mix: str = arg("", "DIR=WEIGHT pairs: the mixture from --anneal_from on (default: from wsd's decay on); a "
                               "directory not in --data_mix (or --data_dir) joins the run there")
     anneal_from: int | None = arg(None, "the step --anneal_mix starts at")
@@ -175,10 +169,8 @@ FLAG_GROUPS = {"data_dir": "data", "arch": "model", "seq_len": "batch", "max_ste
 PATH_FLAGS = ("data_dir", "init_from", "eval_dir", "log_dir", "snapshot_dir", "resume")
 
 
-# The top of a whole-number flag whose range names none: C's int, the most any library we hand a count to takes (a
-# timedelta's seconds, CUDA's grid, NCCL's counts), and small enough that the product of two fits in int64 (torch's
-# and numpy's integers). Above it, a run crashed with a traceback part way (--warmup_steps 10**400: "int too large to
-# convert to float") or never ended; no real run comes near it.
+# The top of a whole-number flag whose range names none: C's int, the most any library we hand a count to takes
+# (timedelta, CUDA's grid, NCCL), and the product of two fits in int64. Above it a run crashed part way.
 LARGEST_COUNT = 2**31 - 1
 
 
@@ -328,9 +320,8 @@ class Plan:
 
 
 def make_plan(cfg: TrainConfig, config: GPTConfig, world_size: int, val_shard_tokens: list[list[int]]) -> Plan:
-    """What the flags (each checked on its own first: check_flag_ranges) imply for a model of `config` on world_size
-    ranks, with val shards of val_shard_tokens[i] tokens each in source i: the first bad combination raises a
-    UserError naming it and the fix."""
+    """What the flags (each checked on its own first) imply for a model of `config` on world_size ranks, source i's
+    val shards holding val_shard_tokens[i] tokens each: a UserError names the first bad combination and the fix."""
     if not isinstance(cfg.micro_batch_size, int):  # (a number's range: check_flag_ranges)
         raise UserError(f"--micro_batch_size {cfg.micro_batch_size!r}: pass a number of sequences (1 or more) or "
                         "'auto'.")
@@ -361,20 +352,13 @@ def parse_mix(text: str, flag: str) -> dict[str, float]:
     mix: dict[str, float] = {}
     for pair in text.split(","):
         source, _, weight = pair.rpartition("=")
-        try:
-            value = float(weight)
-        except ValueError:
-            value = math.nan
-        if not source or not math.isfinite(value) or value <= 0:
+        if not source or not re.fullmatch(r"(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", weight) or not 0 < float(weight) < math.inf:
             raise UserError(f"--{flag} {text!r}: {pair!r} is not DIR=WEIGHT with a positive number as its weight. "
                             "Pass e.g. 'data/enwiki=3,data/shakespeare=1' (the weights are normalised).")
         if source in mix:
-            raise UserError(f"--{flag} {text!r} names {source} twice. Name each directory once, with its whole "
-                            "weight.")
-        mix[source] = value
-    total = sum(mix.values())
-    return {source: weight / total for source, weight in mix.items()}
-
+            raise UserError(f"--{flag} {text!r} names {source} twice. Name each directory once, with its weight.")
+        mix[source] = float(weight)
+    return {source: weight / sum(mix.values()) for source, weight in mix.items()}
 
 def check_flag_ranges(cfg: TrainConfig) -> None:
     """A UserError naming the first number flag outside its FLAG_RANGES, quoting its --help. Not the flags left
@@ -401,10 +385,8 @@ def check_path_flags(cfg: TrainConfig) -> None:
 
 
 def check_path_flag(flag: str, path: str) -> None:
-    """A UserError unless --flag's path is named and UTF-8. Empty, as an unset variable in a job script leaves it,
-    it would be the current directory (or nothing); a name of bytes that are not UTF-8 cannot be recorded in the
-    run's JSON files (timeline.json, the snapshots' records), so the run would train and then find every snapshot
-    unreadable."""
+    """A UserError unless --flag's path is named (an unset variable in a job script leaves it empty) and UTF-8 (the
+    run's JSON records hold it: timeline.json, the snapshots')."""
     if not path:
         raise UserError(f"--{flag} is empty (an unset variable in a job script?). Pass a path, or leave the flag out "
                         "for its default.")

@@ -1,9 +1,6 @@
 """Every input of a training run checked at the door, before anything has a side effect (no process group, file,
-lock or download yet): the paths named (config.check_path_flags), torchrun's environment and --device
-(distributed.this_process), each other flag on its own (config.check_flag_ranges), then the flags against the files they
-name, read through their owners' readers: the data's tokenizer and val shards (dataloader), the --init_from weights'
-shape and tokenizer (rundir.snapshot, hf) and the task names (evaluation.tasks). config.make_plan does the arithmetic
-on what they say."""
+lock or download yet): each flag on its own (training/config.py), torchrun's environment, then the flags against the
+files they name, read through their owners' readers (dataloader, rundir.snapshot, hf, evaluation.tasks)."""
 
 from dataclasses import replace
 from pathlib import Path
