@@ -279,8 +279,7 @@ class ReadAhead:
         self._ahead_from: dict | None = None  # the state before the batches read ahead
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's (x, y) for one micro-step, each (B, T) int64 on the CPU; y is x shifted by one token. Raises
-        ShardReadError if a shard cannot be read."""
+        """This rank's (x, y) of a micro-step, each (B, T) int64 on the CPU, y x shifted by one; or ShardReadError."""
         if not self._ahead:
             return self._read_batch()
         batch = self._ahead.pop(0)
@@ -407,8 +406,7 @@ class DistributedDataLoader(ReadAhead):
     def where(self) -> str:
         return f"epoch {self.epoch}, shard {self.shard_position}, chunk {self.chunk_position}"
 
-    def tokens_by_source(self, steps: int) -> dict[str, int]:
-        """{data_dir: the tokens the run read in its first `steps` steps} (every rank's)."""
+    def tokens_by_source(self, steps: int) -> dict[str, int]:  # (of every rank)
         return {self.data_dir: steps * self.chunks_per_step * self.B * self.T}
 
     @property
@@ -426,11 +424,9 @@ class DistributedDataLoader(ReadAhead):
     def load_state_dict(self, state: dict, whole_steps: bool = True) -> None:
         """whole_steps: the position must be between two optimizer steps (a mixture's source is at any chunk)."""
         mine = self.state_dict()
-        if "sources" in state:
-            raise UserError(f"cannot resume the data loader: the snapshot's run trained on a --data_mix of "
-                            f"{', '.join(source['data_dir'] for source in state['sources'])}, this one on --data_dir "
-                            f"{self.data_dir}. Pass the snapshot's --data_mix, or start a new run from its weights "
-                            "with --init_from SNAPSHOT.")
+        if "sources" in state:  # a --data_mix run's
+            raise UserError(f"cannot resume the data loader: the snapshot's run trained on a --data_mix, this one on "
+                            f"--data_dir {self.data_dir}. Pass its --data_mix, or start anew: --init_from SNAPSHOT.")
         if state["data_fingerprint"] != self.data_fingerprint:
             raise UserError(
                 f"cannot resume the data loader: the snapshot's run read other shards (--data_dir {state['data_dir']}, "

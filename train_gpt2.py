@@ -104,19 +104,17 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None
         print0(already_finished(resumed_from, start_step, cfg.max_steps))
         return
 
-    # --- logging, evaluations, speed
+    # --- logging and evaluations
     metrics = RunLogger(cfg.log_dir, snapshots.run, master, run_lock)
     log_start(cfg, plan, dist_env, snapshots, trainee, metrics, start_step, resumed_from)
     evaluations = Evaluations(cfg, plan, trainee, val_loaders, eval_suite, metrics, stop, dist_env, dtype, tokenizer)
     peak = peak_flops(device, dtype)  # after the RNG restore: it leaves the global generators alone
-    speed = Speedometer(trainee.raw.flops_per_token(plan.seq_len) * cfg.total_batch_size, cfg.total_batch_size,
-                        peak.flops * dist_env.world_size)
     log_setup(cfg, plan, trainee.raw, dist_env, dtype, peak)
     if master:
         log_epochs(cfg, plan, train_loader)
     divergence = DivergenceResponse(cfg, snapshots, guard, train_loader, metrics, print0)
-    loop = TrainingLoop(cfg, plan, trainee, train_loader, guard, snapshots, evaluations, divergence, speed, metrics,
-                        stop, device, dtype)
+    loop = TrainingLoop(cfg, plan, trainee, train_loader, guard, snapshots, evaluations, divergence,
+                        peak.flops * dist_env.world_size, metrics, stop, device, dtype)
     loop.train(start_step, print0)
 
 
@@ -131,7 +129,7 @@ class TrainingLoop:
     snapshots: Snapshots
     evaluations: "Evaluations"
     divergence: "DivergenceResponse"
-    speed: "Speedometer"
+    peak_flops: float  # of all the devices together
     metrics: RunLogger
     stop: StopRequest
     device: torch.device
@@ -187,9 +185,10 @@ class TrainingLoop:
                             self.plan.grad_accum_steps, lr, cfg.grad_clip, self.device, self.dtype, self.guard,
                             muon_momentum=get_muon_momentum(step, cfg), row_length=row_length(step, self.plan))
         synchronize(self.device)
-        sources = {"tokens_by_source": self.train_loader.tokens_by_source(step + 1),
-                   "epoch_by_source": {source.data_dir: source.epoch for source in self.train_loader.sources}}
-        log_step(step, result, lr, self.speed.measure(time.perf_counter() - t0), self.metrics, sources)
+        seconds, flops = time.perf_counter() - t0, trainee.raw.flops_per_token(self.plan.seq_len) * cfg.total_batch_size
+        speed = {"dt_ms": seconds * 1000, "tokens_per_sec": cfg.total_batch_size / seconds,
+                 "mfu": flops / seconds / self.peak_flops}
+        log_step(step, result, lr, speed, self.metrics, self.train_loader)
         return result
 
 
@@ -395,17 +394,6 @@ class Evaluations:
         return True
 
 
-class Speedometer:
-    """Tokens/s and MFU of a step from its wall-clock time."""
-
-    def __init__(self, flops_per_step: float, tokens_per_step: int, peak_flops: float):
-        self.flops_per_step, self.tokens_per_step, self.peak_flops = flops_per_step, tokens_per_step, peak_flops
-
-    def measure(self, seconds: float) -> dict:
-        return {"dt_ms": seconds * 1000, "tokens_per_sec": self.tokens_per_step / seconds,
-                "mfu": self.flops_per_step / seconds / self.peak_flops}
-
-
 def log_setup(cfg: TrainConfig, plan: Plan, model: GPT, dist_env: Distributed, dtype: torch.dtype,
               peak: Peak) -> None:
     if not dist_env.is_master:
@@ -434,14 +422,17 @@ def log_epochs(cfg: TrainConfig, plan: Plan, train_loader: DistributedDataLoader
                   "data, or fewer --max_steps, or a smaller weight for it, use the compute better.", file=sys.stderr)
 
 
-def log_step(step: int, result: StepResult, lr: float, speed: dict, metrics: RunLogger, sources: dict) -> None:
+def log_step(step: int, result: StepResult, lr: float, speed: dict, metrics: RunLogger,
+             train_loader: DistributedDataLoader | MixtureLoader) -> None:
     print0 = print if metrics.enabled else (lambda *args: None)
     print0(f"step {step:5d} | loss {result.loss:.6f} | lr {lr:.2e} | norm {result.grad_norm:.4f} | "
            f"{speed['dt_ms']:.1f} ms | {speed['tokens_per_sec']:,.0f} tok/s | mfu {100 * speed['mfu']:.1f}%"
            + (f" | step skipped: {result.skip_reason}" if result.skipped else ""))
     # A NaN or inf loss or norm (a skipped step) is logged as null, as strict JSON readers reject NaN.
     loss, grad_norm = (v if math.isfinite(v) else None for v in (result.loss, result.grad_norm))
-    metrics.log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm} | speed | sources
+    epochs = {source.data_dir: source.epoch for source in train_loader.sources}
+    metrics.log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm} | speed
+                | {"tokens_by_source": train_loader.tokens_by_source(step + 1), "epoch_by_source": epochs}
                 | ({"skipped": True, "skip_reason": result.skip_reason} if result.skipped else {}))
 
 
