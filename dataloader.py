@@ -111,9 +111,8 @@ def shard_names(data_dir: Path) -> list[str]:
 
 
 def read_manifest(data_dir: str | Path) -> tuple[TokenizerSpec, list[str]] | None:
-    """data_dir's manifest: (the tokenizer that wrote its shards, their names); None where there is none. One that is
-    there but cannot be read (a symbolic link to nothing, say) is a UserError: taken as none, its shards would be
-    read as GPT-2's."""
+    """data_dir's manifest: (the tokenizer that wrote its shards, their names); None where there is none. One that
+    cannot be read (a symbolic link to nothing) is a UserError: taken as none, its shards would be read as GPT-2's."""
     path = Path(data_dir) / MANIFEST
     if not os.path.lexists(path):
         return None
@@ -145,9 +144,8 @@ def read_data_tokenizer(data_dir: str | Path) -> TokenizerSpec:
 
 
 def record_shards(data_dir: Path, tokenizer: TokenizerSpec, names: Sequence[str] = ()) -> None:
-    """Before shards of `tokenizer` named `names` are written into data_dir: its manifest names the tokenizer and
-    lists them (listed first, a crash leaves a name without a file, never a file of no listed tokenizer). A UserError
-    if data_dir holds another tokenizer's shards, or shards without a manifest."""
+    """Before shards of `tokenizer` named `names` are written into data_dir, list them in its manifest (a crash leaves
+    a name without a file, never the reverse); a UserError if it holds another tokenizer's shards, or no manifest."""
     manifest, existing = read_manifest(data_dir), shard_names(data_dir)
     if manifest is None and existing:
         raise UserError(f"{data_dir} holds shards ({existing[0]}, ...) but no {MANIFEST} naming their "
@@ -288,10 +286,8 @@ class ReadAhead:
         return batch
 
     def read_ahead(self) -> None:
-        """Read this rank's micro-batches of the next optimizer step now; next_batch hands them out. A shard that
-        cannot be read, or that changed since the loader was made (check_unchanged), raises ShardReadError here,
-        between steps. Until they are handed out, state_dict is the position before them: a snapshot taken now (after
-        a ShardReadError too) resumes at that step."""
+        """Read this rank's micro-batches of the next step now, for next_batch; a ShardReadError is raised here, between
+        steps. Until they are handed out, state_dict is the position before them (after a ShardReadError too)."""
         if self._ahead_from is None:
             self._ahead_from = self._state_dict()
         while len(self._ahead) < self.chunks_per_step // self.world_size:

@@ -4,13 +4,10 @@
     python train_gpt2.py --config recipes/shakespeare_small.toml   # one GPU, Apple MPS or CPU
     python train_gpt2.py --config recipes/shakespeare_finetune_gpt2.toml   # finetune OpenAI's GPT-2
 
-The defaults reproduce GPT-2 124M on FineWeb-Edu 10B (524,288-token batches, 19,073 steps). The story of a run:
-check every input (the flags, torchrun's environment, the files they name), set up the processes and the device,
-resolve the flags into a plan, build the data loaders and the model, resume from the newest snapshot if there is one,
-then loop {read the step's data, evaluate, train one step, log, snapshot};
-after updates skipped in a row for NaN or spikes, stop or roll back to the newest healthy snapshot (--on_divergence).
-Between two steps every rank stops together, with a snapshot, on SIGTERM, on a first Ctrl-C, or when a rank cannot
-read its next batches or finds a shard changed; a second Ctrl-C aborts at once.
+The defaults reproduce GPT-2 124M on FineWeb-Edu 10B (524,288-token batches, 19,073 steps). A run checks every input,
+sets up the processes, builds the data loaders and the model, resumes from the newest snapshot if there is one, then
+loops {read the step's data, evaluate, train one step, log, snapshot}. Every rank stops together between two steps,
+with a snapshot, on SIGTERM, a first Ctrl-C, a shard that fails or changed, or a divergence (--on_divergence).
 """
 
 import math
@@ -418,8 +415,8 @@ def log_epochs(cfg: TrainConfig, plan: Plan, train_loader: DistributedDataLoader
         print(f"data: {source.data_dir}: {tokens:,} tokens, read {epochs:.2f} times by step {cfg.max_steps}")
         if epochs > MAX_EPOCHS:
             print(f"WARNING: {source.data_dir} is read {epochs:.1f} times: past about {MAX_EPOCHS} epochs, repeated "
-                  "data stops helping (Muennighoff et al., 2023, \"Scaling Data-Constrained Language Models\"). More "
-                  "data, or fewer --max_steps, or a smaller weight for it, use the compute better.", file=sys.stderr)
+                  "data stops helping (Muennighoff et al., 2023, \"Scaling Data-Constrained Language Models\"). Give "
+                  "it less weight, or more data.", file=sys.stderr)
 
 
 def log_step(step: int, result: StepResult, lr: float, speed: dict, metrics: RunLogger,

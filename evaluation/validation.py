@@ -27,10 +27,8 @@ class Validation:
 
 @functools.cache
 def token_byte_lengths(tokenizer: TokenizerSpec | None = None) -> torch.Tensor | None:
-    """(vocab,) the number of UTF-8 bytes each token id of `tokenizer` (the data's; None: GPT-2's) stands for.
-    <|endoftext|> counts 0: it marks where a document ends and is no part of the text (its loss, predicting that end,
-    still counts). None, with a warning once, where the tokenizer cannot be loaded (a tiktoken encoding offline, not
-    in tiktoken's cache): bits per byte are a metric, not a reason to stop a run."""
+    """(vocab,) the UTF-8 bytes each token id of `tokenizer` (None: GPT-2's) stands for, <|endoftext|> 0 (no text);
+    None, with a warning, where the tokenizer cannot be loaded (offline): a metric is no reason to stop a run."""
     spec = tokenizer or gpt2_spec()
     try:
         loaded = tokenizer_from_spec(spec)
@@ -46,9 +44,8 @@ def token_byte_lengths(tokenizer: TokenizerSpec | None = None) -> torch.Tensor |
 def validation_loss(model: torch.nn.Module, loader: DistributedDataLoader, steps: int, device: torch.device,
                     dtype: torch.dtype, should_stop=lambda: False) -> Validation | None:
     """Loss and bits per byte over `steps` micro-batches from the start of the val shards; None if should_stop()
-    said so. A val shard that cannot be read, or that changed since the loader was made, raises the first failing
-    rank's ShardReadError on every rank together, at the next stop check or at the end: a failing rank goes on
-    joining the checks without reading, so that no rank is left waiting for it in a collective."""
+    said so. A failing rank's ShardReadError is raised on every rank together, at the next stop check or the end (it
+    goes on joining the collectives without reading, so that no rank waits for it)."""
     model.eval()
     failure: ShardReadError | None = None
 

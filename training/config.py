@@ -258,11 +258,8 @@ def parse_args(argv: list[str] | None = None, description: str = __doc__) -> Tra
                                          "the command line override it")
     add_flags(parser)
     recipe_path = parser.parse_known_args(argv)[0].config
-    recipe = {}
-    if recipe_path is not None:
-        check_path_flag("config", recipe_path)
-        recipe = load_recipe(recipe_path)
-        parser.set_defaults(**recipe)
+    recipe = load_recipe(recipe_path) if recipe_path is not None else {}
+    parser.set_defaults(**recipe)
     values = vars(parser.parse_args(argv, argparse.Namespace(data_dir=None)))  # (None: no --data_dir given)
     values.pop("config")
     data_dir = recipe.get("data_dir") if values["data_dir"] is None else values["data_dir"]
@@ -274,6 +271,7 @@ def parse_args(argv: list[str] | None = None, description: str = __doc__) -> Tra
 
 def load_recipe(path: str) -> dict:
     """The flags in a recipe file, checked against TrainConfig's names, types and choices."""
+    check_path_flag("config", path)
     try:
         with open(path, "rb") as f:
             recipe = tomllib.load(f)

@@ -1,5 +1,4 @@
-"""--data_mix: several sources' chunk streams, each a DistributedDataLoader, and for every chunk of the run a seeded
-draw of the source that supplies it (docs/data.md, "Mixtures, annealing and epochs")."""
+"""--data_mix's train loader (docs/data.md, "Mixtures, annealing and epochs")."""
 
 from pathlib import Path
 
