@@ -33,8 +33,7 @@ SCAN_TOKENS = 2**20  # tokens read at a time when the loader checks a whole shar
 
 
 def write_shard(path: str | Path, tokens: np.ndarray, vocab_size: int = 2**16) -> None:
-    """Write tokens as a shard, atomically: a crash leaves either no file or a complete one under `path`. uint16
-    tokens, as GPT-2's (llm.c's) shards have them, unless vocab_size needs uint32."""
+    """Write tokens as a shard, atomically (no file or a complete one), uint16 unless vocab_size needs uint32."""
     tokens = np.asarray(tokens)
     if not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(f"{path}: token ids must be integers, got dtype {tokens.dtype}")
@@ -163,13 +162,11 @@ def record_shards(data_dir: Path, tokenizer: TokenizerSpec, names: Sequence[str]
 
 
 class ShardReadError(UserError):
-    """A shard that changed under the run (ShardWatch) or could not be read while it used it (a short read, an I/O
-    error)."""
+    """A shard that changed under the run (ShardWatch) or could not be read (a short read, an I/O error)."""
 
 
 class ShardWatch:
-    """Each shard's os.stat when the run started, and check(): a ShardReadError naming the first shard no longer as it
-    was (docs/data.md, "Shards that change under a run")."""
+    """Each shard's os.stat at the start; check(): a ShardReadError naming the first that changed (docs/data.md)."""
 
     def __init__(self, paths: list[Path]):
         self.started = {path: os.stat(path) for path in paths}
@@ -201,8 +198,7 @@ def shard_change(path: Path, then: os.stat_result) -> str | None:
 
 
 class Shard:
-    """An open shard read with plain reads (not a memory map: docs/data.md, "The loader"): every token asked for, or
-    a ShardReadError naming the file."""
+    """An open shard, read with plain reads (docs/data.md): every token asked for, or a ShardReadError naming it."""
 
     def __init__(self, path: Path, num_tokens: int, dtype: np.dtype = TOKEN_DTYPE):
         self.path, self.num_tokens, self.dtype = path, num_tokens, dtype  # (dtype: read_shard_layout's)
@@ -233,8 +229,7 @@ class Shard:
         return tokens
 
     def blocks(self) -> Iterator[tuple[int, np.ndarray]]:
-        """The whole shard as (start, tokens) in pieces of SCAN_TOKENS, read into one reused buffer: each piece is
-        valid until the next is read."""
+        """The whole shard as (start, tokens) in pieces of SCAN_TOKENS, each in one reused buffer until the next."""
         buffer = np.empty(min(SCAN_TOKENS, self.num_tokens), dtype=self.dtype)
         for start in range(0, self.num_tokens, SCAN_TOKENS):
             count = min(SCAN_TOKENS, self.num_tokens - start)
@@ -245,8 +240,7 @@ class Shard:
 
 
 def check_token_ids(shard: Shard, vocab_size: int) -> None:
-    """UserError naming the shard and the position if an id is outside the model's vocabulary, where it would fail
-    mid-step (an IndexError, or a device-side assert on CUDA). One pass over the shard: see the README for its cost."""
+    """UserError naming the shard and the position of an id outside the model's vocabulary (it would fail mid-step)."""
     largest, position, token = 0, None, None
     for start, tokens in shard.blocks():
         largest = max(largest, int(tokens.max()))
@@ -346,17 +340,15 @@ class DistributedDataLoader(ReadAhead):
             self.shard.close()
         self.watch.check(self.shards[shard_index])  # (one deleted or replaced is named as such, not opened)
         self.shard = Shard(self.shards[shard_index], num_tokens, self.shard_dtypes[shard_index])
-        if self.align_bos:  # the whole shard in memory: packing reads every token anyway
+        if self.align_bos:  # the whole shard in memory (packing reads every token anyway), packed on every opening
             self.tokens = self.shard.read(0, num_tokens)
-            # rebuilt on every opening: resuming needs no more
             self.rows, _ = pack_rows(self.tokens, self.T + 1, self.tokenizer.eot)
             num_chunks = len(self.rows) // self.B
             if num_chunks < self.chunks_per_step:
                 raise UserError(f"{self.shards[shard_index]}: its documents pack into {len(self.rows)} rows of "
                                 f"--seq_len + 1 = {self.T + 1} tokens under --align_bos, fewer than one optimizer step "
-                                f"needs ({self.chunks_per_step} chunks of {self.B} rows). Its documents (separated by "
-                                "<|endoftext|>) are too few or too long; use a smaller --total_batch_size / "
-                                "--seq_len, larger shards, or leave out --align_bos.")
+                                f"needs ({self.chunks_per_step} chunks of {self.B} rows): too few documents, or too "
+                                "long. Use a smaller --total_batch_size / --seq_len, larger shards, or no --align_bos.")
         else:
             num_chunks = (num_tokens - 1) // (self.B * self.T)
         self.usable_chunks = num_chunks - num_chunks % self.chunks_per_step

@@ -44,8 +44,6 @@ from training.run_logger import RunLogger
 from training.step import StepResult, train_step
 from training.tokenizer import Tokenizer, generate_text, tokenizer_from_spec
 
-MAX_EPOCHS = 4  # a source read more often than this is warned of at the start (log_epochs)
-
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv, __doc__)
@@ -190,8 +188,7 @@ class TrainingLoop:
 
 
 def data_failure_message(failure: str, stopped: str, written: Path | None, snapshots: Snapshots) -> str:
-    """The error of a run whose data changed under it or failed to read (a shard replaced, rewritten, deleted or
-    cut short): what failed, and where to resume from once the shard is as it was again."""
+    """The error of a run whose shard changed or failed to read, and where to resume from once it is restored."""
     newest = written or snapshots.newest_healthy()
     if newest:
         resume = f"the newest snapshot is {newest}: restore the shard and rerun the same command to resume from it"
@@ -207,8 +204,7 @@ def data_failure_message(failure: str, stopped: str, written: Path | None, snaps
 
 def data_loaders(cfg: TrainConfig, plan: Plan, dist_env: Distributed
                  ) -> tuple[DistributedDataLoader | MixtureLoader, dict[str, DistributedDataLoader]]:
-    """Each rank's train loader, and val loader of each source by name (token ids checked against the model's
-    vocabulary now, not mid-step)."""
+    """Each rank's train loader, and val loader of each source by name (token ids checked now, not mid-step)."""
     def loader(source: str, split: str, **train) -> DistributedDataLoader:
         return DistributedDataLoader(source, split, cfg.micro_batch_size, plan.seq_len, dist_env.rank,
                                      dist_env.world_size, vocab_size=plan.model_config.vocab_size, **train)
@@ -222,8 +218,7 @@ def data_loaders(cfg: TrainConfig, plan: Plan, dist_env: Distributed
 
 
 def task_suite(cfg: TrainConfig, plan: Plan, dist_env: Distributed, tokenizer: Tokenizer | None) -> evals.Suite:
-    """The zero-shot tasks, loaded now, so that a missing file or no network says so at start-up, not at the first
-    evaluation."""
+    """The zero-shot tasks, loaded now, so that a missing file or no network says so at start-up."""
     docs = evals.load_tasks(evals.parse_task_names(cfg.eval_tasks, "--eval_tasks"), cfg.eval_dir, cfg.eval_limit,
                             dist_env.local_rank, dist_env.device)
     # Batches of a training micro-batch's tokens: that fits, as evaluating keeps no activations for a backward.
@@ -241,8 +236,7 @@ def already_finished(resumed_from: str, start_step: int, max_steps: int) -> str:
 
 def log_start(cfg: TrainConfig, plan: Plan, dist_env: Distributed, snapshots: Snapshots, trainee: TrainingModel,
               metrics: RunLogger, start_step: int, resumed_from: str | None) -> None:
-    """Where the run starts, in the log and on wandb: a resume (and the settings it changed), or the weights it
-    started from, then whose metrics these are."""
+    """Where the run starts, in the log and on wandb: a resume (the settings it changed) or --init_from, and the run."""
     print0 = print if dist_env.is_master else (lambda *args, **kwargs: None)
     if metrics.metrics_path.name != "metrics.jsonl":
         print0(f"metrics go to {metrics.metrics_path}: {cfg.log_dir}/metrics.jsonl is another run's")
@@ -296,7 +290,7 @@ class DivergenceResponse:
     most --max_rollbacks times), or stop with a UserError on every rank (docs/reliability.md)."""
 
     def __init__(self, cfg: TrainConfig, snapshots: Snapshots, guard: DivergenceGuard,
-                 train_loader: DistributedDataLoader, metrics: RunLogger, print0):
+                 train_loader: DistributedDataLoader | MixtureLoader, metrics: RunLogger, print0):
         self.cfg, self.snapshots, self.guard, self.train_loader = cfg, snapshots, guard, train_loader
         self.metrics, self.print0 = metrics, print0
 
@@ -406,15 +400,16 @@ def log_setup(cfg: TrainConfig, plan: Plan, model: GPT, dist_env: Distributed, d
           + (f"\nvalidation: {plan.val_steps} × {tokens_per_micro_step:,} tokens" if plan.val_steps else ""))
 
 
-def log_epochs(cfg: TrainConfig, plan: Plan, train_loader: DistributedDataLoader | MixtureLoader) -> None:
-    """Each source's tokens, and how many times --max_steps reads them (its expected share of the steps' tokens)."""
+def log_epochs(cfg: TrainConfig, plan: Plan, train_loader: DistributedDataLoader | MixtureLoader,
+               max_epochs: int = 4) -> None:
+    """Each source's tokens and how many times --max_steps reads them (its expected share), warning past max_epochs."""
     anneal_step = cfg.max_steps if plan.anneal_step is None else min(plan.anneal_step, cfg.max_steps)
     for source, weight, annealed in zip(train_loader.sources, plan.weights, plan.anneal_weights or plan.weights):
         tokens = sum(source.shard_tokens)
         epochs = (anneal_step * weight + (cfg.max_steps - anneal_step) * annealed) * cfg.total_batch_size / tokens
         print(f"data: {source.data_dir}: {tokens:,} tokens, read {epochs:.2f} times by step {cfg.max_steps}")
-        if epochs > MAX_EPOCHS:
-            print(f"WARNING: {source.data_dir} is read {epochs:.1f} times: past about {MAX_EPOCHS} epochs, repeated "
+        if epochs > max_epochs:
+            print(f"WARNING: {source.data_dir} is read {epochs:.1f} times: past about {max_epochs} epochs, repeated "
                   "data stops helping (Muennighoff et al., 2023, \"Scaling Data-Constrained Language Models\"). Give "
                   "it less weight, or more data.", file=sys.stderr)
 
@@ -434,9 +429,8 @@ def log_step(step: int, result: StepResult, lr: float, speed: dict, metrics: Run
 
 
 def command_line(argv: list[str]) -> None:
-    """`python train_gpt2.py ARGS`: main, where a UserError ends the run with one paragraph and exit status 2
-    (errors.run_entry_point), and a second Ctrl-C with one line, killed by SIGINT as Python ends on an unhandled
-    KeyboardInterrupt (exit status 130 in a shell, and a script running the command stops too)."""
+    """`python train_gpt2.py ARGS`: main, a UserError ending it with one paragraph and exit 2, a second Ctrl-C with one
+    line and death by SIGINT as Python's on an unhandled KeyboardInterrupt (a calling script stops too)."""
     try:
         run_entry_point(lambda: main(argv))
     except KeyboardInterrupt:

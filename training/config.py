@@ -176,8 +176,7 @@ LARGEST_COUNT = 2**31 - 1
 
 @dataclass(frozen=True)
 class Range:
-    """The values a number flag takes: finite, from low to high, either end left out where it is open; a whole
-    number's at most LARGEST_COUNT where high is left out."""
+    """The values a number flag takes: finite, low to high (open ends left out), a whole number's ≤ LARGEST_COUNT."""
     low: float
     high: float = math.inf
     low_open: bool = False
@@ -202,8 +201,7 @@ class Range:
 AT_LEAST_0, AT_LEAST_1, ABOVE_0 = Range(0), Range(1), Range(0, low_open=True)
 BELOW_1 = Range(0, 1, high_open=True)
 SEEDS = Range(0, 2**64, high_open=True)  # numpy's generators take no negative seed, torch's none of 2**64 or more
-# The values of each number flag (None, a flag's "not set", is not checked). Outside them a run crashed part way,
-# or went on meaning something else: --val_every -1 validated at every step, --grad_clip nan clipped nothing.
+# The values of each number flag (None, "not set", is not checked); outside them a run crashed or meant another thing.
 FLAG_RANGES = {
     "n_layer": AT_LEAST_1, "n_head": AT_LEAST_1, "n_embd": AT_LEAST_1, "block_size": AT_LEAST_1, "seq_len": AT_LEAST_1,
     "micro_batch_size": AT_LEAST_1, "total_batch_size": AT_LEAST_1, "max_steps": AT_LEAST_1,
@@ -359,8 +357,7 @@ def parse_mix(text: str, flag: str) -> dict[str, float]:
     return {source: weight / sum(mix.values()) for source, weight in mix.items()}
 
 def check_flag_ranges(cfg: TrainConfig) -> None:
-    """A UserError naming the first number flag outside its FLAG_RANGES, quoting its --help. Not the flags left
-    unset (None) or 'auto' (--micro_batch_size)."""
+    """A UserError naming the first number flag outside its FLAG_RANGES, quoting its --help (not None, nor 'auto')."""
     for f in fields(cfg):
         value = getattr(cfg, f.name)
         if f.name in FLAG_RANGES and isinstance(value, int | float):
@@ -423,8 +420,7 @@ def row_length(step: int, plan: Plan) -> int:
 
 
 def model_shape(cfg: TrainConfig, vocab_size: int, weights: GPTConfig | None = None) -> GPTConfig:
-    """The model's shape: a preset with the shape flags applied, for the data's vocab_size (the model pads it to a
-    multiple of 128), or, with --init_from, the shape of those weights (their GPTConfig: weights)."""
+    """A preset with the shape flags applied, for the data's vocab_size; or, with --init_from, that of `weights`."""
     if cfg.model is not None and cfg.model not in PRESETS:
         raise UserError(f"--model {cfg.model!r} is not a known preset; choose one of {', '.join(PRESETS)}.")
     overrides = {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd", "block_size") if getattr(cfg, k)}
@@ -463,8 +459,7 @@ def grad_accum_steps_for(cfg: TrainConfig, seq_len: int, world_size: int) -> int
 
 
 def validation_steps(cfg: TrainConfig, seq_len: int, world_size: int, val_shard_tokens: list[int]) -> int:
-    """Micro-batches per rank per validation: --val_tokens worth, at most one pass over val shards of
-    val_shard_tokens tokens each."""
+    """Micro-batches per rank per validation: --val_tokens worth, at most one pass over val_shard_tokens' shards."""
     tokens_per_micro_step = cfg.micro_batch_size * seq_len * world_size
     available = sum((tokens - 1) // tokens_per_micro_step for tokens in val_shard_tokens)
     return max(1, min(cfg.val_tokens // tokens_per_micro_step, available))

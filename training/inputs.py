@@ -46,8 +46,14 @@ def val_shard_tokens(data_dir: str) -> list[int]:
 
 def model_config(cfg: TrainConfig) -> GPTConfig:
     """The model's shape (config.model_shape): for the data's tokenizer's vocabulary (GPT-2's 50,257 without a
-    manifest), or the --init_from weights', whose tokenizer must be the data's."""
-    data_tokenizer = sources_tokenizer(cfg.mixture()[0])
+    manifest; every source's the same), or the --init_from weights', whose tokenizer must be the data's."""
+    sources = cfg.mixture()[0]
+    data_tokenizer = read_data_tokenizer(sources[0])
+    for source in sources[1:]:
+        if (its := read_data_tokenizer(source)).sha256 != data_tokenizer.sha256:
+            raise UserError(f"--data_mix: {sources[0]} holds shards of the tokenizer {data_tokenizer.describe()}, "
+                            f"{source} of {its.describe()}; a model reads one tokenizer's ids. Write {source}'s text "
+                            f"again with data/prepare.py --tokenizer (the one of {sources[0]}), or leave it out.")
     if cfg.init_from == "scratch":
         return model_shape(cfg, data_tokenizer.vocab_size)
     weights = init_weights_config(cfg.init_from)
@@ -55,17 +61,6 @@ def model_config(cfg: TrainConfig) -> GPTConfig:
                     data_tokenizer, "Start from weights trained with this data's tokenizer, train them on data written "
                     "with theirs (data/prepare.py --tokenizer), or train from scratch (--init_from scratch).")
     return model_shape(cfg, data_tokenizer.vocab_size, weights)
-
-
-def sources_tokenizer(sources: tuple[str, ...]) -> TokenizerSpec:
-    """The tokenizer of every source's shards: one, or a UserError naming two sources of two."""
-    first = read_data_tokenizer(sources[0])
-    for source in sources[1:]:
-        if (its := read_data_tokenizer(source)).sha256 != first.sha256:
-            raise UserError(f"--data_mix: {sources[0]} holds shards of the tokenizer {first.describe()}, {source} of "
-                            f"{its.describe()}; a model reads one tokenizer's ids. Write {source}'s text again with "
-                            f"data/prepare.py --tokenizer (the one of {sources[0]}), or leave it out of the mix.")
-    return first
 
 
 def init_weights_config(init_from: str) -> GPTConfig:

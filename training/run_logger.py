@@ -24,9 +24,8 @@ WANDB_KEYS = {
 
 
 def wandb_key(key: str) -> str | None:
-    if key in WANDB_KEYS or key.startswith("val/"):  # (a mixture's val/<source>/loss and val/<source>/bpb)
-        return WANDB_KEYS.get(key, key)
-    return f"eval/{key}" if "/" in key else None
+    prefix = "" if key.startswith("val/") else "eval/"  # (a mixture's val/<source>/loss and /bpb go as they are)
+    return WANDB_KEYS.get(key) or (prefix + key if "/" in key else None)
 # wandb.init retries an unreachable server for init_timeout (90 s in wandb 0.31); a minute tells as well.
 # WANDB_INIT_TIMEOUT overrides it (keep it under --dist_timeout: the other ranks wait for rank 0 meanwhile).
 INIT_TIMEOUT_S = 60.0
@@ -35,9 +34,8 @@ FINISH_TIMEOUT_S = 300.0
 
 
 def metrics_path(log_dir: Path, run: str) -> Path:
-    """Where a run's metrics go: metrics.jsonl, unless its first {"event": "timeline"} record is another run's or
-    of another format (a branch that shares its parent's --log_dir, or another version's file): then
-    metrics_<run>.jsonl, so that no two runs' steps are spliced into one file, and the other file is left as it is."""
+    """metrics.jsonl, unless its first {"event": "timeline"} record is another run's or format's (a branch sharing its
+    parent's --log_dir, another version's file): then metrics_<run>.jsonl, so that no two runs' steps are spliced."""
     default = log_dir / "metrics.jsonl"
     if not default.is_file():
         return default
@@ -60,8 +58,7 @@ def free_space(directory: Path) -> str:
 
 class RunLogger:
     def __init__(self, log_dir: str | Path, run: str, enabled: bool = True, run_lock: RunLock | None = None):
-        """run: the run's id (rundir.store); run_lock: the run's locked directories, --log_dir checked in place before
-        each line (a moved directory stops the run, nothing is written at its old path)."""
+        """run: the run's id (rundir.store); run_lock: its locked directories (--log_dir checked before each line)."""
         self.enabled, self.run_lock = enabled, run_lock or RunLock()
         self.wandb_run = None
         self.metrics_path = metrics_path(Path(log_dir), run)
