@@ -18,7 +18,7 @@ from conftest import make_document_shards, make_shards
 from dataloader import DistributedDataLoader
 from evaluation.validation import Validation, validation_record
 from helpers_train import launched, read_metrics, records_so_far, run_train, train_command, train_env, wait_until
-from training.config import parse_args
+from training.config import TrainConfig, parse_args
 from training.errors import UserError
 from training.inputs import check_inputs, resolve_plan
 from training.mixture import MixtureLoader, source_names
@@ -167,6 +167,20 @@ def test_a_source_read_past_4_epochs_is_warned_of_at_the_start(door, capsys):
     train_gpt2.log_epochs(replace(cfg, max_steps=60), plan, mixture([door / "a", door / "b"], plan.weights,
                                                                     grad_accum_steps=4))
     assert f"WARNING: {door / 'a'} is read 5.1 times: past about 4 epochs" in capsys.readouterr().err
+
+
+def test_the_command_lines_data_flag_replaces_the_recipes_and_both_in_one_place_are_refused(tmp_path):
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text('data_dir = "data/x"\nmax_steps = 7\n')
+    cfg = parse_args(["--config", str(recipe), "--data_mix", "data/a=1,data/b=3"])
+    assert (cfg.data_dir, cfg.data_mix, cfg.max_steps) == (TrainConfig.data_dir, "data/a=1,data/b=3", 7)
+    assert cfg.mixture()[:2] == (("data/a", "data/b"), (0.25, 0.75))
+    recipe.write_text('data_mix = "data/a=1"\n')
+    replaced = parse_args(["--config", str(recipe), "--data_dir", "data/y"])
+    assert (replaced.data_dir, replaced.data_mix) == ("data/y", "")
+    recipe.write_text('data_mix = "data/a=1"\ndata_dir = "data/x"\n')
+    with pytest.raises(UserError, match=r"--data_mix 'data/a=1' and --data_dir data/x both name the training data"):
+        parse_args(["--config", str(recipe)])
 
 
 def test_a_bad_mixture_exits_2_with_one_paragraph_and_writes_nothing(door):

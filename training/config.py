@@ -258,13 +258,15 @@ def parse_args(argv: list[str] | None = None, description: str = __doc__) -> Tra
     recipe_path = parser.parse_known_args(argv)[0].config
     recipe = load_recipe(recipe_path) if recipe_path is not None else {}
     parser.set_defaults(**recipe)
-    values = vars(parser.parse_args(argv, argparse.Namespace(data_dir=None)))  # (None: no --data_dir given)
+    values = vars(parser.parse_args(argv, argparse.Namespace(data_dir=None, data_mix=None)))  # (None: not given)
     values.pop("config")
-    data_dir = recipe.get("data_dir") if values["data_dir"] is None else values["data_dir"]
-    if data_dir is not None and values["data_mix"]:
-        raise UserError(f"--data_mix {values['data_mix']!r} and --data_dir {data_dir} both name the training data. "
-                        f"Pass one: add {data_dir}=WEIGHT to --data_mix, or leave --data_mix out.")
-    return TrainConfig(**values | {"data_dir": TrainConfig.data_dir if data_dir is None else data_dir})
+    # The data: the command line's --data_dir or --data_mix, else the recipe's; never both from one of them.
+    data = {flag: values[flag] for flag in ("data_dir", "data_mix") if values[flag] is not None} or \
+        {flag: recipe[flag] for flag in ("data_dir", "data_mix") if flag in recipe}
+    if len(data) == 2:
+        raise UserError(f"--data_mix {data['data_mix']!r} and --data_dir {data['data_dir']} both name the training "
+                        f"data. Pass one: add {data['data_dir']}=WEIGHT to --data_mix, or leave --data_mix out.")
+    return TrainConfig(**values | {"data_dir": TrainConfig.data_dir, "data_mix": ""} | data)
 
 
 def load_recipe(path: str) -> dict:

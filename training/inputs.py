@@ -17,8 +17,7 @@ from training.tokenizer import TokenizerSpec, gpt2_spec
 
 
 def check_inputs(cfg: TrainConfig) -> None:
-    """train_gpt2.py's door: a UserError naming the first bad input and the fix. --micro_batch_size auto is chosen
-    later, on the device (memory.choose_micro_batch); the plan is checked here with one sequence a micro-batch."""
+    """train_gpt2.py's door: a UserError naming the first bad input and the fix (--micro_batch_size auto as 1)."""
     check_path_flags(cfg)
     world_size = this_process(cfg.device).world_size
     train_shards = [path for source in cfg.mixture()[0] for path in find_shards(source, "train")]

@@ -26,9 +26,8 @@ class MixtureLoader(ReadAhead):
     def __init__(self, sources: list[DistributedDataLoader], weights: tuple[float, ...],
                  anneal_weights: tuple[float, ...] | None, anneal_step: int | None, seed: int):
         self.sources, self.seed, self.anneal_step = sources, seed, anneal_step
-        first = sources[0]
-        self.rank, self.world_size, self.chunks_per_step = first.rank, first.world_size, first.chunks_per_step
-        self.B, self.T, self.tokenizer = first.B, first.T, first.tokenizer
+        self.rank, self.world_size, self.tokenizer = sources[0].rank, sources[0].world_size, sources[0].tokenizer
+        self.chunks_per_step, self.B, self.T = sources[0].chunks_per_step, sources[0].B, sources[0].T
         self.bounds = [np.cumsum(w) for w in (weights, anneal_weights or weights)]
         self.chunk = 0  # chunks the run has read, on every rank together
         self.chunks_read = [0] * len(sources)
