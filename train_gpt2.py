@@ -360,8 +360,8 @@ class Evaluations:
                 if results[name] is None:
                     return False
             record = validation_record(results)  # (no bpb where the tokenizer cannot be loaded offline)
-            print0(f"step {step:5d} | " + " | ".join(f"{key.replace('_', ' ')} {value:.4f}" for key, value in
-                                                   record.items()))
+            line = " | ".join([f"step {step:5d}"] + [f"{key} {value:.4f}" for key, value in record.items()])
+            print0(line.replace("| val_", "| val "))  # (val loss, val bpb: as before mixtures)
             self.metrics.log({"step": step} | record)
         evals_due = self.eval_suite and (step % cfg.eval_every == 0 or step == last_step)
         sample_due = cfg.sample_every and step > 0 and (step % cfg.sample_every == 0 or step == last_step)
