@@ -1,39 +1,6 @@
-"""Sharded token files and the loader that gives each rank its own slice of them.
-
-Shard format (llm.c's, so data is interchangeable with it): a header of 256 little-endian int32
-[MAGIC, VERSION, num_tokens, 0, ...] followed by num_tokens little-endian uint16 token ids; for a vocabulary of over
-65,536 ids, [MAGIC_32, VERSION_32, ...] and uint32 ids (llm.c's Llama 3 shards). Shards live in one directory as
-<anything>_train_<NNNNNN>.bin and <anything>_val_<NNNNNN>.bin, beside a manifest.json (version MANIFEST_VERSION)
-naming the tokenizer that wrote them (a TokenizerSpec, tokenizer.py) and listing them: one directory, one tokenizer.
-A directory without one (llm.c's) holds GPT-2's tokens.
-
-The stream is cut into chunks of B·T tokens (plus the one next token as the last target). Every micro-step
-consumes world_size consecutive chunks, rank r taking the r-th; every optimizer step consumes
-chunks_per_step = world_size·grad_accum_steps of them. A shard is used up to a whole number of optimizer
-steps, then all ranks move to the next shard together. So the chunks a step trains on depend only on B, T and
-the total batch, never on how they are split across ranks, and the loader's position is the same on every
-rank: a 2-rank snapshot resumes on 1 rank at exactly the next tokens.
-
-Document-aligned batches (align_bos=True): every row starts at a document's first token, or continues a document
-longer than a row. Each shard's documents are packed into rows of T+1 tokens (x and its shifted y) by
-training/packing.py's pack_rows, before and independently of the ranks; a chunk is then B consecutive packed rows
-instead of B·T consecutive tokens, and everything above (chunk order, ranks, steps, state) is unchanged.
-
-Shards are read with plain reads, each checked to return every byte asked for, never through a memory map: a shard
-truncated under a running job (a copy or a download over it in place) is then a ShardReadError naming it, where a
-memory map would kill the process with SIGBUS and no snapshot. The train loader reads each optimizer step's batches
-ahead (read_ahead), between steps, so that a failed read stops every rank together with a snapshot
-(train_gpt2.run) instead of one rank failing inside a step while the others wait for it in a collective.
-
-A run trains on exactly the shards it started with. The loader keeps each shard's os.stat from when it was made
-(ShardWatch: device and inode, size, change time) and compares every shard's against it after reading each step's
-batches (read_ahead) and after each validation (validation.validation_loss): one stat per shard, 0.15 ms for 100
-shards on a local disk. A shard deleted or moved away, another file renamed over it (a new inode), a truncation or
-append (the size) and a write in place of the same size (the ctime, which no one can set back, unlike the mtime) are
-each a ShardReadError naming the shard and what changed, and so is a read that comes back short. Checked after the
-reads, a change during one is seen before the step trains on what it read. A chmod, chown or new hard link moves the
-ctime too, and stops the run just the same: the check cannot tell them from a write.
-"""
+"""Sharded token files (llm.c's format), and the loader that gives each rank its own chunks of them, the same chunks
+for any number of ranks. docs/data.md says how: the shard format, the chunk stream, --align_bos, the checks at start-up
+and the shards that change under a run (ShardWatch)."""
 
 import hashlib
 import json
@@ -53,14 +20,11 @@ from training.packing import pack_rows
 from training.parsing import PARSE_ERRORS, parse_problem
 from training.tokenizer import TokenizerSpec, gpt2_spec
 
-MAGIC = 20240520
-VERSION = 1
+MAGIC, VERSION = 20240520, 1
+MAGIC_32, VERSION_32 = 20240801, 7  # llm.c's header for uint32 tokens (its Llama 3 shards): vocabularies over 2**16
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 TOKEN_DTYPE = np.dtype("<u2")
-# Vocabularies above 65,536 ids: uint32 tokens under llm.c's header for them (its Llama 3 shards), so that its shards
-# and ours stay interchangeable.
-MAGIC_32, VERSION_32 = 20240801, 7
 TOKEN_DTYPES = {(MAGIC, VERSION): TOKEN_DTYPE, (MAGIC_32, VERSION_32): np.dtype("<u4")}
 EOT = 50256  # GPT-2's <|endoftext|>, before every document (data/tokenize_shards.py); other data: its manifest's eot
 MANIFEST = "manifest.json"  # beside the shards: the tokenizer that wrote them and their names (read_data_tokenizer)
@@ -68,18 +32,12 @@ MANIFEST_VERSION = 1  # of its format: {"version", "tokenizer", "shards"}
 SCAN_TOKENS = 2**20  # tokens read at a time when the loader checks a whole shard (2 MiB)
 
 
-def shard_format(vocab_size: int) -> tuple[int, int]:
-    """(magic, version) of the shards of a vocabulary: uint16 tokens while its ids fit, else uint32."""
-    return (MAGIC, VERSION) if vocab_size <= 2**16 else (MAGIC_32, VERSION_32)
-
-
 def write_shard(path: str | Path, tokens: np.ndarray, vocab_size: int = 2**16) -> None:
-    """Write tokens as a shard, atomically: a crash leaves either no file or a complete one under `path`. uint16
-    tokens, as GPT-2's (llm.c's) shards have them, unless vocab_size needs uint32."""
+    """Write tokens as a shard, atomically (no file or a complete one), uint16 unless vocab_size needs uint32."""
     tokens = np.asarray(tokens)
     if not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(f"{path}: token ids must be integers, got dtype {tokens.dtype}")
-    magic, version = shard_format(vocab_size)
+    magic, version = (MAGIC, VERSION) if vocab_size <= 2**16 else (MAGIC_32, VERSION_32)
     dtype = TOKEN_DTYPES[magic, version]
     if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(dtype).max):
         raise ValueError(f"{path}: token ids must fit in {dtype.name} (0..{np.iinfo(dtype).max}), got range "
@@ -95,12 +53,11 @@ def write_shard(path: str | Path, tokens: np.ndarray, vocab_size: int = 2**16) -
 
 
 def read_shard_header(path: str | Path) -> int:
-    """Check a shard's header against its size; returns the number of tokens. Raises UserError naming the file."""
     return read_shard_layout(path)[0]
 
 
 def read_shard_layout(path: str | Path) -> tuple[int, np.dtype]:
-    """read_shard_header's check; returns (the number of tokens, their dtype: uint16 or uint32)."""
+    """(the number of tokens, their dtype) of a shard whose header agrees with its size, else a UserError."""
     path = Path(path)
     size = path.stat().st_size
     if size < HEADER_BYTES:
@@ -153,9 +110,8 @@ def shard_names(data_dir: Path) -> list[str]:
 
 
 def read_manifest(data_dir: str | Path) -> tuple[TokenizerSpec, list[str]] | None:
-    """data_dir's manifest: (the tokenizer that wrote its shards, their names); None where there is none. One that is
-    there but cannot be read (a symbolic link to nothing, say) is a UserError: taken as none, its shards would be
-    read as GPT-2's."""
+    """data_dir's manifest: (the tokenizer that wrote its shards, their names); None where there is none. One that
+    cannot be read (a symbolic link to nothing) is a UserError: taken as none, its shards would be read as GPT-2's."""
     path = Path(data_dir) / MANIFEST
     if not os.path.lexists(path):
         return None
@@ -187,9 +143,8 @@ def read_data_tokenizer(data_dir: str | Path) -> TokenizerSpec:
 
 
 def record_shards(data_dir: Path, tokenizer: TokenizerSpec, names: Sequence[str] = ()) -> None:
-    """Before shards of `tokenizer` named `names` are written into data_dir: its manifest names the tokenizer and
-    lists them (listed first, a crash leaves a name without a file, never a file of no listed tokenizer). A UserError
-    if data_dir holds another tokenizer's shards, or shards without a manifest."""
+    """Before shards of `tokenizer` named `names` are written into data_dir, list them in its manifest (a crash leaves
+    a name without a file, never the reverse); a UserError if it holds another tokenizer's shards, or no manifest."""
     manifest, existing = read_manifest(data_dir), shard_names(data_dir)
     if manifest is None and existing:
         raise UserError(f"{data_dir} holds shards ({existing[0]}, ...) but no {MANIFEST} naming their "
@@ -207,13 +162,11 @@ def record_shards(data_dir: Path, tokenizer: TokenizerSpec, names: Sequence[str]
 
 
 class ShardReadError(UserError):
-    """A shard that changed under the run (ShardWatch) or could not be read while it used it (a short read, an I/O
-    error)."""
+    """A shard that changed under the run (ShardWatch) or could not be read (a short read, an I/O error)."""
 
 
 class ShardWatch:
-    """Each shard's os.stat when the run started, and check(): a ShardReadError naming the first shard no longer as it
-    was (see the module doc)."""
+    """Each shard's os.stat at the start; check(): a ShardReadError naming the first that changed (docs/data.md)."""
 
     def __init__(self, paths: list[Path]):
         self.started = {path: os.stat(path) for path in paths}
@@ -245,9 +198,7 @@ def shard_change(path: Path, then: os.stat_result) -> str | None:
 
 
 class Shard:
-    """An open shard whose tokens are read with plain reads: read() returns every token asked for or raises
-    ShardReadError naming the file. The file stays open, so what it reads stays the file it opened, whatever takes
-    its name (ShardWatch then stops the run)."""
+    """An open shard, read with plain reads (docs/data.md): every token asked for, or a ShardReadError naming it."""
 
     def __init__(self, path: Path, num_tokens: int, dtype: np.dtype = TOKEN_DTYPE):
         self.path, self.num_tokens, self.dtype = path, num_tokens, dtype  # (dtype: read_shard_layout's)
@@ -278,8 +229,7 @@ class Shard:
         return tokens
 
     def blocks(self) -> Iterator[tuple[int, np.ndarray]]:
-        """The whole shard as (start, tokens) in pieces of SCAN_TOKENS, read into one buffer: each piece is valid
-        until the next is read (a buffer the size of a CPU cache, reused, reads about as fast as a memory map)."""
+        """The whole shard as (start, tokens) in pieces of SCAN_TOKENS, each in one reused buffer until the next."""
         buffer = np.empty(min(SCAN_TOKENS, self.num_tokens), dtype=self.dtype)
         for start in range(0, self.num_tokens, SCAN_TOKENS):
             count = min(SCAN_TOKENS, self.num_tokens - start)
@@ -290,8 +240,7 @@ class Shard:
 
 
 def check_token_ids(shard: Shard, vocab_size: int) -> None:
-    """UserError naming the shard and the position if an id is outside the model's vocabulary, where it would fail
-    mid-step (an IndexError, or a device-side assert on CUDA). One pass over the shard: see the README for its cost."""
+    """UserError naming the shard and the position of an id outside the model's vocabulary (it would fail mid-step)."""
     largest, position, token = 0, None, None
     for start, tokens in shard.blocks():
         largest = max(largest, int(tokens.max()))
@@ -305,12 +254,49 @@ def check_token_ids(shard: Shard, vocab_size: int) -> None:
                         "data/fineweb.py (--tokenizer: the model's), or move it out of the data directory.")
 
 
-class DistributedDataLoader:
+def check_shard_fills_a_step(path: Path, num_tokens: int, chunks_per_step: int, B: int, T: int) -> None:
+    """A UserError unless a shard of num_tokens tokens holds one optimizer step's chunks of B·T tokens (+1)."""
+    step_tokens = chunks_per_step * B * T + 1
+    if num_tokens < step_tokens:
+        raise UserError(f"{path}: shard has {num_tokens} tokens, fewer than one optimizer step needs ({step_tokens} = "
+                        f"{chunks_per_step} chunks of B·T = {B}·{T}, +1). Use a smaller --total_batch_size / "
+                        "--micro_batch_size / --seq_len, or larger shards.")
+
+
+class ReadAhead:
+    """next_batch and read_ahead, over a loader's _read_batch (this rank's next micro-batch) and _state_dict."""
+
+    def _forget_read_ahead(self) -> None:
+        self._ahead: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._ahead_from: dict | None = None  # the state before the batches read ahead
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's (x, y) of a micro-step, each (B, T) int64 on the CPU, y x shifted by one; or ShardReadError."""
+        if not self._ahead:
+            return self._read_batch()
+        batch = self._ahead.pop(0)
+        if not self._ahead:
+            self._ahead_from = None
+        return batch
+
+    def read_ahead(self) -> None:
+        """Read this rank's micro-batches of the next step now, for next_batch; a ShardReadError is raised here, between
+        steps. Until they are handed out, state_dict is the position before them (after a ShardReadError too)."""
+        if self._ahead_from is None:
+            self._ahead_from = self._state_dict()
+        while len(self._ahead) < self.chunks_per_step // self.world_size:
+            self._ahead.append(self._read_batch())
+        self.check_unchanged()
+
+    def state_dict(self) -> dict:
+        return self._ahead_from or self._state_dict()
+
+
+class DistributedDataLoader(ReadAhead):
     def __init__(self, data_dir: str | Path, split: str, B: int, T: int, rank: int = 0, world_size: int = 1,
                  grad_accum_steps: int = 1, shuffle: bool = False, seed: int = 0, vocab_size: int | None = None,
                  align_bos: bool = False):
-        """vocab_size: the model's; every token id is checked to be below it (None: not checked). align_bos: rows
-        start at documents' first tokens (see the module doc)."""
+        """vocab_size: the model's, above every token id (None: not checked). align_bos: rows start at documents."""
         self.B, self.T, self.rank, self.world_size, self.align_bos = B, T, rank, world_size, align_bos
         self.chunks_per_step = world_size * grad_accum_steps
         self.shuffle, self.seed = shuffle, seed
@@ -320,12 +306,8 @@ class DistributedDataLoader:
         # Check every header now, so a bad shard fails the run in its first second rather than hours in.
         layouts = [read_shard_layout(p) for p in self.shards]
         self.shard_tokens, self.shard_dtypes = [n for n, _ in layouts], [dtype for _, dtype in layouts]
-        step_tokens = self.chunks_per_step * B * T + 1
         for path, n in zip(self.shards, self.shard_tokens):
-            if n < step_tokens:
-                raise UserError(f"{path}: shard has {n} tokens, fewer than one optimizer step needs ({step_tokens} = "
-                                 f"{self.chunks_per_step} chunks of B·T = {B}·{T}, +1). Use a smaller "
-                                 "--total_batch_size / --micro_batch_size / --seq_len, or larger shards.")
+            check_shard_fills_a_step(path, n, self.chunks_per_step, B, T)
         # One look at every shard's tokens: an id the model has no embedding for fails the run now too, and the
         # shards' sizes, first and last tokens, in order, tell which data this is, whatever directory holds it.
         fingerprint = hashlib.sha256()
@@ -358,17 +340,15 @@ class DistributedDataLoader:
             self.shard.close()
         self.watch.check(self.shards[shard_index])  # (one deleted or replaced is named as such, not opened)
         self.shard = Shard(self.shards[shard_index], num_tokens, self.shard_dtypes[shard_index])
-        if self.align_bos:  # the whole shard in memory: packing reads every token anyway
+        if self.align_bos:  # the whole shard in memory (packing reads every token anyway), packed on every opening
             self.tokens = self.shard.read(0, num_tokens)
-            # rebuilt on every opening: resuming needs no more
             self.rows, _ = pack_rows(self.tokens, self.T + 1, self.tokenizer.eot)
             num_chunks = len(self.rows) // self.B
             if num_chunks < self.chunks_per_step:
                 raise UserError(f"{self.shards[shard_index]}: its documents pack into {len(self.rows)} rows of "
                                 f"--seq_len + 1 = {self.T + 1} tokens under --align_bos, fewer than one optimizer step "
-                                f"needs ({self.chunks_per_step} chunks of {self.B} rows). Its documents (separated by "
-                                "<|endoftext|>) are too few or too long; use a smaller --total_batch_size / "
-                                "--seq_len, larger shards, or leave out --align_bos.")
+                                f"needs ({self.chunks_per_step} chunks of {self.B} rows): too few documents, or too "
+                                "long. Use a smaller --total_batch_size / --seq_len, larger shards, or no --align_bos.")
         else:
             num_chunks = (num_tokens - 1) // (self.B * self.T)
         self.usable_chunks = num_chunks - num_chunks % self.chunks_per_step
@@ -377,39 +357,19 @@ class DistributedDataLoader:
         else:
             self.chunk_order = np.arange(num_chunks)
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's (x, y) for one micro-step, each (B, T) int64 on the CPU; y is x shifted by one token. Raises
-        ShardReadError if the shard cannot be read."""
-        if self._ahead:
-            batch = self._ahead.pop(0)
-            if not self._ahead:
-                self._ahead_from = None
-            return batch
-        return self._read_batch()
-
-    def read_ahead(self) -> None:
-        """Read this rank's micro-batches of the next optimizer step now; next_batch hands them out. A shard that
-        cannot be read, or any shard that changed since the loader was made (check_unchanged, after the reads),
-        raises ShardReadError here, between steps. Until they are handed out, state_dict is the position before
-        them: a snapshot taken now resumes at that step (after a ShardReadError too, when the position is all the
-        loader is good for until load_state_dict)."""
-        if self._ahead_from is None:
-            self._ahead_from = (self.epoch, self.shard_position, self.chunk_position)
-        while len(self._ahead) < self.chunks_per_step // self.world_size:
-            self._ahead.append(self._read_batch())
-        self.check_unchanged()
-
     def check_unchanged(self) -> None:
         """ShardReadError naming the first of the loader's shards that changed since the loader was made."""
         self.watch.check()
 
-    def _forget_read_ahead(self) -> None:
-        self._ahead: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._ahead_from: tuple[int, int, int] | None = None  # (epoch, shard_position, chunk_position)
-
     def _read_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = self.read_chunk(self.rank)
+        self.advance(self.world_size)
+        return batch
+
+    def read_chunk(self, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y) of the chunk `offset` chunks on from the position (the loader's own rank reads offset rank)."""
         B, T = self.B, self.T
-        chunk = int(self.chunk_order[self.chunk_position + self.rank])
+        chunk = int(self.chunk_order[self.chunk_position + offset])
         if self.align_bos:  # B consecutive packed rows of T+1 tokens, each its own x and y
             pieces = np.concatenate(self.rows[chunk * B : (chunk + 1) * B])
             buf = np.concatenate([self.tokens[start : start + n] for start, n in pieces]).astype(np.int64)
@@ -418,7 +378,11 @@ class DistributedDataLoader:
         else:  # B consecutive T-token runs: B·T tokens in one slice, then reshaped
             buf = torch.from_numpy(self.shard.read(chunk * B * T, B * T + 1).astype(np.int64))  # uint16/32 until here
             x, y = buf[:-1].view(B, T), buf[1:].view(B, T)
-        self.chunk_position += self.world_size
+        return x, y
+
+    def advance(self, chunks: int) -> None:
+        """Past `chunks` chunks, into the next shard (and epoch) at the end of this one's usable chunks."""
+        self.chunk_position += chunks
         if self.chunk_position >= self.usable_chunks:
             self.chunk_position = 0
             self.shard_position += 1
@@ -426,20 +390,31 @@ class DistributedDataLoader:
                 self.shard_position = 0
                 self.epoch += 1
             self._open_shard()
-        return x, y
 
-    def state_dict(self) -> dict[str, int | str]:
-        # B·T and chunks_per_step give the position its meaning; rank and world size do not (see module doc).
-        epoch, shard_position, chunk_position = self._ahead_from or (self.epoch, self.shard_position,
-                                                                     self.chunk_position)
-        return {"epoch": epoch, "shard_position": shard_position, "chunk_position": chunk_position,
+    def where(self) -> str:
+        return f"epoch {self.epoch}, shard {self.shard_position}, chunk {self.chunk_position}"
+
+    def tokens_by_source(self, steps: int) -> dict[str, int]:  # (of every rank)
+        return {self.data_dir: steps * self.chunks_per_step * self.B * self.T}
+
+    @property
+    def sources(self) -> list["DistributedDataLoader"]:
+        return [self]  # (a MixtureLoader's are several)
+
+    def _state_dict(self) -> dict[str, int | str]:
+        # B·T and chunks_per_step give the position its meaning; rank and world size do not (see docs/data.md).
+        return {"epoch": self.epoch, "shard_position": self.shard_position, "chunk_position": self.chunk_position,
                 "chunk_tokens": self.B * self.T, "chunks_per_step": self.chunks_per_step,
                 "num_shards": len(self.shards), "shuffle": int(self.shuffle), "seed": self.seed, "seq_len": self.T,
                 "align_bos": int(self.align_bos),
                 "data_dir": self.data_dir, "data_fingerprint": self.data_fingerprint}
 
-    def load_state_dict(self, state: dict[str, int | str]) -> None:
+    def load_state_dict(self, state: dict, whole_steps: bool = True) -> None:
+        """whole_steps: the position must be between two optimizer steps (a mixture's source is at any chunk)."""
         mine = self.state_dict()
+        if "sources" in state:  # a --data_mix run's
+            raise UserError(f"cannot resume the data loader: the snapshot's run trained on a --data_mix, this one on "
+                            f"--data_dir {self.data_dir}. Pass its --data_mix, or start anew: --init_from SNAPSHOT.")
         if state["data_fingerprint"] != self.data_fingerprint:
             raise UserError(
                 f"cannot resume the data loader: the snapshot's run read other shards (--data_dir {state['data_dir']}, "
@@ -462,7 +437,7 @@ class DistributedDataLoader:
                 f"the loss curves would jump. Pass --seq_len {state['seq_len']} --micro_batch_size "
                 f"{self.B * self.T // state['seq_len']}, or start a new run from the snapshot's weights with "
                 "--init_from SNAPSHOT.")
-        if state["chunk_position"] % self.chunks_per_step:
+        if whole_steps and state["chunk_position"] % self.chunks_per_step:
             raise UserError(f"cannot resume the data loader: its state (chunk_position {state['chunk_position']}) "
                              "was taken in the middle of an optimizer step; snapshots are only valid between steps.")
         self.epoch, self.shard_position = state["epoch"], state["shard_position"]

@@ -4,13 +4,10 @@
     python train_gpt2.py --config recipes/shakespeare_small.toml   # one GPU, Apple MPS or CPU
     python train_gpt2.py --config recipes/shakespeare_finetune_gpt2.toml   # finetune OpenAI's GPT-2
 
-The defaults reproduce GPT-2 124M on FineWeb-Edu 10B (524,288-token batches, 19,073 steps). The story of a run:
-check every input (the flags, torchrun's environment, the files they name), set up the processes and the device,
-resolve the flags into a plan, build the data loaders and the model, resume from the newest snapshot if there is one,
-then loop {read the step's data, evaluate, train one step, log, snapshot};
-after updates skipped in a row for NaN or spikes, stop or roll back to the newest healthy snapshot (--on_divergence).
-Between two steps every rank stops together, with a snapshot, on SIGTERM, on a first Ctrl-C, or when a rank cannot
-read its next batches or finds a shard changed; a second Ctrl-C aborts at once.
+The defaults reproduce GPT-2 124M on FineWeb-Edu 10B (524,288-token batches, 19,073 steps). A run checks every input,
+sets up the processes, builds the data loaders and the model, resumes from the newest snapshot if there is one, then
+loops {read the step's data, evaluate, train one step, log, snapshot}. Every rank stops together between two steps,
+with a snapshot, on SIGTERM, a first Ctrl-C, a shard that fails or changed, or a divergence (--on_divergence).
 """
 
 import math
@@ -26,7 +23,7 @@ import torch.distributed as dist
 
 from dataloader import DistributedDataLoader, ShardReadError
 from evaluation import tasks as evals
-from evaluation.validation import validation_loss
+from evaluation.validation import validation_loss, validation_record
 from model import GPT
 from rundir.lock import RunLock, lock_run_directories
 from rundir.snapshot import FORMAT, read_model
@@ -39,6 +36,7 @@ from training.errors import UserError, run_entry_point
 from training.inputs import check_inputs, resolve_plan
 from training.memory import choose_micro_batch, keep_freed_memory
 from training.mfu import Peak, peak_flops
+from training.mixture import MixtureLoader, source_names
 from training.optim import get_lr, get_muon_momentum, schedule_change
 from training.parallel import TrainingModel, build_training_model
 from training.precision import dtype_name, pick_dtype, set_deterministic
@@ -85,7 +83,7 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None
     torch.manual_seed(cfg.seed)
 
     # --- data, and the text the tasks and samples are read and written with
-    train_loader, val_loader = data_loaders(cfg, plan, dist_env)
+    train_loader, val_loaders = data_loaders(cfg, plan, dist_env)
     # The data's tokenizer: loaded now, as the tasks' files, so that one this node cannot have (a tiktoken encoding
     # offline) says so at start-up, not at its first use.
     tokenizer = tokenizer_from_spec(train_loader.tokenizer) if cfg.eval_every or cfg.sample_every else None
@@ -101,17 +99,17 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None
         print0(already_finished(resumed_from, start_step, cfg.max_steps))
         return
 
-    # --- logging, evaluations, speed
+    # --- logging and evaluations
     metrics = RunLogger(cfg.log_dir, snapshots.run, master, run_lock)
     log_start(cfg, plan, dist_env, snapshots, trainee, metrics, start_step, resumed_from)
-    evaluations = Evaluations(cfg, plan, trainee, val_loader, eval_suite, metrics, stop, dist_env, dtype, tokenizer)
+    evaluations = Evaluations(cfg, plan, trainee, val_loaders, eval_suite, metrics, stop, dist_env, dtype, tokenizer)
     peak = peak_flops(device, dtype)  # after the RNG restore: it leaves the global generators alone
-    speed = Speedometer(trainee.raw.flops_per_token(plan.seq_len) * cfg.total_batch_size, cfg.total_batch_size,
-                        peak.flops * dist_env.world_size)
     log_setup(cfg, plan, trainee.raw, dist_env, dtype, peak)
+    if master:
+        log_epochs(cfg, plan, train_loader)
     divergence = DivergenceResponse(cfg, snapshots, guard, train_loader, metrics, print0)
-    loop = TrainingLoop(cfg, plan, trainee, train_loader, guard, snapshots, evaluations, divergence, speed, metrics,
-                        stop, device, dtype)
+    loop = TrainingLoop(cfg, plan, trainee, train_loader, guard, snapshots, evaluations, divergence,
+                        peak.flops * dist_env.world_size, metrics, stop, device, dtype)
     loop.train(start_step, print0)
 
 
@@ -121,12 +119,12 @@ class TrainingLoop:
     cfg: TrainConfig
     plan: Plan
     trainee: TrainingModel
-    train_loader: DistributedDataLoader
+    train_loader: DistributedDataLoader | MixtureLoader
     guard: DivergenceGuard
     snapshots: Snapshots
     evaluations: "Evaluations"
     divergence: "DivergenceResponse"
-    speed: "Speedometer"
+    peak_flops: float  # of all the devices together
     metrics: RunLogger
     stop: StopRequest
     device: torch.device
@@ -152,6 +150,10 @@ class TrainingLoop:
                 stopped = f"during the evaluation before step {step}"
                 break
             # --- train
+            if step == self.plan.anneal_step:
+                mix = dict(zip(self.plan.sources, self.plan.anneal_weights))
+                print0(f"step {step:5d} | the --anneal_mix starts: {mix}")
+                self.metrics.log({"event": "anneal", "step": step, "data_mix": mix})
             result = self.timed_step(step)
             if guard.skips_in_a_row >= cfg.max_skips:  # the same on every rank: they all stop or roll back
                 step = self.divergence.respond(step, result.skip_reason)
@@ -178,13 +180,15 @@ class TrainingLoop:
                             self.plan.grad_accum_steps, lr, cfg.grad_clip, self.device, self.dtype, self.guard,
                             muon_momentum=get_muon_momentum(step, cfg), row_length=row_length(step, self.plan))
         synchronize(self.device)
-        log_step(step, result, lr, self.speed.measure(time.perf_counter() - t0), self.metrics)
+        seconds, flops = time.perf_counter() - t0, trainee.raw.flops_per_token(self.plan.seq_len) * cfg.total_batch_size
+        speed = {"dt_ms": seconds * 1000, "tokens_per_sec": cfg.total_batch_size / seconds,
+                 "mfu": flops / seconds / self.peak_flops}
+        log_step(step, result, lr, speed, self.metrics, self.train_loader)
         return result
 
 
 def data_failure_message(failure: str, stopped: str, written: Path | None, snapshots: Snapshots) -> str:
-    """The error of a run whose data changed under it or failed to read (a shard replaced, rewritten, deleted or
-    cut short): what failed, and where to resume from once the shard is as it was again."""
+    """The error of a run whose shard changed or failed to read, and where to resume from once it is restored."""
     newest = written or snapshots.newest_healthy()
     if newest:
         resume = f"the newest snapshot is {newest}: restore the shard and rerun the same command to resume from it"
@@ -199,20 +203,22 @@ def data_failure_message(failure: str, stopped: str, written: Path | None, snaps
 # the steps of the run
 
 def data_loaders(cfg: TrainConfig, plan: Plan, dist_env: Distributed
-                 ) -> tuple[DistributedDataLoader, DistributedDataLoader | None]:
-    """Each rank's train and val loaders (token ids checked against the model's vocabulary now, not mid-step)."""
-    vocab_size = plan.model_config.vocab_size
-    train_loader = DistributedDataLoader(cfg.data_dir, "train", cfg.micro_batch_size, plan.seq_len, dist_env.rank,
-                                         dist_env.world_size, plan.grad_accum_steps, shuffle=cfg.shuffle, seed=cfg.seed,
-                                         vocab_size=vocab_size, align_bos=plan.align_bos)
-    val_loader = DistributedDataLoader(cfg.data_dir, "val", cfg.micro_batch_size, plan.seq_len, dist_env.rank,
-                                       dist_env.world_size, vocab_size=vocab_size) if plan.val_steps else None
-    return train_loader, val_loader
+                 ) -> tuple[DistributedDataLoader | MixtureLoader, dict[str, DistributedDataLoader]]:
+    """Each rank's train loader, and val loader of each source by name (token ids checked now, not mid-step)."""
+    def loader(source: str, split: str, **train) -> DistributedDataLoader:
+        return DistributedDataLoader(source, split, cfg.micro_batch_size, plan.seq_len, dist_env.rank,
+                                     dist_env.world_size, vocab_size=plan.model_config.vocab_size, **train)
+
+    sources = [loader(source, "train", grad_accum_steps=plan.grad_accum_steps, shuffle=cfg.shuffle, seed=cfg.seed,
+                      align_bos=plan.align_bos) for source in plan.sources]
+    train_loader = MixtureLoader(sources, plan.weights, plan.anneal_weights, plan.anneal_step, cfg.seed) \
+        if cfg.data_mix or cfg.anneal_mix else sources[0]
+    names = source_names(plan.sources)
+    return train_loader, {names[source]: loader(source, "val") for source in plan.sources} if plan.val_steps else {}
 
 
 def task_suite(cfg: TrainConfig, plan: Plan, dist_env: Distributed, tokenizer: Tokenizer | None) -> evals.Suite:
-    """The zero-shot tasks, loaded now, so that a missing file or no network says so at start-up, not at the first
-    evaluation."""
+    """The zero-shot tasks, loaded now, so that a missing file or no network says so at start-up."""
     docs = evals.load_tasks(evals.parse_task_names(cfg.eval_tasks, "--eval_tasks"), cfg.eval_dir, cfg.eval_limit,
                             dist_env.local_rank, dist_env.device)
     # Batches of a training micro-batch's tokens: that fits, as evaluating keeps no activations for a backward.
@@ -230,8 +236,7 @@ def already_finished(resumed_from: str, start_step: int, max_steps: int) -> str:
 
 def log_start(cfg: TrainConfig, plan: Plan, dist_env: Distributed, snapshots: Snapshots, trainee: TrainingModel,
               metrics: RunLogger, start_step: int, resumed_from: str | None) -> None:
-    """Where the run starts, in the log and on wandb: a resume (and the settings it changed), or the weights it
-    started from, then whose metrics these are."""
+    """Where the run starts, in the log and on wandb: a resume (the settings it changed) or --init_from, and the run."""
     print0 = print if dist_env.is_master else (lambda *args, **kwargs: None)
     if metrics.metrics_path.name != "metrics.jsonl":
         print0(f"metrics go to {metrics.metrics_path}: {cfg.log_dir}/metrics.jsonl is another run's")
@@ -281,24 +286,17 @@ def initial_model(cfg: TrainConfig, plan: Plan) -> GPT:
 
 
 class DivergenceResponse:
-    """--on_divergence: what the run does once --max_skips updates in a row were skipped (DivergenceGuard).
-
-    rollback: restore the newest healthy snapshot (Snapshots.rollback), count the rollback, write it at once
-    (Snapshots.commit_rollback) and train on from the snapshot's step with the data after the divergence, at most
-    --max_rollbacks times. stop, or no rollback left: a UserError, raised on every rank at the same step, saying where
-    the run stands and what to try.
-    """
+    """--on_divergence, once --max_skips updates in a row were skipped: roll back to the newest healthy snapshot (at
+    most --max_rollbacks times), or stop with a UserError on every rank (docs/reliability.md)."""
 
     def __init__(self, cfg: TrainConfig, snapshots: Snapshots, guard: DivergenceGuard,
-                 train_loader: DistributedDataLoader, metrics: RunLogger, print0):
+                 train_loader: DistributedDataLoader | MixtureLoader, metrics: RunLogger, print0):
         self.cfg, self.snapshots, self.guard, self.train_loader = cfg, snapshots, guard, train_loader
         self.metrics, self.print0 = metrics, print0
 
     def respond(self, step: int, reason: str) -> int:
         """Roll back and return the step to go on at, or raise UserError."""
-        cfg, position = self.cfg, self.train_loader.state_dict()
-        where = (f"epoch {position['epoch']}, shard {position['shard_position']}, chunk "
-                 f"{position['chunk_position']}")
+        cfg, position, where = self.cfg, self.train_loader.state_dict(), self.train_loader.where()
         if cfg.on_divergence == "rollback" and self.guard.rollbacks < cfg.max_rollbacks:
             rollbacks = self.guard.rollbacks
             restored = self.snapshots.rollback()  # the guard's state too, from before this rollback
@@ -334,10 +332,10 @@ class DivergenceResponse:
 class Evaluations:
     """Validation, the zero-shot tasks and samples, each on its own beat."""
 
-    def __init__(self, cfg: TrainConfig, plan: Plan, trainee: TrainingModel, val_loader, eval_suite,
+    def __init__(self, cfg: TrainConfig, plan: Plan, trainee: TrainingModel, val_loaders, eval_suite,
                  metrics: RunLogger, stop: StopRequest, dist_env: Distributed, dtype: torch.dtype,
                  tokenizer: Tokenizer | None = None):
-        self.cfg, self.plan, self.trainee, self.val_loader = cfg, plan, trainee, val_loader
+        self.cfg, self.plan, self.trainee, self.val_loaders = cfg, plan, trainee, val_loaders
         self.eval_suite, self.metrics, self.stop = eval_suite, metrics, stop
         self.dist_env, self.dtype, self.tokenizer = dist_env, dtype, tokenizer  # the data's (None: GPT-2's)
 
@@ -349,19 +347,22 @@ class Evaluations:
             return self.stop.agreed(device)
 
         print0 = print if self.dist_env.is_master else (lambda *args: None)
-        if self.val_loader and (step % cfg.val_every == 0 or step == last_step):
-            try:
-                val = validation_loss(self.trainee.model, self.val_loader, self.plan.val_steps, device, dtype,
-                                      should_stop)
-            except ShardReadError as e:  # raised on every rank together: they agree on the stop as on a train shard's
-                self.stop.data_failed(e)
-                self.stop.agreed(device)
-                return False
-            if val is None:
-                return False
-            bpb = {"val_bpb": val.bpb} if val.bpb is not None else {}  # None: no tokenizer (offline)
-            print0(f"step {step:5d} | val loss {val.loss:.4f}" + (f" | val bpb {val.bpb:.4f}" if bpb else ""))
-            self.metrics.log({"step": step, "val_loss": val.loss} | bpb)
+        if self.val_loaders and (step % cfg.val_every == 0 or step == last_step):
+            results = {}
+            for name, loader in self.val_loaders.items():
+                try:
+                    results[name] = validation_loss(self.trainee.model, loader, self.plan.val_steps, device, dtype,
+                                                    should_stop)
+                except ShardReadError as e:  # raised on every rank together: they agree on the stop as on a train's
+                    self.stop.data_failed(e)
+                    self.stop.agreed(device)
+                    return False
+                if results[name] is None:
+                    return False
+            record = validation_record(results)  # (no bpb where the tokenizer cannot be loaded offline)
+            line = " | ".join([f"step {step:5d}"] + [f"{key} {value:.4f}" for key, value in record.items()])
+            print0(line.replace("| val_", "| val "))  # (val loss, val bpb: as before mixtures)
+            self.metrics.log({"step": step} | record)
         evals_due = self.eval_suite and (step % cfg.eval_every == 0 or step == last_step)
         sample_due = cfg.sample_every and step > 0 and (step % cfg.sample_every == 0 or step == last_step)
         # The uncompiled module, whole: the tasks' sequence lengths vary and would make torch.compile recompile,
@@ -384,17 +385,6 @@ class Evaluations:
         return True
 
 
-class Speedometer:
-    """Tokens/s and MFU of a step from its wall-clock time."""
-
-    def __init__(self, flops_per_step: float, tokens_per_step: int, peak_flops: float):
-        self.flops_per_step, self.tokens_per_step, self.peak_flops = flops_per_step, tokens_per_step, peak_flops
-
-    def measure(self, seconds: float) -> dict:
-        return {"dt_ms": seconds * 1000, "tokens_per_sec": self.tokens_per_step / seconds,
-                "mfu": self.flops_per_step / seconds / self.peak_flops}
-
-
 def log_setup(cfg: TrainConfig, plan: Plan, model: GPT, dist_env: Distributed, dtype: torch.dtype,
               peak: Peak) -> None:
     if not dist_env.is_master:
@@ -410,21 +400,37 @@ def log_setup(cfg: TrainConfig, plan: Plan, model: GPT, dist_env: Distributed, d
           + (f"\nvalidation: {plan.val_steps} × {tokens_per_micro_step:,} tokens" if plan.val_steps else ""))
 
 
-def log_step(step: int, result: StepResult, lr: float, speed: dict, metrics: RunLogger) -> None:
+def log_epochs(cfg: TrainConfig, plan: Plan, train_loader: DistributedDataLoader | MixtureLoader,
+               max_epochs: int = 4) -> None:
+    """Each source's tokens and how many times --max_steps reads them (its expected share), warning past max_epochs."""
+    anneal_step = cfg.max_steps if plan.anneal_step is None else min(plan.anneal_step, cfg.max_steps)
+    for source, weight, annealed in zip(train_loader.sources, plan.weights, plan.anneal_weights or plan.weights):
+        tokens = sum(source.shard_tokens)
+        epochs = (anneal_step * weight + (cfg.max_steps - anneal_step) * annealed) * cfg.total_batch_size / tokens
+        print(f"data: {source.data_dir}: {tokens:,} tokens, read {epochs:.2f} times by step {cfg.max_steps}")
+        if epochs > max_epochs:
+            print(f"WARNING: {source.data_dir} is read {epochs:.1f} times: past about {max_epochs} epochs, repeated "
+                  "data stops helping (Muennighoff et al., 2023, \"Scaling Data-Constrained Language Models\"). Give "
+                  "it less weight, or more data.", file=sys.stderr)
+
+
+def log_step(step: int, result: StepResult, lr: float, speed: dict, metrics: RunLogger,
+             train_loader: DistributedDataLoader | MixtureLoader) -> None:
     print0 = print if metrics.enabled else (lambda *args: None)
     print0(f"step {step:5d} | loss {result.loss:.6f} | lr {lr:.2e} | norm {result.grad_norm:.4f} | "
            f"{speed['dt_ms']:.1f} ms | {speed['tokens_per_sec']:,.0f} tok/s | mfu {100 * speed['mfu']:.1f}%"
            + (f" | step skipped: {result.skip_reason}" if result.skipped else ""))
     # A NaN or inf loss or norm (a skipped step) is logged as null, as strict JSON readers reject NaN.
     loss, grad_norm = (v if math.isfinite(v) else None for v in (result.loss, result.grad_norm))
+    epochs = {source.data_dir: source.epoch for source in train_loader.sources}
     metrics.log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm} | speed
+                | {"tokens_by_source": train_loader.tokens_by_source(step + 1), "epoch_by_source": epochs}
                 | ({"skipped": True, "skip_reason": result.skip_reason} if result.skipped else {}))
 
 
 def command_line(argv: list[str]) -> None:
-    """`python train_gpt2.py ARGS`: main, where a UserError ends the run with one paragraph and exit status 2
-    (errors.run_entry_point), and a second Ctrl-C with one line, killed by SIGINT as Python ends on an unhandled
-    KeyboardInterrupt (exit status 130 in a shell, and a script running the command stops too)."""
+    """`python train_gpt2.py ARGS`: main, a UserError ending it with one paragraph and exit 2, a second Ctrl-C with one
+    line and death by SIGINT as Python's on an unhandled KeyboardInterrupt (a calling script stops too)."""
     try:
         run_entry_point(lambda: main(argv))
     except KeyboardInterrupt:

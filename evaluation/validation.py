@@ -21,18 +21,14 @@ VAL_STOP_CHECK_EVERY = 16
 @dataclass(frozen=True)
 class Validation:
     loss: float  # mean cross-entropy per target token, in nats
-    bpb: float | None  # bits per UTF-8 byte of the target text: the same nats per byte instead of per token, in
-    #                    bits; unlike the loss it does not depend on the tokenizer, so models with other vocabularies
-    #                    compare. None where the data's tokenizer cannot be loaded (offline, no tiktoken cache), or
-    #                    where the targets have no bytes (empty documents: every target <|endoftext|>)
+    bpb: float | None  # bits per UTF-8 byte of the targets' text, which compares across tokenizers. None where the
+    #                    tokenizer cannot be loaded (offline), or the targets have no bytes (only <|endoftext|>)
 
 
 @functools.cache
 def token_byte_lengths(tokenizer: TokenizerSpec | None = None) -> torch.Tensor | None:
-    """(vocab,) the number of UTF-8 bytes each token id of `tokenizer` (the data's; None: GPT-2's) stands for.
-    <|endoftext|> counts 0: it marks where a document ends and is no part of the text (its loss, predicting that end,
-    still counts). None, with a warning once, where the tokenizer cannot be loaded (a tiktoken encoding offline, not
-    in tiktoken's cache): bits per byte are a metric, not a reason to stop a run."""
+    """(vocab,) the UTF-8 bytes each token id of `tokenizer` (None: GPT-2's) stands for, <|endoftext|> 0 (no text);
+    None, with a warning, where the tokenizer cannot be loaded (offline): a metric is no reason to stop a run."""
     spec = tokenizer or gpt2_spec()
     try:
         loaded = tokenizer_from_spec(spec)
@@ -48,9 +44,8 @@ def token_byte_lengths(tokenizer: TokenizerSpec | None = None) -> torch.Tensor |
 def validation_loss(model: torch.nn.Module, loader: DistributedDataLoader, steps: int, device: torch.device,
                     dtype: torch.dtype, should_stop=lambda: False) -> Validation | None:
     """Loss and bits per byte over `steps` micro-batches from the start of the val shards; None if should_stop()
-    said so. A val shard that cannot be read, or that changed since the loader was made, raises the first failing
-    rank's ShardReadError on every rank together, at the next stop check or at the end: a failing rank goes on
-    joining the checks without reading, so that no rank is left waiting for it in a collective."""
+    said so. A failing rank's ShardReadError is raised on every rank together, at the next stop check or the end (it
+    goes on joining the collectives without reading, so that no rank waits for it)."""
     model.eval()
     failure: ShardReadError | None = None
 
@@ -97,6 +92,16 @@ def validation_loss(model: torch.nn.Module, loader: DistributedDataLoader, steps
                   "documents are empty), so there are no bytes to count bits per. Its loss still counts.")
         return Validation(loss, None)
     return Validation(loss, loss / math.log(2) / bytes_per_token)
+
+
+def validation_record(results: dict[str, Validation]) -> dict[str, float]:
+    """metrics.jsonl's keys of a validation of each source, by name: val_loss and val_bpb, their means over the sources
+    (unweighted: the same average before and after an --anneal_mix), and of several, val/<name>/loss and /bpb."""
+    losses, bpbs = [val.loss for val in results.values()], [val.bpb for val in results.values()]
+    record = {"val_loss": sum(losses) / len(losses)} | ({"val_bpb": sum(bpbs) / len(bpbs)} if None not in bpbs else {})
+    for name, val in results.items() if len(results) > 1 else ():
+        record |= {f"val/{name}/loss": val.loss} | ({f"val/{name}/bpb": val.bpb} if val.bpb is not None else {})
+    return record
 
 
 @functools.cache  # once a process: a run validates hundreds of times

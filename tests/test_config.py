@@ -48,7 +48,7 @@ def test_config_reads_no_file_but_a_recipe():
     tree = ast.parse((ROOT / "training" / "config.py").read_text())
     imported = {node.module if isinstance(node, ast.ImportFrom) else alias.name for node in ast.walk(tree)
                 if isinstance(node, ast.Import | ast.ImportFrom) for alias in node.names}
-    assert imported == {"argparse", "math", "typing", "dataclasses", "tomllib", "model",
+    assert imported == {"argparse", "math", "re", "typing", "dataclasses", "tomllib", "model",
                         "training.activation_checkpointing", "training.errors", "training.parsing"}
 
 

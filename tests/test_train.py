@@ -386,10 +386,13 @@ def test_loss_falls_on_tiny_shakespeare(tmp_path, shared_data, gpt2_encoding):
 
 @pytest.mark.slow
 def test_metrics_jsonl_has_the_documented_keys(rank_runs, gpt2_encoding):  # (val_bpb decodes with the tokenizer)
+    data = rank_runs[0].proc.args[rank_runs[0].proc.args.index("--data_dir") + 1]
     for train_run in rank_runs:
         assert len(train_run.records) == 5 + 3 + 1  # steps, validations, the timeline record
         for r in train_run.train:
-            assert set(r) == {"step", "loss", "lr", "grad_norm", "dt_ms", "tokens_per_sec", "mfu"}
+            assert set(r) == {"step", "loss", "lr", "grad_norm", "dt_ms", "tokens_per_sec", "mfu", "tokens_by_source",
+                              "epoch_by_source"}
+            assert r["tokens_by_source"] == {data: 512 * (r["step"] + 1)} and r["epoch_by_source"] == {data: 0}
             assert r["tokens_per_sec"] == pytest.approx(512 / (r["dt_ms"] / 1000)) and r["mfu"] > 0
         assert all(set(r) == {"step", "val_loss", "val_bpb"} for r in train_run.val)
 

@@ -1,15 +1,10 @@
-"""The flags of a training run, recipes (TOML files of flags), and the plan they resolve to.
-
-    python train_gpt2.py --config recipes/shakespeare_small.toml --max_steps 50   # a recipe; flags override it
-
-`TrainConfig` is what the user asked for; `check_flag_ranges` and `check_path_flags` check each flag on its own, and
-`make_plan` turns them into a `Plan` (the model's shape, the sequence length, the accumulation steps, the validation
-steps, the snapshot directory) from what the files they name hold, which training/inputs.py reads: this module reads
-no file but a recipe.
-"""
+"""The flags of a training run (TrainConfig), recipes (TOML files of flags: `--config recipes/x.toml`, flags
+override them), each flag's checks on its own, and the Plan they resolve to with what training/inputs.py reads from
+the files they name: this module reads no file but a recipe."""
 
 import argparse
 import math
+import re
 import typing
 from dataclasses import dataclass, field, fields, replace
 
@@ -31,6 +26,11 @@ def arg(default, help: str, choices: tuple[str, ...] | None = None):
 class TrainConfig:
     # data
     data_dir: str = arg("data/fineweb_edu10B", "directory of *_train_*.bin / *_val_*.bin shards")
+    data_mix: str = arg("", "instead of --data_dir, several: 'data/enwiki=3,data/code=1' draws each chunk of B·T "
+                            "tokens from one, 3:1 (DIR=WEIGHT pairs; the weights normalised; one tokenizer)")
+    anneal_mix: str = arg("", "DIR=WEIGHT pairs: the mixture from --anneal_from on (default: from wsd's decay on); a "
+                              "directory not in --data_mix (or --data_dir) joins the run there")
+    anneal_from: int | None = arg(None, "the step --anneal_mix starts at")
     shuffle: bool = arg(True, "shuffle shard and chunk order each epoch (seeded; validation never shuffles)")
     align_bos: bool | None = arg(None, "train rows start at a document's first token, documents packed best-fit (see "
                                        "dataloader.py; validation reads the plain stream). Default: on for --arch "
@@ -142,6 +142,24 @@ class TrainConfig:
                                "filesystem has no flock (the error says so): then nothing stops two runs from "
                                "writing into one directory")
 
+    def mixture(self) -> tuple[tuple[str, ...], tuple[float, ...], tuple[float, ...] | None, int | None]:
+        """(sources, weights, anneal_weights, anneal_step) of --data_dir or --data_mix, and --anneal_mix."""
+        base = parse_mix(self.data_mix, "data_mix") if self.data_mix else {self.data_dir: 1.0}
+        if not self.anneal_mix and self.anneal_from is not None:
+            raise UserError(f"--anneal_from {self.anneal_from}: there is no --anneal_mix to start then. Pass "
+                            "--anneal_mix DIR=WEIGHT,..., or leave --anneal_from out.")
+        if not self.anneal_mix:
+            return tuple(base), tuple(base.values()), None, None
+        if self.anneal_from is None and self.lr_schedule != "wsd":
+            raise UserError(f"--anneal_mix starts where --lr_schedule wsd's decay does, or at --anneal_from STEP, and "
+                            f"this run has --lr_schedule {self.lr_schedule}. Pass --lr_schedule wsd or --anneal_from.")
+        anneal = parse_mix(self.anneal_mix, "anneal_mix")
+        sources = tuple(base) + tuple(source for source in anneal if source not in base)
+        anneal_step = self.anneal_from if self.anneal_from is not None else \
+            self.max_steps - max(1, round(self.warmdown_frac * self.max_steps))  # (optim.get_lr's warmdown)
+        return (sources, tuple(base.get(source, 0.0) for source in sources),
+                tuple(anneal.get(source, 0.0) for source in sources), anneal_step)
+
 
 # The --help sections, named at the first flag of each (the comments in TrainConfig).
 FLAG_GROUPS = {"data_dir": "data", "arch": "model", "seq_len": "batch", "max_steps": "optimization",
@@ -151,17 +169,14 @@ FLAG_GROUPS = {"data_dir": "data", "arch": "model", "seq_len": "batch", "max_ste
 PATH_FLAGS = ("data_dir", "init_from", "eval_dir", "log_dir", "snapshot_dir", "resume")
 
 
-# The top of a whole-number flag whose range names none: C's int, the most any library we hand a count to takes (a
-# timedelta's seconds, CUDA's grid, NCCL's counts), and small enough that the product of two fits in int64 (torch's
-# and numpy's integers). Above it, a run crashed with a traceback part way (--warmup_steps 10**400: "int too large to
-# convert to float") or never ended; no real run comes near it.
+# The top of a whole-number flag whose range names none: C's int, the most any library we hand a count to takes
+# (timedelta, CUDA's grid, NCCL), and the product of two fits in int64. Above it a run crashed part way.
 LARGEST_COUNT = 2**31 - 1
 
 
 @dataclass(frozen=True)
 class Range:
-    """The values a number flag takes: finite, from low to high, either end left out where it is open; a whole
-    number's at most LARGEST_COUNT where high is left out."""
+    """The values a number flag takes: finite, low to high (open ends left out), a whole number's ≤ LARGEST_COUNT."""
     low: float
     high: float = math.inf
     low_open: bool = False
@@ -186,8 +201,7 @@ class Range:
 AT_LEAST_0, AT_LEAST_1, ABOVE_0 = Range(0), Range(1), Range(0, low_open=True)
 BELOW_1 = Range(0, 1, high_open=True)
 SEEDS = Range(0, 2**64, high_open=True)  # numpy's generators take no negative seed, torch's none of 2**64 or more
-# The values of each number flag (None, a flag's "not set", is not checked). Outside them a run crashed part way,
-# or went on meaning something else: --val_every -1 validated at every step, --grad_clip nan clipped nothing.
+# The values of each number flag (None, "not set", is not checked); outside them a run crashed or meant another thing.
 FLAG_RANGES = {
     "n_layer": AT_LEAST_1, "n_head": AT_LEAST_1, "n_embd": AT_LEAST_1, "block_size": AT_LEAST_1, "seq_len": AT_LEAST_1,
     "micro_batch_size": AT_LEAST_1, "total_batch_size": AT_LEAST_1, "max_steps": AT_LEAST_1,
@@ -197,7 +211,7 @@ FLAG_RANGES = {
     "grad_clip": AT_LEAST_0, "seed": SEEDS, "val_every": AT_LEAST_0, "val_tokens": AT_LEAST_1,
     "eval_every": AT_LEAST_0, "eval_limit": AT_LEAST_1, "sample_every": AT_LEAST_0, "snapshot_every": AT_LEAST_0,
     "dist_timeout": AT_LEAST_1, "skip_zscore": AT_LEAST_0, "max_skips": AT_LEAST_1, "max_rollbacks": AT_LEAST_0,
-    "keep_last": AT_LEAST_1,
+    "keep_last": AT_LEAST_1, "anneal_from": AT_LEAST_0,
 }
 
 
@@ -242,16 +256,22 @@ def parse_args(argv: list[str] | None = None, description: str = __doc__) -> Tra
                                          "the command line override it")
     add_flags(parser)
     recipe_path = parser.parse_known_args(argv)[0].config
-    if recipe_path is not None:
-        check_path_flag("config", recipe_path)
-        parser.set_defaults(**load_recipe(recipe_path))
-    values = vars(parser.parse_args(argv))
+    recipe = load_recipe(recipe_path) if recipe_path is not None else {}
+    parser.set_defaults(**recipe)
+    values = vars(parser.parse_args(argv, argparse.Namespace(data_dir=None, data_mix=None)))  # (None: not given)
     values.pop("config")
-    return TrainConfig(**values)
+    # The data: the command line's --data_dir or --data_mix, else the recipe's; never both from one of them.
+    data = {flag: values[flag] for flag in ("data_dir", "data_mix") if values[flag] is not None} or \
+        {flag: recipe[flag] for flag in ("data_dir", "data_mix") if flag in recipe}
+    if len(data) == 2:
+        raise UserError(f"--data_mix {data['data_mix']!r} and --data_dir {data['data_dir']} both name the training "
+                        f"data. Pass one: add {data['data_dir']}=WEIGHT to --data_mix, or leave --data_mix out.")
+    return TrainConfig(**values | {"data_dir": TrainConfig.data_dir, "data_mix": ""} | data)
 
 
 def load_recipe(path: str) -> dict:
     """The flags in a recipe file, checked against TrainConfig's names, types and choices."""
+    check_path_flag("config", path)
     try:
         with open(path, "rb") as f:
             recipe = tomllib.load(f)
@@ -289,14 +309,17 @@ class Plan:
     seq_len: int
     short_rows: tuple[tuple[int, int], ...]  # --short_rows: (row length, until which step), the steps increasing
     grad_accum_steps: int
-    val_steps: int  # validation micro-batches per rank (0: no validation)
+    val_steps: int  # validation micro-batches per rank, of each source (0: no validation)
     snapshot_dir: str
+    sources: tuple[str, ...]  # the data directories: --data_dir, or --data_mix's and --anneal_mix's
+    weights: tuple[float, ...]  # each source's share of the chunks (normalised), before anneal_step
+    anneal_weights: tuple[float, ...] | None  # --anneal_mix's, from anneal_step on
+    anneal_step: int | None
 
 
-def make_plan(cfg: TrainConfig, config: GPTConfig, world_size: int, val_shard_tokens: list[int]) -> Plan:
-    """What the flags (each checked on its own first: check_flag_ranges) imply for a model of `config` on world_size
-    ranks, with val shards of val_shard_tokens tokens each: the first bad combination raises a UserError naming it
-    and the fix."""
+def make_plan(cfg: TrainConfig, config: GPTConfig, world_size: int, val_shard_tokens: list[list[int]]) -> Plan:
+    """What the flags (each checked on its own first) imply for a model of `config` on world_size ranks, source i's
+    val shards holding val_shard_tokens[i] tokens each: a UserError names the first bad combination and the fix."""
     if not isinstance(cfg.micro_batch_size, int):  # (a number's range: check_flag_ranges)
         raise UserError(f"--micro_batch_size {cfg.micro_batch_size!r}: pass a number of sequences (1 or more) or "
                         "'auto'.")
@@ -306,7 +329,8 @@ def make_plan(cfg: TrainConfig, config: GPTConfig, world_size: int, val_shard_to
                         "or raise --block_size.")
     short_rows = parse_short_rows(cfg.short_rows, seq_len)
     grad_accum_steps = grad_accum_steps_for(cfg, seq_len, world_size)
-    val_steps = validation_steps(cfg, seq_len, world_size, val_shard_tokens) if cfg.val_every else 0
+    val_steps = min(validation_steps(cfg, seq_len, world_size, tokens) for tokens in val_shard_tokens) \
+        if cfg.val_every else 0
     if cfg.on_divergence == "rollback" and not cfg.snapshot_every:
         raise UserError("--on_divergence rollback reloads the newest healthy snapshot, and --snapshot_every 0 writes "
                         "none. Pass --snapshot_every N (e.g. 500), or --on_divergence stop.")
@@ -317,12 +341,25 @@ def make_plan(cfg: TrainConfig, config: GPTConfig, world_size: int, val_shard_to
         raise UserError(f"--{'' if cfg.attention_bias else 'no-'}attention_bias: gpt2 has biases on every layer, "
                         "attention's included, as OpenAI's. Leave the flag out, or train --arch modern.")
     align_bos = cfg.align_bos if cfg.align_bos is not None else config.arch == "modern"
-    return Plan(config, align_bos, seq_len, short_rows, grad_accum_steps, val_steps, cfg.snapshot_dir or cfg.log_dir)
+    return Plan(config, align_bos, seq_len, short_rows, grad_accum_steps, val_steps, cfg.snapshot_dir or cfg.log_dir,
+                *cfg.mixture())
 
+
+def parse_mix(text: str, flag: str) -> dict[str, float]:
+    """--data_mix 'a=3,b=1' as {"a": 0.75, "b": 0.25}."""
+    mix: dict[str, float] = {}
+    for pair in text.split(","):
+        source, _, weight = pair.rpartition("=")
+        if not source or not re.fullmatch(r"(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", weight) or not 0 < float(weight) < math.inf:
+            raise UserError(f"--{flag} {text!r}: {pair!r} is not DIR=WEIGHT with a positive number as its weight. "
+                            "Pass e.g. 'data/enwiki=3,data/shakespeare=1' (the weights are normalised).")
+        if source in mix:
+            raise UserError(f"--{flag} {text!r} names {source} twice. Name each directory once, with its weight.")
+        mix[source] = float(weight)
+    return {source: weight / sum(mix.values()) for source, weight in mix.items()}
 
 def check_flag_ranges(cfg: TrainConfig) -> None:
-    """A UserError naming the first number flag outside its FLAG_RANGES, quoting its --help. Not the flags left
-    unset (None) or 'auto' (--micro_batch_size)."""
+    """A UserError naming the first number flag outside its FLAG_RANGES, quoting its --help (not None, nor 'auto')."""
     for f in fields(cfg):
         value = getattr(cfg, f.name)
         if f.name in FLAG_RANGES and isinstance(value, int | float):
@@ -345,10 +382,8 @@ def check_path_flags(cfg: TrainConfig) -> None:
 
 
 def check_path_flag(flag: str, path: str) -> None:
-    """A UserError unless --flag's path is named and UTF-8. Empty, as an unset variable in a job script leaves it,
-    it would be the current directory (or nothing); a name of bytes that are not UTF-8 cannot be recorded in the
-    run's JSON files (timeline.json, the snapshots' records), so the run would train and then find every snapshot
-    unreadable."""
+    """A UserError unless --flag's path is named (an unset variable in a job script leaves it empty) and UTF-8 (the
+    run's JSON records hold it: timeline.json, the snapshots')."""
     if not path:
         raise UserError(f"--{flag} is empty (an unset variable in a job script?). Pass a path, or leave the flag out "
                         "for its default.")
@@ -387,8 +422,7 @@ def row_length(step: int, plan: Plan) -> int:
 
 
 def model_shape(cfg: TrainConfig, vocab_size: int, weights: GPTConfig | None = None) -> GPTConfig:
-    """The model's shape: a preset with the shape flags applied, for the data's vocab_size (the model pads it to a
-    multiple of 128), or, with --init_from, the shape of those weights (their GPTConfig: weights)."""
+    """A preset with the shape flags applied, for the data's vocab_size; or, with --init_from, that of `weights`."""
     if cfg.model is not None and cfg.model not in PRESETS:
         raise UserError(f"--model {cfg.model!r} is not a known preset; choose one of {', '.join(PRESETS)}.")
     overrides = {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd", "block_size") if getattr(cfg, k)}
@@ -427,8 +461,7 @@ def grad_accum_steps_for(cfg: TrainConfig, seq_len: int, world_size: int) -> int
 
 
 def validation_steps(cfg: TrainConfig, seq_len: int, world_size: int, val_shard_tokens: list[int]) -> int:
-    """Micro-batches per rank per validation: --val_tokens worth, at most one pass over val shards of
-    val_shard_tokens tokens each."""
+    """Micro-batches per rank per validation: --val_tokens worth, at most one pass over val_shard_tokens' shards."""
     tokens_per_micro_step = cfg.micro_batch_size * seq_len * world_size
     available = sum((tokens - 1) // tokens_per_micro_step for tokens in val_shard_tokens)
     return max(1, min(cfg.val_tokens // tokens_per_micro_step, available))

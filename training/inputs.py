@@ -1,14 +1,11 @@
 """Every input of a training run checked at the door, before anything has a side effect (no process group, file,
-lock or download yet): the paths named (config.check_path_flags), torchrun's environment and --device
-(distributed.this_process), each other flag on its own (config.check_flag_ranges), then the flags against the files they
-name, read through their owners' readers: the data's tokenizer and val shards (dataloader), the --init_from weights'
-shape and tokenizer (rundir.snapshot, hf) and the task names (evaluation.tasks). config.make_plan does the arithmetic
-on what they say."""
+lock or download yet): each flag on its own (training/config.py), torchrun's environment, then the flags against the
+files they name, read through their owners' readers (dataloader, rundir.snapshot, hf, evaluation.tasks)."""
 
 from dataclasses import replace
 from pathlib import Path
 
-from dataloader import find_shards, read_data_tokenizer, read_shard_header
+from dataloader import check_shard_fills_a_step, find_shards, read_data_tokenizer, read_shard_header
 from evaluation.tasks import parse_task_names
 from model import PRESETS, GPTConfig
 from rundir.snapshot import is_snapshot_directory, read_model_config
@@ -20,11 +17,15 @@ from training.tokenizer import TokenizerSpec, check_tokenizer, read_tokenizer
 
 
 def check_inputs(cfg: TrainConfig) -> None:
-    """train_gpt2.py's door: a UserError naming the first bad input and the fix. --micro_batch_size auto is chosen
-    later, on the device (memory.choose_micro_batch); the plan is checked here with one sequence a micro-batch."""
+    """train_gpt2.py's door: a UserError naming the first bad input and the fix (--micro_batch_size auto as 1)."""
     check_path_flags(cfg)
     world_size = this_process(cfg.device).world_size
-    resolve_plan(replace(cfg, micro_batch_size=1) if cfg.micro_batch_size == "auto" else cfg, world_size)
+    train_shards = [path for source in cfg.mixture()[0] for path in find_shards(source, "train")]
+    cfg = replace(cfg, micro_batch_size=1) if cfg.micro_batch_size == "auto" else cfg
+    plan = resolve_plan(cfg, world_size)
+    for path in train_shards:
+        check_shard_fills_a_step(path, read_shard_header(path), world_size * plan.grad_accum_steps,
+                                 cfg.micro_batch_size, plan.seq_len)
 
 
 def resolve_plan(cfg: TrainConfig, world_size: int) -> Plan:
@@ -33,7 +34,8 @@ def resolve_plan(cfg: TrainConfig, world_size: int) -> Plan:
     config = model_config(cfg)
     if cfg.eval_every:
         parse_task_names(cfg.eval_tasks, "--eval_tasks")
-    return make_plan(cfg, config, world_size, val_shard_tokens(cfg.data_dir) if cfg.val_every else [])
+    return make_plan(cfg, config, world_size, [val_shard_tokens(source) for source in cfg.mixture()[0]]
+                     if cfg.val_every else [])
 
 
 def val_shard_tokens(data_dir: str) -> list[int]:
@@ -43,8 +45,14 @@ def val_shard_tokens(data_dir: str) -> list[int]:
 
 def model_config(cfg: TrainConfig) -> GPTConfig:
     """The model's shape (config.model_shape): for the data's tokenizer's vocabulary (GPT-2's 50,257 without a
-    manifest), or the --init_from weights', whose tokenizer must be the data's."""
-    data_tokenizer = read_data_tokenizer(cfg.data_dir)
+    manifest; every source's the same), or the --init_from weights', whose tokenizer must be the data's."""
+    sources = cfg.mixture()[0]
+    data_tokenizer = read_data_tokenizer(sources[0])
+    for source in sources[1:]:
+        if (its := read_data_tokenizer(source)).sha256 != data_tokenizer.sha256:
+            raise UserError(f"--data_mix: {sources[0]} holds shards of the tokenizer {data_tokenizer.describe()}, "
+                            f"{source} of {its.describe()}; a model reads one tokenizer's ids. Write {source}'s text "
+                            f"again with data/prepare.py --tokenizer (the one of {sources[0]}), or leave it out.")
     if cfg.init_from == "scratch":
         return model_shape(cfg, data_tokenizer.vocab_size)
     weights = init_weights_config(cfg.init_from)

@@ -1,13 +1,5 @@
-"""Document-aligned rows for the data loader's align_bos=True (dataloader.py): every row starts at a document's first
-token, the token after an EOT (or a shard's first token, unless that is an EOT), or continues a document longer than
-a row.
-
-pack_rows packs a shard's documents into rows of T+1 tokens (x and its shifted y): best fit from a window of the next
-PACK_WINDOW documents, the largest that fits the row's space left; when none fits, the shortest is cropped to fill the
-row and its rest dropped. A document longer than a row is first cut into rows of its own, each continuing it, and a
-shorter tail that ends a row started by another document. No token is padding; the share cropped is pack_rows' second
-result (dev/align_bos_waste.py measures it on enwiki).
-"""
+"""Document-aligned rows for the data loader's align_bos=True: a shard's documents packed best-fit into rows of T+1
+tokens, cropping only when no document fits (docs/data.md, "--align_bos")."""
 
 import bisect
 
@@ -24,15 +16,11 @@ def document_starts(tokens: np.ndarray, eot: int) -> np.ndarray:
 
 
 def pack_rows(tokens: np.ndarray, row_len: int, eot: int, split_long: bool = True) -> tuple[list[np.ndarray], int]:
-    """Best-fit packing of the shard's documents into rows of row_len tokens (see the module doc).
-
-    A document longer than a row is cut into row_len pieces and a shorter tail (split_long; without it, cropped
-    like any document that does not fit): its first piece is a row starting at its first token, each later piece a
-    row of its own continuing it, and the tail fills the end of a row that starts with another document, never a
-    row's start. Returns (rows, cropped): rows[i] is row i's (start, length) pieces of `tokens` in order, an int64
-    array (pieces, 2), and cropped the number of the shard's tokens in no row. Deterministic: it depends only on
-    the tokens, row_len, split_long and eot (the data's tokenizer's <|endoftext|>).
-    """
+    """Best-fit packing of the shard's documents into rows of row_len tokens: from the next PACK_WINDOW documents
+    the largest that fits the row's space left, else the shortest cropped. A document longer than a row (split_long)
+    is cut into rows of its own, its shorter tail left to end a row another document starts. Returns (rows, cropped):
+    row i's (start, length) pieces of `tokens` (int64, (pieces, 2)), and the number of tokens in no row. It depends
+    only on its arguments, so a resume rebuilds the same rows."""
     starts = document_starts(tokens, eot)
     lengths = np.diff(np.append(starts, tokens.size))
     # (length, start) sorted, ties to the later start: documents (may start a row) and tails (may not)

@@ -1,13 +1,6 @@
-"""Where a run's numbers go: a compact line on stdout, metrics.jsonl, and (optionally) a wandb dashboard.
-
-Only rank 0 logs. metrics.jsonl holds one JSON object per event; it is appended to across restarts, so after a
-resume the steps between the last snapshot and the crash appear twice, after a {"event": "resume"} line: readers
-keep the later line for a step. wandb is a mirror: if it fails, training goes on and says so once. Neither is worth
-a run: a full disk under --log_dir loses metrics.jsonl lines (with one warning), never the training.
-
-wandb files go to <log_dir>/wandb (or $WANDB_DIR/wandb). Offline runs are uploaded later with
-`wandb sync <log_dir>/wandb/offline-run-*`; the directories of a resumed run share its id and are synced in order.
-"""
+"""Where a run's numbers go (docs/training.md, "The per-step line and metrics.jsonl", "wandb"): metrics.jsonl and
+wandb, from rank 0. Neither is worth a run: a full disk or a failing wandb costs lines, with one warning, never the
+training."""
 
 import errno
 import json
@@ -31,20 +24,18 @@ WANDB_KEYS = {
 
 
 def wandb_key(key: str) -> str | None:
-    return WANDB_KEYS.get(key) or (f"eval/{key}" if "/" in key else None)
-# wandb.init retries an unreachable server for init_timeout (90 s by default in wandb 0.31), then raises; a minute
-# tells as well. WANDB_INIT_TIMEOUT overrides it (keep it under --dist_timeout, 10 minutes by default: the other
-# ranks wait for rank 0 in their first collective meanwhile).
+    prefix = "" if key.startswith("val/") else "eval/"  # (a mixture's val/<source>/loss and /bpb go as they are)
+    return WANDB_KEYS.get(key) or (prefix + key if "/" in key else None)
+# wandb.init retries an unreachable server for init_timeout (90 s in wandb 0.31); a minute tells as well.
+# WANDB_INIT_TIMEOUT overrides it (keep it under --dist_timeout: the other ranks wait for rank 0 meanwhile).
 INIT_TIMEOUT_S = 60.0
-# By default wandb.finish() blocks until every byte is uploaded, so a network lost late in a run would keep the job
-# from ever exiting. Past this, what is left stays on disk for `wandb sync`.
+# wandb.finish() would block until every byte is uploaded; past this, what is left stays on disk for `wandb sync`.
 FINISH_TIMEOUT_S = 300.0
 
 
 def metrics_path(log_dir: Path, run: str) -> Path:
-    """Where a run's metrics go: metrics.jsonl, unless its first {"event": "timeline"} record is another run's or
-    of another format (a branch that shares its parent's --log_dir, or another version's file): then
-    metrics_<run>.jsonl, so that no two runs' steps are spliced into one file, and the other file is left as it is."""
+    """metrics.jsonl, unless its first {"event": "timeline"} record is another run's or format's (a branch sharing its
+    parent's --log_dir, another version's file): then metrics_<run>.jsonl, so that no two runs' steps are spliced."""
     default = log_dir / "metrics.jsonl"
     if not default.is_file():
         return default
@@ -67,8 +58,7 @@ def free_space(directory: Path) -> str:
 
 class RunLogger:
     def __init__(self, log_dir: str | Path, run: str, enabled: bool = True, run_lock: RunLock | None = None):
-        """run: the run's id (rundir.store); run_lock: the run's locked directories, --log_dir checked in place before
-        each line (a moved directory stops the run, nothing is written at its old path)."""
+        """run: the run's id (rundir.store); run_lock: its locked directories (--log_dir checked before each line)."""
         self.enabled, self.run_lock = enabled, run_lock or RunLock()
         self.wandb_run = None
         self.metrics_path = metrics_path(Path(log_dir), run)
@@ -81,9 +71,8 @@ class RunLogger:
         """Start (or, with the same run_id, resume) the wandb run. Failures are reported, never fatal."""
         if not self.enabled or mode == "disabled":
             return
-        # wandb writes its own logs (debug.log, debug-internal.log) under <log_dir>/wandb through `logging`, which
-        # on a full disk prints a traceback for every record it cannot write, thousands a run: drop them instead
-        # (its failures still reach us as exceptions, and one warning).
+        # wandb's own logs (debug.log) go through `logging`, which on a full disk prints a traceback for every record
+        # it cannot write, thousands a run: drop them (its failures still reach us as exceptions).
         self.logging_raised, logging.raiseExceptions = logging.raiseExceptions, False
         try:
             import wandb
@@ -115,10 +104,8 @@ class RunLogger:
                 self._wandb_call(lambda: self.wandb_run.log({"step": record["step"], **data}))
 
     def _append_line(self, line: bytes) -> None:
-        """Append a whole line or nothing: a write cut short by a full disk is cut back off, so that readers never
-        meet half a line, and a line that an earlier process left unfinished (a crash mid-write) is not continued:
-        this one starts on a line of its own. A failure is reported once; every later line is tried again (the disk
-        may have room)."""
+        """Append a whole line or nothing (a write cut short by a full disk is cut back off), on a line of its own
+        after one a crash left unfinished. A failure is warned of once; every later line is tried again."""
         self.run_lock.check_in_place(self.metrics_path.parent)
         try:
             with open(self.metrics_path, "a+b", buffering=0) as f:
