@@ -56,7 +56,8 @@ def model_config(cfg: TrainConfig) -> GPTConfig:
     if cfg.init_from == "scratch":
         return model_shape(cfg, data_tokenizer.vocab_size)
     weights = init_weights_config(cfg.init_from)
-    check_tokenizer(f"--init_from {cfg.init_from}", init_weights_tokenizer(cfg.init_from), cfg.data_dir,
+    check_tokenizer(f"--init_from {cfg.init_from}", init_weights_tokenizer(cfg.init_from),
+                    ", ".join(cfg.mixture()[0]),
                     data_tokenizer, "Start from weights trained with this data's tokenizer, train them on data written "
                     "with theirs (data/prepare.py --tokenizer), or train from scratch (--init_from scratch).")
     return model_shape(cfg, data_tokenizer.vocab_size, weights)
