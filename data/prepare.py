@@ -84,7 +84,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     parser.add_argument("--source", choices=["shakespeare"],
                         help="Tiny Shakespeare, downloaded (and cached in --output_dir) unless --input is given")
     parser.add_argument("--input", type=Path, nargs="+",
-                        help="text files (UTF-8), a document each, or .jsonl/.jsonl.gz files, a document a line")
+                        help="text files (UTF-8), a document each; .jsonl/.jsonl.gz files, a document a line; "
+                             ".parquet files, a document a row (its `text` column)")
     parser.add_argument("--val_input", type=Path, nargs="+",
                         help="files (as --input) that are the val split, whole; --input is then all train")
     parser.add_argument("--output_dir", type=Path, help="default: data/shakespeare with --source shakespeare")
@@ -93,8 +94,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
                         help="gpt2 (default) | bytes | a directory or file holding a tokenizer.json | a tiktoken "
                              "encoding's name (see tokenizer.load_tokenizer)")
     parser.add_argument("--val_fraction", type=float,
-                        help="fraction of each file's characters (JSON lines: documents), from its end, that is val "
-                             "(default 0.1); 0: the first shard is val")
+                        help="fraction of each file's characters (JSON lines, parquet: documents), from its end, "
+                             "that is val (default 0.1); 0: the first shard is val")
     parser.add_argument("--num_proc", type=int, default=1, help="tokenizer processes (default 1); the shards are the "
                                                                  "same for any number")
     args = parser.parse_args(argv)

@@ -59,7 +59,7 @@ def tokenize_documents(texts: Iterable[str], tokenizer: Tokenizer, num_proc: int
         in_flight = deque()
         for batch in text_batches(texts):
             in_flight.append(pool.map_async(functools.partial(tokenize_in_worker, eot=eot), batch, chunksize=16))
-            if len(in_flight) == 2:  # one batch tokenizing while the last is written: no worker waits
+            if len(in_flight) == 2:  # the workers tokenize the newer while the older's tokens are written
                 yield from in_flight.popleft().get()
         for batch in in_flight:
             yield from batch.get()
