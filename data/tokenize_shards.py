@@ -195,7 +195,7 @@ def write_shards(output_dir: Path, source: str | list[str], splits: list[Split],
     index, start = split_at(splits, progress["documents"])
     check_finished_shards(output_dir, splits[index].shard_path, progress["shards"])
     record_shards(output_dir, tokenizer.spec)  # another tokenizer's shards there: a UserError, nothing written
-    if progress["complete"] or progress["shards"] == max_shards:
+    if progress["complete"] or (max_shards is not None and progress["shards"] >= max_shards):
         print(f"{output_dir} already has its {len(shard_names(output_dir))} shard(s) (see {output_dir / PROGRESS}); "
               "nothing to do.")
         return

@@ -132,8 +132,9 @@ def test_rerun_after_max_shards_continues_without_rewriting_finished_shards(corp
     run(corpus["jsonl"], out, "--max_shards", 3)
     assert len(shards(out)) == 3
     finished = file_ids(out)
+    run(corpus["jsonl"], out, "--max_shards", 2)  # fewer than there are
+    assert "already has its 3 shard(s)" in capsys.readouterr().out and file_ids(out) == finished
 
-    capsys.readouterr()
     run(corpus["jsonl"], out)
     assert "resuming at out_train_000002.bin: skipping the first" in capsys.readouterr().out
     assert {name: ids for name, ids in file_ids(out).items() if name in finished} == finished
