@@ -13,38 +13,28 @@ llm.c's dev/data/fineweb.py, so the shards hold llm.c's token stream (see data/t
 byte-identical whatever --num_proc is.
 
 Restarting: after each shard, <output_dir>/progress.json records where in the document stream the next shard
-starts. The stream's order is fixed, so re-running the same command reads past the documents already in shards
-without tokenizing them and carries on from there: an interrupted run (crash, Ctrl-C) loses at most the shard it
-was writing, and never leaves part of one under a shard's name. A run without --max_shards continues one with it;
-re-running a finished command does nothing. A directory holding another corpus's shards (its progress.json names
-another source or --shard_size, or none accounts for them) is refused before anything is written (check_corpus).
+starts, and re-running the same command carries on from there (data/tokenize_shards.write_shards, data/prepare.py's
+writer too): an interrupted run (crash, Ctrl-C, kill) loses at most the shard it was writing. A run without
+--max_shards continues one with it; re-running a finished command does nothing.
 """
 
 import argparse
 import os
-import time
-from collections.abc import Callable, Iterator
-from itertools import islice
+from collections.abc import Iterator
+from itertools import chain
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from data.tokenize_shards import (
-    PROGRESS,
-    ShardWriter,
-    check_corpus,
+    Split,
     check_input_files,
     check_output_dir,
+    file_texts,
     is_jsonl,
     jsonl_texts,
     shard_paths,
     shard_size,
-    summary,
-    tokenize_documents,
-    write_progress,
+    write_shards,
 )
-from dataloader import read_shard_header, record_shards
 from training.errors import UserError, run_entry_point
 from training.tokenizer import load_tokenizer
 
@@ -65,43 +55,9 @@ def hub_texts(repo: str, config: str) -> Iterator[str]:
                         "with --input; run the same command again to resume after a network error.") from e
 
 
-def file_texts(paths: list[Path]) -> Iterator[str]:
-    """The `text` of each row of parquet or JSON-lines files, in order."""
-    for path in paths:
-        if path.suffix == ".parquet":
-            yield from parquet_texts(path)
-        else:
-            yield from jsonl_texts(path)
-
-
-def parquet_texts(path: Path) -> Iterator[str]:
-    try:
-        parquet = pq.ParquetFile(path)
-        if "text" not in parquet.schema_arrow.names:
-            raise UserError(f"{path} has no `text` column (it has {parquet.schema_arrow.names}); --input files need "
-                            "one, holding each document's text.")
-        for batch in parquet.iter_batches(columns=["text"]):
-            yield from batch.column("text").to_pylist()
-    except (pa.ArrowException, OSError) as e:  # not parquet, truncated, corrupt
-        raise UserError(f"{path} could not be read as a parquet file ({type(e).__name__}: {e}); it is truncated, "
-                        "corrupt or not parquet. Copy or download it again.") from e
-
-
-def load_progress(output_dir: Path, source: str | list[str], shard_size: int,
-                  shard_path: Callable[[int], Path]) -> dict:
-    """The position saved by an earlier run of the same command, checked against the shards it lists as finished; a
-    UserError if output_dir holds shards of another corpus (check_corpus)."""
-    progress = check_corpus(output_dir, source, shard_size)
-    if progress is None:
-        return {"shards": 0, "documents": 0, "offset": 0, "complete": False}
-    path = output_dir / PROGRESS
-    for i in range(progress["shards"]):
-        try:
-            read_shard_header(shard_path(i))
-        except (OSError, UserError) as e:
-            raise UserError(f"{e} {path} lists this shard as finished. Delete {path} and the shards of "
-                            f"{output_dir} to write them all again.") from e
-    return progress
+def local_texts(paths: list[Path]) -> Iterator[str]:
+    """The `text` of each row of parquet or JSON-lines files (.json included), in order."""
+    return chain.from_iterable(jsonl_texts(path) if path.suffix == ".json" else file_texts(path) for path in paths)
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -143,39 +99,9 @@ def main(argv: list[str] | None = None) -> None:
         output_dir = args.output_dir or DATA_DIR / f"{name}{args.size}"
     tokenizer = load_tokenizer(args.tokenizer)
     check_output_dir(parser, output_dir)
-
-    progress_path = output_dir / PROGRESS
-    paths = shard_paths(output_dir)
-    progress = load_progress(output_dir, source, args.shard_size, paths)
-    record_shards(output_dir, tokenizer.spec)  # another tokenizer's shards there: a UserError, nothing written
-    if progress["complete"] or (args.max_shards and progress["shards"] >= args.max_shards):
-        print(f"{output_dir} already has its {progress['shards']} shard(s) (see {progress_path}); nothing to do.")
-        return
-    if progress["shards"]:
-        print(f"resuming after {progress['shards']} finished shard(s): skipping the first {progress['documents']:,} "
-              "documents")
-
-    def save_progress(writer: ShardWriter, complete: bool = False) -> None:
-        write_progress(output_dir, {"source": source, "shard_size": args.shard_size, "shards": writer.shards,
-                                    "documents": writer.documents, "offset": writer.offset, "complete": complete})
-
-    t0 = time.time()
-    texts = file_texts(args.input) if args.input else hub_texts(repo, config)
-    total = (args.max_shards - progress["shards"]) * args.shard_size if args.max_shards else None
-    writer = ShardWriter(paths, args.shard_size, output_dir.name, total=total, shards=progress["shards"],
-                         documents=progress["documents"], offset=progress["offset"], max_shards=args.max_shards,
-                         on_shard=save_progress, tokenizer=tokenizer.spec)
-    save_progress(writer)  # before the first shard: no shard here without the record of its corpus
-    for tokens in tokenize_documents(islice(texts, progress["documents"], None), tokenizer, args.num_proc):
-        writer.add(tokens)
-        if writer.shards == args.max_shards:
-            writer.close(last_shard=False)
-            break
-    else:  # the stream ended: its tail is the last shard
-        writer.close()
-        save_progress(writer, complete=True)
-    print(summary(writer.documents - progress["documents"], writer.tokens_added, writer.shards - progress["shards"],
-                  time.time() - t0, output_dir))
+    texts = (lambda: local_texts(args.input)) if args.input else (lambda: hub_texts(repo, config))
+    write_shards(output_dir, source, [Split("val+train", shard_paths(output_dir), texts)], tokenizer, args.shard_size,
+                 args.num_proc, max_shards=args.max_shards)
 
 
 if __name__ == "__main__":

@@ -7,46 +7,46 @@
         --val_input ../shared/data/enwiki/enwiki_val.jsonl.gz --output_dir data/enwiki
     python -m data.prepare --source shakespeare --tokenizer bytes --output_dir data/shakespeare_bytes  # a byte a token
 
-Documents: each text file is one document, and each line {"text": ...} of a JSON-lines file (.jsonl, or gzipped
-.jsonl.gz) is one. Every document is preceded by the EOT token as llm.c writes documents (see
-data/tokenize_shards.py), so EOT separates consecutive documents; with --val_fraction > 0, a text file's val part
-and its train part are each preceded by one.
+Documents: each text file is one document, each line {"text": ...} of a JSON-lines file (.jsonl, or gzipped
+.jsonl.gz) is one, and so is each row's `text` of a .parquet file. Every document is preceded by the EOT token as
+llm.c writes documents (see data/tokenize_shards.py), so EOT separates consecutive documents; with --val_fraction > 0,
+a text file's val part and its train part are each preceded by one.
 Tiny Shakespeare (--source shakespeare) is one text without EOT, tokenized exactly as nanoGPT's
 data/shakespeare/prepare.py does it. The val split:
   --val_fraction F > 0 (default 0.1): the last F of each text file's characters is val, the rest train, as nanoGPT
-      splits Tiny Shakespeare (train 301,966 / val 36,059 tokens); of a JSON-lines file, its last F of documents.
+      splits Tiny Shakespeare (train 301,966 / val 36,059 tokens); of a JSON-lines or parquet file, its last F of
+      documents.
   --val_input FILES: these files are val, the --input files train, whole.
   --val_fraction 0: the first --shard_size tokens are val, the rest train (llm.c's convention, for corpora of
       many shards).
 Shards go to --output_dir (default data/shakespeare with --source shakespeare, required otherwise) as
 <dir name>_val_000000.bin, <dir name>_train_000000.bin, ..., of at most --shard_size tokens each (default 100M);
-progress.json beside them names the corpus, and a directory holding another corpus's shards is refused before
-anything is written (data/tokenize_shards.check_corpus, as data/fineweb.py does). The same command again rewrites them.
+written as a stream by data/tokenize_shards.write_shards, as data/fineweb.py's are: --num_proc processes tokenize (the
+same bytes for any number), and a killed run, run again with the same command, resumes where its progress.json says.
 --tokenizer: gpt2 (default), bytes, a directory holding a tokenizer.json (data/train_tokenizer.py writes one), or a
 tiktoken encoding; manifest.json beside the shards records it (a directory holds one tokenizer's shards).
-The files are read into memory whole; for larger corpora use data/fineweb.py --input, which streams.
 """
 
 import argparse
-import time
 import urllib.request
+from collections.abc import Iterator
+from itertools import chain, islice
 from pathlib import Path
 
 from data.tokenize_shards import (
-    ShardWriter,
-    check_corpus,
+    Split,
     check_input_files,
     check_output_dir,
+    count_documents,
+    file_texts,
     is_jsonl,
-    read_documents,
     shard_paths,
     shard_size,
     split_val,
-    summary,
-    tokenize_documents,
-    write_progress,
+    text_file,
+    write_shards,
 )
-from dataloader import record_shards
+from dataloader import read_shard_header
 from training.errors import UserError, run_entry_point
 from training.files import atomic_write
 from training.tokenizer import load_tokenizer
@@ -84,7 +84,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     parser.add_argument("--source", choices=["shakespeare"],
                         help="Tiny Shakespeare, downloaded (and cached in --output_dir) unless --input is given")
     parser.add_argument("--input", type=Path, nargs="+",
-                        help="text files (UTF-8), a document each, or .jsonl/.jsonl.gz files, a document a line")
+                        help="text files (UTF-8), a document each; .jsonl/.jsonl.gz files, a document a line; "
+                             ".parquet files, a document a row (its `text` column)")
     parser.add_argument("--val_input", type=Path, nargs="+",
                         help="files (as --input) that are the val split, whole; --input is then all train")
     parser.add_argument("--output_dir", type=Path, help="default: data/shakespeare with --source shakespeare")
@@ -93,8 +94,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
                         help="gpt2 (default) | bytes | a directory or file holding a tokenizer.json | a tiktoken "
                              "encoding's name (see tokenizer.load_tokenizer)")
     parser.add_argument("--val_fraction", type=float,
-                        help="fraction of each file's characters (JSON lines: documents), from its end, that is val "
-                             "(default 0.1); 0: the first shard is val")
+                        help="fraction of each file's characters (JSON lines, parquet: documents), from its end, "
+                             "that is val (default 0.1); 0: the first shard is val")
+    parser.add_argument("--num_proc", type=int, default=1, help="tokenizer processes (default 1); the shards are the "
+                                                                 "same for any number")
     args = parser.parse_args(argv)
     if args.val_input and (args.val_fraction is not None or args.source):
         parser.error("--val_input names the val files, so it goes without --val_fraction and --source")
@@ -103,6 +106,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     if args.source is None and (args.input is None or args.output_dir is None):
         parser.error("pass --source shakespeare, or your own text files with --input and a directory for the shards "
                      "with --output_dir")
+    if args.num_proc < 1:
+        parser.error(f"--num_proc {args.num_proc}: must be at least 1")
     if not 0 <= args.val_fraction < 1:
         parser.error(f"--val_fraction {args.val_fraction}: must be at least 0 and below 1")
     if args.source == "shakespeare" and args.input and len(args.input) > 1:
@@ -111,18 +116,31 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     return parser, args
 
 
-def document_streams(args: argparse.Namespace, inputs: list[Path], files: list[list[str]],
-                     output_dir: Path) -> dict[str, tuple]:
-    """{name: (shard_paths, documents)}: val's and train's, or one stream whose first shard is val."""
+def splits(args: argparse.Namespace, inputs: list[Path], output_dir: Path) -> list[Split]:
+    """Val's and train's documents, or one stream whose first shard is val."""
+    def texts(paths: list[Path]) -> Iterator[str]:
+        return chain.from_iterable(map(file_texts, paths))
+
     if args.val_input:
-        val = [d for path in args.val_input for d in read_documents(path)]
-        return {"val": (shard_paths(output_dir, "val"), val),
-                "train": (shard_paths(output_dir, "train"), [d for documents in files for d in documents])}
-    if args.val_fraction > 0:
-        splits = [split_val(documents, not is_jsonl(path), args.val_fraction) for path, documents in zip(inputs, files)]
-        return {"val": (shard_paths(output_dir, "val"), [d for val, _ in splits for d in val]),
-                "train": (shard_paths(output_dir, "train"), [d for _, train in splits for d in train])}
-    return {"val+train": (shard_paths(output_dir), [d for documents in files for d in documents])}
+        return [Split("val", shard_paths(output_dir, "val"), lambda: texts(args.val_input),
+                      sum(map(count_documents, args.val_input))),
+                Split("train", shard_paths(output_dir, "train"), lambda: texts(inputs))]
+    if args.val_fraction == 0:
+        return [Split("val+train", shard_paths(output_dir), lambda: texts(inputs))]
+    counts = [count_documents(path) for path in inputs]  # a cheap pass: where each file's val part starts
+    cuts = [int(count * (1 - args.val_fraction)) for count in counts]
+
+    def part(val: bool) -> Iterator[str]:
+        """Each file's last val_fraction (val=True) or the rest: a text file's characters, else its documents."""
+        for path, cut in zip(inputs, cuts):
+            if path.suffix == ".parquet" or is_jsonl(path):
+                yield from islice(file_texts(path), cut, None) if val else islice(file_texts(path), cut)
+            else:
+                yield from split_val([text_file(path)], True, args.val_fraction)[0 if val else 1]
+
+    return [Split("val", shard_paths(output_dir, "val"), lambda: part(True),
+                  sum(count - cut for count, cut in zip(counts, cuts))),
+            Split("train", shard_paths(output_dir, "train"), lambda: part(False))]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -135,30 +153,13 @@ def main(argv: list[str] | None = None) -> None:
     inputs = args.input or [output_dir / "input.txt"]
     if not args.input and not inputs[0].exists():
         download_shakespeare(inputs[0])
-    source = corpus_source(args)
-    check_corpus(output_dir, source, args.shard_size)  # another corpus's shards there: a UserError, nothing written
-    record_shards(output_dir, tokenizer.spec)  # another tokenizer's shards there: a UserError, nothing written
-
-    t0 = time.time()
-    files = [read_documents(path) for path in inputs]
-    streams = document_streams(args, inputs, files, output_dir)
-    progress = {"source": source, "shard_size": args.shard_size, "shards": 0, "documents": 0, "offset": 0,
-                "complete": False}
-    write_progress(output_dir, progress)  # before the first shard: no shard here without the record of its corpus
-    tokens = shards = 0
-    for desc, (paths, documents) in streams.items():
-        writer = ShardWriter(paths, args.shard_size, desc, tokenizer=tokenizer.spec)
-        for document_tokens in tokenize_documents(documents, tokenizer, eot=args.source != "shakespeare"):
-            writer.add(document_tokens)
-        writer.close()
-        print(f"{desc}: {writer.tokens_added:,} tokens in {writer.shards} shard(s)")
-        tokens, shards = tokens + writer.tokens_added, shards + writer.shards
-    if args.val_fraction == 0 and not args.val_input and shards < 2:
+    write_shards(output_dir, corpus_source(args), splits(args, inputs, output_dir), tokenizer, args.shard_size,
+                 args.num_proc, eot=args.source != "shakespeare")
+    if args.val_fraction == 0 and not args.val_input and not shard_paths(output_dir)(1).exists():
+        val = shard_paths(output_dir)(0)
+        tokens = read_shard_header(val) if val.exists() else 0
         raise UserError(f"all {tokens:,} tokens fit in the val shard, leaving no train shard. Use --val_fraction "
                         "(e.g. 0.1) or a smaller --shard_size.")
-    documents = sum(map(len, files)) + (len(streams["val"][1]) if args.val_input else 0)
-    write_progress(output_dir, progress | {"shards": shards, "documents": documents, "complete": True})
-    print(summary(documents, tokens, shards, time.time() - t0, output_dir))
 
 
 if __name__ == "__main__":

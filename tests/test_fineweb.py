@@ -132,9 +132,11 @@ def test_rerun_after_max_shards_continues_without_rewriting_finished_shards(corp
     run(corpus["jsonl"], out, "--max_shards", 3)
     assert len(shards(out)) == 3
     finished = file_ids(out)
+    run(corpus["jsonl"], out, "--max_shards", 2)  # fewer than there are
+    assert "already has its 3 shard(s)" in capsys.readouterr().out and file_ids(out) == finished
 
     run(corpus["jsonl"], out)
-    assert "resuming after 3 finished shard(s)" in capsys.readouterr().out
+    assert "resuming at out_train_000002.bin: skipping the first" in capsys.readouterr().out
     assert {name: ids for name, ids in file_ids(out).items() if name in finished} == finished
     assert [a.tolist() for a in read_stream(out)] == [a.tolist() for a in read_stream(tmp_path / "reference")]
 

@@ -92,7 +92,7 @@ def test_missing_input_file_is_named_in_the_error(tmp_path, capsys):
     assert f"--input {missing}: no such file" in capsys.readouterr().err
 
 
-def test_failed_download_tells_user_to_pass_input(tmp_path, monkeypatch):
+def test_failed_download_tells_user_to_pass_input(gpt2_encoding, tmp_path, monkeypatch):  # (GPT-2's: loaded first)
     def offline(*args, **kwargs):
         raise urllib.error.URLError("Name or service not known")
     monkeypatch.setattr(urllib.request, "urlopen", offline)
@@ -147,7 +147,7 @@ def test_val_input_is_val_and_text_files_mix_with_jsonl(gpt2_encoding, tmp_path)
     ("[" * 100_000 + "]" * 100_000, "line 2 is nested too deeply to be read"),
     ('{"text": "a", "n": ' + "9" * 5001 + "}", "line 2 is not readable (Exceeds the limit (4300 digits)"),
 ])
-def test_bad_jsonl_line_is_named_in_one_paragraph(tmp_path, line, problem):
+def test_bad_jsonl_line_is_named_in_one_paragraph(gpt2_encoding, tmp_path, line, problem):
     path = write_jsonl(tmp_path / "bad.jsonl.gz", ['{"text": "a good first line"}', line, '{"text": "unread"}'])
     with pytest.raises(UserError) as error:
         prepare.main(["--input", str(path), "--output_dir", str(tmp_path / "out")])
@@ -162,21 +162,21 @@ def test_bad_jsonl_line_is_named_in_one_paragraph(tmp_path, line, problem):
     (lambda data: data[: len(data) // 2], r"could not be read \(EOFError: Compressed file ended before the "
      r"end-of-stream marker was reached\)"),
 ])
-def test_a_jsonl_gz_that_is_not_whole_gzip_is_named_in_one_paragraph(tmp_path, damage, message):
+def test_a_jsonl_gz_that_is_not_whole_gzip_is_named_in_one_paragraph(gpt2_encoding, tmp_path, damage, message):
     path = write_jsonl(tmp_path / "docs.jsonl.gz", [json.dumps({"text": t}) for t in DOCS * 200])
     path.write_bytes(damage(path.read_bytes()))
     with pytest.raises(UserError, match=rf"^{path} {message}"):
         prepare.main(["--input", str(path), "--output_dir", str(tmp_path / "out")])
 
 
-def test_a_text_file_that_is_not_utf8_is_named_in_one_paragraph(tmp_path):
+def test_a_text_file_that_is_not_utf8_is_named_in_one_paragraph(gpt2_encoding, tmp_path):
     (tmp_path / "latin1.txt").write_bytes("café au lait\n".encode("latin-1"))
     with pytest.raises(UserError, match=rf"^{tmp_path / 'latin1.txt'} is not UTF-8 text \(byte 0xe9 at offset 3\): "
                                         "a text file is read as UTF-8"):
         prepare.main(["--input", str(tmp_path / "latin1.txt"), "--output_dir", str(tmp_path / "out")])
 
 
-def test_an_output_dir_that_is_a_file_is_named(tmp_path, capsys):
+def test_an_output_dir_that_is_a_file_is_named(gpt2_encoding, tmp_path, capsys):
     (tmp_path / "a.txt").write_text("hello")
     (tmp_path / "out").write_text("a file")
     with pytest.raises(SystemExit) as exit_info:
@@ -208,11 +208,12 @@ def test_no_tokenizer_is_one_paragraph_saying_to_set_tiktoken_cache_dir(tmp_path
 
 
 @pytest.mark.slow  # a fresh interpreter importing torch: about 4 s
-def test_bad_jsonl_exits_2_with_error_line(tmp_path):
+def test_bad_jsonl_exits_2_with_error_line(gpt2_encoding, tmp_path):
     path = write_jsonl(tmp_path / "bad.jsonl", ["not json"])
     result = subprocess.run([sys.executable, "-m", "data.prepare", "--input", str(path), "--output_dir",
                              str(tmp_path / "out")], capture_output=True, text=True, cwd=Path(__file__).parents[1])
-    assert result.returncode == 2 and result.stderr.startswith(f"error: {path}, line 1 is not valid JSON")
+    assert result.returncode == 2  # the error on a line of its own, after the progress bar's
+    assert result.stderr.splitlines()[-1].startswith(f"error: {path}, line 1 is not valid JSON")
 
 
 def test_enwiki_first_documents(shared_data, gpt2_encoding, tmp_path):
