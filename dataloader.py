@@ -47,7 +47,7 @@ def write_shard(path: str | Path, tokens: np.ndarray, vocab_size: int = 2**16) -
 
     def write(f) -> None:
         f.write(header.tobytes())
-        f.write(tokens.astype(dtype).tobytes())
+        f.write(np.ascontiguousarray(tokens, dtype=dtype))  # (no copy where the ids are already of dtype)
 
     atomic_write(path, write)
 
