@@ -266,15 +266,6 @@ def test_a_run_whose_every_own_snapshot_fails_its_checksums_is_refused_naming_th
                             "--log_dir.")
 
 
-def test_keep_last_0_is_refused_saying_what_keeps_the_final_weights(data, tmp_path):
-    tiny = tiny_snapshots(data, tmp_path / "run")
-    with pytest.raises(UserError) as refused:
-        Snapshots(str(tmp_path / "run"), 1, 0, "auto", tiny.trainee, tiny.train_loader, tiny.run_config,
-                  tiny.dist_env, print)
-    assert str(refused.value) == ("--keep_last 0 would delete every snapshot, so nothing could resume. Keep at least 1 "
-                                  "(--snapshot_every 0 leaves only the last step's and a stop's snapshots).")
-
-
 def test_resume_path_and_init_from_together_or_a_missing_path_are_refused_in_words(data, tmp_path, parent):
     both = snapshots_in(data, tmp_path / "run", str(parent), init_from="gpt2")
     assert refusal(both) == (
