@@ -2,14 +2,12 @@
 written atomically, checked by CRC-32s, read without running code. Why and how: docs/reliability.md, "Checksums"."""
 
 import os
-import random
 import re
 import shutil
 import zipfile
 import zlib
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -227,21 +225,14 @@ def load_model_snapshot(path: str | Path) -> dict:
 
 
 def capture_rng_state(device: torch.device) -> dict:
-    """Python's, numpy's, torch's CPU generator and the training device's (only that one: asking CUDA on a --device
-    cpu run would open a CUDA context on GPU 0)."""
-    _, keys, pos, has_gauss, gauss = np.random.get_state()  # as plain data, which weights_only loads
-    return {"python": random.getstate(), "torch": torch.get_rng_state(),
-            "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
-                      "gauss": float(gauss)}} | (
+    """Torch's CPU generator and the training device's (only that one: asking CUDA on a --device cpu run would open a
+    CUDA context on GPU 0). Nothing draws from Python's or numpy's global ones (dataloader.py seeds its own)."""
+    return {"torch": torch.get_rng_state()} | (
         {"cuda": torch.cuda.get_rng_state(device)} if device.type == "cuda" else
         {"mps": torch.mps.get_rng_state()} if device.type == "mps" else {})
 
 
 def restore_rng_state(state: dict, device: torch.device) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    n = state["numpy"]
-    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
     torch.set_rng_state(state["torch"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)

@@ -364,12 +364,9 @@ class Snapshots(TrainingState):
         origin, newest = self.as_now(recorded and recorded.resumed_from), next((e for e in own if e.state), None)
         action = decide(self._holds(recorded, own, newest, origin), self._asks(recorded, newest, origin))
         if action is Action.START:
-            branch = self.resume_from not in ("auto", "never")
+            branch = self._branch_from()
             init_from = self.relative(self.init_from) if self.init_from != "scratch" else None
-            if branch:
-                self._branch_from()
-            return Run(init_from=init_from, resumed_from=self.relative(self.resume_from) if branch else None), \
-                False, self.resume_from if branch else None, found
+            return Run(init_from=init_from, resumed_from=branch and self.relative(branch)), False, branch, found
         if action is Action.RESTART:
             return recorded, False, origin, found
         if action in (Action.CONTINUE, Action.REFUSE_DAMAGED):  # (REFUSE_DAMAGED: raises, naming every one)
@@ -417,8 +414,10 @@ class Snapshots(TrainingState):
         except (ValueError, OSError):
             return False
 
-    def _branch_from(self) -> None:
-        """A UserError naming --resume PATH's snapshot if it is missing or does not load."""
+    def _branch_from(self) -> str | None:
+        """--resume PATH (None: not a branch); a UserError naming its snapshot if it is missing or does not load."""
+        if self.resume_from in ("auto", "never"):
+            return None
         if not Path(self.resume_from).exists():
             raise UserError(f"--resume {self.resume_from}: no such file. Pass the path of a snapshot_* file, 'auto' "
                             "(the newest valid snapshot in --snapshot_dir) or 'never' (start fresh).")
@@ -426,6 +425,7 @@ class Snapshots(TrainingState):
             snapshot.load_snapshot(self.resume_from)
         except ValueError as e:
             raise UserError(f"--resume: {e} Pass another snapshot, 'auto' or 'never'.") from e
+        return self.resume_from
 
     def _refusal(self, action: Action, recorded: Run, newest: Entry | None) -> str:
         """A refusal's words, naming the paths as they are now."""
