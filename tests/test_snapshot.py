@@ -16,6 +16,7 @@ import subprocess
 import sys
 import zlib
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -220,6 +221,31 @@ def test_a_lost_last_or_stop_snapshot_fails_the_run(data, tmp_path, monkeypatch,
     with pytest.raises(UserError, match=f"the snapshot of step {step} could not be written .* and it was the run's "
                                         "last; there is no older snapshot"):
         snapshots.save_if_due(step, last_step=9, stopping=stopping)
+
+
+def test_a_failed_write_names_the_space_left_and_the_newest_older_snapshot_and_a_lost_last_one_the_way_on(
+        data, tmp_path, monkeypatch, capsys):
+    snapshots = tiny_snapshots(data, tmp_path / "run", keep_last=3)
+    older = [snapshots.save_if_due(step, last_step=9, stopping=False) for step in (0, 1)]
+    monkeypatch.setattr(snapshot, "torch_save", failing(errno.ENOSPC))
+    monkeypatch.setattr(store.shutil, "disk_usage", lambda path: SimpleNamespace(total=3 * 2**30, free=6 * 2**20))
+    capsys.readouterr()
+    what = (f"the snapshot of step {{}} could not be written to {tmp_path / 'run'} ({{}}; 6 MiB free of 3,072 "
+            f"MiB){{}}; the older snapshots are intact, the newest is {older[1]}")
+    full = f"OSError: [Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}"
+    assert snapshots.save_if_due(2, last_step=9, stopping=False) is None
+    assert f"WARNING: {what.format(2, full, '')}. Training goes on; the next due snapshot tries again.\n" in \
+        capsys.readouterr().err
+    last, fix = ", and it was the run's last", (". Free space (or point --snapshot_dir at a disk with room) and rerun "
+                                                "the same command to resume from there.")
+    with pytest.raises(UserError) as lost:
+        snapshots.save_if_due(9, last_step=9, stopping=False)
+    assert str(lost.value) == what.format(9, full, last) + fix
+    # A rank whose own part was written learns that another's failed: the same words, why unknown there.
+    with pytest.raises(UserError) as elsewhere:
+        snapshots._write_failed(9, snapshot_path(tmp_path / "run", 9), None, final=True)
+    assert str(elsewhere.value) == what.format(9, "on another rank", last) + fix
+    assert list_snapshots(tmp_path / "run") == older[::-1]
 
 
 def test_only_broken_snapshots_are_an_error_naming_them(tmp_path):
@@ -595,6 +621,30 @@ def test_a_rollback_deletes_the_abandoned_snapshots_it_wrote_and_not_a_symlink_a
     assert snapshot_path(run, 4).is_symlink() and load_snapshot(kept_elsewhere)["step"] == 3
     assert messages[-2:] == [f"removed {snapshot_path(run, s)}: written while updates were being skipped, after {path}"
                              for s in (3, 2)]
+
+
+def test_a_rollback_to_a_directory_snapshot_rewrites_its_meta_pt_alone_keeping_the_shards_checksums(data, tmp_path):
+    snapshots = tiny_snapshots(data, tmp_path / "run")
+    path = snapshot_path(tmp_path / "run", 1, sharded=True)
+    save_fake_sharded_snapshot(path, 1)
+    shards = {p.name: p.read_bytes() for p in path.iterdir() if p.name != "meta.pt"}
+    snapshots.train_loader.next_batch()  # the data position after the divergence, which the rollback keeps
+    snapshots.commit_rollback(1, str(path))
+    rolled_back = load_snapshot(path)  # its shards' checksums verified
+    assert rolled_back["wandb_id"] == snapshots.run and rolled_back["loader"] == snapshots.train_loader.state_dict()
+    assert {p.name: p.read_bytes() for p in path.iterdir() if p.name != "meta.pt"} == shards
+    assert sorted(p.name for p in path.iterdir()) == [".metadata", "__0_0.distcp", "meta.pt"]
+
+
+def test_a_rollback_that_cannot_be_written_warns_that_a_crash_would_undo_it(data, tmp_path, monkeypatch, capsys):
+    snapshots = tiny_snapshots(data, tmp_path / "run")
+    path = snapshots.save_if_due(1, last_step=9, stopping=False)
+    monkeypatch.setattr(snapshot, "torch_save", failing(errno.ENOSPC))
+    snapshots.commit_rollback(1, str(path))
+    assert (f"WARNING: the rollback could not be written to {path} (OSError: [Errno {errno.ENOSPC}] "
+            f"{os.strerror(errno.ENOSPC)}); a crash before the next snapshot would resume from before the rollback.\n"
+            ) in capsys.readouterr().err
+    assert load_snapshot(path)["step"] == 1 and list_snapshots(path.parent) == [path]  # as it was
 
 
 def test_a_sharded_snapshot_clears_a_dead_runs_temp_directory_renames_into_place_and_fsyncs_the_directory(
