@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import zlib
+from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -246,6 +247,65 @@ def test_a_failed_write_names_the_space_left_and_the_newest_older_snapshot_and_a
         snapshots._write_failed(9, snapshot_path(tmp_path / "run", 9), None, final=True)
     assert str(elsewhere.value) == what.format(9, "on another rank", last) + fix
     assert list_snapshots(tmp_path / "run") == older[::-1]
+
+
+def test_a_snapshot_of_another_model_optimizer_or_layout_is_refused_naming_each_difference(data, tmp_path):
+    snapshots = tiny_snapshots(data, tmp_path / "run")
+    path = snapshots.save_if_due(1, last_step=9, stopping=False)
+    state, ours = load_snapshot(path), asdict(snapshots.trainee.raw.config)
+    theirs = state | {"model_config": ours | {"n_layer": 3}, "config": state["config"] | {"optimizer": "muon"}}
+    fix = ("Resume it with the flags of the run that wrote it (--arch/--model/--n_layer/--n_head/--n_embd/--block_size"
+           "/--[no-]attention_bias, --optimizer; --parallel on any number of ranks), or start a new run from its "
+           "weights with --init_from {} (a fresh optimizer, schedule and data order).")
+    with pytest.raises(UserError) as refused:
+        snapshots.restore(str(path), theirs)
+    assert str(refused.value) == (f"{path} was written with a model {ours | {'n_layer': 3}} (this run: {ours}); "
+                                  f"--optimizer muon (this run: adamw). {fix.format(path)}")
+    directory = snapshot_path(tmp_path, 1, sharded=True)
+    directory.mkdir()
+    with pytest.raises(UserError) as refused:
+        snapshots.restore(str(directory), state)
+    assert str(refused.value) == \
+        f"{directory} was written with --parallel fsdp (this run: ddp). {fix.format(directory)}"
+
+
+def test_a_snapshot_of_another_tokenizer_is_refused_first_its_model_shape_being_no_cause(data, tmp_path):
+    from training.tokenizer import gpt2_spec
+
+    snapshots = tiny_snapshots(data, tmp_path / "run")
+    path = snapshots.save_if_due(1, last_step=9, stopping=False)
+    state, gpt2 = load_snapshot(path), gpt2_spec()
+    with pytest.raises(UserError) as refused:
+        snapshots.restore(str(path), state | {"tokenizer": gpt2.to_dict(), "model_config": {"n_layer": 3}})
+    assert str(refused.value) == (
+        f"{path} was trained with the tokenizer {gpt2.describe()}, but the data in {data} was written with "
+        f"{snapshots.train_loader.tokenizer.describe()}: the same token id is other text under each. Resume it on data "
+        "written with its tokenizer (--data_dir), or start a new run on this data with --resume never.")
+
+
+def test_a_restore_on_another_number_of_ranks_seeds_torch_from_the_seed_step_and_rank(data, tmp_path):
+    messages = []
+    snapshots = tiny_snapshots(data, tmp_path / "run", messages.append)
+    path = snapshots.save_if_due(4, last_step=9, stopping=False)
+    state = load_snapshot(path)
+    snapshots.restore(str(path), state | {"rng": state["rng"] * 2})  # written by 2 ranks, restored on 1
+    drawn = torch.rand(3)
+    torch.manual_seed(snapshots.run_config["seed"] + 4)
+    assert torch.equal(drawn, torch.rand(3)) and messages == [f"snapshot written: {path}"]
+
+
+def test_an_fp16_run_takes_the_loss_scale_of_an_fp16_snapshot_and_starts_it_fresh_from_another(data, tmp_path):
+    messages = []
+    snapshots = tiny_snapshots(data, tmp_path / "run", messages.append)
+    path = snapshots.save_if_due(1, last_step=9, stopping=False)
+    state = load_snapshot(path)
+    snapshots.trainee.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)  # as an fp16 run's
+    snapshots.restore(str(path), state)  # a snapshot of an fp32 run: no scale to carry
+    assert messages[1:] == [f"{path} was written without fp16, so it has no GradScaler state: the fp16 loss scale "
+                            "starts fresh."] and snapshots.trainee.scaler.get_scale() == 2.0**16
+    fp16 = torch.amp.GradScaler("cpu", init_scale=8.0)
+    snapshots.restore(str(path), state | {"scaler": fp16.state_dict()})
+    assert snapshots.trainee.scaler.get_scale() == 8.0 and len(messages) == 2
 
 
 def test_only_broken_snapshots_are_an_error_naming_them(tmp_path):
