@@ -266,6 +266,11 @@ def test_a_run_whose_every_own_snapshot_fails_its_checksums_is_refused_naming_th
                             "--log_dir.")
 
 
+def test_a_run_from_a_hugging_face_model_records_its_name_as_given(data, tmp_path):
+    snapshots_in(data, tmp_path / "run", "auto", init_from="gpt2").resume()
+    assert read_run(tmp_path / "run") == Run(read_run(tmp_path / "run").run, "gpt2", None)
+
+
 def test_resume_path_and_init_from_together_or_a_missing_path_are_refused_in_words(data, tmp_path, parent):
     both = snapshots_in(data, tmp_path / "run", str(parent), init_from="gpt2")
     assert refusal(both) == (

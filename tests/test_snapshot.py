@@ -49,6 +49,7 @@ from rundir.snapshot import (
     list_snapshots,
     load_snapshot,
     read_model,
+    read_model_config,
     restore_rng_state,
     save_snapshot,
     snapshot_path,
@@ -641,6 +642,15 @@ def test_a_snapshot_with_a_model_config_this_code_does_not_write_is_refused(fsdp
         main_in_process(run_args(fsdp_run, tmp_path / "run", "--max_steps", "2"))
     if "model_config" in named:
         assert named in tool_refusal(tools.sample.main, ["--snapshot", str(path), "--device", "cpu"], capsys)
+
+
+def test_the_model_shape_of_a_snapshot_this_code_cannot_build_is_refused_naming_the_file(tmp_path):
+    path = save_tiny_model(tmp_path / "model.pt")
+    state = torch.load(path, weights_only=True)
+    state["model_config"].update(n_head=3)
+    torch.save(state, path)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))} is not a snapshot this code can build a model from"):
+        read_model_config(path)
 
 
 @pytest.mark.parametrize("change, named", [
