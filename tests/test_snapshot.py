@@ -649,8 +649,24 @@ def test_the_model_shape_of_a_snapshot_this_code_cannot_build_is_refused_naming_
     state = torch.load(path, weights_only=True)
     state["model_config"].update(n_head=3)
     torch.save(state, path)
-    with pytest.raises(ValueError, match=f"^{re.escape(str(path))} is not a snapshot this code can build a model from"):
-        read_model_config(path)
+    for read in (read_model_config, read_model):
+        with pytest.raises(ValueError, match=f"^{re.escape(str(path))} is not a snapshot this code can build a model"):
+            read(path)
+
+
+def test_weights_that_do_not_fit_their_model_config_are_refused_with_the_start_of_what_torch_says(tmp_path):
+    path = save_tiny_model(tmp_path / "model.pt")
+    state = torch.load(path, weights_only=True)
+    state["model"] = {name: weight for name, weight in state["model"].items() if ".h.0." not in name}
+    torch.save(state, path)
+    with pytest.raises(RuntimeError) as torch_says:
+        GPT(GPTConfig(**state["model_config"])).load_state_dict(state["model"])
+    assert len(str(torch_says.value)) > 300
+    with pytest.raises(ValueError) as refused:
+        read_model(path)
+    assert str(refused.value) == (f"{path}: its weights do not fit the model its model_config describes "
+                                  f"({' '.join(str(torch_says.value).split())[:300]}...). Pass a snapshot written by "
+                                  "train_gpt2.py.")
 
 
 @pytest.mark.parametrize("change, named", [
