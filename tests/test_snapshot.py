@@ -852,6 +852,21 @@ def test_pruning_with_nothing_to_delete_reads_no_snapshot_through(data, tmp_path
     assert list_snapshots(tmp_path) == [snapshot_path(tmp_path, 2), snapshot_path(tmp_path, 1)]
 
 
+def test_a_model_file_without_its_weights_or_their_shape_or_that_is_missing_is_refused_naming_it(tmp_path):
+    path = save_tiny_model(tmp_path / "model.pt")
+    whole = torch.load(path, weights_only=True)
+    for key in ("model", "model_config"):
+        torch.save({k: v for k, v in whole.items() if k != key}, path)
+        with pytest.raises(ValueError) as refused:
+            read_model(path)
+        assert str(refused.value) == (f"{path} is not a snapshot of this codebase (it lacks 'model' and "
+                                      "'model_config'). Pass a snapshot_*.pt written by train_gpt2.py.")
+    with pytest.raises(FileNotFoundError) as missing:
+        read_model(tmp_path / "gone.pt")
+    assert str(missing.value) == (f"snapshot {tmp_path / 'gone.pt'}: no such file. Pass a snapshot_*.pt written by "
+                                  "train_gpt2.py.")
+
+
 def test_a_snapshot_file_without_a_key_or_with_a_key_of_another_type_is_refused_naming_it(tmp_path):
     no_model, step_as_text = fake_snapshot(3), fake_snapshot(3) | {"step": "3"}
     del no_model["model"]  # (what only a directory snapshot's meta.pt may lack: its shards hold the weights)
