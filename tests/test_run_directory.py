@@ -223,6 +223,13 @@ def test_another_runs_snapshot_stops_a_run_only_at_a_step_it_would_write(data, t
     assert f"note: {run} also holds snapshots this run did not write: snapshot_0000005.pt, snapshot_0000003.pt, " \
         "snapshot_0000002.pt. They are left as they are: never resumed by --resume auto, never pruned." in \
         capsys.readouterr().out
+    for step in (6, 7):
+        snapshot_path(run, step).write_bytes(b"whose?")
+    names = [f"snapshot_000000{step}.pt" for step in (7, 6, 5, 3, 2)]  # four in the way of 7 steps, five of 8
+    assert f"at steps it will write ({', '.join(names[1:])}): another" in \
+        refusal(snapshots_in(data, run, "auto", max_steps=7))
+    assert f"at steps it will write ({', '.join(names[:4])}, ...): another" in \
+        refusal(snapshots_in(data, run, "auto", max_steps=8))
 
 
 def test_a_snapshot_whose_json_is_damaged_is_the_directorys_runs_and_damaged(data, written, tmp_path, capsys):

@@ -801,6 +801,17 @@ def test_a_directory_snapshot_whose_shard_changed_is_skipped_by_a_resume(tmp_pat
         "mismatch): a bit flip or a bad copy. Trying the next older one." in capsys.readouterr().err
 
 
+def test_a_directory_snapshot_of_the_run_whose_shard_changed_is_not_its_newest_healthy_one(data, tmp_path):
+    snapshots = tiny_snapshots(data, tmp_path / "run")
+    older = snapshots.save_if_due(1, last_step=9, stopping=False)
+    newest = snapshot_path(tmp_path / "run", 2, sharded=True)
+    save_fake_sharded_snapshot(newest, 2)
+    store.write_record(store.sidecar(newest), {"run": snapshots.run, "step": 2})
+    assert snapshots.newest_healthy() == str(newest)
+    shard = newest / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-1] + bytes([shard.read_bytes()[-1] ^ 1]))  # its meta.pt as it was
+    assert snapshots.newest_healthy() == str(older)
+
 
 def test_a_file_that_is_no_zip_container_fails_its_checksums_naming_it(tmp_path):
     garbage(tmp_path / "snapshot_0000001.pt")
