@@ -228,7 +228,7 @@ def test_a_lost_last_or_stop_snapshot_fails_the_run(data, tmp_path, monkeypatch,
 def test_a_failed_write_names_the_space_left_and_the_newest_older_snapshot_and_a_lost_last_one_the_way_on(
         data, tmp_path, monkeypatch, capsys):
     snapshots = tiny_snapshots(data, tmp_path / "run", keep_last=3)
-    older = [snapshots.save_if_due(step, last_step=9, stopping=False) for step in (0, 1)]
+    older, real_torch_save = [snapshots.save_if_due(step, last_step=9, stopping=False) for step in (0, 1)], torch_save
     monkeypatch.setattr(snapshot, "torch_save", failing(errno.ENOSPC))
     monkeypatch.setattr(store.shutil, "disk_usage", lambda path: SimpleNamespace(total=3 * 2**30, free=6 * 2**20))
     capsys.readouterr()
@@ -238,6 +238,12 @@ def test_a_failed_write_names_the_space_left_and_the_newest_older_snapshot_and_a
     assert snapshots.save_if_due(2, last_step=9, stopping=False) is None
     assert f"WARNING: {what.format(2, full, '')}. Training goes on; the next due snapshot tries again.\n" in \
         capsys.readouterr().err
+    assert not store.sidecar(snapshot_path(tmp_path / "run", 2)).exists()  # no .json of a snapshot that is not there
+    with monkeypatch.context() as patch:  # the .json, written first, fails: no snapshot without it
+        patch.setattr(store, "write_record", failing(errno.ENOSPC))
+        patch.setattr(snapshot, "torch_save", real_torch_save)
+        assert snapshots.save_if_due(3, last_step=9, stopping=False) is None
+    assert f"WARNING: {what.format(3, full, '')}." in capsys.readouterr().err
     last, fix = ", and it was the run's last", (". Free space (or point --snapshot_dir at a disk with room) and rerun "
                                                 "the same command to resume from there.")
     with pytest.raises(UserError) as lost:
