@@ -688,7 +688,7 @@ def test_a_snapshot_whose_keys_hold_what_this_code_never_writes_is_refused_by_th
     state = torch.load(path, weights_only=True) | {"step": 3, "config": {}}
     change(state)
     torch.save(state, path)
-    with pytest.raises(ValueError, match=re.escape(named)):
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}.*{re.escape(named)}"):
         read_model(path)
     for tool in (tools.sample.main, tools.evaluate.main):
         assert named in tool_refusal(tool, ["--snapshot", str(path), "--device", "cpu"], capsys)
@@ -869,7 +869,7 @@ def test_pruning_with_nothing_to_delete_reads_no_snapshot_through(data, tmp_path
     assert list_snapshots(tmp_path) == [snapshot_path(tmp_path, 2), snapshot_path(tmp_path, 1)]
 
 
-def test_a_model_file_without_its_weights_or_their_shape_or_that_is_missing_is_refused_naming_it(tmp_path):
+def test_a_model_file_without_its_weights_or_their_shape_or_that_is_missing_is_refused_naming_it(data, tmp_path):
     path = save_tiny_model(tmp_path / "model.pt")
     whole = torch.load(path, weights_only=True)
     for key in ("model", "model_config"):
@@ -878,6 +878,12 @@ def test_a_model_file_without_its_weights_or_their_shape_or_that_is_missing_is_r
             read_model(path)
         assert str(refused.value) == (f"{path} is not a snapshot of this codebase (it lacks 'model' and "
                                       "'model_config'). Pass a snapshot_*.pt written by train_gpt2.py.")
+    snapshot_file = tiny_snapshots(data, tmp_path / "run").save_if_due(1, last_step=9, stopping=False)
+    without_loader = {k: v for k, v in torch.load(snapshot_file, weights_only=True).items() if k != "loader"}
+    torch.save(without_loader, path)  # a snapshot's, so held to all of a snapshot's keys
+    with pytest.raises(ValueError) as refused:
+        read_model(path)
+    assert str(refused.value) == f"{path} is not a training snapshot of this codebase (missing ['loader'])."
     with pytest.raises(FileNotFoundError) as missing:
         read_model(tmp_path / "gone.pt")
     assert str(missing.value) == (f"snapshot {tmp_path / 'gone.pt'}: no such file. Pass a snapshot_*.pt written by "
