@@ -18,11 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import failing, make_shards
+from conftest import failing, make_shards, tiny_snapshots
 from helpers_train import main_in_process, read_metrics, records_so_far, run_train, start_train
 from rundir import lock as run_lock
 from rundir.lock import LOCK_FILE, locked
-from rundir.snapshot import list_snapshots
+from rundir.snapshot import list_snapshots, snapshot_path
+from rundir.store import Snapshots
 from training.distributed import Distributed
 from training.errors import UserError
 
@@ -261,6 +262,19 @@ def test_a_locked_directory_moved_or_removed_is_named_with_where_it_is_now(tmp_p
         shutil.rmtree(moved)
         with pytest.raises(UserError, match=re.escape(f"To go on, put {logs} back.")):
             held.check_in_place(logs)
+
+
+def test_a_snapshot_due_after_its_directory_moved_stops_the_run_writing_nothing_there(data, tmp_path):
+    logs, moved = tmp_path / "logs", tmp_path / "moved"
+    tiny = tiny_snapshots(data, logs)
+    with run_lock.lock_run_directories({"--log_dir": str(logs)}, tiny.dist_env) as held:
+        snapshots = Snapshots(str(logs), 1, 2, "never", tiny.trainee, tiny.train_loader, tiny.run_config,
+                              tiny.dist_env, print, None, held)
+        snapshots.save_if_due(0, last_step=9, stopping=False)
+        os.rename(logs, moved)
+        with pytest.raises(UserError, match=re.escape(f"--log_dir {logs} is no longer the directory this run locked")):
+            snapshots.save_if_due(1, last_step=9, stopping=False)
+    assert not logs.exists() and list_snapshots(moved) == [snapshot_path(moved, 0)]
 
 
 @pytest.mark.slow  # a real run, moved while it trains
