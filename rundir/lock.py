@@ -1,11 +1,6 @@
-"""One run per output directory, in directories that can be written and stay where they were.
-
-Before the run builds anything, global rank 0 makes each directory it writes into if missing, probes it with a real
-write (permission bits say nothing to root, nor about a read-only mount) and holds an exclusive flock(2) on
-<dir>/run.lock, which the kernel drops when the process exits, however it dies (on NFS the server holds it, until a
-dead node's lease runs out). A second run exits 2 naming the holder. A directory moved or removed while the run
-trains is found before the run's next write into it: the run stops, writing nothing at the old path.
-"""
+"""One run per output directory (flock on <dir>/run.lock, which the kernel drops however the holder dies), in
+directories probed by a real write and checked to stay where they were. Why: docs/reliability.md ("One run per
+directory")."""
 
 import errno
 import fcntl
@@ -24,8 +19,7 @@ LOCK_FILE = "run.lock"
 
 
 class RunLock:
-    """The directories this process holds locked: {path: (flag, run.lock's descriptor)} (none: another rank, or
-    --no-run_lock)."""
+    """The directories this process holds locked: {path: (flag, run.lock's descriptor)}."""
 
     def __init__(self):
         self.held: dict[Path, tuple[str, int]] = {}
@@ -44,8 +38,7 @@ class RunLock:
 
 
 def agreed(work: Callable[[], object], dist_env: Distributed) -> object:
-    """work() on rank 0, its result on every rank; its UserError raised on every rank (collective: all stop together,
-    none waits out --dist_timeout)."""
+    """work() on rank 0, its result, or its UserError raised, on every rank (all stop together, none waits)."""
     result, refusal = None, None
     try:
         result = work() if dist_env.is_master else None
@@ -61,7 +54,7 @@ def agreed(work: Callable[[], object], dist_env: Distributed) -> object:
 def lock_run_directories(directories: dict[str, str | None], dist_env: Distributed,
                          lock: bool = True) -> Iterator[RunLock]:
     """Check that each directory, {flag: path} (None or "": not set), can be written (made if missing), and hold its
-    lock for the block (unless not `lock`: --no-run_lock). Collective: on a refusal every rank raises it."""
+    lock for the block (unless not `lock`). Collective: on a refusal every rank raises it."""
     run_lock = RunLock()
     distinct: dict[Path, str] = {}  # directory -> the first flag naming it
     for flag, path in directories.items():
@@ -81,8 +74,8 @@ def lock_run_directories(directories: dict[str, str | None], dist_env: Distribut
 
 
 def check_writable(directory: Path, flag: str) -> None:
-    """Make `directory` if missing and create and remove a file in it; UserError naming it if that fails. A full disk
-    passes with a warning: the run's writes fail softly there, and space may be freed while it trains."""
+    """Make `directory` if missing and create and remove a file in it (permission bits say nothing to root, nor of
+    a read-only mount); UserError naming it if that fails. A full disk warns: space may be freed while it trains."""
     probe = directory / f".write_probe.{os.getpid()}"
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -109,8 +102,7 @@ def check_writable(directory: Path, flag: str) -> None:
 
 @contextmanager
 def locked(directory: Path, flag: str) -> Iterator[int]:
-    """Hold the flock of directory/run.lock, this process's name in it; UserError naming the holder if another
-    process holds it, or the fix if it cannot be taken."""
+    """Hold the flock of directory/run.lock, this process's name in it; UserError naming the holder or the fix."""
     path, fd = directory / LOCK_FILE, None
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)

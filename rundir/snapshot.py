@@ -1,23 +1,15 @@
-"""One snapshot on disk: written atomically, checked by checksums, read without running code (training/safe_load.py).
-
-With --parallel ddp a file snapshot_<step>.pt (rank 0's); with fsdp a directory snapshot_<step>/ of every rank's
-shards (torch.distributed.checkpoint, resharded on loading) and rank 0's meta.pt. Either is written under a temp
-name, fsynced and renamed. Changed bytes are found by CRC-32s: torch.save's zip keeps one per record, meta.pt one per
-shard file.
-"""
+"""One snapshot on disk: a file snapshot_<step>.pt (ddp) or a directory snapshot_<step>/ of shards and meta.pt (fsdp),
+written atomically, checked by CRC-32s, read without running code. Why and how: docs/reliability.md, "Checksums"."""
 
 import os
-import random
 import re
 import shutil
 import zipfile
 import zlib
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.utils.serialization.config
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -32,7 +24,6 @@ SNAPSHOT_NAME = re.compile(r"snapshot_(\d{7}|[1-9]\d{7,})(\.pt)?")  # f"{step:07
 KEY_TYPES = {"format": int, "model": dict, "model_config": dict, "optimizer": dict, "scaler": dict, "step": int,
              "loader": dict, "rng": list, "config": dict, "wandb_id": str, "healthy": bool, "tokenizer": dict}
 REQUIRED_KEYS = tuple(KEY_TYPES)
-META_KEYS = tuple(k for k in REQUIRED_KEYS if k not in ("model", "optimizer"))
 
 
 def snapshot_path(snapshot_dir: str | Path, step: int, sharded: bool = False) -> Path:
@@ -40,24 +31,20 @@ def snapshot_path(snapshot_dir: str | Path, step: int, sharded: bool = False) ->
 
 
 def list_snapshots(snapshot_dir: str | Path) -> list[Path]:
-    """The entries of snapshot_dir named as snapshots, newest (highest step) first."""
+    """Newest (highest step) first."""
     found = Path(snapshot_dir).iterdir() if Path(snapshot_dir).is_dir() else []
     return sorted((p for p in found if SNAPSHOT_NAME.fullmatch(p.name)), reverse=True,
                   key=lambda p: int(SNAPSHOT_NAME.fullmatch(p.name)[1]))
 
-
-# ----------------------------------------------------------------------------------------------------------------
-# writing
 
 def save_snapshot(state: dict, path: Path) -> None:
     atomic_write(path, lambda f: torch_save(state, f))
 
 
 def torch_save(obj, f) -> None:
-    """torch.save with every record's CRC-32; a failed write raises its OSError (ENOSPC), not torch's RuntimeError."""
+    """torch.save (its zip has every record's CRC-32); a failed write raises its OSError (ENOSPC), not RuntimeError."""
     try:
-        with torch.utils.serialization.config.patch({"save.compute_crc32": True}):
-            torch.save(obj, f)
+        torch.save(obj, f)
     except RuntimeError as e:
         if isinstance(e.__context__, OSError):
             raise e.__context__ from e
@@ -67,7 +54,7 @@ def torch_save(obj, f) -> None:
 def save_sharded_snapshot(meta: dict | None, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
                           path: Path, device: torch.device) -> None:
     """Every rank writes its shards into a temp directory; rank 0 (meta: not None) adds meta.pt, with the shard
-    files' CRC-32s, and renames the directory into place. Collective: a failure on any rank raises on every rank."""
+    files' CRC-32s, and renames it into place. Collective: a failure on any rank raises on every rank."""
     tmp = path.with_name(path.name + ".tmp")
     if meta is not None:
         shutil.rmtree(tmp, ignore_errors=True)  # a dead write's (the store checked that path is this run's)
@@ -94,7 +81,7 @@ def remove(path: Path) -> None:
 
 
 def file_crc32(path: Path) -> int:
-    """CRC-32 of a file's bytes (zlib's, ~0.4 s/GB on one core), read in 16 MiB pieces."""
+    """zlib's CRC-32 of a file's bytes, read in 16 MiB pieces."""
     crc = 0
     with open(path, "rb") as f:
         while piece := f.read(16 * 2**20):
@@ -103,8 +90,8 @@ def file_crc32(path: Path) -> int:
 
 
 def verify_checksums(path: Path, state: dict) -> None:
-    """ValueError naming the file if a snapshot's bytes changed since they were written (of a directory: meta.pt's
-    and every shard file's); a read error is raised as the OSError it is, which says nothing about the bytes."""
+    """ValueError naming the file if a snapshot's bytes changed (of a directory: meta.pt's and every shard's); a read
+    error is raised as the OSError it is."""
     if path.is_dir():
         verify_checksums(path / "meta.pt", state)
         for name, crc in state["shard_crc32"].items():
@@ -123,9 +110,6 @@ def verify_checksums(path: Path, state: dict) -> None:
                          "bit flip or a bad copy.")
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# reading: nothing in a snapshot runs code
-
 def load_snapshot(path: str | Path, verify: bool = True) -> dict:
     """A snapshot's state (of a directory: meta.pt, its .metadata checked). ValueError naming the file if it is
     truncated, not a snapshot of this format, unsafe, or (verify) its bytes changed; an OSError if unreadable."""
@@ -134,13 +118,13 @@ def load_snapshot(path: str | Path, verify: bool = True) -> dict:
     if sharded:
         read_shard_metadata(path)
     state = read_torch_file(path / "meta.pt" if sharded else path)
-    check_state(path, state, META_KEYS if sharded else REQUIRED_KEYS)
+    check_state(path, state, [k for k in REQUIRED_KEYS if not sharded or k not in ("model", "optimizer")])
     if verify:
         verify_checksums(path, state)
     return state
 
 
-def check_state(path: Path, state, keys: tuple[str, ...]) -> None:
+def check_state(path: Path, state, keys: list[str]) -> None:
     """ValueError naming the file unless `state` is a snapshot's of this format: `keys`, each of its type."""
     if isinstance(state, dict) and "format" in state and state["format"] != FORMAT:
         raise ValueError(f"{path} is a snapshot of format {state['format']!r}, written by another version of "
@@ -156,7 +140,6 @@ def check_state(path: Path, state, keys: tuple[str, ...]) -> None:
                          f"{', '.join(f'{k} is a {t.__name__}' for k, t in KEY_TYPES.items())}.")
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # the model in a snapshot (or in a file with just a snapshot's "model" and "model_config"): tools, --init_from
 
 def read_model(path: str | Path) -> GPT:
@@ -209,29 +192,19 @@ def load_model_snapshot(path: str | Path) -> dict:
     if not isinstance(state, dict) or "model" not in state or "model_config" not in state:
         raise ValueError(f"{path} is not a snapshot of this codebase (it lacks 'model' and 'model_config'). "
                          "Pass a snapshot_*.pt written by train_gpt2.py.")
-    check_state(path, state, REQUIRED_KEYS if "format" in state else ("model", "model_config"))
+    check_state(path, state, REQUIRED_KEYS if "format" in state else ["model", "model_config"])
     return state
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# random number generators
-
 def capture_rng_state(device: torch.device) -> dict:
-    """Python's, numpy's, torch's CPU generator and the training device's (only that one: asking CUDA on a --device
-    cpu run would open a CUDA context on GPU 0)."""
-    _, keys, pos, has_gauss, gauss = np.random.get_state()  # as plain data, which weights_only loads
-    return {"python": random.getstate(), "torch": torch.get_rng_state(),
-            "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
-                      "gauss": float(gauss)}} | (
+    """Torch's CPU generator and the training device's (only that one: asking CUDA on a --device cpu run would open a
+    CUDA context on GPU 0). Nothing draws from Python's or numpy's global ones (dataloader.py seeds its own)."""
+    return {"torch": torch.get_rng_state()} | (
         {"cuda": torch.cuda.get_rng_state(device)} if device.type == "cuda" else
         {"mps": torch.mps.get_rng_state()} if device.type == "mps" else {})
 
 
 def restore_rng_state(state: dict, device: torch.device) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    n = state["numpy"]
-    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
     torch.set_rng_state(state["torch"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)

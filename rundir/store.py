@@ -1,15 +1,8 @@
-"""A run's --snapshot_dir: the state table, the snapshot to resume, writing on the beat, pruning, rollback.
-
-A directory holds one run: run.json, written before the first step, names it (its id is its wandb run's too) and
-where it started (random weights, --init_from X, or the snapshot --resume PATH branched from, relative to the
-directory so that it moves with it). Beside each snapshot, snapshot_<step>.json names the run that wrote it: a run
-resumes, prunes and rolls back only its own, and stops before its first step if another's sits where it will write.
-What a run does with its directory is one look-up in TABLE, which docs/reliability.md shows as table_markdown() does.
-"""
+"""A run's --snapshot_dir: the state table, the snapshot to resume, writing on the beat, pruning, rollback. The rules
+and why: docs/reliability.md, "The state table" (which shows TABLE as table_markdown() prints it)."""
 
 import json
 import os
-import re
 import shutil
 import sys
 import uuid
@@ -30,7 +23,6 @@ from training.files import atomic_write, reason
 from training.parallel import TrainingModel
 
 RUN_FILE = "run.json"
-TEMP_NAME = re.compile(r"snapshot_(\d{7,})\.\S*tmp")  # what a write cut short leaves: a temp file or directory
 
 
 class Holds(Enum):
@@ -82,7 +74,7 @@ def table_markdown() -> str:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the directory's records
+# the directory's records: run.json names the run, snapshot_<step>.json the run that wrote that snapshot
 
 @dataclass
 class Run:
@@ -122,7 +114,8 @@ def read_run(snapshot_dir: Path) -> Run | None:
 
 
 def sidecar(path: Path) -> Path:
-    return path.with_name(path.name.removesuffix(".pt") + ".json")
+    """A snapshot's .json; of a temp (snapshot_<step>.pt.<pid>.tmp, snapshot_<step>.tmp) its snapshot's."""
+    return path.with_name(path.name.split(".")[0] + ".json")
 
 
 @dataclass
@@ -141,8 +134,7 @@ def problem_of(path: Path, error: ValueError | OSError) -> str:
 
 
 def survey(snapshot_dir: Path, owner: str | None = None) -> list[Entry]:
-    """Every snapshot in snapshot_dir, newest first. One whose .json is damaged is `owner`'s (the directory's run),
-    and damaged: a copy of another run's comes with its .json whole."""
+    """Every snapshot, newest first; one whose .json is damaged is `owner`'s (a copy of another's has its .json)."""
     found = []
     for path in snapshot.list_snapshots(snapshot_dir):
         run, state, problem = None, None, None
@@ -173,19 +165,18 @@ def first_loadable(candidates: list[Entry], where: str) -> Entry:
     raise ValueError(f"none of the {len(failures)} snapshots {where} loads: {' '.join(failures)}")
 
 
-def health(snapshots: list[tuple[Path, dict]]) -> Iterator[tuple[Path, bool | None]]:
-    """Each snapshot and whether it is healthy: False if unhealthy or its checksums fail, None if a read error
-    leaves that unknown (only those whose flag says healthy are checksummed: a read of the whole file)."""
-    for path, state in snapshots:
-        healthy = state["healthy"]
+def health(snapshots: list[Entry]) -> Iterator[tuple[Path, bool | None]]:
+    """Each snapshot and whether it is healthy: False if flagged not or its checksums fail, None if a read fails."""
+    for entry in snapshots:
+        healthy = entry.state["healthy"]
         try:
             if healthy:
-                snapshot.verify_checksums(path, state)
+                snapshot.verify_checksums(entry.path, entry.state)
         except ValueError:
             healthy = False
         except OSError:
             healthy = None
-        yield path, healthy
+        yield entry.path, healthy
 
 
 def remove_or_warn(path: Path) -> None:
@@ -203,14 +194,10 @@ def remove_or_warn(path: Path) -> None:
 # the run's snapshots
 
 class Snapshots(TrainingState):
-    """The snapshots of one run (of its TrainingState); run_lock: the run's locked directories."""
 
     def __init__(self, snapshot_dir: str, every: int, keep_last: int, resume_from: str, trainee: TrainingModel,
                  train_loader: DistributedDataLoader, run_config: dict, dist_env: Distributed,
                  print0: Callable[[str], None], stateful: dict | None = None, run_lock: RunLock | None = None):
-        if keep_last < 1:
-            raise UserError(f"--keep_last {keep_last} would delete every snapshot, so nothing could resume. Keep at "
-                            "least 1 (--snapshot_every 0 leaves only the last step's and a stop's snapshots).")
         super().__init__(trainee, train_loader, run_config, dist_env, print0, stateful)
         self.dir, self.every, self.keep_last, self.resume_from = Path(snapshot_dir), every, keep_last, resume_from
         self.init_from, self.run_lock = run_config["init_from"], run_lock or RunLock()
@@ -233,22 +220,25 @@ class Snapshots(TrainingState):
         return os.path.relpath(Path(path).resolve(), self.dir.resolve()) if Path(path).exists() else path
 
     def resume(self) -> tuple[int, str | None]:
-        """Do what TABLE says: returns the step to start at and the snapshot restored (None: a fresh start), having
-        written run.json. Collective: every rank restores the same snapshot, or raises the same error."""
-        found, start = self._choose(), 0
-        if found is not None:
-            path, state = found
+        """Do what TABLE says, then write run.json: the step to start at and the snapshot restored (None: none)."""
+        if self.resume_from not in ("auto", "never") and self.init_from != "scratch":
+            raise UserError(f"--resume {self.resume_from} and --init_from {self.init_from} both name the weights to "
+                            "start from. Pass --resume PATH to continue or branch from a snapshot with its optimizer "
+                            "and data position, or --init_from to start a new run from weights alone, not both.")
+        self.record, self.continued, path, self.surveyed = agreed(self._decide, self.dist_env)
+        start = 0
+        if path is not None:
+            state = snapshot.load_snapshot(path, verify=False)  # (rank 0 has verified it)
             try:
                 self.restore(path, state)
             except ValueError as e:  # the shards: a value that is not plain data
                 raise UserError(f"--resume: {e} Pass another snapshot, or --resume never to start over.") from e
             self.last_saved, self.resumed_config, start = state["step"], state["config"], state["step"] + 1
         agreed(lambda: self._check_the_way(start), self.dist_env)
-        return start, found[0] if found else None
+        return start, path
 
     def save_if_due(self, step: int, last_step: int, stopping: bool, healthy: bool = True) -> Path | None:
-        """Snapshot the state after `step` every --snapshot_every steps, at the last step and when stopping (healthy:
-        the last update was applied). Collective; returns the path written, if any."""
+        """Snapshot the state after `step` if due (a beat, the last step, a stop); returns the path written, if any."""
         due = (self.every and (step + 1) % self.every == 0) or step == last_step or stopping
         if not due or step <= self.last_saved:  # nothing trained since the last one (a stop during evaluation)
             return None
@@ -295,10 +285,9 @@ class Snapshots(TrainingState):
         """A warning (rank 0), and training goes on; but a run must not end without its last snapshot."""
         self._stop_if_moved()  # (a write that failed as the directory was moved away: the move is the error)
         usage, older = shutil.disk_usage(self.dir), self._own_snapshots()
-        why = reason(failure) if failure else "on another rank"
-        newest = f"the older snapshots are intact, the newest is {older[0][0]}" if older else \
+        why, last = reason(failure) if failure else "on another rank", ", and it was the run's last" if final else ""
+        newest = f"the older snapshots are intact, the newest is {older[0].path}" if older else \
             "there is no older snapshot"
-        last = ", and it was the run's last" if final else ""
         what = (f"the snapshot of step {step} could not be written to {path.parent} ({why}; "
                 f"{usage.free / 2**20:,.0f} MiB free of {usage.total / 2**20:,.0f} MiB){last}; {newest}")
         if final:
@@ -308,9 +297,7 @@ class Snapshots(TrainingState):
             print(f"WARNING: {what}. Training goes on; the next due snapshot tries again.", file=sys.stderr)
 
     def rollback(self) -> tuple[int, str] | None:
-        """Restore the newest healthy snapshot but its data position (training goes on with the data after the
-        divergence); returns its step and path (None: none). Collective; the caller counts the rollback in the
-        restored guard, then commit_rollback writes it."""
+        """Restore the newest healthy snapshot but its data position; its step and path (None: none)."""
         path = self.newest_healthy()
         if path is None:
             return None
@@ -319,9 +306,8 @@ class Snapshots(TrainingState):
         return state["step"], path
 
     def commit_rollback(self, step: int, path: str) -> None:
-        """Write the state as it is now over the snapshot restored (a crash before the next snapshot resumes after the
-        rollback; of a directory only meta.pt, its shards hold the weights restored), and delete this run's newer
-        snapshots (all unhealthy: --resume auto would pick one). Collective; a failed write is a warning."""
+        """Write the state over the snapshot restored (of a directory only meta.pt: its shards hold the weights
+        restored), and delete this run's newer snapshots (all unhealthy); a failed write warns."""
         state, self.last_saved = self.capture(step, True, self.run), step
         if not self.dist_env.is_master:
             return
@@ -332,24 +318,24 @@ class Snapshots(TrainingState):
         except OSError as e:
             print(f"WARNING: the rollback could not be written to {path} ({reason(e)}); a crash before "
                   "the next snapshot would resume from before the rollback.", file=sys.stderr)
-        for abandoned, each in self._own_snapshots():
-            if each["step"] > step and abandoned.resolve() not in self.named:
-                remove_or_warn(abandoned)
-                self.print0(f"removed {abandoned}: written while updates were being skipped, after {path}")
+        for abandoned in self._own_snapshots():
+            if abandoned.step > step and abandoned.path.resolve() not in self.named:
+                remove_or_warn(abandoned.path)
+                self.print0(f"removed {abandoned.path}: written while updates were being skipped, after {path}")
 
     def newest_healthy(self) -> str | None:
         """The newest healthy snapshot of this run (rank 0 looks, every rank gets its answer)."""
         return agreed(lambda: next((str(p) for p, good in health(self._own_snapshots()) if good), None), self.dist_env)
 
-    def _own_snapshots(self) -> list[tuple[Path, dict]]:
+    def _own_snapshots(self) -> list[Entry]:
         """This run's snapshots that load (bytes unchecked), newest first."""
-        return [(e.path, e.state) for e in survey(self.dir) if e.state and e.run == self.run]
+        return [e for e in survey(self.dir) if e.state and e.run == self.run]
 
     def _prune(self) -> None:
-        """Delete all but the keep_last newest of this run's snapshots, never one named on the command line nor the
-        newest healthy one (nor a newer one whose health a read error hides); and what its writes cut short left."""
+        """Delete all but the keep_last newest of this run's snapshots (never one named, the newest healthy one nor a
+        newer one of unknown health), and the temps its writes cut short left."""
         own = self._own_snapshots()
-        old, keep = [path for path, _ in own if path.resolve() not in self.named][self.keep_last:], set()
+        old, keep = [e.path for e in own if e.path.resolve() not in self.named][self.keep_last:], set()
         for path, healthy in health(own) if old else ():
             if healthy is not False:
                 keep.add(path)
@@ -361,26 +347,14 @@ class Snapshots(TrainingState):
     def _ours(self, temp: Path) -> bool:
         """Whether a temp file or directory is of a write of this run's (its step's .json names the run)."""
         try:
-            step = int(TEMP_NAME.fullmatch(temp.name)[1])
-            return read_record(sidecar(snapshot.snapshot_path(self.dir, step)), SIDECAR_FIELDS)["run"] == self.run
-        except (TypeError, ValueError):  # (not a temp's name, or no .json of this run's)
+            return read_record(sidecar(temp), SIDECAR_FIELDS)["run"] == self.run
+        except ValueError:  # (no .json of this run's)
             return False
 
     # --- which snapshot: the table
 
-    def _choose(self) -> tuple[str, dict] | None:
-        """This run's record, and the snapshot to restore (None: none), as TABLE says. Rank 0 decides; every rank
-        reads the same snapshot, or raises the same error."""
-        if self.resume_from not in ("auto", "never") and self.init_from != "scratch":
-            raise UserError(f"--resume {self.resume_from} and --init_from {self.init_from} both name the weights to "
-                            "start from. Pass --resume PATH to continue or branch from a snapshot with its optimizer "
-                            "and data position, or --init_from to start a new run from weights alone, not both.")
-        self.record, self.continued, path, self.surveyed = agreed(self._decide, self.dist_env)
-        return (path, snapshot.load_snapshot(path, verify=False)) if path else None
-
     def _decide(self) -> tuple[Run, bool, str | None, list[Entry]]:
-        """Rank 0: the run's record, whether it continues the directory's run, the snapshot to restore (None: none)
-        and the directory's snapshots; a refusal is a UserError."""
+        """Rank 0: the run's record, whether it continues it, the snapshot to restore and the survey; or a refusal."""
         try:
             recorded = read_run(self.dir)
         except ValueError as e:
@@ -388,20 +362,16 @@ class Snapshots(TrainingState):
         found = survey(self.dir, recorded and recorded.run)
         own = [e for e in found if recorded and e.run == recorded.run]
         origin, newest = self.as_now(recorded and recorded.resumed_from), next((e for e in own if e.state), None)
-        branch = self.resume_from not in ("auto", "never")
         action = decide(self._holds(recorded, own, newest, origin), self._asks(recorded, newest, origin))
-        where = f"of run {recorded and recorded.run} in {self.dir}"
         if action is Action.START:
+            branch = self._branch_from()
             init_from = self.relative(self.init_from) if self.init_from != "scratch" else None
-            if branch:
-                self._branch_from()
-            return Run(init_from=init_from, resumed_from=self.relative(self.resume_from) if branch else None), \
-                False, self.resume_from if branch else None, found
+            return Run(init_from=init_from, resumed_from=branch and self.relative(branch)), False, branch, found
         if action is Action.RESTART:
             return recorded, False, origin, found
         if action in (Action.CONTINUE, Action.REFUSE_DAMAGED):  # (REFUSE_DAMAGED: raises, naming every one)
             try:
-                return recorded, True, str(first_loadable(own, where).path), found
+                return recorded, True, str(first_loadable(own, f"of run {recorded.run} in {self.dir}").path), found
             except ValueError as e:
                 raise UserError(self._damaged(e)) from e
         raise UserError(self._refusal(action, recorded, newest))
@@ -444,8 +414,10 @@ class Snapshots(TrainingState):
         except (ValueError, OSError):
             return False
 
-    def _branch_from(self) -> None:
-        """A UserError naming --resume PATH's snapshot if it is missing or does not load."""
+    def _branch_from(self) -> str | None:
+        """--resume PATH (None: not a branch); a UserError naming its snapshot if it is missing or does not load."""
+        if self.resume_from in ("auto", "never"):
+            return None
         if not Path(self.resume_from).exists():
             raise UserError(f"--resume {self.resume_from}: no such file. Pass the path of a snapshot_* file, 'auto' "
                             "(the newest valid snapshot in --snapshot_dir) or 'never' (start fresh).")
@@ -453,6 +425,7 @@ class Snapshots(TrainingState):
             snapshot.load_snapshot(self.resume_from)
         except ValueError as e:
             raise UserError(f"--resume: {e} Pass another snapshot, 'auto' or 'never'.") from e
+        return self.resume_from
 
     def _refusal(self, action: Action, recorded: Run, newest: Entry | None) -> str:
         """A refusal's words, naming the paths as they are now."""
@@ -483,8 +456,7 @@ class Snapshots(TrainingState):
         return "--snapshot_dir" if self.run_config.get("snapshot_dir") else "--log_dir"
 
     def _check_the_way(self, start: int) -> None:
-        """Rank 0, before the first step: other runs' snapshots are named once; one at a step this run will write
-        (from `start` to --max_steps) stops it, as writing over it would destroy it. Then run.json is written."""
+        """Rank 0: stop if another run's snapshot is at a step this run will write, name the others; write run.json."""
         others = [e for e in self.surveyed if e.run != self.run]
         in_the_way = [e.path.name for e in others if start <= e.step < self.run_config["max_steps"]]
         if in_the_way:

@@ -223,6 +223,13 @@ def test_another_runs_snapshot_stops_a_run_only_at_a_step_it_would_write(data, t
     assert f"note: {run} also holds snapshots this run did not write: snapshot_0000005.pt, snapshot_0000003.pt, " \
         "snapshot_0000002.pt. They are left as they are: never resumed by --resume auto, never pruned." in \
         capsys.readouterr().out
+    for step in (6, 7):
+        snapshot_path(run, step).write_bytes(b"whose?")
+    names = [f"snapshot_000000{step}.pt" for step in (7, 6, 5, 3, 2)]  # four in the way of 7 steps, five of 8
+    assert f"at steps it will write ({', '.join(names[1:])}): another" in \
+        refusal(snapshots_in(data, run, "auto", max_steps=7))
+    assert f"at steps it will write ({', '.join(names[:4])}, ...): another" in \
+        refusal(snapshots_in(data, run, "auto", max_steps=8))
 
 
 def test_a_snapshot_whose_json_is_damaged_is_the_directorys_runs_and_damaged(data, written, tmp_path, capsys):
@@ -266,13 +273,9 @@ def test_a_run_whose_every_own_snapshot_fails_its_checksums_is_refused_naming_th
                             "--log_dir.")
 
 
-def test_keep_last_0_is_refused_saying_what_keeps_the_final_weights(data, tmp_path):
-    tiny = tiny_snapshots(data, tmp_path / "run")
-    with pytest.raises(UserError) as refused:
-        Snapshots(str(tmp_path / "run"), 1, 0, "auto", tiny.trainee, tiny.train_loader, tiny.run_config,
-                  tiny.dist_env, print)
-    assert str(refused.value) == ("--keep_last 0 would delete every snapshot, so nothing could resume. Keep at least 1 "
-                                  "(--snapshot_every 0 leaves only the last step's and a stop's snapshots).")
+def test_a_run_from_a_hugging_face_model_records_its_name_as_given(data, tmp_path):
+    snapshots_in(data, tmp_path / "run", "auto", init_from="gpt2").resume()
+    assert read_run(tmp_path / "run") == Run(read_run(tmp_path / "run").run, "gpt2", None)
 
 
 def test_resume_path_and_init_from_together_or_a_missing_path_are_refused_in_words(data, tmp_path, parent):

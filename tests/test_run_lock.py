@@ -6,6 +6,7 @@ import errno
 import fcntl
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -15,12 +16,15 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
 
-from conftest import failing, make_shards
+from conftest import failing, make_shards, tiny_snapshots
 from helpers_train import main_in_process, read_metrics, records_so_far, run_train, start_train
 from rundir import lock as run_lock
 from rundir.lock import LOCK_FILE, locked
-from rundir.snapshot import list_snapshots
+from rundir.snapshot import list_snapshots, snapshot_path
+from rundir.store import Snapshots
+from training.distributed import Distributed
 from training.errors import UserError
 
 JOB = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "64", "--warmup_steps", "1",
@@ -196,6 +200,11 @@ def test_a_directory_that_cannot_be_made_names_what_stands_in_its_way(tmp_path):
         "would train and lose every snapshot (or metrics.jsonl line) it writes there; it stops before training. Pass "
         "a --log_dir that this user can write, on a filesystem mounted read-write (or move the file in the way, or "
         "make the directory writable), then rerun.")
+    # A symbolic link loop where the directory should be: what stat says of it, not mkdir's "File exists".
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    with pytest.raises(UserError, match=re.escape(f"--log_dir {tmp_path / 'loop'} cannot be written (OSError: "
+                                                  f"{os.strerror(errno.ELOOP)}), so the run")):
+        run_lock.check_writable(tmp_path / "loop", "--log_dir")
 
 
 @pytest.mark.parametrize("fails, error, flag", [("open", errno.EROFS, "--log_dir"), ("flock", errno.EIO,
@@ -238,6 +247,35 @@ def test_a_directory_to_write_is_made_with_its_parents_and_a_full_disk_only_warn
 
 # ----------------------------------------------------------------------------------------------------------------
 # a directory moved under its run
+
+def test_a_locked_directory_moved_or_removed_is_named_with_where_it_is_now(tmp_path):
+    logs, moved = tmp_path / "logs", tmp_path / "moved"
+    with run_lock.lock_run_directories({"--log_dir": str(logs)}, Distributed(0, 0, 1, torch.device("cpu"))) as held:
+        held.check_in_place(logs)  # in place: nothing to say
+        os.rename(logs, moved)
+        with pytest.raises(UserError) as refused:
+            held.check_in_place(logs)
+        assert str(refused.value) == (
+            f"--log_dir {logs} is no longer the directory this run locked: it was moved (now: {moved}) or removed "
+            f"while the run trained. The run stops, writing nothing at {logs}. To go on, rerun the same command with "
+            f"--log_dir {moved}.")
+        shutil.rmtree(moved)
+        with pytest.raises(UserError, match=re.escape(f"To go on, put {logs} back.")):
+            held.check_in_place(logs)
+
+
+def test_a_snapshot_due_after_its_directory_moved_stops_the_run_writing_nothing_there(data, tmp_path):
+    logs, moved = tmp_path / "logs", tmp_path / "moved"
+    tiny = tiny_snapshots(data, logs)
+    with run_lock.lock_run_directories({"--log_dir": str(logs)}, tiny.dist_env) as held:
+        snapshots = Snapshots(str(logs), 1, 2, "never", tiny.trainee, tiny.train_loader, tiny.run_config,
+                              tiny.dist_env, print, None, held)
+        snapshots.save_if_due(0, last_step=9, stopping=False)
+        os.rename(logs, moved)
+        with pytest.raises(UserError, match=re.escape(f"--log_dir {logs} is no longer the directory this run locked")):
+            snapshots.save_if_due(1, last_step=9, stopping=False)
+    assert not logs.exists() and list_snapshots(moved) == [snapshot_path(moved, 0)]
+
 
 @pytest.mark.slow  # a real run, moved while it trains
 def test_a_run_whose_directory_is_moved_stops_writing_nothing_at_the_old_path_and_resumes_where_it_is_now(data,

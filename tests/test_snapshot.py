@@ -9,16 +9,16 @@ import errno
 import io
 import os
 import pickle
-import random
 import re
 import shutil
 import signal
 import subprocess
 import sys
 import zlib
+from dataclasses import asdict
 from pathlib import Path
+from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -49,6 +49,7 @@ from rundir.snapshot import (
     list_snapshots,
     load_snapshot,
     read_model,
+    read_model_config,
     restore_rng_state,
     save_snapshot,
     snapshot_path,
@@ -224,6 +225,96 @@ def test_a_lost_last_or_stop_snapshot_fails_the_run(data, tmp_path, monkeypatch,
         snapshots.save_if_due(step, last_step=9, stopping=stopping)
 
 
+def test_a_failed_write_names_the_space_left_and_the_newest_older_snapshot_and_a_lost_last_one_the_way_on(
+        data, tmp_path, monkeypatch, capsys):
+    snapshots = tiny_snapshots(data, tmp_path / "run", keep_last=3)
+    older, real_torch_save = [snapshots.save_if_due(step, last_step=9, stopping=False) for step in (0, 1)], torch_save
+    monkeypatch.setattr(snapshot, "torch_save", failing(errno.ENOSPC))
+    monkeypatch.setattr(store.shutil, "disk_usage", lambda path: SimpleNamespace(total=3 * 2**30, free=6 * 2**20))
+    capsys.readouterr()
+    what = (f"the snapshot of step {{}} could not be written to {tmp_path / 'run'} ({{}}; 6 MiB free of 3,072 "
+            f"MiB){{}}; the older snapshots are intact, the newest is {older[1]}")
+    full = f"OSError: [Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}"
+    assert snapshots.save_if_due(2, last_step=9, stopping=False) is None
+    assert f"WARNING: {what.format(2, full, '')}. Training goes on; the next due snapshot tries again.\n" in \
+        capsys.readouterr().err
+    assert not store.sidecar(snapshot_path(tmp_path / "run", 2)).exists()  # no .json of a snapshot that is not there
+    with monkeypatch.context() as patch:  # the .json, written first, fails: no snapshot without it
+        patch.setattr(store, "write_record", failing(errno.ENOSPC))
+        patch.setattr(snapshot, "torch_save", real_torch_save)
+        assert snapshots.save_if_due(3, last_step=9, stopping=False) is None
+    assert f"WARNING: {what.format(3, full, '')}." in capsys.readouterr().err
+    last, fix = ", and it was the run's last", (". Free space (or point --snapshot_dir at a disk with room) and rerun "
+                                                "the same command to resume from there.")
+    with pytest.raises(UserError) as lost:
+        snapshots.save_if_due(9, last_step=9, stopping=False)
+    assert str(lost.value) == what.format(9, full, last) + fix
+    # A rank whose own part was written learns that another's failed: the same words, why unknown there.
+    with pytest.raises(UserError) as elsewhere:
+        snapshots._write_failed(9, snapshot_path(tmp_path / "run", 9), None, final=True)
+    assert str(elsewhere.value) == what.format(9, "on another rank", last) + fix
+    assert list_snapshots(tmp_path / "run") == older[::-1]
+
+
+def test_a_snapshot_of_another_model_optimizer_or_layout_is_refused_naming_each_difference(data, tmp_path):
+    snapshots = tiny_snapshots(data, tmp_path / "run")
+    path = snapshots.save_if_due(1, last_step=9, stopping=False)
+    state, ours = load_snapshot(path), asdict(snapshots.trainee.raw.config)
+    theirs = state | {"model_config": ours | {"n_layer": 3}, "config": state["config"] | {"optimizer": "muon"}}
+    fix = ("Resume it with the flags of the run that wrote it (--arch/--model/--n_layer/--n_head/--n_embd/--block_size"
+           "/--[no-]attention_bias, --optimizer; --parallel on any number of ranks), or start a new run from its "
+           "weights with --init_from {} (a fresh optimizer, schedule and data order).")
+    with pytest.raises(UserError) as refused:
+        snapshots.restore(str(path), theirs)
+    assert str(refused.value) == (f"{path} was written with a model {ours | {'n_layer': 3}} (this run: {ours}); "
+                                  f"--optimizer muon (this run: adamw). {fix.format(path)}")
+    directory = snapshot_path(tmp_path, 1, sharded=True)
+    directory.mkdir()
+    with pytest.raises(UserError) as refused:
+        snapshots.restore(str(directory), state)
+    assert str(refused.value) == \
+        f"{directory} was written with --parallel fsdp (this run: ddp). {fix.format(directory)}"
+
+
+def test_a_snapshot_of_another_tokenizer_is_refused_first_its_model_shape_being_no_cause(data, tmp_path):
+    from training.tokenizer import gpt2_spec
+
+    snapshots = tiny_snapshots(data, tmp_path / "run")
+    path = snapshots.save_if_due(1, last_step=9, stopping=False)
+    state, gpt2 = load_snapshot(path), gpt2_spec()
+    with pytest.raises(UserError) as refused:
+        snapshots.restore(str(path), state | {"tokenizer": gpt2.to_dict(), "model_config": {"n_layer": 3}})
+    assert str(refused.value) == (
+        f"{path} was trained with the tokenizer {gpt2.describe()}, but the data in {data} was written with "
+        f"{snapshots.train_loader.tokenizer.describe()}: the same token id is other text under each. Resume it on data "
+        "written with its tokenizer (--data_dir), or start a new run on this data with --resume never.")
+
+
+def test_a_restore_on_another_number_of_ranks_seeds_torch_from_the_seed_step_and_rank(data, tmp_path):
+    messages = []
+    snapshots = tiny_snapshots(data, tmp_path / "run", messages.append)
+    path = snapshots.save_if_due(4, last_step=9, stopping=False)
+    state = load_snapshot(path)
+    snapshots.restore(str(path), state | {"rng": state["rng"] * 2})  # written by 2 ranks, restored on 1
+    drawn = torch.rand(3)
+    torch.manual_seed(snapshots.run_config["seed"] + 4)
+    assert torch.equal(drawn, torch.rand(3)) and messages == [f"snapshot written: {path}"]
+
+
+def test_an_fp16_run_takes_the_loss_scale_of_an_fp16_snapshot_and_starts_it_fresh_from_another(data, tmp_path):
+    messages = []
+    snapshots = tiny_snapshots(data, tmp_path / "run", messages.append)
+    path = snapshots.save_if_due(1, last_step=9, stopping=False)
+    state = load_snapshot(path)
+    snapshots.trainee.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)  # as an fp16 run's
+    snapshots.restore(str(path), state)  # a snapshot of an fp32 run: no scale to carry
+    assert messages[1:] == [f"{path} was written without fp16, so it has no GradScaler state: the fp16 loss scale "
+                            "starts fresh."] and snapshots.trainee.scaler.get_scale() == 2.0**16
+    fp16 = torch.amp.GradScaler("cpu", init_scale=8.0)
+    snapshots.restore(str(path), state | {"scaler": fp16.state_dict()})
+    assert snapshots.trainee.scaler.get_scale() == 8.0 and len(messages) == 2
+
+
 def test_only_broken_snapshots_are_an_error_naming_them(tmp_path):
     assert store.survey(tmp_path / "missing") == []
     (tmp_path / "notes.txt").write_text("not a snapshot")
@@ -242,18 +333,13 @@ def test_snapshots_are_ordered_by_step(tmp_path):
     assert list_snapshots(tmp_path) == [snapshot_path(tmp_path, s) for s in reversed(steps)]
 
 
-def draw() -> tuple:
-    return random.random(), np.random.rand(3).tolist(), np.random.randn(), torch.rand(3).tolist()
-
-
-def test_rng_state_restores_every_generator_after_a_save(tmp_path):
-    random.seed(1), np.random.seed(1), torch.manual_seed(1)
-    np.random.randn()  # leaves a cached Gaussian in numpy's state, the part that is easy to lose
+def test_rng_state_restores_torchs_generator_after_a_save(tmp_path):
+    torch.manual_seed(1)
     save_snapshot(fake_snapshot(0) | {"rng": [capture_rng_state(CPU)]}, snapshot_path(tmp_path, 0))
-    expected = draw()
-    draw()  # move every generator on
+    expected = torch.rand(3)
+    torch.rand(3)  # move the generator on
     restore_rng_state(load_snapshot(snapshot_path(tmp_path, 0))["rng"][0], CPU)
-    assert draw() == expected
+    assert torch.equal(torch.rand(3), expected)
 
 
 def test_a_snapshot_is_fsynced_before_its_rename_and_the_directory_after(tmp_path, monkeypatch):
@@ -564,6 +650,31 @@ def test_a_snapshot_with_a_model_config_this_code_does_not_write_is_refused(fsdp
         assert named in tool_refusal(tools.sample.main, ["--snapshot", str(path), "--device", "cpu"], capsys)
 
 
+def test_the_model_shape_of_a_snapshot_this_code_cannot_build_is_refused_naming_the_file(tmp_path):
+    path = save_tiny_model(tmp_path / "model.pt")
+    state = torch.load(path, weights_only=True)
+    state["model_config"].update(n_head=3)
+    torch.save(state, path)
+    for read in (read_model_config, read_model):
+        with pytest.raises(ValueError, match=f"^{re.escape(str(path))} is not a snapshot this code can build a model"):
+            read(path)
+
+
+def test_weights_that_do_not_fit_their_model_config_are_refused_with_the_start_of_what_torch_says(tmp_path):
+    path = save_tiny_model(tmp_path / "model.pt")
+    state = torch.load(path, weights_only=True)
+    state["model"] = {name: weight for name, weight in state["model"].items() if ".h.0." not in name}
+    torch.save(state, path)
+    with pytest.raises(RuntimeError) as torch_says:
+        GPT(GPTConfig(**state["model_config"])).load_state_dict(state["model"])
+    assert len(str(torch_says.value)) > 300
+    with pytest.raises(ValueError) as refused:
+        read_model(path)
+    assert str(refused.value) == (f"{path}: its weights do not fit the model its model_config describes "
+                                  f"({' '.join(str(torch_says.value).split())[:300]}...). Pass a snapshot written by "
+                                  "train_gpt2.py.")
+
+
 @pytest.mark.parametrize("change, named", [
     (lambda s: s.update(step="7"), "step is a str"),
     (lambda s: s.update(config=[]), "config is a list"),
@@ -577,7 +688,7 @@ def test_a_snapshot_whose_keys_hold_what_this_code_never_writes_is_refused_by_th
     state = torch.load(path, weights_only=True) | {"step": 3, "config": {}}
     change(state)
     torch.save(state, path)
-    with pytest.raises(ValueError, match=re.escape(named)):
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}.*{re.escape(named)}"):
         read_model(path)
     for tool in (tools.sample.main, tools.evaluate.main):
         assert named in tool_refusal(tool, ["--snapshot", str(path), "--device", "cpu"], capsys)
@@ -602,6 +713,30 @@ def test_a_rollback_deletes_the_abandoned_snapshots_it_wrote_and_not_a_symlink_a
     assert snapshot_path(run, 4).is_symlink() and load_snapshot(kept_elsewhere)["step"] == 3
     assert messages[-2:] == [f"removed {snapshot_path(run, s)}: written while updates were being skipped, after {path}"
                              for s in (3, 2)]
+
+
+def test_a_rollback_to_a_directory_snapshot_rewrites_its_meta_pt_alone_keeping_the_shards_checksums(data, tmp_path):
+    snapshots = tiny_snapshots(data, tmp_path / "run")
+    path = snapshot_path(tmp_path / "run", 1, sharded=True)
+    save_fake_sharded_snapshot(path, 1)
+    shards = {p.name: p.read_bytes() for p in path.iterdir() if p.name != "meta.pt"}
+    snapshots.train_loader.next_batch()  # the data position after the divergence, which the rollback keeps
+    snapshots.commit_rollback(1, str(path))
+    rolled_back = load_snapshot(path)  # its shards' checksums verified
+    assert rolled_back["wandb_id"] == snapshots.run and rolled_back["loader"] == snapshots.train_loader.state_dict()
+    assert {p.name: p.read_bytes() for p in path.iterdir() if p.name != "meta.pt"} == shards
+    assert sorted(p.name for p in path.iterdir()) == [".metadata", "__0_0.distcp", "meta.pt"]
+
+
+def test_a_rollback_that_cannot_be_written_warns_that_a_crash_would_undo_it(data, tmp_path, monkeypatch, capsys):
+    snapshots = tiny_snapshots(data, tmp_path / "run")
+    path = snapshots.save_if_due(1, last_step=9, stopping=False)
+    monkeypatch.setattr(snapshot, "torch_save", failing(errno.ENOSPC))
+    snapshots.commit_rollback(1, str(path))
+    assert (f"WARNING: the rollback could not be written to {path} (OSError: [Errno {errno.ENOSPC}] "
+            f"{os.strerror(errno.ENOSPC)}); a crash before the next snapshot would resume from before the rollback.\n"
+            ) in capsys.readouterr().err
+    assert load_snapshot(path)["step"] == 1 and list_snapshots(path.parent) == [path]  # as it was
 
 
 def test_a_sharded_snapshot_clears_a_dead_runs_temp_directory_renames_into_place_and_fsyncs_the_directory(
@@ -672,6 +807,17 @@ def test_a_directory_snapshot_whose_shard_changed_is_skipped_by_a_resume(tmp_pat
         "mismatch): a bit flip or a bad copy. Trying the next older one." in capsys.readouterr().err
 
 
+def test_a_directory_snapshot_of_the_run_whose_shard_changed_is_not_its_newest_healthy_one(data, tmp_path):
+    snapshots = tiny_snapshots(data, tmp_path / "run")
+    older = snapshots.save_if_due(1, last_step=9, stopping=False)
+    newest = snapshot_path(tmp_path / "run", 2, sharded=True)
+    save_fake_sharded_snapshot(newest, 2)
+    store.write_record(store.sidecar(newest), {"run": snapshots.run, "step": 2})
+    assert snapshots.newest_healthy() == str(newest)
+    shard = newest / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-1] + bytes([shard.read_bytes()[-1] ^ 1]))  # its meta.pt as it was
+    assert snapshots.newest_healthy() == str(older)
+
 
 def test_a_file_that_is_no_zip_container_fails_its_checksums_naming_it(tmp_path):
     garbage(tmp_path / "snapshot_0000001.pt")
@@ -721,6 +867,27 @@ def test_pruning_with_nothing_to_delete_reads_no_snapshot_through(data, tmp_path
     for step in (1, 2):
         snapshots.save_if_due(step, last_step=9, stopping=False)
     assert list_snapshots(tmp_path) == [snapshot_path(tmp_path, 2), snapshot_path(tmp_path, 1)]
+
+
+def test_a_model_file_without_its_weights_or_their_shape_or_that_is_missing_is_refused_naming_it(data, tmp_path):
+    path = save_tiny_model(tmp_path / "model.pt")
+    whole = torch.load(path, weights_only=True)
+    for key in ("model", "model_config"):
+        torch.save({k: v for k, v in whole.items() if k != key}, path)
+        with pytest.raises(ValueError) as refused:
+            read_model(path)
+        assert str(refused.value) == (f"{path} is not a snapshot of this codebase (it lacks 'model' and "
+                                      "'model_config'). Pass a snapshot_*.pt written by train_gpt2.py.")
+    snapshot_file = tiny_snapshots(data, tmp_path / "run").save_if_due(1, last_step=9, stopping=False)
+    without_loader = {k: v for k, v in torch.load(snapshot_file, weights_only=True).items() if k != "loader"}
+    torch.save(without_loader, path)  # a snapshot's, so held to all of a snapshot's keys
+    with pytest.raises(ValueError) as refused:
+        read_model(path)
+    assert str(refused.value) == f"{path} is not a training snapshot of this codebase (missing ['loader'])."
+    with pytest.raises(FileNotFoundError) as missing:
+        read_model(tmp_path / "gone.pt")
+    assert str(missing.value) == (f"snapshot {tmp_path / 'gone.pt'}: no such file. Pass a snapshot_*.pt written by "
+                                  "train_gpt2.py.")
 
 
 def test_a_snapshot_file_without_a_key_or_with_a_key_of_another_type_is_refused_naming_it(tmp_path):
