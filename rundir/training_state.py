@@ -49,9 +49,10 @@ class TrainingState:
         """Restore everything `state` holds (the data loader's position only if data_position)."""
         t, dist_env = self.trainee, self.dist_env
         # First: another tokenizer's data usually means another vocabulary too, and the model's shape is not the cause
-        check_tokenizer(path, tokenizer_of(state, path), self.run_config["data_dir"], self.train_loader.tokenizer,
-                        "Resume it on data written with its tokenizer (--data_dir), or start a new run on this data "
-                        "with --resume never.")
+        data = self.run_config["data_mix"] or self.run_config["data_dir"]
+        check_tokenizer(path, tokenizer_of(state, path), data, self.train_loader.tokenizer, "Resume it on data written "
+                        "with its tokenizer (--data_dir or --data_mix), or start a new run on this data with --resume "
+                        "never.")
         kind, written = "fsdp" if Path(path).is_dir() else "ddp", asdict(snapshot.model_config_of(state, path))
         differ = [f"{what} {theirs} (this run: {ours})" for what, theirs, ours in (
             ("a model", written, asdict(t.raw.config)), ("--parallel", kind, t.parallel),
