@@ -2,7 +2,8 @@
 several sequence lengths, with long documents cut into row-sized pieces (the loader's packing) and without (every
 row strictly starting at a document's first token, the rest of a long document dropped), against the stream cut
 into rows that each start at the next document (no packing: the tail of every row's last document dropped). Also
-the share of rows that start at a document's first token, and the packing time. The figures behind README's --align_bos paragraph.
+the share of rows that start at a document's first token, and the packing time. The figures of docs/data.md's
+--align_bos section.
 
     python -m data.prepare --input ../shared/data/enwiki/enwiki.jsonl.gz \\
         --val_input ../shared/data/enwiki/enwiki_val.jsonl.gz --output_dir data/enwiki
