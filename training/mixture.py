@@ -8,13 +8,13 @@ import torch
 from dataloader import DistributedDataLoader, ReadAhead
 from training.errors import UserError
 
+MIX_STREAM = 0x6D6978  # ("mix") keeps the draws' seeds apart from the shuffles' ([seed, epoch], [seed, epoch, shard])
+
 
 def source_names(sources: tuple[str, ...]) -> dict[str, str]:
     """{source: its name in the validation's keys}: the directory's last part, or the whole path where two share it."""
     names = [Path(source).name for source in sources]
     return {source: name if names.count(name) == 1 else source for source, name in zip(sources, names)}
-
-MIX_STREAM = 0x6D6978  # ("mix") keeps the draws' seeds apart from the shuffles' ([seed, epoch], [seed, epoch, shard])
 
 
 class MixtureLoader(ReadAhead):
@@ -57,7 +57,7 @@ class MixtureLoader(ReadAhead):
     def where(self) -> str:
         return f"chunk {self.chunk}; " + "; ".join(f"{s.data_dir}: {s.where()}" for s in self.sources)
 
-    def tokens_by_source(self, steps: int) -> dict[str, int]:
+    def tokens_by_source(self, steps: int) -> dict[str, int]:  # (steps: the plain loader's way to count; ours reads)
         return {s.data_dir: n * self.B * self.T for s, n in zip(self.sources, self.chunks_read)}
 
     def _state_dict(self) -> dict:
