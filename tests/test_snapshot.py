@@ -287,7 +287,7 @@ def test_a_snapshot_of_another_tokenizer_is_refused_first_its_model_shape_being_
     assert str(refused.value) == (
         f"{path} was trained with the tokenizer {gpt2.describe()}, but the data in {data} was written with "
         f"{snapshots.train_loader.tokenizer.describe()}: the same token id is other text under each. Resume it on data "
-        "written with its tokenizer (--data_dir), or start a new run on this data with --resume never.")
+        "written with its tokenizer (--data_dir or --data_mix), or start a new run on this data with --resume never.")
 
 
 def test_a_restore_on_another_number_of_ranks_seeds_torch_from_the_seed_step_and_rank(data, tmp_path):
