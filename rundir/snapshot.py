@@ -9,14 +9,11 @@ import zlib
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from model import ARCHITECTURES, GPT, GPTConfig
 from training.distributed import any_rank
-from training.files import atomic_write, fsync_directory
-from training.safe_load import load_shards, read_shard_metadata, read_torch_file
+from training.files import atomic_write, fsync_directory, reason
+from training.safe_load import read_torch_file
 
 FORMAT = 1  # of what a snapshot holds; a snapshot of another format is refused, naming it
 SNAPSHOT_NAME = re.compile(r"snapshot_(\d{7}|[1-9]\d{7,})(\.pt)?")  # f"{step:07d}": a file (ddp), a directory (fsdp)
@@ -54,7 +51,11 @@ def torch_save(obj, f) -> None:
 def save_sharded_snapshot(meta: dict | None, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
                           path: Path, device: torch.device) -> None:
     """Every rank writes its shards into a temp directory; rank 0 (meta: not None) adds meta.pt, with the shard
-    files' CRC-32s, and renames it into place. Collective: a failure on any rank raises on every rank."""
+    files' CRC-32s, and renames it into place. Collective: a failure on any rank raises its OSError on every rank."""
+    import torch.distributed.checkpoint as dcp  # (imported by fsdp runs alone: a second of start-up)
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     tmp = path.with_name(path.name + ".tmp")
     if meta is not None:
         shutil.rmtree(tmp, ignore_errors=True)  # a dead write's (the store checked that path is this run's)
@@ -68,8 +69,10 @@ def save_sharded_snapshot(meta: dict | None, model: torch.nn.Module, optimizers:
             shutil.rmtree(path, ignore_errors=True)  # this run's own of the same step, from before a restart
             os.replace(tmp, path)
             fsync_directory(path.parent)
-    except (OSError, CheckpointException) as e:
+    except OSError as e:
         failure = e
+    except CheckpointException as e:  # (a BaseException) of what each rank raised
+        failure = OSError(reason(e))
     if any_rank(failure is not None, device):  # nobody goes on before the snapshot is whole, and all learn if not
         if meta is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -116,6 +119,8 @@ def load_snapshot(path: str | Path, verify: bool = True) -> dict:
     path = Path(path)
     sharded = path.is_dir()
     if sharded:
+        from training.safe_load_shards import read_shard_metadata  # (fsdp's: lazily)
+
         read_shard_metadata(path)
     state = read_torch_file(path / "meta.pt" if sharded else path)
     check_state(path, state, [k for k in REQUIRED_KEYS if not sharded or k not in ("model", "optimizer")])
@@ -149,6 +154,8 @@ def read_model(path: str | Path) -> GPT:
     verify_checksums(path, state)
     model = GPT(model_config_of(state, path))
     if path.is_dir():
+        from training.safe_load_shards import load_shards  # (fsdp's: lazily)
+
         state = {"model": model.state_dict()}
         load_shards(state, path, no_dist=True)
     try:

@@ -11,8 +11,6 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
 
-from torch.distributed.checkpoint.api import CheckpointException
-
 from dataloader import DistributedDataLoader
 from rundir import snapshot
 from rundir.lock import RunLock, agreed
@@ -263,7 +261,7 @@ class Snapshots(TrainingState):
                 elif state is not None:
                     snapshot.save_snapshot(state, path)
                 written = True
-        except (OSError, CheckpointException) as e:  # the temp file or directory is gone, the older ones intact
+        except OSError as e:  # the temp file or directory is gone, the older ones intact
             failure = e
         finally:  # (a failure, or a second Ctrl-C: the .json of a snapshot that is not there goes too)
             if self.dist_env.is_master and not written and not ours_already:

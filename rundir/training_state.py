@@ -5,12 +5,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
 
 from dataloader import DistributedDataLoader
 from rundir import snapshot
-from training.distributed import Distributed, any_rank, from_all_ranks
+from training.distributed import Distributed, any_rank, from_all_ranks, is_dtensor
 from training.errors import UserError
 from training.parallel import TrainingModel
 from training.tokenizer import check_tokenizer, tokenizer_of
@@ -28,7 +26,7 @@ class TrainingState:
         """Whether every weight and optimizer tensor is finite on every rank: a sum is NaN or inf if any value is."""
         optimizer_state = (v for optimizer in self.trainee.optimizer for s in optimizer.state.values()
                            for v in s.values() if torch.is_tensor(v))
-        tensors = [t.to_local() if isinstance(t, DTensor) else t for t in (*self.trainee.raw.parameters(),
+        tensors = [t.to_local() if is_dtensor(t) else t for t in (*self.trainee.raw.parameters(),
                                                                             *optimizer_state)]
         finite = bool(torch.stack([t.sum() for t in tensors]).isfinite().all())
         return not any_rank(not finite, self.dist_env.device)
@@ -63,9 +61,13 @@ class TrainingState:
                             "--optimizer; --parallel on any number of ranks), or start a new run from its weights "
                             f"with --init_from {path} (a fresh optimizer, schedule and data order).")
         if t.sharded:  # each rank reads its own shards, resharded if the number of ranks changed
+            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # (fsdp's: lazily)
+
+            from training.safe_load_shards import load_shards
+
             model_state, optimizer_state = get_state_dict(t.raw, list(t.optimizer))
             loaded = {"model": model_state, "optimizer": optimizer_state}
-            snapshot.load_shards(loaded, Path(path))
+            load_shards(loaded, Path(path))
             set_state_dict(t.raw, list(t.optimizer), model_state_dict=loaded["model"],
                            optim_state_dict=loaded["optimizer"])
         else:

@@ -30,7 +30,7 @@ from helpers_train import (
     worker_pids,
 )
 from model import GPT, PRESETS
-from rundir.snapshot import list_snapshots, load_snapshot, read_shard_metadata, snapshot_path
+from rundir.snapshot import list_snapshots, load_snapshot, snapshot_path
 from training import optim
 from training.config import TrainConfig
 from training.distributed import Distributed, teardown_distributed
@@ -38,6 +38,7 @@ from training.errors import UserError
 from training.optim import Muon, build_optimizers, get_lr, muon_owners, newton_schulz, schedule_change, split_for_muon
 from training.parallel import build_training_model, shard
 from training.precision import pick_dtype
+from training.safe_load_shards import read_shard_metadata
 from training.step import train_step
 
 TINY = PRESETS["tiny"]

@@ -216,6 +216,16 @@ def synchronize(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
+def is_loaded_instance(obj: object, module: str, name: str) -> bool:
+    """isinstance(obj, module.name) without importing module: fsdp's and DTensor's modules take a second of every
+    start-up, and where nothing has imported them, nothing can be an instance."""
+    return module in sys.modules and isinstance(obj, getattr(sys.modules[module], name))
+
+
+def is_dtensor(t: object) -> bool:
+    return is_loaded_instance(t, "torch.distributed.tensor", "DTensor")
+
+
 def to_device(x: torch.Tensor, y: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     if device.type == "cuda":  # pinned memory lets the copy run asynchronously with the GPU's work
         return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)

@@ -10,7 +10,6 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed._tools.mem_tracker import MemTracker
 
 from model import GPT, GPTConfig
 from training.activation_checkpointing import set_activation_checkpointing
@@ -72,6 +71,8 @@ def _peak_activation_bytes(model: GPT, batch_size: int, seq_len: int, dtype: tor
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device)
     else:
+        from torch.distributed._tools.mem_tracker import MemTracker  # (imports torch._dynamo: a second of start-up)
+
         tracker = MemTracker()
         tracker.track_external(model)  # parameters and the gradients above: the state, subtracted below
         state = sum(snap["Total"] for snap in tracker.get_tracker_snapshot("current").values())

@@ -11,10 +11,10 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 from torch.optim._muon import _adjust_lr
 
 from training.config import TrainConfig
+from training.distributed import is_dtensor
 from training.precision import pick_dtype
 
 # A relative change of the learning rate at a resume beyond this is a jump worth a warning.
@@ -169,7 +169,7 @@ class Muon(torch.optim.Muon):
             return orthogonalise_by_shape(updates, group["ns_coefficients"], group["ns_steps"], group["eps"])
 
         shapes = [p.shape for p in params]  # the whole matrices' shapes, also of fsdp's shards
-        if any(isinstance(p, DTensor) for p in params):
+        if any(is_dtensor(p) for p in params):
             orthogonal = orthogonalise_sharded(shapes, grads, update, orthogonalise)
         elif self.shared:
             orthogonal = orthogonalise_replicated(shapes, grads, update, orthogonalise)
@@ -183,7 +183,7 @@ class Muon(torch.optim.Muon):
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """What this rank holds of a tensor: its shard of an fsdp DTensor (a view: in-place changes reach the DTensor)."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def muon_owners(shapes: list[torch.Size], world_size: int) -> list[int]:

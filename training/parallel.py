@@ -4,15 +4,13 @@ or replicated (ddp), compiled, with its optimizer and GradScaler."""
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import GPT
 from training.activation_checkpointing import set_activation_checkpointing
 from training.config import TrainConfig
-from training.distributed import Distributed
+from training.distributed import Distributed, is_loaded_instance
 from training.errors import UserError
 from training.fp8 import check_fp8_head
 from training.optim import Optimizers, build_optimizers
@@ -35,6 +33,8 @@ class TrainingModel:
         gets its own unsharded copy)."""
         if not self.sharded:
             return self.raw
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # (fsdp's: lazily)
+
         # The gathered tensors become the parameters of a copy built on the meta device: no random init.
         full = get_model_state_dict(self.raw, options=StateDictOptions(full_state_dict=True))
         with torch.device("meta"):
@@ -81,6 +81,8 @@ def build_training_model(raw_model: torch.nn.Module, dist_env: Distributed, dtyp
 def shard(model: torch.nn.Module, dtype: torch.dtype, mesh: DeviceMesh) -> None:
     """FSDP2, in place, onto the mesh's device: each Block one shard group (gathered just before it runs, freed
     after), the rest the root's. Under bf16 the weights are gathered in bf16 and gradients reduced in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # (imported by fsdp runs alone: a second)
+
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if dtype == torch.bfloat16 else MixedPrecisionPolicy()
     for block in model.transformer.h:
@@ -93,5 +95,5 @@ def set_gradient_sync(model: torch.nn.Module, sync: bool) -> None:
     inner = getattr(model, "_orig_mod", model)  # under torch.compile
     if isinstance(model, DDP):
         model.require_backward_grad_sync = sync
-    elif isinstance(inner, FSDPModule):
+    elif is_loaded_instance(inner, "torch.distributed.fsdp", "FSDPModule"):
         inner.set_requires_gradient_sync(sync)

@@ -4,10 +4,9 @@ import time
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from dataloader import DistributedDataLoader
-from training.distributed import average_across_ranks, to_device
+from training.distributed import average_across_ranks, is_dtensor, to_device
 from training.divergence import DivergenceGuard
 from training.optim import Optimizers
 from training.parallel import set_gradient_sync
@@ -55,7 +54,7 @@ def train_step(model: torch.nn.Module, optimizer: Optimizers, scaler: torch.amp.
     for each in optimizer:  # the GradScaler works on real optimizers: AdamW, and Muon with --optimizer muon
         scaler.unscale_(each)  # clip the true gradients, not the fp16-scaled ones
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
-    if isinstance(grad_norm, DTensor):  # fsdp: the norm over every rank's shards
+    if is_dtensor(grad_norm):  # fsdp: the norm over every rank's shards
         grad_norm = grad_norm.full_tensor()
     # The norm (the same on every rank) rides along: the decision is taken on the same numbers everywhere.
     loss, grad_norm = average_across_ranks(torch.stack([loss_sum, grad_norm.float()])).tolist()
