@@ -8,11 +8,11 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 
-from training.distributed import Distributed, from_rank_0
+from training.distributed import Distributed, agreed
 from training.errors import UserError
 
 LOCK_FILE = "run.lock"
@@ -35,19 +35,6 @@ class RunLock:
         raise UserError(f"{flag} {directory} is no longer the directory this run locked: it was moved (now: {now}) "
                         f"or removed while the run trained. The run stops, writing nothing at {directory}. To go on, "
                         f"{fix}.")
-
-
-def agreed(work: Callable[[], object], dist_env: Distributed) -> object:
-    """work() on rank 0, its result, or its UserError raised, on every rank (all stop together, none waits)."""
-    result, refusal = None, None
-    try:
-        result = work() if dist_env.is_master else None
-    except UserError as e:
-        refusal = str(e)
-    result, refusal = from_rank_0((result, refusal))
-    if refusal is not None:
-        raise UserError(refusal)
-    return result
 
 
 @contextmanager

@@ -201,19 +201,3 @@ def load_model_snapshot(path: str | Path) -> dict:
                          "Pass a snapshot_*.pt written by train_gpt2.py.")
     check_state(path, state, REQUIRED_KEYS if "format" in state else ["model", "model_config"])
     return state
-
-
-def capture_rng_state(device: torch.device) -> dict:
-    """Torch's CPU generator and the training device's (only that one: asking CUDA on a --device cpu run would open a
-    CUDA context on GPU 0). Nothing draws from Python's or numpy's global ones (dataloader.py seeds its own)."""
-    return {"torch": torch.get_rng_state()} | (
-        {"cuda": torch.cuda.get_rng_state(device)} if device.type == "cuda" else
-        {"mps": torch.mps.get_rng_state()} if device.type == "mps" else {})
-
-
-def restore_rng_state(state: dict, device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
-    elif device.type == "mps" and "mps" in state:
-        torch.mps.set_rng_state(state["mps"])

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from dataloader import DistributedDataLoader
 from rundir import snapshot
-from rundir.lock import RunLock, agreed
+from rundir.lock import RunLock
 from rundir.training_state import TrainingState
-from training.distributed import Distributed, any_rank
+from training.distributed import Distributed, agreed, any_rank
 from training.errors import UserError
 from training.files import atomic_write, reason
 from training.parallel import TrainingModel
@@ -219,10 +219,6 @@ class Snapshots(TrainingState):
 
     def resume(self) -> tuple[int, str | None]:
         """Do what TABLE says, then write run.json: the step to start at and the snapshot restored (None: none)."""
-        if self.resume_from not in ("auto", "never") and self.init_from != "scratch":
-            raise UserError(f"--resume {self.resume_from} and --init_from {self.init_from} both name the weights to "
-                            "start from. Pass --resume PATH to continue or branch from a snapshot with its optimizer "
-                            "and data position, or --init_from to start a new run from weights alone, not both.")
         self.record, self.continued, path, self.surveyed = agreed(self._decide, self.dist_env)
         start = 0
         if path is not None:

@@ -33,7 +33,7 @@ class TrainingState:
 
     def capture(self, step: int, healthy: bool, run: str) -> dict | None:
         """Everything to continue exactly after `step` (fsdp: but the sharded model and optimizer); rank 0 gets it."""
-        rng_states = from_all_ranks(snapshot.capture_rng_state(self.dist_env.device))
+        rng_states = from_all_ranks(capture_rng_state(self.dist_env.device))
         if not self.dist_env.is_master:
             return None
         t = self.trainee
@@ -83,6 +83,22 @@ class TrainingState:
         for name, each in self.stateful.items():
             each.load_state_dict(state[name])
         if len(state["rng"]) == dist_env.world_size:
-            snapshot.restore_rng_state(state["rng"][dist_env.rank], dist_env.device)
+            restore_rng_state(state["rng"][dist_env.rank], dist_env.device)
         else:  # a different number of ranks: the data position carries over exactly (see dataloader.py)
             torch.manual_seed(self.run_config["seed"] + state["step"] + dist_env.rank)
+
+
+def capture_rng_state(device: torch.device) -> dict:
+    """Torch's CPU generator and the training device's (only that one: asking CUDA on a --device cpu run would open a
+    CUDA context on GPU 0). Nothing draws from Python's or numpy's global ones (dataloader.py seeds its own)."""
+    return {"torch": torch.get_rng_state()} | (
+        {"cuda": torch.cuda.get_rng_state(device)} if device.type == "cuda" else
+        {"mps": torch.mps.get_rng_state()} if device.type == "mps" else {})
+
+
+def restore_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+    elif device.type == "mps" and "mps" in state:
+        torch.mps.set_rng_state(state["mps"])

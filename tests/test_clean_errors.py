@@ -312,6 +312,8 @@ def door_cases(root: Path) -> dict[str, tuple[list[str], dict[str, str], list[st
         "--log_dir empty": (["--log_dir", ""], {}, ["--log_dir is empty (an unset variable in a job script?)"]),
         "--snapshot_dir empty": (["--snapshot_dir", ""], {}, ["--snapshot_dir is empty"]),
         "--data_dir empty": (["--data_dir", ""], {}, ["--data_dir is empty"]),
+        "--resume PATH with --init_from": (["--resume", str(root / "none.pt"), "--init_from", "gpt2"], {},
+                                           [f"--resume {root / 'none.pt'} and --init_from gpt2 both name the weights"]),
     }
     table = {case: (train(case, *args), env, words) for case, (args, env, words) in table.items()}
     return table | {

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import train_gpt2
 from model import GPT, PRESETS
-from rundir import snapshot
+from rundir import snapshot, training_state
 from training import distributed, memory, mfu, parallel, precision
 from training.config import TrainConfig, parse_args
 from training.distributed import Distributed, teardown_distributed
@@ -67,9 +67,9 @@ def test_a_cpu_run_on_a_gpu_machine_never_touches_cuda_rng(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_rng_state", cuda_rng)
     monkeypatch.setattr(torch.cuda, "set_rng_state", cuda_rng)
-    state = snapshot.capture_rng_state(CPU)
+    state = training_state.capture_rng_state(CPU)
     assert "cuda" not in state
-    snapshot.restore_rng_state(state | {"cuda": torch.zeros(8, dtype=torch.uint8)}, CPU)
+    training_state.restore_rng_state(state | {"cuda": torch.zeros(8, dtype=torch.uint8)}, CPU)
 
 
 def test_mps_rng_state_is_saved_and_restored(monkeypatch):
@@ -77,16 +77,16 @@ def test_mps_rng_state_is_saved_and_restored(monkeypatch):
     restored = []
     monkeypatch.setattr(torch.mps, "get_rng_state", lambda: mps_state.clone())
     monkeypatch.setattr(torch.mps, "set_rng_state", lambda state: restored.append(state))
-    state = snapshot.capture_rng_state(MPS)
+    state = training_state.capture_rng_state(MPS)
     assert torch.equal(state["mps"], mps_state)
-    snapshot.restore_rng_state(state, MPS)
+    training_state.restore_rng_state(state, MPS)
     assert len(restored) == 1 and torch.equal(restored[0], mps_state)
 
 
 def test_measuring_the_peak_after_a_restore_leaves_the_random_stream_as_saved():
-    saved = snapshot.capture_rng_state(CPU)
+    saved = training_state.capture_rng_state(CPU)
     expected = torch.rand(3)  # the draw an uninterrupted run makes next
-    snapshot.restore_rng_state(saved, CPU)
+    training_state.restore_rng_state(saved, CPU)
     mfu.peak_flops(CPU, torch.float32)  # train_gpt2.run measures after resuming
     assert torch.equal(torch.rand(3), expected)
 

@@ -278,12 +278,8 @@ def test_a_run_from_a_hugging_face_model_records_its_name_as_given(data, tmp_pat
     assert read_run(tmp_path / "run") == Run(read_run(tmp_path / "run").run, "gpt2", None)
 
 
-def test_resume_path_and_init_from_together_or_a_missing_path_are_refused_in_words(data, tmp_path, parent):
-    both = snapshots_in(data, tmp_path / "run", str(parent), init_from="gpt2")
-    assert refusal(both) == (
-        f"--resume {parent} and --init_from gpt2 both name the weights to start from. Pass --resume PATH to continue "
-        "or branch from a snapshot with its optimizer and data position, or --init_from to start a new run from "
-        "weights alone, not both.")
+def test_a_missing_resume_path_is_refused_in_words(data, tmp_path):
+    # (--resume PATH with --init_from: refused at the door, tests/test_clean_errors.py)
     assert refusal(snapshots_in(data, tmp_path / "run", str(tmp_path / "nowhere.pt"))) == (
         f"--resume {tmp_path / 'nowhere.pt'}: no such file. Pass the path of a snapshot_* file, 'auto' (the newest "
         "valid snapshot in --snapshot_dir) or 'never' (start fresh).")

@@ -44,19 +44,18 @@ from rundir.lock import LOCK_FILE
 from rundir.snapshot import (
     FORMAT,
     REQUIRED_KEYS,
-    capture_rng_state,
     file_crc32,
     list_snapshots,
     load_snapshot,
     read_model,
     read_model_config,
-    restore_rng_state,
     save_snapshot,
     snapshot_path,
     torch_save,
     verify_checksums,
 )
 from rundir.store import RUN_FILE
+from rundir.training_state import capture_rng_state, restore_rng_state
 from training.errors import UserError
 
 CPU = torch.device("cpu")

@@ -375,10 +375,15 @@ def check_range(flag: str, value: float, allowed: Range, help: str | None = None
 
 
 def check_path_flags(cfg: TrainConfig) -> None:
-    """A UserError naming the first of a training run's PATH_FLAGS that is empty or not UTF-8 (check_path_flag)."""
+    """A UserError naming the first of a training run's PATH_FLAGS that is empty or not UTF-8 (check_path_flag), or
+    the two that both name the weights to start from."""
     for flag in PATH_FLAGS:
         if getattr(cfg, flag) is not None:
             check_path_flag(flag, getattr(cfg, flag))
+    if cfg.resume not in ("auto", "never") and cfg.init_from != "scratch":
+        raise UserError(f"--resume {cfg.resume} and --init_from {cfg.init_from} both name the weights to start from. "
+                        "Pass --resume PATH to continue or branch from a snapshot with its optimizer and data "
+                        "position, or --init_from to start a new run from weights alone, not both.")
 
 
 def check_path_flag(flag: str, path: str) -> None:

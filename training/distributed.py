@@ -7,6 +7,7 @@ import os
 import re
 import sys
 import traceback
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -184,6 +185,19 @@ def average_across_ranks(value: torch.Tensor) -> torch.Tensor:
 def from_rank_0(value):
     """Rank 0's value (any picklable object) on every rank (a collective: every rank must call it)."""
     return from_all_ranks(value)[0]
+
+
+def agreed(work: Callable[[], object], dist_env: Distributed) -> object:
+    """work() on rank 0, its result, or its UserError raised, on every rank (all stop together, none waits)."""
+    result, refusal = None, None
+    try:
+        result = work() if dist_env.is_master else None
+    except UserError as e:
+        refusal = str(e)
+    result, refusal = from_rank_0((result, refusal))
+    if refusal is not None:
+        raise UserError(refusal)
+    return result
 
 
 def from_all_ranks(value) -> list:
