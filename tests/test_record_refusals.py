@@ -2,12 +2,16 @@
 word: a user reads them to learn which file is wrong and why (the mutation survivors of dev/notes/mutation_testing.md
 changed only these words)."""
 
+import errno
 import json
+import os
 
 import pytest
 
-from rundir.snapshot import check_state
-from rundir.store import RUN_FIELDS, read_record
+from conftest import failing
+from rundir import snapshot
+from rundir.snapshot import check_state, snapshot_path
+from rundir.store import RUN_FIELDS, read_record, survey
 
 
 def test_a_record_that_is_not_json_names_the_file_and_the_parser_error(tmp_path):
@@ -43,3 +47,11 @@ def test_a_snapshot_whose_values_have_other_types_lists_each_and_what_a_snapshot
         "format is a int, model is a dict, model_config is a dict, optimizer is a dict, scaler is a dict, step is a "
         "int, loader is a dict, rng is a list, config is a dict, wandb_id is a str, healthy is a bool, tokenizer is a "
         "dict.")
+
+
+def test_a_snapshot_that_cannot_be_read_is_named_by_its_path(tmp_path, monkeypatch):
+    path = snapshot_path(tmp_path, 3)
+    path.write_bytes(b"")
+    monkeypatch.setattr(snapshot, "load_snapshot", failing(errno.EIO))  # (a failing disk: an OSError naming no file)
+    [entry] = survey(tmp_path)
+    assert entry.problem == f"{path} (OSError: [Errno {errno.EIO}] {os.strerror(errno.EIO)})"
