@@ -419,7 +419,7 @@ def test_schedule_change_at_a_resume_is_no_jump_for_wsd_in_its_stable_phase_and_
 
 @pytest.mark.slow  # a few seconds: keeps `-m 'not slow'` under 90 s
 def test_extending_a_finished_wsd_run_from_its_stable_phase_continues_at_max_lr(tmp_path, capsys):
-    make_shards(tmp_path / "data", "train", [600], seed=0)
+    make_shards(tmp_path / "data", "train", [600], seed=0, vocab=257, tokenizer="bytes")  # (a model 257 ids wide)
     args = ["--data_dir", str(tmp_path / "data"), "--micro_batch_size", "2", "--seq_len", "16",
             "--total_batch_size", "32", "--warmup_steps", "1", "--max_lr", "1e-3", "--val_every", "0",
             "--snapshot_every", "2", "--keep_last", "5", "--dtype", "fp32", "--lr_schedule", "wsd", "--warmdown_frac",
@@ -450,7 +450,8 @@ JOB = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "64",
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("muon_data")
-    make_shards(root, "train", [300, 300], seed=0)
+    # Learnable tokens of the bytes tokenizer (the loss falls): a model 257 ids wide, not GPT-2's 50,257.
+    make_shards(root, "train", [300, 300], seed=0, vocab=100, tokenizer="bytes")
     return root
 
 
