@@ -4,8 +4,8 @@ nothing had happened.
 Every test compares against two uninterrupted runs of one 12-step job (1 rank, and 2 ranks under torchrun, gloo).
 The job's two 300-token train shards hold 4 steps each, so the 12 steps cross shard boundaries and, at step 8,
 an epoch boundary (with shuffling on): a resume has to get the data position exactly right, not just the weights.
-A run is a subprocess, and torchrun launches cost 10-20 s each on 2 cores, so tests share the reference runs.
-"""
+torchrun launches cost 10-20 s each on 2 cores, so tests share the reference runs (and a 1-rank run that needs no
+process of its own runs in this one)."""
 
 import json
 import os
@@ -61,7 +61,9 @@ class Job:
         make_shards(self.data, "val", [1_000_001], seed=1, vocab=257, tokenizer="bytes")
         self.args = [*JOB, "--data_dir", str(self.data)]
         self.one_rank = root / "one_rank"
-        self.one_rank_run = run_train([*self.args, "--snapshot_every", "4", "--keep_last", "3"], self.one_rank)
+        # (in this process: no interpreter to start)
+        main_in_process([*self.args, "--snapshot_every", "4", "--keep_last", "3", "--log_dir", str(self.one_rank)])
+        self.one_rank_run = TrainRun(None, read_metrics(self.one_rank))
 
     @cached_property
     def two_ranks_run(self) -> TrainRun:
@@ -123,10 +125,11 @@ def test_one_rank_resume_after_a_crash_continues_exactly(job, tmp_path):
     crashed = [line for line in lines if json.loads(line).get("step", 0) <= 5]
     (tmp_path / "metrics.jsonl").write_text("".join(crashed))
 
-    run = run_train(job.args, tmp_path)
+    main_in_process([*job.args, "--log_dir", str(tmp_path)])
 
-    assert run.records[:len(crashed)] == [json.loads(line) for line in crashed]  # appended to, not overwritten
-    event, after = after_resume(run.records)
+    records = read_metrics(tmp_path)
+    assert records[:len(crashed)] == [json.loads(line) for line in crashed]  # appended to, not overwritten
+    event, after = after_resume(records)
     assert event == {"event": "resume", "step": 4, "snapshot": str(snapshot_path(tmp_path, 3))}
     assert min(by_step(after, "loss")) == 4
     assert_continues_exactly(after, job.one_rank_run, from_step=4, tol=1e-6)
@@ -184,10 +187,11 @@ def test_killed_ranks_are_restarted_by_torchrun_and_finish_exactly(job, tmp_path
 def test_two_rank_snapshot_resumes_exactly_on_one_rank(job, tmp_path):
     # Same B·T and total batch: 1 rank accumulates 2 micro-steps where 2 ranks took 1 each, on the same tokens.
     ckpt_dir = tmp_path / "snapshots"
-    run = run_train([*job.args, "--resume", str(snapshot_path(job.two_ranks, 8)), "--snapshot_dir", str(ckpt_dir)],
-                    tmp_path / "logs")
-    assert after_resume(run.records)[0]["step"] == 9
-    assert_continues_exactly(run.records, job.two_ranks_run, from_step=9, tol=1e-4)
+    main_in_process([*job.args, "--resume", str(snapshot_path(job.two_ranks, 8)), "--snapshot_dir", str(ckpt_dir),
+                     "--log_dir", str(tmp_path / "logs")])
+    records = read_metrics(tmp_path / "logs")
+    assert after_resume(records)[0]["step"] == 9
+    assert_continues_exactly(records, job.two_ranks_run, from_step=9, tol=1e-4)
     assert list_snapshots(ckpt_dir) == [snapshot_path(ckpt_dir, 11)] and not list_snapshots(tmp_path / "logs")
 
 
