@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -36,15 +37,13 @@ from training.parallel import shard
 JOB = ["--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size", "64", "--warmup_steps", "1", "--dtype",
        "fp32", "--no-shuffle", "--max_steps", "6", "--snapshot_every", "100"]
 TRAIN_SHARD_TOKENS, VAL_SHARD_TOKENS = 200, 400
+TINY = replace(PRESETS["tiny"], vocab_size=257)  # the model of the bytes tokenizer's shards (copy_of_shards)
 OUR_FRAME = re.compile(rf'File "{re.escape(str(ROOT))}/(?!\.venv/)')  # (torchrun's launcher prints its own traceback)
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
-    data = tmp_path_factory.mktemp("data")
-    make_shards(data, "train", [TRAIN_SHARD_TOKENS] * 3, seed=0)  # steps 0-2, 3-5, 6-8
-    make_shards(data, "val", [VAL_SHARD_TOKENS], seed=1)
-    return data
+    return copy_of_shards(tmp_path_factory.mktemp("data"))
 
 
 def copy_of(data: Path, directory: Path) -> Path:
@@ -135,8 +134,11 @@ def test_reading_and_a_file_beside_the_shards_change_nothing_the_watch_sees(tmp_
 
 
 def copy_of_shards(tmp_path: Path) -> Path:
-    make_shards(tmp_path / "data", "train", [TRAIN_SHARD_TOKENS] * 3, seed=0)
-    make_shards(tmp_path / "data", "val", [VAL_SHARD_TOKENS], seed=1)
+    """The job's shards, of the bytes tokenizer: a model 257 ids wide (TINY), not GPT-2's 50,257, is several times
+    cheaper a step."""
+    # steps 0-2, 3-5, 6-8
+    make_shards(tmp_path / "data", "train", [TRAIN_SHARD_TOKENS] * 3, seed=0, vocab=257, tokenizer="bytes")
+    make_shards(tmp_path / "data", "val", [VAL_SHARD_TOKENS], seed=1, vocab=257, tokenizer="bytes")
     return tmp_path / "data"
 
 
@@ -145,7 +147,7 @@ def test_a_val_shard_changed_before_or_during_a_validation_is_a_shard_read_error
     data = copy_of_shards(tmp_path)
     shard = data / "test_val_000000.bin"
     loader = DistributedDataLoader(data, "val", B, T)
-    model = GPT(PRESETS["tiny"])
+    model = GPT(TINY)
     assert validation_loss(model, loader, 4, torch.device("cpu"), torch.float32) is not None
     if when == "before":
         truncated(shard)
@@ -180,7 +182,7 @@ def validate_failing(rank: int, data: str, fail_at: int, steps: int) -> dict:
         return real_next_batch()
 
     loader.next_batch, error = next_batch, None
-    model = GPT(PRESETS["tiny"])
+    model = GPT(TINY)
     shard(model, torch.float32, init_device_mesh("cpu", (2,)))  # FSDP2: every forward is a collective of the ranks
     try:
         validation_loss(model, loader, steps, torch.device("cpu"), torch.float32)
@@ -289,7 +291,8 @@ def test_a_val_shard_changed_before_a_validation_stops_the_run_with_a_snapshot_a
 def test_a_val_shard_truncated_during_a_validation_stops_every_rank_together_with_a_snapshot(data, tmp_path,
                                                                                            uninterrupted, nproc):
     data = copy_of(data, tmp_path / "data")
-    make_shards(data, "val", [20 * 32 * 2 + 1], seed=1)  # one pass of 20 batches a rank, on 2 ranks
+    # one pass of 20 batches a rank, on 2 ranks
+    make_shards(data, "val", [20 * 32 * 2 + 1], seed=1, vocab=257, tokenizer="bytes")
     shard = data / "test_val_000000.bin"
     tokens = np.fromfile(shard, dtype="<u2", offset=HEADER_BYTES).astype(np.int64)
     # 20 val batches, so that the ranks agree at the stop check after batch 16. Forward calls: the validation before

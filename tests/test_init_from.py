@@ -15,7 +15,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from conftest import copy_run, make_shards, perturb_
 from dataloader import DistributedDataLoader
-from helpers_train import run_train
+from helpers_train import main_in_process, read_metrics
 from rundir.snapshot import list_snapshots, read_model, snapshot_path
 from training import hf
 from training.config import parse_args
@@ -39,7 +39,17 @@ def pretrained(tmp_path_factory):
     # Tokens from a 100-word vocabulary: learnable, so a few steps move the loss visibly.
     make_shards(root / "data", "train", [400], vocab=100)
     make_shards(root / "data", "val", [200], seed=1, vocab=100)
+    # The same, of the bytes tokenizer, for runs that need no GPT-2 weights: a model 257 ids wide, not 50,257.
+    make_shards(root / "bytes", "train", [400], vocab=100, tokenizer="bytes")
+    make_shards(root / "bytes", "val", [200], seed=1, vocab=100, tokenizer="bytes")
     return root, hf
+
+
+def trained(args: list[str], log_dir: Path) -> tuple[list[dict], list[dict]]:
+    """train_gpt2.main in this process (no interpreter to start): the train and the val records it logged."""
+    main_in_process([*args, "--log_dir", str(log_dir)])
+    records = read_metrics(log_dir)
+    return [r for r in records if "loss" in r], [r for r in records if "val_loss" in r]
 
 
 def hf_val_loss(hf: GPT2LMHeadModel, data) -> float:
@@ -55,48 +65,53 @@ def hf_val_loss(hf: GPT2LMHeadModel, data) -> float:
 
 
 @pytest.mark.slow  # a few seconds: keeps `-m 'not slow'` under 90 s
-def test_step_0_of_a_run_from_hugging_face_weights_has_the_hugging_face_models_loss(pretrained, tmp_path):
+def test_step_0_of_a_run_from_hugging_face_weights_has_the_hugging_face_models_loss(pretrained, tmp_path, capsys):
     root, hf = pretrained
-    run = run_train(["--data_dir", str(root / "data"), *ARGS, "--init_from", str(root / "hf"), "--max_steps", "1"],
-                    tmp_path)
-    logged = run.val[0]["val_loss"]
+    _, val = trained(["--data_dir", str(root / "data"), *ARGS, "--init_from", str(root / "hf"), "--max_steps", "1"],
+                     tmp_path)
+    logged = val[0]["val_loss"]
     assert logged == pytest.approx(hf_val_loss(hf, root / "data"), rel=1e-5)
     assert abs(logged - math.log(50257)) > 0.1  # not what any freshly initialised model would score
-    assert run.records[0] == {"event": "init", "step": 0, "init_from": str(root / "hf")}
-    assert f"initialised from {root / 'hf'}" in run.proc.stdout
+    assert read_metrics(tmp_path)[0] == {"event": "init", "step": 0, "init_from": str(root / "hf")}
+    assert f"initialised from {root / 'hf'}" in capsys.readouterr().out
     assert read_model(snapshot_path(tmp_path, 0)).transformer.wpe.weight.shape == (32, 64)  # cropped
 
 
 @pytest.mark.slow
 def test_step_0_of_a_run_from_our_snapshot_has_that_models_loss(pretrained, tmp_path):
     root, _ = pretrained
-    first = run_train(["--data_dir", str(root / "data"), *ARGS, "--max_steps", "3"], tmp_path / "first")
+    first_train, first_val = trained(["--data_dir", str(root / "bytes"), *ARGS, "--max_steps", "3"],
+                                     tmp_path / "first")
     source = snapshot_path(tmp_path / "first", 2)
-    second = run_train(["--data_dir", str(root / "data"), *ARGS, "--init_from", str(source), "--max_steps", "1"],
-                       tmp_path / "second")
+    second_train, second_val = trained(["--data_dir", str(root / "bytes"), *ARGS, "--init_from", str(source),
+                                        "--max_steps", "1"], tmp_path / "second")
     model = read_model(source).eval()
-    val = DistributedDataLoader(root / "data", "val", B, T)
+    val = DistributedDataLoader(root / "bytes", "val", B, T)
     with torch.no_grad():
         expected = sum(model(*val.next_batch())[1].item() for _ in range(2)) / 2
-    assert second.val[0]["val_loss"] == pytest.approx(expected, rel=1e-5)
-    assert second.val[0]["val_loss"] < first.val[0]["val_loss"] - 0.01  # the trained weights, not fresh ones
-    assert second.train[0]["lr"] == first.train[0]["lr"]  # the schedule starts over
+    assert second_val[0]["val_loss"] == pytest.approx(expected, rel=1e-5)
+    assert second_val[0]["val_loss"] < first_val[0]["val_loss"] - 0.01  # the trained weights, not fresh ones
+    assert second_train[0]["lr"] == first_train[0]["lr"]  # the schedule starts over
 
 
 @pytest.mark.slow
-def test_a_restarted_finetune_resumes_from_its_own_snapshot_with_the_uninterrupted_losses(pretrained, tmp_path):
+def test_a_restarted_finetune_resumes_from_its_own_snapshot_with_the_uninterrupted_losses(pretrained, tmp_path,
+                                                                                           capsys):
     root, _ = pretrained
     args = ["--data_dir", str(root / "data"), *ARGS, "--init_from", str(root / "hf"), "--max_steps", "6",
             "--snapshot_every", "2", "--keep_last", "3"]
-    whole = run_train(args, tmp_path / "whole")
+    whole, _ = trained(args, tmp_path / "whole")
     # The crash: the run got as far as the snapshot of step 3.
     copy_run(tmp_path / "whole", tmp_path / "crashed", 3)
-    again = run_train(args, tmp_path / "crashed")
-    assert [r.get("event") for r in again.records if "event" in r] == ["resume", "timeline"]  # not re-initialised
-    assert "resuming from" in again.proc.stdout and "initialised from" not in again.proc.stdout
-    losses = {r["step"]: r["loss"] for r in again.train}
+    capsys.readouterr()
+    again, _ = trained(args, tmp_path / "crashed")
+    events = [r["event"] for r in read_metrics(tmp_path / "crashed") if "event" in r]
+    assert events == ["resume", "timeline"]  # not re-initialised
+    out = capsys.readouterr().out
+    assert "resuming from" in out and "initialised from" not in out
+    losses = {r["step"]: r["loss"] for r in again}
     assert sorted(losses) == [4, 5]
-    for r in whole.train[4:]:
+    for r in whole[4:]:
         assert losses[r["step"]] == pytest.approx(r["loss"], rel=1e-6)
     assert list_snapshots(tmp_path / "crashed")[0] == snapshot_path(tmp_path / "crashed", 5)
 

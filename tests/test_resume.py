@@ -4,8 +4,8 @@ nothing had happened.
 Every test compares against two uninterrupted runs of one 12-step job (1 rank, and 2 ranks under torchrun, gloo).
 The job's two 300-token train shards hold 4 steps each, so the 12 steps cross shard boundaries and, at step 8,
 an epoch boundary (with shuffling on): a resume has to get the data position exactly right, not just the weights.
-A run is a subprocess, and torchrun launches cost 10-20 s each on 2 cores, so tests share the reference runs.
-"""
+torchrun launches cost 10-20 s each on 2 cores, so tests share the reference runs (and a 1-rank run that needs no
+process of its own runs in this one)."""
 
 import json
 import os
@@ -28,7 +28,7 @@ from conftest import (
     make_shards,
     mounted_tmpfs,
 )
-from dataloader import DistributedDataLoader
+from dataloader import MANIFEST, DistributedDataLoader
 from helpers_train import (
     TrainRun,
     launched,
@@ -55,11 +55,15 @@ class Job:
 
     def __init__(self, root: Path):
         self.root, self.data = root, root / "data"
-        make_shards(self.data, "train", [300, 300], seed=0)
-        make_shards(self.data, "val", [1_000_001], seed=1)  # (for the long validation: the others read 64 tokens)
+        # The bytes tokenizer's 257 ids, not GPT-2's 50,257: the output layer is then no longer most of each step.
+        make_shards(self.data, "train", [300, 300], seed=0, vocab=257, tokenizer="bytes")
+        # (1M tokens for the long validation: the others read 64)
+        make_shards(self.data, "val", [1_000_001], seed=1, vocab=257, tokenizer="bytes")
         self.args = [*JOB, "--data_dir", str(self.data)]
         self.one_rank = root / "one_rank"
-        self.one_rank_run = run_train([*self.args, "--snapshot_every", "4", "--keep_last", "3"], self.one_rank)
+        # (in this process: no interpreter to start)
+        main_in_process([*self.args, "--snapshot_every", "4", "--keep_last", "3", "--log_dir", str(self.one_rank)])
+        self.one_rank_run = TrainRun(None, read_metrics(self.one_rank))
 
     @cached_property
     def two_ranks_run(self) -> TrainRun:
@@ -121,10 +125,11 @@ def test_one_rank_resume_after_a_crash_continues_exactly(job, tmp_path):
     crashed = [line for line in lines if json.loads(line).get("step", 0) <= 5]
     (tmp_path / "metrics.jsonl").write_text("".join(crashed))
 
-    run = run_train(job.args, tmp_path)
+    main_in_process([*job.args, "--log_dir", str(tmp_path)])
 
-    assert run.records[:len(crashed)] == [json.loads(line) for line in crashed]  # appended to, not overwritten
-    event, after = after_resume(run.records)
+    records = read_metrics(tmp_path)
+    assert records[:len(crashed)] == [json.loads(line) for line in crashed]  # appended to, not overwritten
+    event, after = after_resume(records)
     assert event == {"event": "resume", "step": 4, "snapshot": str(snapshot_path(tmp_path, 3))}
     assert min(by_step(after, "loss")) == 4
     assert_continues_exactly(after, job.one_rank_run, from_step=4, tol=1e-6)
@@ -182,10 +187,11 @@ def test_killed_ranks_are_restarted_by_torchrun_and_finish_exactly(job, tmp_path
 def test_two_rank_snapshot_resumes_exactly_on_one_rank(job, tmp_path):
     # Same B·T and total batch: 1 rank accumulates 2 micro-steps where 2 ranks took 1 each, on the same tokens.
     ckpt_dir = tmp_path / "snapshots"
-    run = run_train([*job.args, "--resume", str(snapshot_path(job.two_ranks, 8)), "--snapshot_dir", str(ckpt_dir)],
-                    tmp_path / "logs")
-    assert after_resume(run.records)[0]["step"] == 9
-    assert_continues_exactly(run.records, job.two_ranks_run, from_step=9, tol=1e-4)
+    main_in_process([*job.args, "--resume", str(snapshot_path(job.two_ranks, 8)), "--snapshot_dir", str(ckpt_dir),
+                     "--log_dir", str(tmp_path / "logs")])
+    records = read_metrics(tmp_path / "logs")
+    assert after_resume(records)[0]["step"] == 9
+    assert_continues_exactly(records, job.two_ranks_run, from_step=9, tol=1e-4)
     assert list_snapshots(ckpt_dir) == [snapshot_path(ckpt_dir, 11)] and not list_snapshots(tmp_path / "logs")
 
 
@@ -250,8 +256,9 @@ def test_resume_with_a_different_batch_or_model_is_a_clear_error(job, tmp_path, 
 
 def test_resume_on_other_data_is_a_clear_error_and_on_a_copy_of_the_data_continues_exactly(job, tmp_path):
     other, moved = tmp_path / "other", tmp_path / "moved"
-    make_shards(other, "train", [300, 300], seed=5)  # as many shards, as large, other tokens
-    shutil.copy(job.data / "test_val_000000.bin", other)
+    make_shards(other, "train", [300, 300], seed=5, vocab=257, tokenizer="bytes")  # as many, as large, other tokens
+    for name in ("test_val_000000.bin", MANIFEST):  # the same val shard, and a manifest that lists it
+        shutil.copy(job.data / name, other)
     copy_run(job.one_rank, tmp_path, 7)
     with pytest.raises(UserError) as raised:
         main_in_process([*job.args, "--log_dir", str(tmp_path), "--data_dir", str(other)])
@@ -298,7 +305,7 @@ def test_a_snapshot_resumes_in_another_dtype(job, tmp_path, capsys, written, res
     copy_run(tmp_path / "first", tmp_path, 1)
     main_in_process([*job.args, *steps, "--dtype", resumed, "--log_dir", str(tmp_path)])
     losses = by_step(read_metrics(tmp_path), "loss")
-    assert sorted(losses) == [2, 3] and all(9 < loss < 12 for loss in losses.values())
+    assert sorted(losses) == [2, 3] and all(4.5 < loss < 7 for loss in losses.values())  # ln 257 = 5.55
     if resumed == "fp16":
         assert "has no GradScaler state: the fp16 loss scale starts fresh" in capsys.readouterr().out
         assert scale_in(snapshot_path(tmp_path, 3)) == 2.0**16
@@ -453,8 +460,8 @@ def test_align_bos_run_resumes_exactly_from_a_mid_epoch_snapshot(tmp_path):
 
 @pytest.mark.slow  # two runs in this process: about 3 s
 def test_a_run_resumes_exactly_in_the_middle_of_its_momentum_warmup_and_short_rows(tmp_path, cpu_bf16):
-    make_shards(tmp_path / "data", "train", [300, 300], seed=0)
-    make_shards(tmp_path / "data", "val", [200], seed=1)
+    make_shards(tmp_path / "data", "train", [300, 300], seed=0, vocab=257, tokenizer="bytes")
+    make_shards(tmp_path / "data", "val", [200], seed=1, vocab=257, tokenizer="bytes")
     args = [*JOB, "--data_dir", str(tmp_path / "data"), "--optimizer", "muon", "--muon_momentum_warmup", "10",
             "--short_rows", "4:5,8:9", "--adam_beta1", "0.8", "--snapshot_every", "4"]
     main_in_process([*args, "--log_dir", str(tmp_path / "whole")])
