@@ -1,13 +1,16 @@
 """memory.py: the model state's bytes, the largest micro-batch that fits, and the measured activation memory of
 GPT-2 124M with the chunked loss."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-import cpu_host
 import model
 from model import GPT, PRESETS, GPTConfig
+from training import memory
+from training.activation_checkpointing import ACTIVATION_CHECKPOINTING
 from training.memory import MiB, largest_micro_batch, measure_activation_bytes_per_sequence, state_bytes
 
 
@@ -76,8 +79,24 @@ def test_chunked_loss_saves_at_least_one_fp32_copy_of_the_logits_per_sequence(mo
     assert chunked < 20 * MiB
 
 
-@pytest.mark.slow  # about 50 s on two cores: one and two sequences of 1,024 tokens through 124M parameters, twice
-@pytest.mark.skipif(not cpu_host.detected_bf16_arithmetic(), reason="bf16 is emulated on this CPU: tens of minutes")
+@pytest.mark.slow  # about 6 s (MemTracker's import, 8 measurements): the method of the 124M figures below
+def test_the_cpus_measurement_on_fake_tensors_counts_the_bytes_of_real_ones(monkeypatch):
+    # bf16 autocast with each checkpointing mode, and fp32 (no autocast copies)
+    config = GPTConfig(block_size=32, vocab_size=256, n_layer=2, n_head=2, n_embd=32)
+    cases = [(torch.bfloat16, mode) for mode in ACTIVATION_CHECKPOINTING] + [(torch.float32, "none")]
+
+    def measured() -> list[int]:
+        return [measure_activation_bytes_per_sequence(config, 32, dtype, activation_checkpointing=mode)
+                for dtype, mode in cases]
+
+    fake = measured()
+    monkeypatch.setattr(memory, "FakeTensorMode", contextlib.nullcontext)  # the same function on real tensors
+    real = measured()
+    assert fake == real
+    assert real[0] > real[2] > real[1] > 0 and real[3] > real[0]  # none > selective > blocks; fp32 > bf16
+
+
+@pytest.mark.slow  # about 25 s: one and two sequences of 1,024 tokens through 124M parameters, twice, on fake tensors
 def test_gpt2_124m_takes_under_450_mib_of_activations_per_sequence_in_bf16_and_checkpointed_blocks_40_percent():
     per_sequence = measure_activation_bytes_per_sequence(PRESETS["gpt2"], 1024, torch.bfloat16)
     # Measured 334 MiB; the full-logits loss took 918 MiB by the same measurement.
@@ -93,7 +112,6 @@ def test_gpt2_124m_takes_under_450_mib_of_activations_per_sequence_in_bf16_and_c
 # --micro_batch_size auto
 
 def fake_device_memory(monkeypatch, available: int, per_sequence: int) -> None:
-    from training import memory
     monkeypatch.setattr(memory, "available_bytes", lambda device, ranks_on_node: available)
     monkeypatch.setattr(memory, "measure_activation_bytes_per_sequence", lambda *args, **kwargs: per_sequence)
 

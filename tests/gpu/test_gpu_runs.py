@@ -45,6 +45,13 @@ def size_args(device: torch.device) -> list[str]:
             "--total_batch_size", "64"]
 
 
+def shards_vocabulary(device: torch.device) -> dict:
+    """make_shards' random ids and tokenizer: on a GPU 100 ids as GPT-2's; on the CPU 16 ids as the bytes tokenizer's,
+    so that the tiny model is 257 ids wide, not 50,257 (each run several times cheaper), its loss's floor (ln 16) far
+    enough under its start (ln 257) to fall by more than 0.5 in 8 steps."""
+    return {"vocab": 100} if device.type == "cuda" else {"vocab": 16, "tokenizer": "bytes"}
+
+
 def by_step(records: list[dict], key: str) -> dict[int, float]:
     """{step: value}; a step logged twice (replayed after a resume) keeps its later line."""
     return {r["step"]: r[key] for r in records if key in r}
@@ -57,13 +64,14 @@ def max_rel_diff(run: TrainRun, reference: TrainRun, key: str, steps) -> float:
 
 
 class Job:
-    """One 8-step job in fp32 (TF32 matmuls on a GPU, as train_gpt2.py sets) on tokens from a vocabulary of 100, so
-    the loss falls fast and a wrong step shows; its plain run, with snapshots after steps 3 and 7, is the reference."""
+    """One 8-step job in fp32 (TF32 matmuls on a GPU, as train_gpt2.py sets) on tokens from a vocabulary of 100 (16
+    on the CPU: shards_vocabulary), so the loss falls fast and a wrong step shows; its plain run, with snapshots after
+    steps 3 and 7, is the reference."""
 
     def __init__(self, root: Path, device: torch.device):
         self.root, self.device, self.data = root, device, root / "data"
-        make_shards(self.data, "train", [40_000], vocab=100)
-        make_shards(self.data, "val", [10_000], seed=1, vocab=100)
+        make_shards(self.data, "train", [40_000], **shards_vocabulary(device))
+        make_shards(self.data, "val", [10_000], seed=1, **shards_vocabulary(device))
         self.args = [*size_args(device), "--data_dir", str(self.data), "--max_steps", str(LAST_STEP + 1),
                      "--warmup_steps", "2", "--max_lr", "3e-3", "--dtype", "fp32", "--val_every", "4",
                      "--val_tokens", str(2 * batch_shape(device)[0] * batch_shape(device)[1])]
@@ -138,7 +146,7 @@ def test_micro_batch_size_auto_picks_a_size_that_trains_without_running_out_of_m
     # GPU: GPT-2 124M at T=1024 and the recipe's 524,288-token batch, so the choice is the real one; CPU: tiny.
     cuda = gpu_device.type == "cuda"
     seq_len, model, total = (1024, "gpt2", 524_288) if cuda else (32, "tiny", 512)
-    make_shards(tmp_path / "data", "train", [2 * total + 1], vocab=100)
+    make_shards(tmp_path / "data", "train", [2 * total + 1], **shards_vocabulary(gpu_device))
     args = ["--device", gpu_device.type, "--model", model, "--seq_len", str(seq_len), "--micro_batch_size", "auto",
             "--total_batch_size", str(total), "--max_steps", "2", "--val_every", "0",
             "--snapshot_every", "0", "--data_dir", str(tmp_path / "data"), "--dtype", "bf16" if cuda else "fp32"]
@@ -163,9 +171,13 @@ def evaluated_run(job, gpu_compile, tmp_path_factory) -> TrainRun:
     if hellaswag:  # --eval_dir finds HellaSwag as hellaswag.jsonl
         (eval_dir / "hellaswag.jsonl").symlink_to(hellaswag)
     hellaswag_args = ["--eval_every", "2", "--eval_limit", "40", "--eval_dir", str(eval_dir)] if hellaswag else []
-    args = [*job.args, "--max_steps", "3", "--val_every", "2", "--sample_every", "2", "--snapshot_every", "0",
-            "--dtype", "bf16" if job.device.type == "cuda" else "fp32", *(["--compile"] if gpu_compile else []),
-            *hellaswag_args]
+    # The job's shards as GPT-2's on every device: the samples are GPT-2 text, HellaSwag is scored in its tokens.
+    data = tmp_path_factory.mktemp("gpt2_data")
+    make_shards(data, "train", [40_000], vocab=100)
+    make_shards(data, "val", [10_000], seed=1, vocab=100)
+    args = [*job.args, "--data_dir", str(data), "--max_steps", "3", "--val_every", "2", "--sample_every", "2",
+            "--snapshot_every", "0", "--dtype", "bf16" if job.device.type == "cuda" else "fp32",
+            *(["--compile"] if gpu_compile else []), *hellaswag_args]
     return run_train(args, tmp_path_factory.mktemp("evaluated"), timeout=600)
 
 
@@ -295,7 +307,8 @@ def test_a_planted_nan_is_skipped_and_a_divergence_rolls_back_and_goes_on(gpu_de
     # The data of step 2 gives a NaN loss: that update is skipped. The data of steps 6-8 as well: 3 skips in a row
     # (--max_skips 3), so the run reloads its snapshot of step 4 and goes on at step 5 with the data of step 9.
     data = tmp_path / "data"
-    make_shards(data, "train", [200_000], vocab=100)  # no epoch boundary: a planted batch is read once
+    # no epoch boundary: a planted batch is read once
+    make_shards(data, "train", [200_000], **shards_vocabulary(gpu_device))
     dtype = "bf16" if gpu_device.type == "cuda" else "fp32"
     args = [*size_args(gpu_device), "--data_dir", str(data), "--max_steps", "14", "--warmup_steps", "2",
             "--max_lr", "3e-3", "--dtype", dtype, "--deterministic", "--val_every", "0", "--snapshot_every", "5",
