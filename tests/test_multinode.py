@@ -59,8 +59,8 @@ def run_two_nodes(args: list[str], log_dir: Path, timeout: float = 180) -> Train
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> tuple[TrainRun, TrainRun]:
     root = tmp_path_factory.mktemp("multinode")
-    make_shards(root / "data", "train", [300, 300], seed=0)
-    make_shards(root / "data", "val", [200], seed=1)
+    make_shards(root / "data", "train", [300, 300], seed=0, vocab=256, tokenizer="bytes")  # (a 257-wide model)
+    make_shards(root / "data", "val", [200], seed=1, vocab=256, tokenizer="bytes")
     args = [*JOB, "--data_dir", str(root / "data")]
     with ThreadPoolExecutor(2) as pool:  # 4 processes on 2 cores, but most of each run is startup
         one_node = pool.submit(run_train, args, root / "one_node", nproc=2, timeout=180)

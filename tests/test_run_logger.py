@@ -197,8 +197,8 @@ def wandb_init_failing(monkeypatch, failure: str) -> None:
 
 @pytest.mark.parametrize("failure", ["init", "mid-run"])
 def test_a_wandb_failure_is_reported_once_and_training_logs_on(failure, tmp_path, monkeypatch, capsys):
-    make_shards(tmp_path / "data", "train", [200], seed=0)
-    make_shards(tmp_path / "data", "val", [100], seed=1)
+    make_shards(tmp_path / "data", "train", [200], seed=0, vocab=256, tokenizer="bytes")  # (a 257-wide model)
+    make_shards(tmp_path / "data", "val", [100], seed=1, vocab=256, tokenizer="bytes")
     wandb_init_failing(monkeypatch, failure)
     cfg = train_gpt2.parse_args([*TINY_ARGS, *JOB, "--max_steps", "4", "--data_dir", str(tmp_path / "data"),
                                  "--log_dir", str(tmp_path / "logs"), "--snapshot_every", "0"])
@@ -231,8 +231,8 @@ class Runs:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Runs:
     root = tmp_path_factory.mktemp("wandb_runs")
-    make_shards(root / "data", "train", [300], seed=0)
-    make_shards(root / "data", "val", [100], seed=1)
+    make_shards(root / "data", "train", [300], seed=0, vocab=256, tokenizer="bytes")  # (a 257-wide model)
+    make_shards(root / "data", "val", [100], seed=1, vocab=256, tokenizer="bytes")
     args = [*JOB, "--data_dir", str(root / "data"), "--snapshot_every", "2", "--keep_last", "5"]
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("WANDB_API_KEY", raising=False)

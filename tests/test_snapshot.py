@@ -373,10 +373,12 @@ JOB = ["--micro_batch_size", str(B), "--seq_len", str(T), "--total_batch_size", 
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory) -> Path:
     """A real --parallel fsdp run of 3 steps on one process (a process group of one): its data in data/, and in run/
-    its directory snapshots of steps 0, 1 and 2 and its metrics.jsonl."""
+    its directory snapshots of steps 0, 1 and 2 and its metrics.jsonl; in gpt2_data/, shards of GPT-2's tokenizer."""
     root = tmp_path_factory.mktemp("fsdp_snapshots")
-    make_shards(root / "data", "train", [4000], vocab=100)  # (GPT-2's: the model files saved beside it are its)
-    make_shards(root / "data", "val", [500], seed=1, vocab=100)
+    # The bytes tokenizer's shards: a model 257 ids wide, its snapshots KB, not GPT-2's 20 MB.
+    make_shards(root / "data", "train", [4000], vocab=100, tokenizer="bytes")
+    make_shards(root / "data", "val", [500], seed=1, vocab=100, tokenizer="bytes")
+    make_shards(root / "gpt2_data", "train", [4000], vocab=100)  # for the model files save_tiny_model writes (GPT-2's)
     main_in_process([*JOB, "--data_dir", str(root / "data"), "--parallel", "fsdp", "--log_dir", str(root / "run")])
     return root
 
@@ -484,31 +486,32 @@ def test_a_real_fsdp_snapshot_loads_as_torch_reads_it_and_resumes_with_the_same_
     assert resumed == {2: whole[2]}
 
 
-def flipped_model_file(fsdp_run: Path, directory: Path) -> tuple[Path, str]:
-    """A file with just a model, a byte of its weights flipped; and what the refusal must say."""
+def flipped_model_file(fsdp_run: Path, directory: Path) -> tuple[Path, str, Path]:
+    """A file with just a model, a byte of its weights flipped; what the refusal must say; data of its tokenizer."""
     path = save_tiny_model(directory / "model.pt")
-    return path, f"{path}: the bytes of its record {flip_a_byte_in_tensor_data(path)} changed since it was written"
+    return (path, f"{path}: the bytes of its record {flip_a_byte_in_tensor_data(path)} changed since it was written",
+            fsdp_run / "gpt2_data")
 
 
-def flipped_snapshot_directory(fsdp_run: Path, directory: Path) -> tuple[Path, str]:
-    """A copy of the real fsdp snapshot of step 1, a byte of its largest shard file flipped; and what the refusal must
-    say."""
+def flipped_snapshot_directory(fsdp_run: Path, directory: Path) -> tuple[Path, str, Path]:
+    """A copy of the real fsdp snapshot of step 1, a byte of its largest shard file flipped; what the refusal must
+    say; data of its tokenizer."""
     copy = snapshot_path(directory, 1, sharded=True)
     shutil.copytree(snapshot_path(fsdp_run / "run", 1, sharded=True), copy)
     shard = max(copy.glob("*.distcp"), key=lambda p: p.stat().st_size)
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x10
     shard.write_bytes(data)
-    return copy, f"{shard} is missing or its bytes changed since it was written"
+    return copy, f"{shard} is missing or its bytes changed since it was written", fsdp_run / "data"
 
 
 @pytest.mark.parametrize("flipped", [flipped_model_file, flipped_snapshot_directory])
 def test_a_model_read_from_bytes_that_changed_since_they_were_written_is_refused(fsdp_run, tmp_path, flipped):
-    path, refusal = flipped(fsdp_run, tmp_path)
+    path, refusal, data = flipped(fsdp_run, tmp_path)
     with pytest.raises(ValueError, match=re.escape(refusal)):
         read_model(path)  # sample.py, export_hf.py, evaluate.py: as a resume checks a snapshot
     with pytest.raises(UserError, match=re.escape(f"--init_from: {refusal}")):
-        main_in_process(run_args(fsdp_run, tmp_path / "run", "--init_from", str(path)))
+        main_in_process(run_args(fsdp_run, tmp_path / "run", "--init_from", str(path), "--data_dir", str(data)))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before the first step
 
 

@@ -335,7 +335,7 @@ def test_short_rows_train_on_the_same_tokens_cut_into_shorter_rows():
 # whole runs of train_gpt2.py
 
 RANK_RUN_ARGS = ["--micro_batch_size", "4", "--seq_len", "32", "--total_batch_size", "512", "--max_steps", "5",
-                 "--warmup_steps", "2", "--max_lr", "3e-3", "--dtype", "fp32", "--val_every", "2",
+                 "--warmup_steps", "2", "--max_lr", "1e-2", "--dtype", "fp32", "--val_every", "2",
                  "--val_tokens", "512", "--snapshot_every", "0"]
 
 
@@ -344,9 +344,10 @@ def rank_runs(tmp_path_factory):
     """The same 5 steps of 512 tokens (micro-batches of 4 × 32): 1 process × 4 micro-steps, and 2 torchrun ranks ×
     2 micro-steps."""
     tmp = tmp_path_factory.mktemp("ranks")
-    # Tokens from a 100-word vocabulary: learnable, so the loss falls fast and the steps really differ.
-    make_shards(tmp / "data", "train", [8 * 512 + 1], vocab=100)
-    make_shards(tmp / "data", "val", [4 * 128 + 1], seed=1, vocab=100)
+    # Tokens from a 100-word vocabulary: learnable, so the loss falls fast and the steps really differ. (The bytes
+    # tokenizer's shards: a model 257 ids wide, not 50,304.)
+    make_shards(tmp / "data", "train", [8 * 512 + 1], vocab=100, tokenizer="bytes")
+    make_shards(tmp / "data", "val", [4 * 128 + 1], seed=1, vocab=100, tokenizer="bytes")
     args = ["--data_dir", str(tmp / "data"), *RANK_RUN_ARGS]
     return run_train(args, tmp / "one"), run_train(args, tmp / "two", nproc=2)
 
@@ -385,7 +386,7 @@ def test_loss_falls_on_tiny_shakespeare(tmp_path, shared_data, gpt2_encoding):
 
 
 @pytest.mark.slow
-def test_metrics_jsonl_has_the_documented_keys(rank_runs, gpt2_encoding):  # (val_bpb decodes with the tokenizer)
+def test_metrics_jsonl_has_the_documented_keys(rank_runs):
     data = rank_runs[0].proc.args[rank_runs[0].proc.args.index("--data_dir") + 1]
     for train_run in rank_runs:
         assert len(train_run.records) == 5 + 3 + 1  # steps, validations, the timeline record
@@ -428,8 +429,8 @@ def test_the_optimizer_sees_gradients_clipped_to_grad_clip_and_zero_means_off(mo
 
 def test_every_update_of_a_real_run_uses_the_scheduled_learning_rate(tmp_path, monkeypatch):
     seen = spy_on_adamw_steps(monkeypatch)
-    make_shards(tmp_path / "data", "train", [2000])
-    make_shards(tmp_path / "data", "val", [500], seed=1)
+    make_shards(tmp_path / "data", "train", [2000], vocab=256, tokenizer="bytes")  # (a model 257 ids wide)
+    make_shards(tmp_path / "data", "val", [500], seed=1, vocab=256, tokenizer="bytes")
     cfg = parse_args(["--model", "tiny", "--device", "cpu", "--data_dir", str(tmp_path / "data"), "--log_dir",
                       str(tmp_path / "logs"), "--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size",
                       "32", "--max_steps", "8", "--warmup_steps", "3", "--max_lr", "1e-3", "--val_every", "0",
@@ -459,7 +460,7 @@ def test_a_real_run_follows_the_momentum_warmup_the_short_rows_and_adams_beta1(t
     record_calls(monkeypatch, torch.optim.AdamW, "step",
                  lambda adam: adam_betas.append({group["betas"] for group in adam.param_groups}))
     record_calls(monkeypatch, GPT, "forward", lambda gpt, idx, *args: rows.append(tuple(idx.shape)))
-    make_shards(tmp_path / "data", "train", [2000])
+    make_shards(tmp_path / "data", "train", [2000], vocab=256, tokenizer="bytes")  # (a model 257 ids wide)
     cfg = parse_args(["--model", "tiny", "--device", "cpu", "--data_dir", str(tmp_path / "data"), "--log_dir",
                       str(tmp_path / "logs"), "--micro_batch_size", "2", "--seq_len", "16", "--total_batch_size",
                       "32", "--max_steps", "8", "--warmup_steps", "3", "--val_every", "0", "--eval_every", "0",
