@@ -325,7 +325,7 @@ def test_only_broken_snapshots_are_an_error_naming_them(tmp_path):
 
 
 def test_snapshots_are_ordered_by_step(tmp_path):
-    steps = [9, 10, 99, 10_000_000]  # 10,000,000 outgrows the 7-digit padding: order must stay numeric
+    steps = [9, 10, 99, 9_999_999, 10_000_000]  # 10,000,000 outgrows the 7-digit padding: the order stays numeric
     for step in steps:
         save_snapshot(fake_snapshot(step), snapshot_path(tmp_path, step))
     (tmp_path / "notes.txt").write_text("not a snapshot")
