@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import wandb
 
 import train_gpt2
 from conftest import make_shards
@@ -144,7 +143,7 @@ def test_a_line_left_half_written_by_a_crash_is_not_continued(tmp_path):
 
 
 def test_only_rank_0_logs(tmp_path, monkeypatch):
-    monkeypatch.setattr(wandb, "init", lambda **kwargs: pytest.fail("a rank other than 0 started wandb"))
+    monkeypatch.setattr("wandb.init", lambda **kwargs: pytest.fail("a rank other than 0 started wandb"))
     logger = RunLogger(tmp_path / "logs", "run", enabled=False)
     logger.start_wandb("test", "offline", "rank1", None, {})
     logger.log({"step": 0, "loss": 1.0})
@@ -156,6 +155,8 @@ def test_only_rank_0_logs(tmp_path, monkeypatch):
 def test_wandb_init_gives_up_after_a_minute_unless_told_otherwise(tmp_path, monkeypatch):
     """Online without network, wandb.init retries until its timeout (90 s by default in wandb 0.31), then raises;
     we bound it to a minute, and WANDB_INIT_TIMEOUT still wins."""
+    import wandb  # (here, not at the top: 3 s of every pytest worker's collection)
+
     timeouts = []
 
     def init(settings: wandb.Settings, **kwargs):
@@ -188,6 +189,8 @@ class BrokenRun:
 
 
 def wandb_init_failing(monkeypatch, failure: str) -> None:
+    import wandb
+
     def init(**kwargs):
         if failure == "init":
             raise wandb.errors.CommError("Failed to get resume status: no such host")
