@@ -71,8 +71,9 @@ def save_sharded_snapshot(meta: dict | None, model: torch.nn.Module, optimizers:
             fsync_directory(path.parent)
     except OSError as e:
         failure = e
-    except CheckpointException as e:  # (a BaseException) of what each rank raised
-        failure = OSError(reason(e))
+    except CheckpointException as e:  # (a BaseException) wraps what each rank raised: the store is told its OSError
+        errors = [error for error, _ in e.failures.values()]
+        failure = next((error for error in errors if isinstance(error, OSError)), None) or OSError(reason(errors[0]))
     if any_rank(failure is not None, device):  # nobody goes on before the snapshot is whole, and all learn if not
         if meta is not None:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -765,10 +765,12 @@ def test_a_sharded_snapshot_clears_a_dead_runs_temp_directory_renames_into_place
         load_snapshot(path)
 
 
-@pytest.mark.parametrize("fails", ["dcp.save", "file_crc32"])  # before the temp directory exists; once it holds shards
+# before the temp directory exists; a shard's write inside dcp.save (which wraps it in a CheckpointException); once
+# the directory holds shards
+@pytest.mark.parametrize("fails", ["dcp.save", "filesystem._write_item", "file_crc32"])
 def test_a_sharded_snapshot_whose_write_fails_raises_that_error_and_leaves_nothing(tmp_path, monkeypatch, fails):
-    monkeypatch.setattr(dcp if fails == "dcp.save" else snapshot, fails.split(".")[-1],
-                        failing(errno.EIO))
+    where = {"dcp.save": dcp, "filesystem._write_item": dcp.filesystem, "file_crc32": snapshot}[fails]
+    monkeypatch.setattr(where, fails.split(".")[-1], failing(errno.EIO))
     with pytest.raises(OSError, match=r"^\[Errno 5\] Input/output error$"):
         save_fake_sharded_snapshot(snapshot_path(tmp_path, 2, sharded=True), 2)
     assert list(tmp_path.iterdir()) == []
