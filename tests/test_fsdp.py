@@ -52,8 +52,8 @@ def runs(tmp_path_factory) -> dict[str, TrainRun]:
     """The same 8 steps of 128 tokens: 1 process × 4 micro-steps, and 2 ranks × 2 micro-steps under ddp and fsdp."""
     root = tmp_path_factory.mktemp("fsdp")
     # Learnable tokens (the steps really differ), of the bytes tokenizer: a model 257 ids wide, not 50,257.
-    make_shards(root / "data", "train", [2000], vocab=100, tokenizer="bytes")
-    make_shards(root / "data", "val", [500], seed=1, vocab=100, tokenizer="bytes")
+    make_shards(root / "data", "train", [2000], vocab=16, tokenizer="bytes")
+    make_shards(root / "data", "val", [500], seed=1, vocab=16, tokenizer="bytes")
     args = [*JOB, "--data_dir", str(root / "data")]
     main_in_process([*args, "--log_dir", str(root / "one")])  # (in this process: no interpreter to start)
     runs = {"one": TrainRun(None, read_metrics(root / "one")), "ddp": run_train(args, root / "ddp", nproc=2),
@@ -68,8 +68,7 @@ def by_step(records: list[dict], key: str) -> dict[int, float]:
 
 def test_fsdp_on_two_ranks_trains_like_one_process_and_like_ddp(runs):
     one, ddp, fsdp = (by_step(runs[k].records, "loss") for k in ("one", "ddp", "fsdp"))
-    # (it falls by 0.45 from ln 257 = 5.55, toward the 100 tokens' ln 100 = 4.6)
-    assert sorted(fsdp) == list(range(LAST_STEP + 1)) and fsdp[LAST_STEP] < fsdp[0] - 0.3
+    assert sorted(fsdp) == list(range(LAST_STEP + 1)) and fsdp[LAST_STEP] < fsdp[0] - 0.5
     for step in fsdp:
         assert fsdp[step] == pytest.approx(one[step], rel=1e-5) and fsdp[step] == pytest.approx(ddp[step], rel=1e-5)
     norms = [by_step(runs[k].records, "grad_norm") for k in ("ddp", "fsdp")]
