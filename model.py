@@ -65,7 +65,7 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: the residual stream itself is never normalised."""
 
-    # --activation_checkpointing's recomputation (training/activation_checkpointing.py) of residual_branches(x,
+    # --activation_checkpointing's recomputation (training/recompute.py) of residual_branches(x,
     # positions); None: the block's activations are kept for backward.
     recompute: Callable | None = None
 

@@ -11,11 +11,11 @@ from torch.utils.flop_counter import FlopCounterMode
 from conftest import perturb_
 from helpers_train import RandomBatches, on_ranks
 from model import GPT, GPTConfig
-from training.activation_checkpointing import recompute_cheap_ops, set_activation_checkpointing
 from training.config import TrainConfig, parse_args
 from training.distributed import Distributed
 from training.memory import auto_micro_batch, measure_activation_bytes_per_sequence
 from training.parallel import build_training_model
+from training.recompute import recompute_cheap_ops, set_activation_checkpointing
 from training.step import train_step
 
 CONFIG = GPTConfig(block_size=32, vocab_size=256, n_layer=2, n_head=2, n_embd=32)

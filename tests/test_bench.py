@@ -134,8 +134,8 @@ def test_the_memory_plans_numbers_agree_with_the_budget_memory_py_measures_on_th
     """bench.py --plan extrapolates the activations from 1- and 2-layer models; memory.py measures the whole one."""
     from model import GPTConfig
     from tools.bench import memory as bench_memory
-    from training.activation_checkpointing import ACTIVATION_CHECKPOINTING
     from training.memory import GiB, fixed_bytes, largest_micro_batch, measure_activation_bytes_per_sequence
+    from training.recompute import ACTIVATION_CHECKPOINTING
 
     # The loss and the embedding count, too; a vocabulary of 8,192, not 50,257: the activations per sequence are the
     # same (the loss's chunk is fixed), and bf16's matmuls, which the plan measures in, are emulated on many CPUs.

@@ -49,7 +49,7 @@ def test_config_reads_no_file_but_a_recipe():
     imported = {node.module if isinstance(node, ast.ImportFrom) else alias.name for node in ast.walk(tree)
                 if isinstance(node, ast.Import | ast.ImportFrom) for alias in node.names}
     assert imported == {"argparse", "math", "re", "typing", "dataclasses", "tomllib", "model",
-                        "training.activation_checkpointing", "training.errors", "training.parsing"}
+                        "training.recompute", "training.errors", "training.parsing"}
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 import model
 from model import GPT, PRESETS, GPTConfig
 from training import memory
-from training.activation_checkpointing import ACTIVATION_CHECKPOINTING
 from training.memory import MiB, largest_micro_batch, measure_activation_bytes_per_sequence, state_bytes
+from training.recompute import ACTIVATION_CHECKPOINTING
 
 
 def test_largest_micro_batch_is_the_largest_divisor_of_the_rank_batch_that_fits():

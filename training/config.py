@@ -11,9 +11,9 @@ from dataclasses import dataclass, field, fields, replace
 import tomllib
 
 from model import ARCHITECTURES, PRESETS, GPTConfig, with_arch
-from training.activation_checkpointing import ACTIVATION_CHECKPOINTING
 from training.errors import UserError
 from training.parsing import PARSE_ERRORS, parse_problem
+from training.recompute import ACTIVATION_CHECKPOINTING
 
 HF_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 

@@ -14,12 +14,12 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from model import GPT, GPTConfig
-from training.activation_checkpointing import set_activation_checkpointing
 from training.config import TrainConfig
 from training.distributed import Distributed
 from training.errors import UserError
 from training.inputs import resolve_plan
 from training.loss import loss_chunk_tokens
+from training.recompute import set_activation_checkpointing
 
 ADAMW_BYTES_PER_PARAM = 8  # two fp32 moments (exp_avg, exp_avg_sq) per parameter, whatever the parameter's dtype
 MiB = 2**20

@@ -8,12 +8,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import GPT
-from training.activation_checkpointing import set_activation_checkpointing
 from training.config import TrainConfig
 from training.distributed import Distributed, is_loaded_instance
 from training.errors import UserError
 from training.fp8 import check_fp8_head
 from training.optim import Optimizers, build_optimizers
+from training.recompute import set_activation_checkpointing
 
 
 @dataclass

@@ -8,7 +8,6 @@ import torch
 
 from model import GPT, PRESETS, GPTConfig
 from tools.bench.step import Workload
-from training.activation_checkpointing import ACTIVATION_CHECKPOINTING
 from training.memory import (
     GiB,
     MiB,
@@ -17,6 +16,7 @@ from training.memory import (
     measure_activation_bytes_per_sequence,
     state_bytes,
 )
+from training.recompute import ACTIVATION_CHECKPOINTING
 
 # --plan: GPT-2's sizes, on this many cards each, at GPT-2's recipe
 PLAN_MODELS = {"124M": "gpt2", "350M": "gpt2-medium", "774M": "gpt2-large", "1.5B": "gpt2-xl"}
