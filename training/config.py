@@ -1,6 +1,5 @@
-"""The flags of a training run (TrainConfig), recipes (TOML files of flags: `--config recipes/x.toml`, flags
-override them), each flag's checks on its own, and the Plan they resolve to with what training/inputs.py reads from
-the files they name: this module reads no file but a recipe."""
+"""A training run's flags (TrainConfig), recipes of them (`--config recipes/x.toml`, which flags override), each flag's
+checks on its own, and the Plan they resolve to (with what training/inputs.py reads). It reads no file but recipes."""
 
 import argparse
 import math
@@ -26,37 +25,25 @@ def arg(default, help: str, choices: tuple[str, ...] | None = None):
 class TrainConfig:
     # data
     data_dir: str = arg("data/fineweb_edu10B", "directory of *_train_*.bin / *_val_*.bin shards")
-    data_mix: str = arg("", "instead of --data_dir, several: 'data/enwiki=3,data/code=1' draws each chunk of B·T "
-                            "tokens from one, 3:1 (DIR=WEIGHT pairs; the weights normalised; one tokenizer)")
-    anneal_mix: str = arg("", "DIR=WEIGHT pairs: the mixture from --anneal_from on (default: from wsd's decay on); a "
-                              "directory not in --data_mix (or --data_dir) joins the run there")
+    data_mix: str = arg("", "instead of --data_dir, DIR=WEIGHT pairs: 'data/enwiki=3,data/code=1' (one tokenizer)")
+    anneal_mix: str = arg("", "DIR=WEIGHT pairs: the mixture from --anneal_from on (default: from wsd's decay on)")
     anneal_from: int | None = arg(None, "the step --anneal_mix starts at")
     shuffle: bool = arg(True, "shuffle shard and chunk order each epoch (seeded; validation never shuffles)")
-    align_bos: bool | None = arg(None, "train rows start at a document's first token, documents packed best-fit (see "
-                                       "dataloader.py; validation reads the plain stream). Default: on for --arch "
-                                       "modern, off for gpt2")
+    align_bos: bool | None = arg(None, "rows begin at document starts (default: on for --arch modern, off for gpt2)")
     # model
-    arch: str | None = arg(None, "gpt2 (OpenAI's, exactly) | modern: rotary positions, RMSNorm, QK-norm, SwiGLU, "
-                                 "untied embeddings, biases on attention only (model.py; exports as Qwen3). Default: "
-                                 "gpt2, or the --init_from weights'", choices=ARCHITECTURES)
-    attention_bias: bool | None = arg(None, "--arch modern: biases on attention's q, k, v and output projections. "
-                                            "Default: on")
-    model: str | None = arg(None, f"size preset: {', '.join(PRESETS)} (default: gpt2; with --init_from: the "
-                                  "shape of those weights)")
-    init_from: str = arg("scratch", f"start from: scratch (random weights) | {' | '.join(HF_MODELS)} (OpenAI's, from "
-                                    "the Hugging Face hub) | a Hugging Face model directory | a snapshot_*.pt of ours")
+    arch: str | None = arg(None, "gpt2 (OpenAI's) | modern: RoPE, RMSNorm, QK-norm, SwiGLU, untied (default: gpt2, "
+                                 "or the --init_from weights')", choices=ARCHITECTURES)
+    attention_bias: bool | None = arg(None, "--arch modern: biases on attention's projections (default: on)")
+    model: str | None = arg(None, f"size preset: {', '.join(PRESETS)} (default: gpt2; with --init_from: the weights')")
+    init_from: str = arg("scratch", f"scratch | {' | '.join(HF_MODELS)} | a Hugging Face model dir | a snapshot_*.pt")
     n_layer: int | None = arg(None, "override the preset's number of layers")
     n_head: int | None = arg(None, "override the preset's number of attention heads")
     n_embd: int | None = arg(None, "override the preset's embedding width")
     block_size: int | None = arg(None, "override the preset's context length (with --init_from: crop it)")
     # batch: total_batch_size tokens per optimizer step = micro_batch_size·seq_len·world_size·grad_accum_steps
     seq_len: int | None = arg(None, "training sequence length T (≤ block_size; default: block_size)")
-    short_rows: str = arg("", "a sequence-length schedule, LENGTH:UNTIL_STEP pairs: '64:50,128:100' cuts each "
-                              "training row into rows of 64 tokens before step 50, of 128 before step 100, then "
-                              "trains on whole --seq_len rows (the same tokens per step, in the same order; each "
-                              "LENGTH divides --seq_len). Empty: whole rows throughout")
-    micro_batch_size: int | str = arg(64, "sequences per rank per micro-step B; lower it if you run out of memory, "
-                                          "or 'auto': the largest that fits this device's memory")
+    short_rows: str = arg("", "LENGTH:UNTIL_STEP pairs, e.g. '64:50,128:100': shorter rows early (empty: whole rows)")
+    micro_batch_size: int | str = arg(64, "sequences per rank per micro-step B, or 'auto': the most that fit in memory")
     total_batch_size: int = arg(524288, "tokens per optimizer step (GPT-2 used ~0.5M)")
     # optimization
     max_steps: int = arg(19073, "optimizer steps (19,073 × 524,288 ≈ 10B tokens, one FineWeb-Edu 10B epoch)")
@@ -64,57 +51,40 @@ class TrainConfig:
     max_lr: float = arg(6e-4, "peak learning rate")
     min_lr_ratio: float = arg(0.1, "final learning rate as a fraction of max_lr")
     weight_decay: float = arg(0.1, "AdamW weight decay on matrices")
-    adam_beta1: float = arg(0.9, "AdamW's first-moment decay (its second is 0.95); 0.8, modded-nanogpt's, averages "
-                                 "the last ~5 gradients instead of ~10")
+    adam_beta1: float = arg(0.9, "AdamW's first-moment decay (its second is 0.95)")
     lr_schedule: str = arg("cosine", "after the warmup: cosine decay to min_lr_ratio·max_lr | wsd: hold max_lr, then "
-                                     "decay linearly over the last --warmdown_frac of the steps (a run can be extended "
-                                     "from a snapshot taken before the decay)", choices=("cosine", "wsd"))
+                                     "decay over the last --warmdown_frac", choices=("cosine", "wsd"))
     warmdown_frac: float = arg(0.2, "wsd: the fraction of --max_steps over which the LR decays at the end")
-    optimizer: str = arg("adamw", "adamw (GPT-2's) | muon: torch.optim.Muon for the 2-D weights in the blocks, AdamW "
-                                  "for embeddings, biases and LayerNorms", choices=("adamw", "muon"))
-    embed_lr: float | None = arg(None, "peak learning rate of the untied input embedding of --arch modern (AdamW, on "
-                                       "the same schedule; gpt2's is its output layer too, at --max_lr). Default: "
-                                       "10 × --max_lr (README, Architectures)")
-    muon_lr: float = arg(0.01, "muon: peak learning rate of the Muon-updated matrices (follows the same schedule; "
-                               "0.01 was best of 0.005-0.04 on two small models, see the README)")
+    optimizer: str = arg("adamw", "adamw | muon: Muon for the blocks' 2-D weights, AdamW for the rest",
+                         choices=("adamw", "muon"))
+    embed_lr: float | None = arg(None, "--arch modern: peak LR of the untied input embedding (default: 10 × --max_lr)")
+    muon_lr: float = arg(0.01, "muon: peak learning rate of the Muon-updated matrices")
     muon_momentum: float = arg(0.95, "muon: Nesterov momentum")
-    muon_momentum_warmup: int = arg(0, "muon: the momentum rises linearly from 0.85 to --muon_momentum over the first "
-                                       "N steps (modded-nanogpt's; 0: --muon_momentum from the first step)")
+    muon_momentum_warmup: int = arg(0, "muon: steps over which the momentum rises from 0.85 to --muon_momentum")
     muon_weight_decay: float = arg(0.0, "muon: decoupled weight decay, applied as muon_lr·decay per step")
-    muon_adjust_lr: str = arg("original", "muon: per-shape LR scaling: original (√max(1, out/in), Keller Jordan's; "
-                                          "tune --muon_lr) | match_rms_adamw (0.2·√max(out, in), Moonshot's: updates "
-                                          "of AdamW's size, so --muon_lr = --max_lr is a start)",
-                              choices=("original", "match_rms_adamw"))
+    muon_adjust_lr: str = arg("original", "muon: per-shape LR scaling: original (Keller Jordan's) | match_rms_adamw "
+                                          "(Moonshot's)", choices=("original", "match_rms_adamw"))
     grad_clip: float = arg(1.0, "clip the global gradient norm to this (0 = off)")
     # speed and precision
-    dtype: str = arg("auto", "autocast dtype (fp16 adds a GradScaler; auto: bf16 where the hardware has it, "
-                             "else fp16 on GPUs, else fp32)", choices=("auto", "bf16", "fp16", "fp32"))
+    dtype: str = arg("auto", "autocast dtype (auto: bf16 where the hardware has it, else fp16 on GPUs, else fp32)",
+                     choices=("auto", "bf16", "fp16", "fp32"))
     device: str = arg("auto", "where to train (auto: cuda, else mps, else cpu)", choices=("auto", "cuda", "mps", "cpu"))
     compile: bool = arg(False, "torch.compile the model")
-    fp8_head: bool = arg(False, "the output layer's three matmuls (logits, gradients of hidden states and weight) in "
-                                "FP8 inside the training loss: e4m3 operands, e5m2 gradient, fp32 accumulation "
-                                "(fp8.py); needs a GPU with FP8 tensor cores (sm89+: Ada, Hopper) and bf16. "
-                                "Validation stays in bf16")
-    parallel: str = arg("ddp", "ddp: every GPU holds the whole model | fsdp: weights, gradients and AdamW state "
-                               "sharded across the ranks, for models that do not fit one GPU", choices=("ddp", "fsdp"))
-    activation_checkpointing: str = arg("none", "recompute activations in backward instead of keeping them: none | "
-                                                "blocks (keep each block's input only: the least memory, a second "
-                                                "forward of the blocks) | selective (keep the matmuls' and attention's "
-                                                "outputs, recompute LayerNorms, GELU and casts)",
-                                        choices=ACTIVATION_CHECKPOINTING)
+    fp8_head: bool = arg(False, "the output layer's matmuls in FP8 in the training loss (fp8.py; sm89+ GPUs, bf16)")
+    parallel: str = arg("ddp", "ddp: every GPU holds the whole model | fsdp: weights, gradients, AdamW state sharded",
+                        choices=("ddp", "fsdp"))
+    activation_checkpointing: str = arg("none", "recompute activations in backward: none | blocks (the least memory) | "
+                                                "selective (LayerNorms, GELU, casts)", choices=ACTIVATION_CHECKPOINTING)
     deterministic: bool = arg(False, "bitwise-repeatable GPU runs (strictly deterministic kernels; slower)")
     seed: int = arg(1337, "random seed (weights init, data shuffling)")
     # evaluation and logging
     val_every: int = arg(250, "validate every N steps (0 = never)")
-    val_tokens: int = arg(10_485_760, "tokens per validation (the same for any world size; at most one pass over the "
-                                      "val shards)")
-    eval_tasks: str = arg("hellaswag", "zero-shot tasks scored as lm-evaluation-harness 0.4 does (evals.py): a "
-                                       "comma-separated list of hellaswag, lambada_openai, piqa, winogrande, arc_easy, "
-                                       "arc_challenge, openbookqa, sciq, copa, boolq, or all")
+    val_tokens: int = arg(10_485_760, "tokens per validation (any world size; at most one pass over the val shards)")
+    eval_tasks: str = arg("hellaswag", "zero-shot tasks, comma-separated: hellaswag, lambada_openai, piqa, winogrande, "
+                                       "arc_easy, arc_challenge, openbookqa, sciq, copa, boolq, or all")
     eval_every: int = arg(250, "the --eval_tasks every N steps (0 = never)")
     eval_limit: int | None = arg(None, "only the first N documents of each task")
-    eval_dir: str | None = arg(None, "directory of the tasks' <task>.jsonl files, HellaSwag's hellaswag.jsonl among "
-                                     "them (default: data/evals/, each downloaded on first use)")
+    eval_dir: str | None = arg(None, "directory of the tasks' <task>.jsonl files (default: data/evals/, downloaded)")
     sample_every: int = arg(250, "rank 0 prints sampled text every N steps (0 = never)")
     log_dir: str = arg("logs", "metrics.jsonl (and, by default, snapshots) go here")
     wandb_project: str | None = arg(None, "wandb project; logging to wandb is on when this is set")
@@ -126,21 +96,13 @@ class TrainConfig:
     snapshot_every: int = arg(500, "snapshot every N steps (0: none on a beat); the last step and a stop always do")
     keep_last: int = arg(2, "keep this many newest snapshots")
     resume: str = arg("auto", "auto (newest valid snapshot in --snapshot_dir) | never | PATH to a snapshot")
-    dist_timeout: int = arg(600, "seconds a rank waits for the others in a collective before it exits, so that a "
-                                 "stopped or stuck rank ends the job (to be restarted) instead of hanging it; longer "
-                                 "than any snapshot write or evaluation that only some ranks do")
-    skip_zscore: float = arg(0.0, "also skip an update whose loss or grad norm is more than this many standard "
-                                  "deviations above its mean over the last 100 applied steps (0 = off; NaN/inf "
-                                  "updates are always skipped)")
-    on_divergence: str = arg("stop", "after --max_skips skipped updates in a row: stop (exit, naming the newest "
-                                     "healthy snapshot) | rollback (reload it, skip the data in between, train on)",
-                             choices=("stop", "rollback"))
+    dist_timeout: int = arg(600, "seconds a rank waits for the others in a collective before it exits")
+    skip_zscore: float = arg(0.0, "also skip an update whose loss or grad norm is this many σ above its mean (0 = off)")
+    on_divergence: str = arg("stop", "after --max_skips skipped updates in a row: stop | rollback (to the newest "
+                                     "healthy snapshot)", choices=("stop", "rollback"))
     max_skips: int = arg(10, "skipped updates in a row that count as a divergence")
     max_rollbacks: int = arg(3, "with --on_divergence rollback: roll back at most this many times, then stop")
-    run_lock: bool = arg(True, "hold a lock (flock on <dir>/run.lock) on --log_dir and --snapshot_dir for the "
-                               "whole run, so that a second run on them exits 2 at once; --no-run_lock only where the "
-                               "filesystem has no flock (the error says so): then nothing stops two runs from "
-                               "writing into one directory")
+    run_lock: bool = arg(True, "lock --log_dir and --snapshot_dir (--no-run_lock: where the filesystem has no flock)")
 
     def mixture(self) -> tuple[tuple[str, ...], tuple[float, ...], tuple[float, ...] | None, int | None]:
         """(sources, weights, anneal_weights, anneal_step) of --data_dir or --data_mix, and --anneal_mix."""
@@ -227,14 +189,11 @@ def add_flags(parser: argparse.ArgumentParser, names: list[str] | None = None, d
             group = parser.add_argument_group(FLAG_GROUPS[f.name])
         if names is not None and f.name not in names:
             continue
-        default = (defaults or {}).get(f.name, f.default)
-        if set_type(f.type) is bool:
-            group.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=default,
-                               help=f.metadata["help"])
-        else:
-            kind = int_or_auto if f.type == int | str else set_type(f.type)
-            group.add_argument(f"--{f.name}", type=kind, default=default, choices=f.metadata["choices"],
-                               help=f.metadata["help"])
+        kind = set_type(f.type)
+        options = {"action": argparse.BooleanOptionalAction} if kind is bool else \
+            {"type": int_or_auto if kind == int | str else kind, "choices": f.metadata["choices"]}
+        group.add_argument(f"--{f.name}", default=(defaults or {}).get(f.name, f.default), help=f.metadata["help"],
+                           **options)
 
 
 def set_type(field_type: type) -> type:
@@ -252,8 +211,7 @@ def int_or_auto(text: str) -> int | str:
 def parse_args(argv: list[str] | None = None, description: str = __doc__) -> TrainConfig:
     """Flags, on top of the recipe that --config names (if any), on top of TrainConfig's defaults."""
     parser = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
-    parser.add_argument("--config", help="a recipe: a TOML file of flag = value lines (see recipes/); flags given on "
-                                         "the command line override it")
+    parser.add_argument("--config", help="a recipe: a TOML file of flag = value lines (recipes/); flags override it")
     add_flags(parser)
     recipe_path = parser.parse_known_args(argv)[0].config
     recipe = load_recipe(recipe_path) if recipe_path is not None else {}
@@ -358,6 +316,7 @@ def parse_mix(text: str, flag: str) -> dict[str, float]:
         mix[source] = float(weight)
     return {source: weight / sum(mix.values()) for source, weight in mix.items()}
 
+
 def check_flag_ranges(cfg: TrainConfig) -> None:
     """A UserError naming the first number flag outside its FLAG_RANGES, quoting its --help (not None, nor 'auto')."""
     for f in fields(cfg):
@@ -375,8 +334,7 @@ def check_range(flag: str, value: float, allowed: Range, help: str | None = None
 
 
 def check_path_flags(cfg: TrainConfig) -> None:
-    """A UserError naming the first of a training run's PATH_FLAGS that is empty or not UTF-8 (check_path_flag), or
-    the two that both name the weights to start from."""
+    """A UserError naming the first of PATH_FLAGS that is empty or not UTF-8, or --resume and --init_from both set."""
     for flag in PATH_FLAGS:
         if getattr(cfg, flag) is not None:
             check_path_flag(flag, getattr(cfg, flag))
@@ -387,8 +345,7 @@ def check_path_flags(cfg: TrainConfig) -> None:
 
 
 def check_path_flag(flag: str, path: str) -> None:
-    """A UserError unless --flag's path is named (an unset variable in a job script leaves it empty) and UTF-8 (the
-    run's JSON records hold it: timeline.json, the snapshots')."""
+    """A UserError unless --flag's path is not empty and is UTF-8 (the run's JSON records hold it)."""
     if not path:
         raise UserError(f"--{flag} is empty (an unset variable in a job script?). Pass a path, or leave the flag out "
                         "for its default.")
@@ -403,18 +360,16 @@ def check_path_flag(flag: str, path: str) -> None:
 
 def parse_short_rows(schedule: str, seq_len: int) -> tuple[tuple[int, int], ...]:
     """--short_rows '64:50,128:100' as ((64, 50), (128, 100)), checked against --seq_len."""
-    try:
-        pairs = tuple(tuple(int(number) for number in pair.split(":", 1)) for pair in schedule.split(",")) \
-            if schedule else ()
-        ok = all(len(pair) == 2 for pair in pairs)
+    if not schedule:
+        return ()
+    try:  # (a pair of one number, or of three, does not unpack: a ValueError too)
+        pairs = tuple((int(length), int(until)) for length, until in (pair.split(":") for pair in schedule.split(",")))
     except ValueError:
-        ok = False
-    if not ok:
         raise UserError(f"--short_rows {schedule!r}: pass LENGTH:UNTIL_STEP pairs separated by commas, e.g. "
-                        "'64:50,128:100' (rows of 64 tokens before step 50, of 128 before step 100, then whole rows).")
-    lengths, steps = [length for length, _ in pairs], [step for _, step in pairs]
-    if any(length < 1 or seq_len % length for length in lengths) or steps != sorted(set(steps)) or \
-            any(step < 1 for step in steps):
+                        "'64:50,128:100' (rows of 64 tokens before step 50, of 128 before step 100, then whole "
+                        "rows).") from None
+    steps = [until for _, until in pairs]
+    if any(length < 1 or seq_len % length or until < 1 for length, until in pairs) or steps != sorted(set(steps)):
         raise UserError(f"--short_rows {schedule!r}: each LENGTH must divide --seq_len {seq_len} (a row is cut into "
                         "shorter ones), and the UNTIL_STEPs must rise, from 1 on: e.g. '64:50,128:100' for --seq_len "
                         "256 or 1024.")

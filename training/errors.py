@@ -1,6 +1,5 @@
-"""UserError, for mistakes a user can fix, and how entry points report it: one paragraph, exit status 2, no
-traceback; so too an OSError of the file system or disk on a path the user gave (PATH_PROBLEMS). Any other exception
-is a bug and keeps its traceback. And the check every entry point makes first: a PyTorch this code supports."""
+"""UserError, for mistakes a user can fix, reported (as is an OSError on a path the user gave) in one paragraph, exit
+status 2; any other exception is a bug and keeps its traceback. And every entry point's first check: torch's version."""
 
 import ast
 import errno
@@ -42,8 +41,7 @@ SYMLINK_LOOP = re.compile(r"Symlink loop from ('.*'|\".*\")")  # Path.resolve()'
 
 
 def path_error(error: OSError | RuntimeError, argv: Sequence[str]) -> UserError | None:
-    """A UserError for an OSError of PATH_PROBLEMS on a named path, naming the argument of argv it is or lies under,
-    the path, what the errno means and the fix; None for any other error."""
+    """A UserError for an OSError of PATH_PROBLEMS naming the argv argument its path lies under; else None."""
     if isinstance(error, RuntimeError):  # pathlib's resolve() before Python 3.13 says ELOOP so
         loop = SYMLINK_LOOP.fullmatch(str(error))
         if loop is None:
@@ -59,8 +57,7 @@ def path_error(error: OSError | RuntimeError, argv: Sequence[str]) -> UserError 
 
 
 def command_line_path(path: str, argv: Sequence[str]) -> tuple[str | None, str | None]:
-    """(flag or None for a positional one, value) of the argument of argv that names `path` or the nearest directory
-    above it; (None, None) if none does. Only names are compared: nothing on disk is looked at."""
+    """(flag or None, value) of the argv argument naming `path` or its nearest directory (by name), or (None, None)."""
     found = []
     for i, arg in enumerate(argv):
         flag, value = arg.split("=", 1) if arg.startswith("--") and "=" in arg else (None, arg)
@@ -82,9 +79,8 @@ def check_torch_version(version: str) -> None:
 
 
 def run_entry_point(main: Callable[[], None]) -> None:
-    """Call main(); a UserError, or an OSError of PATH_PROBLEMS on a path (path_error), becomes `error: <message>` on
-    stderr and exit status 2. Under torchrun each rank that meets it prints it; the checks that raise one run on every
-    rank (or agree through a collective first), so no rank is left waiting for a peer that has gone."""
+    """Call main(); a UserError, or path_error's, becomes `error: <message>` on stderr and exit status 2. Under torchrun
+    the checks that raise one run on every rank (or agree first), so no rank waits for a peer that has gone."""
     try:
         check_torch_version(torch.__version__)
         main()

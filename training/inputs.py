@@ -1,6 +1,5 @@
-"""Every input of a training run checked at the door, before anything has a side effect (no process group, file,
-lock or download yet): each flag on its own (training/config.py), torchrun's environment, then the flags against the
-files they name, read through their owners' readers (dataloader, rundir.snapshot, hf, evaluation.tasks)."""
+"""Every input of a training run checked at the door, before any side effect (process group, file, lock, download):
+each flag on its own (training/config.py), torchrun's environment, then the flags against the files they name."""
 
 from dataclasses import replace
 from pathlib import Path
@@ -13,7 +12,7 @@ from training.config import HF_MODELS, Plan, TrainConfig, check_flag_ranges, che
 from training.distributed import this_process
 from training.errors import UserError
 from training.hf import local_config
-from training.tokenizer import TokenizerSpec, check_tokenizer, read_tokenizer
+from training.tokenizer import check_tokenizer, read_tokenizer
 
 
 def check_inputs(cfg: TrainConfig) -> None:
@@ -44,8 +43,7 @@ def val_shard_tokens(data_dir: str) -> list[int]:
 
 
 def model_config(cfg: TrainConfig) -> GPTConfig:
-    """The model's shape (config.model_shape): for the data's tokenizer's vocabulary (GPT-2's 50,257 without a
-    manifest; every source's the same), or the --init_from weights', whose tokenizer must be the data's."""
+    """The model's shape for the data's tokenizer (every source's one), or the --init_from weights', if theirs too."""
     sources = cfg.mixture()[0]
     data_tokenizer = read_data_tokenizer(sources[0])
     for source in sources[1:]:
@@ -56,8 +54,11 @@ def model_config(cfg: TrainConfig) -> GPTConfig:
     if cfg.init_from == "scratch":
         return model_shape(cfg, data_tokenizer.vocab_size)
     weights = init_weights_config(cfg.init_from)
-    check_tokenizer(f"--init_from {cfg.init_from}", init_weights_tokenizer(cfg.init_from),
-                    ", ".join(cfg.mixture()[0]),
+    try:
+        weights_tokenizer = read_tokenizer(cfg.init_from)
+    except ValueError as e:  # the reader's message names the file and what is wrong with its record
+        raise UserError(f"--init_from: {e}") from e
+    check_tokenizer(f"--init_from {cfg.init_from}", weights_tokenizer, ", ".join(sources),
                     data_tokenizer, "Start from weights trained with this data's tokenizer, train them on data written "
                     "with theirs (data/prepare.py --tokenizer), or train from scratch (--init_from scratch).")
     return model_shape(cfg, data_tokenizer.vocab_size, weights)
@@ -81,11 +82,3 @@ def init_weights_config(init_from: str) -> GPTConfig:
         return local_config(path)
     raise UserError(f"--init_from {init_from}: no such file or directory, and not one of scratch, "
                     f"{', '.join(HF_MODELS)}. Pass a Hugging Face model directory or a snapshot_*.pt.")
-
-
-def init_weights_tokenizer(init_from: str) -> TokenizerSpec:
-    """The tokenizer the --init_from weights were trained with (tokenizer.read_tokenizer)."""
-    try:
-        return read_tokenizer(init_from)
-    except ValueError as e:  # the reader's message names the file and what is wrong with its record
-        raise UserError(f"--init_from: {e}") from e

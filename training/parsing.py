@@ -1,6 +1,5 @@
-"""Why a JSON or TOML text that someone else wrote could not be parsed, in a few words for an error message that
-names the file and the fix. Readers catch PARSE_ERRORS: json and tomllib raise more than their own decode errors on
-bad input (a UnicodeDecodeError, a RecursionError, a ValueError for an integer over 4,300 digits)."""
+"""Why a JSON or TOML text could not be parsed, in a few words for an error message. Readers catch PARSE_ERRORS: json
+and tomllib raise more than their decode errors (UnicodeDecodeError, RecursionError, ValueError: over 4,300 digits)."""
 
 import json
 
