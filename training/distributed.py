@@ -34,11 +34,7 @@ class Distributed:
 
 
 def default_device() -> str:
-    if torch.cuda.is_available():
-        return "cuda"
-    if torch.backends.mps.is_available():
-        return "mps"
-    return "cpu"
+    return "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
 
 
 TORCHRUN_RANKS = ("RANK", "LOCAL_RANK", "WORLD_SIZE")  # what torchrun tells each worker of its place
@@ -49,9 +45,8 @@ def this_process(device_arg: str) -> Distributed:
     rank, local_rank, world_size = torchrun_ranks()
     device = checked_device(device_arg, local_rank)
     if device.type == "mps" and world_size > 1:
-        raise UserError(f"--device mps with {world_size} processes: a Mac has one GPU, and torch.distributed cannot "
-                        "work on MPS tensors. Run one process (`python train_gpt2.py ...`, no torchrun), or "
-                        "--device cpu for several CPU processes.")
+        raise UserError(f"--device mps with {world_size} processes: torch.distributed cannot work on MPS tensors. "
+                        "Run one process (`python train_gpt2.py ...`, no torchrun), or --device cpu for several.")
     return Distributed(rank, local_rank, world_size, device)
 
 
@@ -135,9 +130,8 @@ def setup_distributed(device_arg: str, parallel: str = "ddp", timeout_s: float =
 
 
 def teardown_distributed() -> None:
-    """Destroy the process group (if any) once the run's model is gone, so that its threads end now: with FSDP,
-    device meshes in DTensor's caches (and the model's FSDP state, until collected) keep gloo's worker threads alive,
-    and threads alive at interpreter shutdown can abort a finished run at exit (about 1 run in 100)."""
+    """Destroy the process group (if any) once the model is gone: with FSDP, device meshes in DTensor's caches (and
+    the FSDP state, until collected) keep gloo's threads alive, which at exit abort about 1 finished run in 100."""
     if not dist.is_initialized():
         return
     gc.collect()  # the model's FSDP state, in reference cycles, holds the group
@@ -148,8 +142,8 @@ def teardown_distributed() -> None:
 
 @contextmanager
 def hangs_reported(timeout_s: float, rank: int):
-    """A collective's timeout in the block (a peer stopped) as one paragraph naming the step and the line of ours
-    that waited, so that the rank exits and torchrun --max-restarts restarts the job. Other errors pass through."""
+    """A collective's timeout in the block (a peer stopped) as a UserError naming the step and our line that waited,
+    so that the rank exits and torchrun --max-restarts restarts the job. Other errors pass through."""
     try:
         yield
     except RuntimeError as e:
@@ -169,10 +163,9 @@ def hangs_reported(timeout_s: float, rank: int):
         raise UserError(
             f"rank {rank} waited {timeout_s:g} s{f' at step {steps[-1]}' if steps else ''} for the other ranks in a "
             f"collective{where} and gave up ({str(e).strip().splitlines()[0]}). Another rank stopped making progress "
-            "(a stopped or swapped-out process, a stuck filesystem, a dead network link). This rank exits so that "
-            "torchrun --max-restarts can restart the job, which resumes from the newest snapshot; without restarts, "
-            "rerun the same command. If a rank legitimately needs longer here (a long snapshot write, a slow first "
-            "torch.compile), raise --dist_timeout.") from e
+            "(a stopped process, a stuck filesystem, a dead link); this rank exits so that torchrun --max-restarts "
+            "restarts the job from the newest snapshot (without restarts, rerun the command). If a rank needs longer "
+            "(a long snapshot write, a slow first torch.compile), raise --dist_timeout.") from e
 
 
 def average_across_ranks(value: torch.Tensor) -> torch.Tensor:
@@ -182,11 +175,6 @@ def average_across_ranks(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def from_rank_0(value):
-    """Rank 0's value (any picklable object) on every rank (a collective: every rank must call it)."""
-    return from_all_ranks(value)[0]
-
-
 def agreed(work: Callable[[], object], dist_env: Distributed) -> object:
     """work() on rank 0, its result, or its UserError raised, on every rank (all stop together, none waits)."""
     result, refusal = None, None
@@ -194,7 +182,7 @@ def agreed(work: Callable[[], object], dist_env: Distributed) -> object:
         result = work() if dist_env.is_master else None
     except UserError as e:
         refusal = str(e)
-    result, refusal = from_rank_0((result, refusal))
+    result, refusal = from_all_ranks((result, refusal))[0]
     if refusal is not None:
         raise UserError(refusal)
     return result
@@ -231,8 +219,8 @@ def synchronize(device: torch.device) -> None:
 
 
 def is_loaded_instance(obj: object, module: str, name: str) -> bool:
-    """isinstance(obj, module.name) without importing module: fsdp's and DTensor's modules take a second of every
-    start-up, and where nothing has imported them, nothing can be an instance."""
+    """isinstance(obj, module.name) without importing module (fsdp's and DTensor's take a second of a start-up): where
+    nothing has imported it, nothing can be an instance."""
     return module in sys.modules and isinstance(obj, getattr(sys.modules[module], name))
 
 

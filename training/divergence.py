@@ -1,6 +1,5 @@
 """When training must not go on as it is (docs/reliability.md): an update that would wreck the weights is skipped
-(DivergenceGuard); a run asked to stop (a signal, unreadable data) stops between two steps with a snapshot
-(StopRequest). Nothing here knows the snapshots: one training step, which imports this, imports no store."""
+(DivergenceGuard); a run asked to stop (a signal, unreadable data) stops between two steps (StopRequest)."""
 
 import math
 import signal
@@ -15,9 +14,9 @@ from training.distributed import from_all_ranks, max_across_ranks
 
 
 class DivergenceGuard:
-    """Whether a step's update is applied, from its loss and gradient norm (the same on every rank, so no collective
-    is needed), and how many were skipped in a row (for --on_divergence). NaN in the weights or AdamW's moments never
-    recovers, so a non-finite loss or norm is always skipped; with --skip_zscore also a spike."""
+    """Whether a step's update is applied, from its loss and grad norm (the same on every rank: no collective), and
+    the skips in a row (--on_divergence). A non-finite loss or norm is always skipped (NaN weights never recover);
+    with --skip_zscore also a spike."""
 
     SPIKE_WINDOW = 100  # steps: long enough for a stable spread, short enough to follow the falling loss
     SPIKE_WARMUP = 20  # steps before the first spike check: the early statistics are noise
@@ -67,8 +66,7 @@ class DivergenceGuard:
 
 class StopRequest:
     """Why every rank stops between two steps, with a snapshot: SIGTERM, a first Ctrl-C, or a rank that cannot read
-    its data. A second SIGINT raises KeyboardInterrupt: the user asked twice, so the run aborts at once. Ranks agree
-    (agreed, a collective) before every step and every few batches of an evaluation: they all stop at one point."""
+    its data (a second SIGINT aborts at once). The ranks agree (a collective) before each step and during evals."""
 
     DATA_FAILURE = 1000  # above any signal number: a failed read ends the run with its error, whatever else asked
 
@@ -99,8 +97,8 @@ class StopRequest:
                 signal.signal(each, handler)
 
     def agreed(self, device: torch.device) -> bool:
-        """Whether any rank was asked to stop; then `reason` says why, the same on every rank, and for a failed read
-        `failure` is the first failing rank's error on every rank. A collective: every rank must call it."""
+        """Whether any rank was asked to stop; then `reason` (and for a failed read `failure`, the first failing
+        rank's error) is the same on every rank. A collective: every rank must call it."""
         mine = self.DATA_FAILURE if self.failure else (self.signal or 0)
         agreed = max_across_ranks(mine, device)
         if agreed == self.DATA_FAILURE:

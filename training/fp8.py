@@ -1,7 +1,6 @@
-"""FP8 operands for the output layer's three matmuls inside the chunked loss (--fp8_head, training/loss.py), through
-torch._scaled_mm with fp32 accumulation: the hidden states and the weight in e4m3 at per-tensor dynamic scales (no
-bound on either fixes one), the logits' gradient, softmax − one_hot, in e5m2, whose wider exponent loses less of its
-many orders of magnitude, at the fixed scale its [−1, 1] range allows (docs/gpus.md)."""
+"""FP8 operands for the chunked loss's three matmuls (--fp8_head, training/loss.py), by torch._scaled_mm: x and the
+weight in e4m3 at per-tensor dynamic scales, the logits' gradient (softmax − one_hot) in e5m2, whose wider exponent
+keeps more of its orders of magnitude, at the fixed scale its [−1, 1] range allows (docs/gpus.md)."""
 
 import torch
 
@@ -38,19 +37,15 @@ def check_fp8_head(device: torch.device, dtype: torch.dtype, tokens_per_micro_st
 
 
 def to_e4m3(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """t in e4m3 at its per-tensor scale, and the scale (t ≈ fp8 · scale; 1 for an all-zero t)."""
+    """t in e4m3 and its per-tensor scale (t ≈ fp8 · scale; 1 for an all-zero t)."""
     amax = t.detach().abs().amax().float()
     scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
     return (t.float() / scale).to(E4M3), scale
 
 
 def gradient_to_e5m2(grad_logits: torch.Tensor) -> torch.Tensor:
-    """softmax − one_hot in e5m2 at the fixed scale 1 / E5M2_MAX, which gradient_scale undoes."""
+    """softmax − one_hot in e5m2 at the fixed scale 1 / E5M2_MAX (the matmuls' grad_scale undoes it)."""
     return (grad_logits * E5M2_MAX).to(E5M2)
-
-
-def gradient_scale(device: torch.device) -> torch.Tensor:
-    return torch.tensor(1 / E5M2_MAX, dtype=torch.float32, device=device)
 
 
 def column_major(t: torch.Tensor) -> torch.Tensor:
@@ -60,6 +55,6 @@ def column_major(t: torch.Tensor) -> torch.Tensor:
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype,
               fast_accum: bool = False) -> torch.Tensor:
-    """(a · scale_a) @ (b · scale_b) in out_dtype. fast_accum: Hopper's lower-precision accumulation, which
-    modded-nanogpt takes for the forward's logits only, and so does the loss."""
+    """(a · scale_a) @ (b · scale_b) in out_dtype. fast_accum: Hopper's lower-precision accumulation (the loss, as
+    modded-nanogpt, takes it for the forward's logits only)."""
     return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=fast_accum)

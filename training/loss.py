@@ -1,6 +1,5 @@
-"""The training loss of GPT.forward: the output layer and cross-entropy in one, a chunk of tokens at a time, so that
-the (tokens × vocab) logits are never held whole (ChunkedLinearCrossEntropy); with --fp8_head, its matmuls in FP8
-(fp8.py)."""
+"""The training loss of GPT.forward: the output layer and cross-entropy in one, a chunk of tokens at a time, never
+holding the (tokens × vocab) logits whole; with --fp8_head, its matmuls in FP8 (fp8.py)."""
 
 from typing import NamedTuple
 
@@ -10,8 +9,8 @@ from training import fp8
 
 
 class HeadOperands(NamedTuple):
-    """The hidden states x (n, C) and the weight w (padded_vocab, C) as the chunks' matmuls read them: in the autocast
-    dtype, or (--fp8_head) in e4m3 with their scales and the gradient's (fp8.py)."""
+    """x (n, C) and w (padded_vocab, C) as the chunks' matmuls read them: in the autocast dtype, or (--fp8_head) in
+    e4m3 with their scales and the gradient's."""
     x: torch.Tensor
     w: torch.Tensor
     w_columns: torch.Tensor  # w column-major, as torch._scaled_mm takes its second operand (not FP8: w itself)
@@ -30,26 +29,13 @@ def head_operands(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, use
         w = weight.to(dtype)
         return HeadOperands(x.to(dtype), w, w)
     (x8, x_scale), (w8, w_scale) = fp8.to_e4m3(x), fp8.to_e4m3(weight)
-    return HeadOperands(x8, w8, fp8.column_major(w8), x_scale, w_scale, fp8.gradient_scale(x.device))
-
-
-def head_logits(ops: HeadOperands) -> torch.Tensor:
-    """x @ wᵀ (n, padded_vocab); under FP8 in bf16, with Hopper's fast accumulation."""
-    if not ops.fp8:
-        return ops.x @ ops.w.t()
-    return fp8.scaled_mm(ops.x, ops.w.t(), ops.x_scale, ops.w_scale, torch.bfloat16, fast_accum=True)
-
-
-def head_grad_x(ops: HeadOperands, grad_logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """grad_logits @ w (n, C), in dtype."""
-    if not ops.fp8:
-        return grad_logits @ ops.w
-    return fp8.scaled_mm(grad_logits, ops.w_columns, ops.grad_scale, ops.w_scale, dtype)
+    grad_scale = torch.tensor(1 / fp8.E5M2_MAX, dtype=torch.float32, device=x.device)  # gradient_to_e5m2's
+    return HeadOperands(x8, w8, fp8.column_major(w8), x_scale, w_scale, grad_scale)
 
 
 def head_grad_w(grad_logits: torch.Tensor, x: torch.Tensor, grad_scale: torch.Tensor | None,
                 x_scale: torch.Tensor | None) -> torch.Tensor:
-    """grad_logitsᵀ @ x (padded_vocab, C): in the autocast dtype, or in fp32 under FP8 (with the operands' scales)."""
+    """grad_logitsᵀ @ x (padded_vocab, C): in the autocast dtype, or in fp32 under FP8."""
     if x_scale is None:
         return grad_logits.t() @ x
     return fp8.scaled_mm(grad_logits.t().contiguous(), fp8.column_major(x), grad_scale, x_scale, torch.float32)
@@ -62,13 +48,14 @@ def add_weight_gradient(grad_w: torch.Tensor, grad_logits: torch.Tensor, ops: He
 
 def cross_entropy_chunk(ops: HeadOperands, targets: torch.Tensor, vocab_size: int,
                         grads: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    """Summed cross-entropy of one chunk of n tokens (ops.x, n rows) against the first vocab_size of w's rows; with
-    grads = (grad_x (n, C), grad_w (fp32)), also writes the chunk's gradient of x into grad_x and adds its gradient of
-    w to grad_w, both unscaled. A function, so that the chunk's logits are freed before the next chunk's exist."""
+    """Summed cross-entropy of a chunk (ops.x, n rows) against w's first vocab_size rows; grads = (grad_x (n, C),
+    grad_w (fp32)): writes the chunk's gradient of x and adds w's, unscaled. A function: its logits die with it."""
     # The matmul runs at the padded width, a multiple of 128, where GPUs have their fastest kernels (at 50,257 an
     # H100 falls back to an older, slower one); the padding columns get no probability, so neither loss nor gradient.
     columns = torch.arange(ops.w.size(0), device=ops.x.device)
-    logits = head_logits(ops).float().masked_fill_(columns >= vocab_size, float("-inf"))  # (n, padded_vocab)
+    logits = (fp8.scaled_mm(ops.x, ops.w.t(), ops.x_scale, ops.w_scale, torch.bfloat16, fast_accum=True) if ops.fp8
+              else ops.x @ ops.w.t())  # (n, padded_vocab); under FP8 in bf16, with Hopper's fast accumulation
+    logits = logits.float().masked_fill_(columns >= vocab_size, float("-inf"))
     lse = torch.logsumexp(logits, dim=1)  # (n,)
     loss_sum = (lse - logits.gather(1, targets[:, None]).squeeze(1)).sum()
     if grads is not None:
@@ -85,19 +72,16 @@ def cross_entropy_chunk(ops: HeadOperands, targets: torch.Tensor, vocab_size: in
             grad_logits = logits.sub_(lse[:, None]).exp_()
             grad_logits[torch.arange(len(targets), device=ops.x.device), targets] -= 1.0
         grad_logits = fp8.gradient_to_e5m2(grad_logits) if ops.fp8 else grad_logits.to(ops.x.dtype)
-        grad_x.copy_(head_grad_x(ops, grad_logits, grad_x.dtype))
+        grad_x.copy_(fp8.scaled_mm(grad_logits, ops.w_columns, ops.grad_scale, ops.w_scale, grad_x.dtype) if ops.fp8
+                     else grad_logits @ ops.w)
         add_weight_gradient(grad_w, grad_logits, ops)
     return loss_sum
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of the logits x @ weight[:vocab_size]ᵀ against targets, without ever holding them all.
-
-    The full logits of a GPT-2 micro-batch and their fp32 copy are most of a step's activation memory. So the forward
-    walks the tokens a chunk at a time and turns each chunk's logits straight into the gradients of x and of weight
-    (softmax − one_hot(target)); backward only scales them by grad_output. The price: the weight's fp32 gradient is
-    held from forward on, a cost that does not grow with the batch.
-    """
+    """Mean cross-entropy of x @ weight[:vocab_size]ᵀ against targets, never holding all logits (with their fp32 copy
+    most of a step's activations): forward turns each chunk's logits into the gradients of x and weight, backward
+    only scales them by grad_output. The price: weight's fp32 gradient, held from forward on, whatever the batch."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int,
@@ -141,6 +125,6 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
 
 
 def loss_chunk_tokens(device: torch.device) -> int:
-    """Tokens per chunk of the loss: on a GPU 4,096, a logits matmul large enough to run at full speed whose logits
-    (0.8 GiB in bf16) stay small beside the activations; on a CPU 1,024, measured fastest there."""
+    """Tokens per chunk of the loss: on a GPU 4,096, a full-speed matmul whose logits (0.8 GiB in bf16) stay small
+    beside the activations; on a CPU 1,024, measured fastest there."""
     return 4096 if device.type == "cuda" else 1024

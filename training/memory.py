@@ -1,7 +1,5 @@
-"""--micro_batch_size auto: the largest micro-batch whose memory fits the device, a fixed part (the model's state,
-by arithmetic: fixed_bytes) plus the activations of each sequence (measured by a real forward and backward). See
-docs/memory.md.
-"""
+"""--micro_batch_size auto: the largest micro-batch whose memory fits the device, a fixed part (by arithmetic:
+fixed_bytes) plus each sequence's activations (measured by a real forward and backward). See docs/memory.md."""
 
 import contextlib
 import ctypes
@@ -27,17 +25,15 @@ GiB = 2**30
 
 
 def state_bytes(model: nn.Module) -> int:
-    """Bytes of the parameters, their gradients and AdamW's two fp32 moments (a tied weight once); a model on the meta
-    device gives the same answer."""
+    """Bytes of the parameters, their gradients and AdamW's two fp32 moments (a tied weight once; meta models too)."""
     return sum(p.numel() * (2 * p.element_size() + ADAMW_BYTES_PER_PARAM) for p in model.parameters())
 
 
 def measure_activation_bytes_per_sequence(config: GPTConfig, seq_len: int, dtype: torch.dtype, device: str = "cpu",
                                           batch_size: int = 2, activation_checkpointing: str = "none") -> int:
-    """Activation memory of one more sequence in a micro-batch: the peak above the model's state of a forward and
-    backward of a fresh model at batch_size sequences, less that at 1, divided by batch_size - 1. A difference, as
-    part of the peak does not grow with the batch (autocast's copies of the weights, lm_head's gradient; the loss runs
-    in chunks of one sequence, so its chunk too): that is left to largest_micro_batch's headroom."""
+    """Activation memory of one more sequence: a fresh model's forward and backward peak above its state at
+    batch_size sequences less that at 1, over batch_size - 1. A difference, as part of the peak does not grow with
+    the batch (autocast's weight copies, lm_head's gradient, the loss's one-sequence chunk): left to the headroom."""
     torch.manual_seed(0)
     on_cpu = torch.device(device).type == "cpu"
     # On the CPU, on fake tensors: MemTracker counts the same storages without the arithmetic (GPT-2 124M, T=1024,
@@ -55,8 +51,7 @@ def measure_activation_bytes_per_sequence(config: GPTConfig, seq_len: int, dtype
 
 
 def _peak_activation_bytes(model: GPT, batch_size: int, seq_len: int, dtype: torch.dtype) -> int:
-    """Peak bytes above parameters and gradients during one micro-step's forward + backward (CUDA's allocator's
-    counters, elsewhere MemTracker's)."""
+    """Peak bytes above parameters and gradients in one forward + backward (CUDA's counters, elsewhere MemTracker's)."""
     device = model.transformer.wte.weight.device
     # Gradients exist from the previous micro-step, as in an accumulation: the steady state, with the highest peak.
     for p in model.parameters():
@@ -97,10 +92,8 @@ class MicroBatch:
 
 def largest_micro_batch(available_bytes: int, fixed_bytes: int, bytes_per_sequence: int, rank_batch_sequences: int,
                         headroom: float = 0.1) -> MicroBatch:
-    """The largest micro-batch B with fixed_bytes + B · bytes_per_sequence <= available_bytes · (1 - headroom) that
-    divides rank_batch_sequences (this rank's share of a step). The headroom covers what the per-sequence slope
-    leaves out (fragmentation, the loss's chunk, CUDA's context). Not even one sequence: a ValueError with the numbers.
-    """
+    """The largest B dividing rank_batch_sequences with fixed_bytes + B · bytes_per_sequence <= available_bytes ·
+    (1 - headroom), which covers what the slope leaves out (fragmentation, the loss's chunk, CUDA's context)."""
     budget = int(available_bytes * (1 - headroom))
     need_one = fixed_bytes + bytes_per_sequence
     if need_one > budget:
@@ -125,8 +118,7 @@ def available_bytes(device: torch.device, ranks_on_node: int) -> int:
     """The memory one rank may use: a GPU's free memory, MPS's recommended working set less what is in use, or the
     RAM Linux says is available, shared by the node's ranks."""
     if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return free
+        return torch.cuda.mem_get_info(device)[0]
     if device.type == "mps":
         return torch.mps.recommended_max_memory() - torch.mps.driver_allocated_memory()
     with open("/proc/meminfo") as f:
@@ -135,11 +127,9 @@ def available_bytes(device: torch.device, ranks_on_node: int) -> int:
 
 
 def fixed_bytes(config: GPTConfig, world_size: int, parallel: str, dtype: torch.dtype) -> int:
-    """What a rank holds whatever its micro-batch size. ddp: the whole state, plus DDP's gradient buckets (a copy of
-    the gradients, 4 of the 16 bytes a parameter) when there are peers. fsdp: its 1/world_size of the state; the
-    weights and gradients FSDP gathers, in the compute dtype, of the root (for the whole step) and two Blocks (the one
-    computing, the one prefetched); and the fp32 gradients FSDP2 keeps unsharded between the micro-steps of an
-    accumulation (counted even without one: small where that fits)."""
+    """What a rank holds whatever its micro-batch. ddp: the state, plus DDP's gradient buckets (4 of a parameter's 16
+    bytes) with peers. fsdp: 1/world_size of the state; the gathered weights and gradients, in the compute dtype, of
+    the root and two Blocks (computing, prefetched); the fp32 gradients FSDP2 keeps unsharded between micro-steps."""
     with torch.device("meta"):
         model = GPT(config)
     state = state_bytes(model)
@@ -154,24 +144,19 @@ def fixed_bytes(config: GPTConfig, world_size: int, parallel: str, dtype: torch.
 
 
 def compiled_loss_bytes_per_sequence(config: GPTConfig, seq_len: int, dtype: torch.dtype, chunk_tokens: int) -> int:
-    """What a compiled training step on a GPU holds beyond eager's activations, per sequence: every chunk's logits
-    and partial weight gradient at once, where eager frees each with its chunk (on an H200 at 124M, T=1024, bf16:
-    103-105 MiB measured by dev/compiled_memory.py, 117 counted here; docs/performance.md)."""
-    itemsize = dtype.itemsize
-    vocab = config.padded_vocab_size
-    return seq_len * vocab * itemsize + seq_len * vocab * config.n_embd * itemsize // chunk_tokens
+    """What a compiled step on a GPU holds beyond eager's activations, per sequence: every chunk's logits and partial
+    weight gradient at once (H200, 124M, T=1024, bf16: 103-105 MiB measured by dev/compiled_memory.py, 117 here)."""
+    logits_bytes = seq_len * config.padded_vocab_size * dtype.itemsize
+    return logits_bytes + logits_bytes * config.n_embd // chunk_tokens
 
 
 def auto_micro_batch(config: GPTConfig, seq_len: int, total_batch_size: int, world_size: int, device: torch.device,
                      dtype: torch.dtype, ranks_on_node: int, parallel: str = "ddp",
                      activation_checkpointing: str = "none", compile: bool = False) -> MicroBatch:
     """The largest micro-batch that fits this rank: the activations per sequence measured on the device (MPS's on the
-    CPU), with the run's --activation_checkpointing (and, compiled on a GPU, the compiled loss's), next to
-    fixed_bytes."""
-    rank_tokens, remainder = divmod(total_batch_size, world_size * seq_len)
-    if remainder:
-        raise ValueError(f"--total_batch_size {total_batch_size} is not a whole number of sequences per rank "
-                         f"(--seq_len {seq_len} × {world_size} ranks)")
+    CPU) with --activation_checkpointing (and the compiled loss's), next to fixed_bytes. (total_batch_size is a whole
+    number of sequences per rank: make_plan checked.)"""
+    rank_sequences = total_batch_size // (world_size * seq_len)
     measure_on = device if device.type == "cuda" else torch.device("cpu")
     per_sequence = measure_activation_bytes_per_sequence(config, seq_len, dtype, measure_on,
                                                          activation_checkpointing=activation_checkpointing)
@@ -180,13 +165,12 @@ def auto_micro_batch(config: GPTConfig, seq_len: int, total_batch_size: int, wor
         if compile:
             per_sequence += compiled_loss_bytes_per_sequence(config, seq_len, dtype, loss_chunk_tokens(device))
     fixed = fixed_bytes(config, world_size, parallel, dtype)
-    return largest_micro_batch(available_bytes(device, ranks_on_node), fixed, per_sequence, rank_tokens)
+    return largest_micro_batch(available_bytes(device, ranks_on_node), fixed, per_sequence, rank_sequences)
 
 
 def choose_micro_batch(cfg: TrainConfig, dist_env: Distributed, dtype: torch.dtype, print0) -> int:
-    """--micro_batch_size auto: auto_micro_batch's choice, the smallest rank's on every rank. A rank where not even
-    one sequence fits (by the arithmetic, or the probe running out of memory) joins the MIN all-reduce with 0, so that
-    every rank raises, none waiting for a peer."""
+    """--micro_batch_size auto: the smallest rank's auto_micro_batch on every rank. A rank where not even one sequence
+    fits joins the MIN all-reduce with 0, so that every rank raises, none waiting for a peer."""
     plan = resolve_plan(replace(cfg, micro_batch_size=1), dist_env.world_size)  # every other flag checked first
     try:
         choice, failure = auto_micro_batch(plan.model_config, plan.seq_len, cfg.total_batch_size, dist_env.world_size,
@@ -212,9 +196,8 @@ def choose_micro_batch(cfg: TrainConfig, dist_env: Distributed, dtype: torch.dty
 
 
 def keep_freed_memory() -> None:
-    """With glibc (Linux), keep freed memory in the process for reuse: glibc returns every freed block over 32 MB to
-    the kernel, so each step's activations are page-faulted and zeroed afresh (1.3-1.6x slower steps, small preset
-    on 2 cores). The price: the peak resident memory grows, once."""
+    """With glibc, keep freed memory for reuse: glibc returns freed blocks over 32 MB to the kernel, so each step's
+    activations are page-faulted and zeroed afresh (1.3-1.6x slower steps on 2 cores); the peak RSS grows, once."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:  # not glibc (macOS, Windows, musl): nothing to tune

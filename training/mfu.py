@@ -48,11 +48,10 @@ def table_peak_flops(device_name: str, dtype: torch.dtype) -> tuple[str, float] 
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.3) -> float:
-    """The best FLOP/s of a square matmul in dtype on device, over about `seconds` of repeats: the fastest, as on a
-    shared machine the slow ones measure the neighbours. On a CPU 512 reaches a core's peak in ~3 ms, short enough to
-    fit between other processes' time slices; GPUs need 4096. A private generator leaves the run's random stream."""
+    """The best FLOP/s of a square matmul over `seconds` of repeats (on a shared machine the slow ones measure the
+    neighbours): 512 on a CPU, a core's peak in ~3 ms, between others' time slices; 4096 on GPUs."""
     size = 512 if device.type == "cpu" else 4096
-    generator = torch.Generator(device=device).manual_seed(0)
+    generator = torch.Generator(device=device).manual_seed(0)  # (the run's random stream untouched)
     a, b = (torch.randn(size, size, device=device, dtype=dtype, generator=generator) for _ in range(2))
     for _ in range(2):  # warm-up: the first calls pay for kernel selection and allocation
         a @ b

@@ -1,7 +1,5 @@
 """Which optimizer updates which parameter (--optimizer adamw: AdamW for all; muon: Muon for the blocks' matrices,
-AdamW for the rest, which Muon is not for: an embedding row is a lookup, not a linear map, and 1-D tensors have no
-orthogonal update), and the learning-rate schedule they all follow. See docs/optimizers.md.
-"""
+AdamW for embeddings (lookups, not linear maps) and 1-D tensors), and the LR schedule. See docs/optimizers.md."""
 
 import functools
 import math
@@ -30,13 +28,9 @@ EMBED_LR_RATIO = 10.0
 MUON_MOMENTUM_START = 0.85
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the optimizers
-
 class Optimizers:
-    """The run's optimizers seen as one: the learning rate, zero_grad and the snapshot state go through here.
-    Iterating gives the real torch optimizers, one by one: the GradScaler unscales and steps each of them, and
-    fsdp's get_state_dict takes them as a list."""
+    """The run's optimizers as one (learning rate, zero_grad, snapshot state); iterating gives the torch optimizers,
+    which the GradScaler unscales and steps and fsdp's get_state_dict takes as a list."""
 
     def __init__(self, optimizers: dict[str, torch.optim.Optimizer], lr_ratios: dict[str, float],
                  scheduled_momentum: bool = False):
@@ -55,8 +49,7 @@ class Optimizers:
         return iter(self.by_name.values())
 
     def set_lr(self, lr: float) -> None:
-        """The schedule's learning rate, scaled per optimizer (Muon: --muon_lr / --max_lr) and per group (modern's
-        embedding: --embed_lr / --max_lr), so that every group warms up and decays together."""
+        """The schedule's LR, scaled per optimizer (Muon: --muon_lr / --max_lr) and group (embedding: --embed_lr)."""
         for name, optimizer in self.by_name.items():
             for group in optimizer.param_groups:
                 group["lr"] = lr * self.lr_ratios[name] * group.get("lr_ratio", 1.0)
@@ -86,16 +79,14 @@ class Optimizers:
             saved, mine = len(state[name]["param_groups"]), len(optimizer.param_groups)
             if saved != mine:  # (torch would say only that the numbers differ)
                 raise ValueError(f"the snapshot's {name} state has {saved} parameter groups, this run's {mine}: it "
-                                 "was written by a version of this code without --arch modern's group at --embed_lr. "
-                                 "Start from its weights with --init_from (a fresh optimizer), or resume it with the "
-                                 "code that wrote it.")
+                                 "predates --arch modern's group at --embed_lr. Start from its weights with "
+                                 "--init_from (a fresh optimizer), or resume it with the code that wrote it.")
             optimizer.load_state_dict(state[name])
 
 
 def build_optimizers(model: torch.nn.Module, cfg: TrainConfig, device_type: str, fused: bool = True,
                      shared: bool = False) -> Optimizers:
-    """AdamW, or Muon + AdamW, at the schedule's peak learning rate. shared: Muon's Newton–Schulz work is split over
-    the ranks."""
+    """AdamW, or Muon + AdamW, at the peak LR. shared: Muon's Newton–Schulz work is split over the ranks."""
     embedding = model.transformer.wte.weight if model.config.arch == "modern" else None  # (gpt2's is lm_head too)
     if cfg.optimizer == "adamw":
         return Optimizers({"adamw": adamw(list(model.parameters()), cfg, device_type, fused, embedding)},
@@ -129,16 +120,10 @@ def adamw(params: list[torch.nn.Parameter], cfg: TrainConfig, device_type: str, 
     return torch.optim.AdamW(groups, lr=cfg.max_lr, betas=(cfg.adam_beta1, 0.95), eps=1e-8, fused=fused)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Muon: torch's update, its Newton–Schulz batched by shape and, on several ranks, shared
-
 class Muon(torch.optim.Muon):
-    """torch.optim.Muon's update and state, with its Newton–Schulz iteration run once per shape over the stack of that
-    shape's updates instead of once per matrix (on an H200 3.8 ms instead of 24.6 for GPT-2 124M, bitwise the same).
-
-    shared (several ranks, or fsdp): each matrix has one owner (muon_owners), which alone orthogonalises its update,
-    and every rank receives what it holds of the result; the momentum stays beside its parameter, as torch keeps it.
-    """
+    """torch.optim.Muon's update and state, its Newton–Schulz run once per shape on the stack of that shape's updates
+    (on an H200 3.8 ms instead of 24.6 for GPT-2 124M, bitwise the same). shared (several ranks, or fsdp): each
+    matrix's owner (muon_owners) alone orthogonalises it, and every rank receives what it holds of the result."""
 
     def __init__(self, params, shared: bool = False, **settings):
         super().__init__(params, **settings)
@@ -146,10 +131,8 @@ class Muon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure=None):  # (torch's signature: fsdp's get_state_dict calls step(closure=None))
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        with torch.enable_grad():
+            loss = closure() if closure is not None else None
         for group in self.param_groups:
             self._step_group(group)
         return loss
@@ -187,9 +170,8 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def muon_owners(shapes: list[torch.Size], world_size: int) -> list[int]:
-    """The rank that orthogonalises each matrix: the largest first, each to the rank with the least work so far (the
-    lowest such rank on a tie), so that every rank computes the same answer. The work of Newton–Schulz on an (m, n)
-    matrix, m <= n, is about m²(2n + m) multiply-adds per iteration (X Xᵀ, its square, and the product with X)."""
+    """The rank that orthogonalises each matrix: the largest first, each to the least loaded rank (the lowest on a
+    tie), the same on every rank. Newton–Schulz on (m, n), m <= n: m²(2n + m) multiply-adds an iteration."""
     def work(shape: torch.Size) -> int:
         m, n = sorted(shape[:2])
         return m * m * (2 * n + m)
@@ -220,10 +202,9 @@ def orthogonalise_replicated(shapes: list[torch.Size], held: list[torch.Tensor],
 
 def orthogonalise_sharded(shapes: list[torch.Size], held: list[torch.Tensor], update: Callable,
                           orthogonalise: Callable) -> list[torch.Tensor]:
-    """fsdp: every rank holds some rows of each matrix (FSDP2's torch.chunk of dim 0: ceil(rows / world) each, the
-    last ranks fewer or none). The owner gathers its matrices' rows from every rank, one all-to-all, and sends each
-    its rows of the result back, another. Rows are padded to the chunk, so that rank r's piece of every matrix is row
-    r of the (world, chunk) view of the padded whole."""
+    """fsdp: every rank holds ceil(rows / world) rows of each matrix (FSDP2's torch.chunk of dim 0; the last fewer or
+    none). One all-to-all gathers each owner's matrices, another sends each rank its rows of the results; padded to
+    the chunk, rank r's piece of a matrix is row r of the (world, chunk) view of the padded whole."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     owners = muon_owners(shapes, world_size)
     chunk_rows = [math.ceil(shape[0] / world_size) for shape in shapes]
@@ -253,14 +234,10 @@ def orthogonalise_sharded(shapes: list[torch.Size], held: list[torch.Tensor], up
     return [mine[i].view(chunk_rows[i], -1)[:rows.size(0)] for i, rows in enumerate(held)]
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Muon's Newton–Schulz iteration
-
 def orthogonalise_by_shape(updates: list[torch.Tensor], ns_coefficients: tuple[float, float, float], ns_steps: int,
                            eps: float) -> list[torch.Tensor]:
-    """newton_schulz of each update, once per shape on the stack of that shape's updates, a tall matrix transposed to
-    join the wide ones (Newton–Schulz iterates on the wide form anyway); in fp32 (what a broadcast sends), contiguous,
-    in the updates' order."""
+    """newton_schulz of each update, once per shape on the stack of its updates (a tall one transposed to join the
+    wide ones, the form it iterates on anyway); in fp32 (what a broadcast sends), contiguous, in the updates' order."""
     wide = [u if u.size(0) <= u.size(1) else u.T for u in updates]
     by_shape: dict[torch.Size, list[int]] = {}
     for i, w in enumerate(wide):
@@ -280,8 +257,8 @@ def bf16_matmul_is_slow(device: torch.device) -> bool:
 
 def newton_schulz(stack: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
                   eps: float) -> torch.Tensor:
-    """torch.optim._muon._zeropower_via_newtonschulz of each of a stack of wide matrices (matrices, rows <= columns)
-    at once; in bf16 as torch's, but in fp32 where bf16 matmuls are slow (torch has no option for that)."""
+    """torch.optim._muon._zeropower_via_newtonschulz of a stack of wide matrices at once; in bf16 as torch's, but in
+    fp32 where bf16 matmuls are slow (torch has no option for that)."""
     a, b, c = ns_coefficients
     x = stack.to(torch.float32 if bf16_matmul_is_slow(stack.device) else torch.bfloat16)
     x = x / x.norm(dim=(1, 2), keepdim=True).clamp(min=eps)  # spectral norm ≤ Frobenius norm = 1
@@ -290,9 +267,6 @@ def newton_schulz(stack: torch.Tensor, ns_coefficients: tuple[float, float, floa
         x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x
 
-
-# ----------------------------------------------------------------------------------------------------------------
-# the learning-rate schedule
 
 def get_lr(step: int, cfg: TrainConfig) -> float:
     """Linear warmup to max_lr, then cosine decay to min_lr_ratio·max_lr at the last step; or (wsd) max_lr held, then
@@ -318,8 +292,8 @@ def get_muon_momentum(step: int, cfg: TrainConfig) -> float:
 
 
 def schedule_change(step: int, snapshot_config: dict, cfg: TrainConfig) -> tuple[str, bool] | None:
-    """On a resume with another schedule than the snapshot's run had: (a line saying what the LR was going to be at
-    `step` and what it is now, whether that is a jump); None if unchanged."""
+    """On a resume with another schedule than the snapshot's: (a line with the old and new LR at `step`, whether that
+    is a jump); None if unchanged."""
     schedule_flags = ("lr_schedule", "max_steps", "warmup_steps", "max_lr", "min_lr_ratio", "warmdown_frac")
     old = replace(cfg, **{k: snapshot_config[k] for k in schedule_flags if k in snapshot_config})
     if all(getattr(old, k) == getattr(cfg, k) for k in schedule_flags):
@@ -330,11 +304,9 @@ def schedule_change(step: int, snapshot_config: dict, cfg: TrainConfig) -> tuple
             f"{old_lr:.3e}, the new one {new_lr:.3e}")
     jump = abs(new_lr - old_lr) > LR_JUMP_TOLERANCE * old_lr
     if jump and cfg.lr_schedule == "cosine":
-        line += (". Cosine stretches over --max_steps, so the LR jumps here and the weights get a shock: the loss "
-                 "rises before it falls again. To extend a run without a jump, train with --lr_schedule wsd from "
-                 "the start and resume from a snapshot taken before its warmdown; or keep --max_steps.")
+        line += (". Cosine stretches over --max_steps, so the LR jumps and the loss rises before it falls again. To "
+                 "extend a run without a jump, train with --lr_schedule wsd and resume before its warmdown.")
     elif jump:
-        line += (". The snapshot is past the point where the new schedule's warmdown starts (or inside the old "
-                 "one's), so the LR jumps: resume from a snapshot taken in the stable phase, before step "
-                 f"{cfg.max_steps - round(cfg.warmdown_frac * cfg.max_steps)}, to continue without one.")
+        line += (". The snapshot is past the new schedule's warmdown start (or in the old one's), so the LR jumps: "
+                 f"resume from one before step {cfg.max_steps - round(cfg.warmdown_frac * cfg.max_steps)} instead.")
     return line, jump

@@ -48,8 +48,7 @@ def build_training_model(raw_model: torch.nn.Module, dist_env: Distributed, dtyp
                          compile: bool, plain: bool = False, parallel: str = "ddp",
                          compile_mode: str | None = None) -> TrainingModel:
     """The model on its device (ddp) or sharded onto it (fsdp), with cfg's --activation_checkpointing, --fp8_head and
-    optimizers (Muon's work shared by the ranks), compiled (compile_mode: torch.compile's), wrapped in DDP (ddp, several
-    ranks). plain: bench.py's baseline, the for-loop AdamW instead of the fused one."""
+    optimizers, compiled, DDP-wrapped on several ranks. plain: bench.py's baseline, the for-loop AdamW, not fused."""
     device = dist_env.device
     if compile and device.type == "mps":
         raise UserError("--compile is not supported on MPS (torch.compile's MPS backend is experimental and fails "
@@ -79,8 +78,8 @@ def build_training_model(raw_model: torch.nn.Module, dist_env: Distributed, dtyp
 
 
 def shard(model: torch.nn.Module, dtype: torch.dtype, mesh: DeviceMesh) -> None:
-    """FSDP2, in place, onto the mesh's device: each Block one shard group (gathered just before it runs, freed
-    after), the rest the root's. Under bf16 the weights are gathered in bf16 and gradients reduced in fp32."""
+    """FSDP2, in place: each Block a shard group (gathered just before it runs, freed after), the rest the root's;
+    under bf16, weights gathered in bf16 and gradients reduced in fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # (imported by fsdp runs alone: a second)
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \

@@ -36,8 +36,7 @@ def autocast(device: torch.device | str, dtype: torch.dtype) -> torch.autocast:
 
 def set_deterministic() -> None:
     """Bitwise-repeatable GPU runs (--deterministic, docs/gpus.md). Strict, not warn_only: only then does torch pick
-    the deterministic backward of flash and memory-efficient attention; a training step uses no op that would raise
-    (tests/test_gpu_paths.py trains with it on)."""
+    flash and memory-efficient attention's deterministic backward (no op of a step raises: tests/test_gpu_paths.py)."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts, so before any GPU work
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = False

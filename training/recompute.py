@@ -1,6 +1,5 @@
-"""--activation_checkpointing (docs/memory.md): what each Block keeps for backward and recomputes in it instead. A
-block takes its recomputation as Block.recompute (model.py knows nothing of the modes): a function that runs the
-block's residual branches under torch.utils.checkpoint."""
+"""--activation_checkpointing (docs/memory.md): what each Block keeps for backward and recomputes instead, as
+Block.recompute (model.py knows no modes), a function that runs its residual branches under torch's checkpoint."""
 
 import functools
 
