@@ -1,6 +1,5 @@
-"""One run per output directory (flock on <dir>/run.lock, which the kernel drops however the holder dies), in
-directories probed by a real write and checked to stay where they were. Why: docs/reliability.md ("One run per
-directory")."""
+"""One run per output directory (flock on <dir>/run.lock: the kernel drops it however the holder dies), probed by a
+real write and checked to stay in place. Why: docs/reliability.md ("One run per directory")."""
 
 import errno
 import fcntl

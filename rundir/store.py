@@ -93,9 +93,8 @@ def read_record(path: Path, fields: dict[str, type]) -> dict:
     except (ValueError, OSError) as e:
         raise ValueError(f"{path} could not be read ({type(e).__name__}: {e}).") from e
     if isinstance(record, dict) and record.get("format", snapshot.FORMAT) != snapshot.FORMAT:
-        raise ValueError(f"{path} is of format {record['format']!r}, written by another version of train_gpt2.py; "
-                         f"this one reads format {snapshot.FORMAT}. Use the version that wrote it, or another "
-                         "directory.")
+        raise ValueError(f"{path} is of format {record['format']!r}, written by another version of train_gpt2.py; this "
+                         f"one reads format {snapshot.FORMAT}. Use the version that wrote it, or another directory.")
     if not isinstance(record, dict) or set(record) != {"format", *fields} or \
             not all(isinstance(record[k], kind) for k, kind in fields.items()):
         raise ValueError(f"{path} is not a record as train_gpt2.py writes it ({', '.join(fields)}).")
@@ -300,8 +299,8 @@ class Snapshots(TrainingState):
         return state["step"], path
 
     def commit_rollback(self, step: int, path: str) -> None:
-        """Write the state over the snapshot restored (of a directory only meta.pt: its shards hold the weights
-        restored), and delete this run's newer snapshots (all unhealthy); a failed write warns."""
+        """Write the state over the snapshot restored (a directory's meta.pt: its shards hold those weights), and delete
+        this run's newer snapshots (all unhealthy); a failed write warns."""
         state, self.last_saved = self.capture(step, True, self.run), step
         if not self.dist_env.is_master:
             return
@@ -466,6 +465,6 @@ class Snapshots(TrainingState):
         try:
             write_record(self.dir / RUN_FILE, asdict(self.record))
         except OSError as e:
-            raise UserError(f"{self.dir / RUN_FILE} could not be written ({reason(e)}), so this run stops before "
-                            "its first step. Free space, or point --snapshot_dir at a directory that can be "
+            raise UserError(f"{self.dir / RUN_FILE} could not be written ({reason(e)}), so this run stops before its "
+                            "first step. Free space, or point --snapshot_dir at a directory that can be "
                             "written.") from e

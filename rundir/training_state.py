@@ -26,8 +26,7 @@ class TrainingState:
         """Whether every weight and optimizer tensor is finite on every rank: a sum is NaN or inf if any value is."""
         optimizer_state = (v for optimizer in self.trainee.optimizer for s in optimizer.state.values()
                            for v in s.values() if torch.is_tensor(v))
-        tensors = [t.to_local() if is_dtensor(t) else t for t in (*self.trainee.raw.parameters(),
-                                                                            *optimizer_state)]
+        tensors = [t.to_local() if is_dtensor(t) else t for t in (*self.trainee.raw.parameters(), *optimizer_state)]
         finite = bool(torch.stack([t.sum() for t in tensors]).isfinite().all())
         return not any_rank(not finite, self.dist_env.device)
 

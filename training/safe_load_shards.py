@@ -1,6 +1,5 @@
-"""Reading a directory snapshot (--parallel fsdp) without running code: its .metadata by an unpickler that builds
-only what such a file holds (torch's reader: plain pickle), its shards' values weights_only. Refusals are ValueErrors
-naming why. (Its own module: torch.distributed.checkpoint takes a second to import, and only fsdp runs need it.)"""
+"""Reading a directory snapshot (--parallel fsdp) without running code (torch's reader: plain pickle); refusals are
+ValueErrors naming why. Its own module: torch.distributed.checkpoint takes a second to import; only fsdp needs it."""
 
 import pickle
 import re
