@@ -6,7 +6,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import closing
 from io import FileIO
 from pathlib import Path
@@ -44,12 +44,8 @@ def write_shard(path: str | Path, tokens: np.ndarray, vocab_size: int = 2**16) -
                          f"{tokens.min()}..{tokens.max()}")
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[:3] = (magic, version, tokens.size)
-
-    def write(f) -> None:
-        f.write(header.tobytes())
-        f.write(np.ascontiguousarray(tokens, dtype=dtype))  # (no copy where the ids are already of dtype)
-
-    atomic_write(path, write)
+    # (ascontiguousarray: no copy where the ids are already of dtype)
+    atomic_write(path, lambda f: f.writelines([header.tobytes(), np.ascontiguousarray(tokens, dtype=dtype)]))
 
 
 def read_shard_header(path: str | Path) -> int:
@@ -69,9 +65,8 @@ def read_shard_layout(path: str | Path) -> tuple[int, np.dtype]:
                          "llm.c format. Re-create it with data/prepare.py or data/fineweb.py.")
     dtype = TOKEN_DTYPES.get((int(header[0]), int(header[1])))
     if dtype is None:
-        raise UserError(f"{path}: unsupported shard version {header[1]} (expected {VERSION} for uint16 tokens, or "
-                         f"{VERSION_32} under magic {MAGIC_32} for uint32). Re-create it with data/prepare.py or "
-                         "data/fineweb.py.")
+        raise UserError(f"{path}: unsupported shard version {header[1]} (expected {VERSION}, or {VERSION_32} under "
+                        f"magic {MAGIC_32}: uint32 tokens). Re-create it with data/prepare.py or data/fineweb.py.")
     num_tokens = int(header[2])
     expected = HEADER_BYTES + num_tokens * dtype.itemsize
     if size != expected:
@@ -84,12 +79,11 @@ def find_shards(data_dir: str | Path, split: str) -> list[Path]:
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
         raise UserError(f"data directory {data_dir} does not exist; prepare data first, e.g. "
-                                "`python -m data.prepare --source shakespeare`, or point --data_dir at your shards.")
-    pattern = re.compile(rf".*_{split}_\d+\.bin")
-    shards = sorted(p for p in data_dir.iterdir() if pattern.fullmatch(p.name))
+                        "`python -m data.prepare --source shakespeare`, or point --data_dir at your shards.")
+    shards = [data_dir / name for name in shard_names(data_dir, split)]
     if not shards:
         raise UserError(f"no {split} shards (files named <name>_{split}_<NNNNNN>.bin) in {data_dir}; "
-                                "prepare data first, e.g. `python -m data.prepare --source shakespeare`.")
+                        "prepare data first, e.g. `python -m data.prepare --source shakespeare`.")
     for path in shards:
         if not path.is_file():
             raise UserError(f"{path} is a directory (or another non-file) named like a {split} shard. Shards are "
@@ -98,15 +92,14 @@ def find_shards(data_dir: str | Path, split: str) -> list[Path]:
     unlisted = [path for path in shards if manifest and path.name not in manifest[1]]
     if unlisted:
         raise UserError(f"{unlisted[0]} is not one of the shards that {data_dir / MANIFEST} lists as written with the "
-                        f"tokenizer {manifest[0].describe()}: it was written with another tokenizer, or copied in "
-                        "from another directory, and one directory holds the shards of one tokenizer. Move it out of "
-                        f"{data_dir}, or write it again into this directory with data/prepare.py or data/fineweb.py.")
+                        f"tokenizer {manifest[0].describe()} (one directory holds one tokenizer's shards). Move it out "
+                        f"of {data_dir}, or write it into this directory with data/prepare.py or data/fineweb.py.")
     return shards
 
 
-def shard_names(data_dir: Path) -> list[str]:
-    """The names of the files in data_dir named like shards (<name>_train_NNNNNN.bin, <name>_val_NNNNNN.bin)."""
-    return sorted(p.name for p in data_dir.iterdir() if re.fullmatch(r".*_(train|val)_\d+\.bin", p.name))
+def shard_names(data_dir: Path, split: str = "(train|val)") -> list[str]:
+    """The names of data_dir's files named like shards of split: <name>_<split>_NNNNNN.bin."""
+    return sorted(p.name for p in data_dir.iterdir() if re.fullmatch(rf".*_{split}_\d+\.bin", p.name))
 
 
 def read_manifest(data_dir: str | Path) -> tuple[TokenizerSpec, list[str]] | None:
@@ -142,37 +135,18 @@ def read_data_tokenizer(data_dir: str | Path) -> TokenizerSpec:
     return manifest[0] if manifest else gpt2_spec()
 
 
-def record_shards(data_dir: Path, tokenizer: TokenizerSpec, names: Sequence[str] = ()) -> None:
-    """Before shards of `tokenizer` named `names` are written into data_dir, list them in its manifest (a crash leaves
-    a name without a file, never the reverse); a UserError if it holds another tokenizer's shards, or no manifest."""
-    manifest, existing = read_manifest(data_dir), shard_names(data_dir)
-    if manifest is None and existing:
-        raise UserError(f"{data_dir} holds shards ({existing[0]}, ...) but no {MANIFEST} naming their "
-                        "tokenizer (llm.c's, another tool's, or its manifest deleted), so the shards written now could "
-                        "not be told apart from them. Pass another --output_dir (or delete this one to start over).")
-    if manifest and manifest[0].sha256 != tokenizer.sha256:
-        raise UserError(f"{data_dir} holds shards written with the tokenizer {manifest[0].describe()} (see "
-                        f"{data_dir / MANIFEST}), not with {tokenizer.describe()}: one directory holds the shards of "
-                        "one tokenizer, or the loader could not tell them apart. Pass another --output_dir (or delete "
-                        "this one to start over).")
-    if manifest is None or not set(names) <= set(manifest[1]):
-        shards = sorted(set(manifest[1] if manifest else []) | set(names))
-        text = json.dumps({"version": MANIFEST_VERSION, "tokenizer": tokenizer.to_dict(), "shards": shards}, indent=1)
-        atomic_write(data_dir / MANIFEST, lambda f: f.write(text.encode()))
-
-
 class ShardReadError(UserError):
     """A shard that changed under the run (ShardWatch) or could not be read (a short read, an I/O error)."""
 
 
 class ShardWatch:
-    """Each shard's os.stat at the start; check(): a ShardReadError naming the first that changed (docs/data.md)."""
+    """Each shard's os.stat at the start; check(*paths): a ShardReadError naming the first of paths (default: every
+    shard) that changed (docs/data.md)."""
 
     def __init__(self, paths: list[Path]):
         self.started = {path: os.stat(path) for path in paths}
 
     def check(self, *paths: Path) -> None:
-        """Check `paths` (default: every shard)."""
         for path in paths or self.started:
             change = shard_change(path, self.started[path])
             if change:
@@ -347,8 +321,8 @@ class DistributedDataLoader(ReadAhead):
             if num_chunks < self.chunks_per_step:
                 raise UserError(f"{self.shards[shard_index]}: its documents pack into {len(self.rows)} rows of "
                                 f"--seq_len + 1 = {self.T + 1} tokens under --align_bos, fewer than one optimizer step "
-                                f"needs ({self.chunks_per_step} chunks of {self.B} rows): too few documents, or too "
-                                "long. Use a smaller --total_batch_size / --seq_len, larger shards, or no --align_bos.")
+                                f"needs ({self.chunks_per_step} chunks of {self.B} rows). Use a smaller "
+                                "--total_batch_size / --seq_len, larger shards, or no --align_bos.")
         else:
             num_chunks = (num_tokens - 1) // (self.B * self.T)
         self.usable_chunks = num_chunks - num_chunks % self.chunks_per_step
@@ -406,8 +380,7 @@ class DistributedDataLoader(ReadAhead):
         return {"epoch": self.epoch, "shard_position": self.shard_position, "chunk_position": self.chunk_position,
                 "chunk_tokens": self.B * self.T, "chunks_per_step": self.chunks_per_step,
                 "num_shards": len(self.shards), "shuffle": int(self.shuffle), "seed": self.seed, "seq_len": self.T,
-                "align_bos": int(self.align_bos),
-                "data_dir": self.data_dir, "data_fingerprint": self.data_fingerprint}
+                "align_bos": int(self.align_bos), "data_dir": self.data_dir, "data_fingerprint": self.data_fingerprint}
 
     def load_state_dict(self, state: dict, whole_steps: bool = True) -> None:
         """whole_steps: the position must be between two optimizer steps (a mixture's source is at any chunk)."""
@@ -419,24 +392,21 @@ class DistributedDataLoader(ReadAhead):
             raise UserError(
                 f"cannot resume the data loader: the snapshot's run read other shards (--data_dir {state['data_dir']}, "
                 f"{state['num_shards']} shards) than this run's --data_dir {self.data_dir} holds ({len(self.shards)} "
-                "shards, with other sizes or tokens), so its position would fall somewhere in other data. Pass "
-                "the --data_dir of the snapshot's run (a copy of its shards elsewhere resumes as well), or start a "
-                "new run on this data from the snapshot's weights with --init_from SNAPSHOT.")
+                "shards, with other sizes or tokens). Pass the snapshot's --data_dir (or a copy of its shards), or "
+                "start a new run on this data from its weights with --init_from SNAPSHOT.")
         for key in ("chunk_tokens", "chunks_per_step", "num_shards", "shuffle", "seed", "align_bos"):
             if state[key] != mine[key]:
                 raise UserError(
-                    f"cannot resume the data loader: the snapshot was taken with {key}={state[key]}, this run "
-                    f"has {key}={mine[key]}. Resuming would re-read or skip data. Keep --micro_batch_size·--seq_len, "
-                    "--total_batch_size, the data directory, --shuffle, --seed and --align_bos as they were (the "
-                    "number of ranks may change), or start a fresh run with --resume never.")
+                    f"cannot resume the data loader: the snapshot was taken with {key}={state[key]}, this run has "
+                    f"{key}={mine[key]}: it would re-read or skip data. Keep --micro_batch_size·--seq_len, "
+                    "--total_batch_size, the data, --shuffle, --seed and --align_bos (the number of ranks may "
+                    "change), or start a fresh run with --resume never.")
         if state["seq_len"] != self.T:
             raise UserError(
                 f"cannot resume the data loader: the snapshot's run cut its chunks of {self.B * self.T} tokens into "
-                f"sequences of --seq_len {state['seq_len']}, and this run into sequences of --seq_len {self.T}: the "
-                "same tokens, but from here on the model would train and be validated at another context length, and "
-                f"the loss curves would jump. Pass --seq_len {state['seq_len']} --micro_batch_size "
-                f"{self.B * self.T // state['seq_len']}, or start a new run from the snapshot's weights with "
-                "--init_from SNAPSHOT.")
+                f"sequences of --seq_len {state['seq_len']}, and this run into sequences of --seq_len {self.T}: "
+                f"another context length. Pass --seq_len {state['seq_len']} --micro_batch_size "
+                f"{self.B * self.T // state['seq_len']}, or start a new run on its weights: --init_from SNAPSHOT.")
         if whole_steps and state["chunk_position"] % self.chunks_per_step:
             raise UserError(f"cannot resume the data loader: its state (chunk_position {state['chunk_position']}) "
                              "was taken in the middle of an optimizer step; snapshots are only valid between steps.")

@@ -35,8 +35,8 @@ from data.tokenize_shards import (
     shard_size,
     write_shards,
 )
+from data.tokenizer_flag import load_tokenizer
 from training.errors import UserError, run_entry_point
-from training.tokenizer import load_tokenizer
 
 DATASETS = {"edu": ("HuggingFaceFW/fineweb-edu", "fineweb_edu"), "classic": ("HuggingFaceFW/fineweb", "fineweb")}
 DATA_DIR = Path(__file__).resolve().parent
@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     parser.add_argument("--max_shards", type=int, help="stop after this many shards, val included")
     parser.add_argument("--tokenizer", default="gpt2",
                         help="gpt2 (default) | bytes | a directory or file holding a tokenizer.json | a tiktoken "
-                             "encoding's name (see tokenizer.load_tokenizer)")
+                             "encoding's name (see data/tokenizer_flag.py)")
     args = parser.parse_args(argv)
     for flag in ("shard_size", "num_proc", "max_shards"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:

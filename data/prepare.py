@@ -46,10 +46,10 @@ from data.tokenize_shards import (
     text_file,
     write_shards,
 )
+from data.tokenizer_flag import load_tokenizer
 from dataloader import read_shard_header
 from training.errors import UserError, run_entry_point
 from training.files import atomic_write
-from training.tokenizer import load_tokenizer
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 DATA_DIR = Path(__file__).resolve().parent
@@ -92,7 +92,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     parser.add_argument("--shard_size", type=shard_size, default=100_000_000, help="tokens per shard (default 100M)")
     parser.add_argument("--tokenizer", default="gpt2",
                         help="gpt2 (default) | bytes | a directory or file holding a tokenizer.json | a tiktoken "
-                             "encoding's name (see tokenizer.load_tokenizer)")
+                             "encoding's name (see data/tokenizer_flag.py)")
     parser.add_argument("--val_fraction", type=float,
                         help="fraction of each file's characters (JSON lines, parquet: documents), from its end, "
                              "that is val (default 0.1); 0: the first shard is val")

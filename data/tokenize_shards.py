@@ -20,7 +20,7 @@ import signal
 import time
 import zlib
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from dataloader import read_shard_header, record_shards, shard_names, write_shard
+from dataloader import MANIFEST, MANIFEST_VERSION, read_manifest, read_shard_header, shard_names, write_shard
 from training.errors import UserError
 from training.files import atomic_write, version_problem
 from training.parsing import PARSE_ERRORS, parse_problem
@@ -38,6 +38,24 @@ from training.tokenizer import Tokenizer, TokenizerSpec, gpt2_spec, tokenizer_fr
 
 BATCH_CHARS = 2**22  # text sent to the pool at a time; two batches in flight bound what is held, whatever the corpus
 worker_tokenizer: Tokenizer | None = None  # a pool worker's, built once from its spec (start_worker)
+
+
+def record_shards(data_dir: Path, tokenizer: TokenizerSpec, names: Sequence[str] = ()) -> None:
+    """Before shards of `tokenizer` named `names` are written into data_dir, list them in its manifest (a crash leaves
+    a name without a file, never the reverse); a UserError if it holds another tokenizer's shards, or no manifest."""
+    manifest, existing = read_manifest(data_dir), shard_names(data_dir)
+    if manifest is None and existing:
+        raise UserError(f"{data_dir} holds shards ({existing[0]}, ...) but no {MANIFEST} naming their "
+                        "tokenizer (llm.c's, another tool's), so new shards could not be told apart from them. Pass "
+                        "another --output_dir (or delete this one to start over).")
+    if manifest and manifest[0].sha256 != tokenizer.sha256:
+        raise UserError(f"{data_dir} holds shards written with the tokenizer {manifest[0].describe()} (see "
+                        f"{data_dir / MANIFEST}), not with {tokenizer.describe()}: one directory holds one tokenizer's "
+                        "shards. Pass another --output_dir (or delete this one to start over).")
+    if manifest is None or not set(names) <= set(manifest[1]):
+        shards = sorted(set(manifest[1] if manifest else []) | set(names))
+        text = json.dumps({"version": MANIFEST_VERSION, "tokenizer": tokenizer.to_dict(), "shards": shards}, indent=1)
+        atomic_write(data_dir / MANIFEST, lambda f: f.write(text.encode()))
 
 
 def tokenize(text: str, tokenizer: Tokenizer, eot: bool = True) -> np.ndarray:

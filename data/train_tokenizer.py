@@ -23,9 +23,10 @@ from pathlib import Path
 
 from data.bpe import train_bpe
 from data.tokenize_shards import check_input_files, check_output_dir, is_jsonl, read_documents, split_val
+from data.tokenizer_flag import load_tokenizer
 from training.errors import UserError, run_entry_point
 from training.files import atomic_write
-from training.tokenizer import EOT_TEXT, MAX_VOCAB_SIZE, load_tokenizer
+from training.tokenizer import EOT_TEXT, MAX_VOCAB_SIZE
 
 MIN_VOCAB = 257  # the 256 byte values and <|endoftext|>
 

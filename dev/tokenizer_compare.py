@@ -16,7 +16,8 @@ from pathlib import Path
 
 from data.bpe import train_bpe
 from data.tokenize_shards import jsonl_texts
-from training.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
+from data.tokenizer_flag import load_tokenizer
+from training.tokenizer import HFTokenizer, Tokenizer
 
 SHARED_ENWIKI = Path(__file__).resolve().parents[2] / "shared" / "data" / "enwiki"
 

@@ -88,8 +88,9 @@ def make_shards(directory: Path, split: str, sizes: list[int], seed: int = 0, vo
     """Write random-token shards of the given sizes; returns their token arrays (for checking what was read).
     tokenizer="bytes" records them as the bytes tokenizer's (vocab ≤ 257): the model is then 257 ids wide, not
     50,257, and a test's every step and snapshot several times cheaper."""
-    from dataloader import record_shards, write_shard
-    from training.tokenizer import load_tokenizer
+    from data.tokenize_shards import record_shards
+    from data.tokenizer_flag import load_tokenizer
+    from dataloader import write_shard
     directory.mkdir(parents=True, exist_ok=True)
     names = [f"test_{split}_{i:06d}.bin" for i in range(len(sizes))]
     if tokenizer != "gpt2":  # (GPT-2's shards need no manifest)

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import ROOT
 from data import fineweb, prepare, tokenize_shards
-from training.tokenizer import load_tokenizer
+from data.tokenizer_flag import load_tokenizer
 
 # case: (command, its flags with {data} for ../shared/data, the number of shards, the sha256 of "name sha256\n" of
 # every file written but progress.json, sorted by name), all into a directory named out

@@ -16,6 +16,7 @@ import pytest
 
 from conftest import ROOT
 from data import prepare, train_tokenizer
+from data.tokenizer_flag import load_tokenizer
 from dataloader import (
     HEADER_BYTES,
     MANIFEST,
@@ -31,7 +32,7 @@ from training import tokenizer
 from training.config import TrainConfig
 from training.errors import UserError
 from training.inputs import model_config
-from training.tokenizer import TokenizerSpec, bytes_spec, gpt2_spec, load_tokenizer, tokenizer_from_spec
+from training.tokenizer import TokenizerSpec, bytes_spec, gpt2_spec, tokenizer_from_spec
 
 # Text a tokenizer must give back exactly: emoji (a ZWJ sequence, a flag), CJK, combining marks, right-to-left,
 # control characters, whitespace runs, and the delimiter's text as plain text.

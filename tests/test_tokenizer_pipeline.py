@@ -20,6 +20,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from conftest import ROOT, SHARED_DATA, perturb_
 from data import prepare, train_tokenizer
+from data.tokenizer_flag import load_tokenizer
 from dataloader import DistributedDataLoader, read_data_tokenizer
 from evaluation import tasks as evals
 from helpers_train import main_in_process, read_metrics, run_train, train_env
@@ -36,7 +37,6 @@ from training.tokenizer import (
     bytes_spec,
     generate_text,
     gpt2_spec,
-    load_tokenizer,
     tokenizer_from_spec,
 )
 

@@ -9,8 +9,7 @@ PACK_WINDOW = 1000  # documents pack_rows chooses from: a wider window wastes le
 
 
 def document_starts(tokens: np.ndarray, eot: int) -> np.ndarray:
-    """Where the shard's documents start: after each EOT (the data's tokenizer's), and at 0 unless the shard opens
-    with an EOT."""
+    """Where the shard's documents start: after each EOT (the data's tokenizer's), and at 0 unless it opens with one."""
     starts = np.flatnonzero(tokens[:-1] == eot) + 1
     return starts if tokens[0] == eot else np.concatenate([[0], starts])
 
@@ -39,8 +38,7 @@ def pack_rows(tokens: np.ndarray, row_len: int, eot: int, split_long: bool = Tru
                     bisect.insort(tails, (length, start))
             else:
                 bisect.insort(documents, (length, start))
-        candidates = [documents] if space == row_len else [documents, tails]
-        candidates = [units for units in candidates if units]
+        candidates = [units for units in ([documents] if space == row_len else [documents, tails]) if units]
         if not candidates:
             break
         fits = [(units[i], units, i) for units in candidates

@@ -78,7 +78,6 @@ class TokenizerSpec:
 
 class Tokenizer:
     """Text to ids and back with one tokenizer; TiktokenTokenizer, ByteTokenizer and HFTokenizer say how."""
-    spec: TokenizerSpec
 
     def __init__(self, spec: TokenizerSpec):
         self.spec, self.eot, self.vocab_size = spec, spec.eot, spec.vocab_size
@@ -125,10 +124,8 @@ class ByteTokenizer(Tokenizer):
         super().__init__(bytes_spec())
 
     def encode(self, text: str, allow_eot: bool = False) -> list[int]:
-        if not allow_eot:
-            return list(text.encode("utf-8"))
-        pieces = [list(piece.encode("utf-8")) for piece in text.split(EOT_TEXT)]
-        return [token for i, piece in enumerate(pieces) for token in ([self.eot] if i else []) + piece]
+        pieces = text.split(EOT_TEXT) if allow_eot else [text]
+        return [token for i, piece in enumerate(pieces) for token in ([self.eot] if i else []) + list(piece.encode())]
 
     def decode(self, ids: Sequence[int]) -> str:
         # (the delimiter's text is ASCII: a character it cuts in two decodes to U+FFFD on each side of it)
@@ -144,7 +141,7 @@ class HFTokenizer(Tokenizer):
 
     def __init__(self, definition: str, name: str):
         import tokenizers  # here: GPT-2's and bytes' paths (the quickstart) do without it
-        self.tokenizer = tokenizers.Tokenizer.from_str(definition)  # (exceptions: load_tokenizer says what is wrong)
+        self.tokenizer = tokenizers.Tokenizer.from_str(definition)  # (exceptions: data/tokenizer_flag.py names them)
         vocab = self.tokenizer.get_vocab(with_added_tokens=True)
         problem = byte_level_bpe_problem(json.loads(definition), vocab)
         if problem:
@@ -240,29 +237,6 @@ def tiktoken_tokenizer(name: str) -> TiktokenTokenizer:
     return TiktokenTokenizer(load_tiktoken(name))
 
 
-def load_tokenizer(name: str) -> Tokenizer:
-    """--tokenizer's value: gpt2, bytes, a directory or file holding a tokenizer.json, or a tiktoken encoding's name.
-    A UserError naming it and the fix otherwise (unknown, malformed, not in tiktoken's cache offline)."""
-    if name == "bytes":
-        return ByteTokenizer()
-    if name in tiktoken.list_encoding_names():  # before paths: a directory named gpt2 (./gpt2 names it) changes nothing
-        return tiktoken_tokenizer(name)
-    path = Path(name)
-    if path.exists():
-        file = path / "tokenizer.json" if path.is_dir() else path
-        try:
-            definition = file.read_text(encoding="utf-8")
-            return HFTokenizer(definition, file.resolve().parent.name if file.name == "tokenizer.json" else file.stem)
-        except Exception as e:  # tokenizers raises its own (unnamed) error kinds for a malformed file
-            raise UserError(f"--tokenizer {name}: {file} is not a Hugging Face tokenizer.json that can be used here "
-                            f"({reason(e)}). Pass a directory written by `python -m data.train_tokenizer`, or a "
-                            "byte-level BPE's tokenizer.json with an <|endoftext|> token.") from e
-    raise UserError(f"--tokenizer {name}: no such file or directory, and not a tokenizer's name. Pass gpt2 (the "
-                    "default), bytes (a token per byte), a directory holding a tokenizer.json (`python -m "
-                    "data.train_tokenizer` writes one), or a tiktoken encoding: "
-                    f"{', '.join(tiktoken.list_encoding_names())}.")
-
-
 def tokenizer_from_spec(spec: TokenizerSpec) -> Tokenizer:
     """The tokenizer a manifest or snapshot recorded. A UserError if it cannot be had here, or is not the same."""
     if spec.kind == "bytes":
@@ -321,9 +295,8 @@ def check_tokenizer(source: str, its: TokenizerSpec, data_dir: str | Path, data:
 def generate_text(model: GPT, prompt: str, num_samples: int = 4, max_new_tokens: int = 32,
                   temperature: float = 1.0, top_k: int | None = 50, seed: int = 42,
                   top_p: float | None = None, compile: bool = False, tokenizer: Tokenizer | None = None) -> list[str]:
-    """num_samples continuations of prompt, each with the prompt in front, on the model's device. tokenizer: the
-    model's (None: GPT-2's). A private generator leaves the global RNG, and so a training run, as they were; an empty
-    prompt starts from <|endoftext|>, a new document."""
+    """num_samples continuations of prompt, the prompt in front, on the model's device (tokenizer None: GPT-2's). A
+    private generator leaves the global RNG (a training run's) alone; an empty prompt starts a document (EOT)."""
     tokenizer = tokenizer or tiktoken_tokenizer("gpt2")
     prompt_tokens = tokenizer.encode(prompt, allow_eot=True) or [tokenizer.eot]
     device = next(model.parameters()).device
