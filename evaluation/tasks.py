@@ -1,8 +1,5 @@
-"""Zero-shot evaluation scored as EleutherAI's lm-evaluation-harness 0.4 scores it, so that the numbers are the ones
-published tables use (evaluate.py --tasks; in training --eval_tasks). A task turns each document into requests,
-(context, continuation) strings whose log-likelihood the model gives. The rules, the aggregate eval_score and the
-data files: docs/evaluation.md.
-"""
+"""Zero-shot tasks scored as lm-evaluation-harness 0.4 scores them, so that the numbers are published tables' ones
+(evaluate.py --tasks; in training --eval_tasks). The rules, eval_score and the data files: docs/evaluation.md."""
 
 import hashlib
 import json
@@ -164,8 +161,7 @@ def task_file(name: str, eval_dir: str | None) -> Path:
 
 
 def download(name: str, path: Path) -> None:
-    """Write the task's file, atomically (a crash, or another node writing the same shared file, never leaves half a
-    file); a UserError if it cannot be had."""
+    """Write the task's file atomically (no half file after a crash or beside another node's); UserError on failure."""
     source = TASKS[name].source
     print(f"downloading {name} to {path}")
     try:
@@ -234,9 +230,6 @@ def read_doc(line: bytes, task: Task) -> Doc:
         doc = task.to_doc(row)
     except (KeyError, ValueError, IndexError, TypeError, AttributeError) as e:
         raise ValueError(f"{type(e).__name__}: {e}") from None
-    strings = [text for request in doc.requests for text in request] + list(doc.choices)
-    if not all(isinstance(text, str) for text in strings):
-        raise ValueError("a choice is not a string")
     if not 0 <= doc.gold < len(doc.requests):
         raise ValueError(f"the answer is choice {doc.gold}, but there are {len(doc.requests)}")
     return doc
@@ -295,9 +288,8 @@ def tokenize(encode: Callable[[str], tuple[int, ...]], eot: int, context: str, c
 
 
 class Suite:
-    """The tasks' documents, tokenized once (tokenizer None: GPT-2's), and the batches their requests are scored in:
-    longest rows first, up to batch_tokens padded tokens a batch. The batches depend on nothing else, so any number
-    of ranks gives the same results, bit for bit."""
+    """The tasks' requests, tokenized (tokenizer None: GPT-2's), in batches of up to batch_tokens padded tokens, longest
+    first. The batches depend on nothing else, so any number of ranks gives the same results, bit for bit."""
 
     def __init__(self, docs: dict[str, list[Doc]], block_size: int, batch_tokens: int,
                  tokenizer: Tokenizer | None = None):
@@ -330,11 +322,10 @@ def score_batch(model: torch.nn.Module, requests: list[Request], device: torch.d
     is the argmax; one forward pass over the right-padded rows, the LM head only at the target positions."""
     T = max(len(request.tokens) for request in requests)
     idx = torch.tensor([request.tokens + [0] * (T - len(request.tokens)) for request in requests])
-    row = torch.tensor([i for i, request in enumerate(requests) for _ in request.targets])
+    row = torch.tensor([i for i, request in enumerate(requests) for _ in request.targets], device=device)
     column = torch.tensor([len(request.tokens) - len(request.targets) + j
-                           for request in requests for j in range(len(request.targets))])
+                           for request in requests for j in range(len(request.targets))], device=device)
     targets = torch.tensor([token for request in requests for token in request.targets], device=device)
-    row, column = row.to(device), column.to(device)
     with autocast(device, dtype):
         hidden = model.hidden_states(idx.to(device))[row, column]  # (targets, n_embd)
         token_ll, hits = [], []
@@ -358,10 +349,8 @@ def evaluate(model: torch.nn.Module, suite: Suite, device: torch.device | str, d
 def score(model: torch.nn.Module, suite: Suite, device: torch.device | str, dtype: torch.dtype = torch.float32,
           rank: int = 0, world_size: int = 1, progress: bool = False,
           should_stop: Callable[[], bool] | None = None) -> list[tuple[float, float]] | None:
-    """(log-likelihood, greedy 1/0) of every request of the suite, on every rank: rank r scores batches r,
-    r + world_size, ..., summed across ranks. `model`: a plain GPT, its train/eval mode restored afterwards.
-    should_stop (in training a collective that agrees on a SIGTERM) is called every STOP_CHECK_EVERY batches on every
-    rank; True ends the evaluation at once, returning None."""
+    """(log-likelihood, greedy 1/0) of every request, on every rank (rank r scores batches r, r + world_size, ...).
+    should_stop, a collective, is called every STOP_CHECK_EVERY batches; True returns None at once."""
     device = torch.device(device)
     results = torch.zeros(len(suite.requests), 2, dtype=torch.float64)
     was_training = model.training

@@ -43,14 +43,12 @@ def token_byte_lengths(tokenizer: TokenizerSpec | None = None) -> torch.Tensor |
 @torch.no_grad()
 def validation_loss(model: torch.nn.Module, loader: DistributedDataLoader, steps: int, device: torch.device,
                     dtype: torch.dtype, should_stop=lambda: False) -> Validation | None:
-    """Loss and bits per byte over `steps` micro-batches from the start of the val shards; None if should_stop()
-    said so. A failing rank's ShardReadError is raised on every rank together, at the next stop check or the end (it
-    goes on joining the collectives without reading, so that no rank waits for it)."""
+    """Loss and bits per byte over `steps` micro-batches from the start of the val shards; None if should_stop().
+    A rank's ShardReadError is raised on all ranks at the next stop check or the end (joining collectives meanwhile)."""
     model.eval()
     failure: ShardReadError | None = None
 
-    def attempt(read):
-        """read()'s result, or None once a read on this rank has failed (the failure kept for the ranks' check)."""
+    def attempt(read):  # read()'s result, or None once a read on this rank has failed
         nonlocal failure
         if failure is None:
             try:
@@ -81,7 +79,7 @@ def validation_loss(model: torch.nn.Module, loader: DistributedDataLoader, steps
             bytes_sum += byte_lengths[y].sum()
     attempt(loader.check_unchanged)  # no val shard changed while it was read
     raise_on_every_rank(failure, device)
-    # Every micro-batch on every rank has the same number of tokens, so the means over ranks make the totals' ratio.
+    # Every rank's micro-batches have the same number of tokens: the means over ranks make the totals' ratio.
     # (Both collectives always run, so that every rank joins them.)
     loss = average_across_ranks(loss_sum / steps).item()
     bytes_per_token = average_across_ranks(bytes_sum.float() / (steps * y.numel())).item()

@@ -1,8 +1,6 @@
-"""Hugging Face's GPT-2 and ours: the same parameters under the same names, but for the Conv1D layers (nn.Linear's
-weights transposed) and our padded vocabulary. from_pretrained imports a hub name or a save_pretrained directory, its
-files checked first (local_config: transformers would start a missing weight from random numbers and go on);
-tools/export_hf.py exports, leaving a record (read_export_record). transformers is imported where it is used, so that
-training from scratch does without it."""
+"""Hugging Face's GPT-2 and ours: the same parameters and names but for Conv1D (transposed) and our padded vocabulary.
+from_pretrained imports, a directory's files checked first (local_config: transformers would start a missing weight
+from random numbers); tools/export_hf.py exports, leaving a record (read_export_record)."""
 
 import json
 from pathlib import Path
@@ -19,8 +17,8 @@ from training.parsing import PARSE_ERRORS, parse_problem
 HF_CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 # The causal-mask buffers some versions of transformers saved among the weights (OpenAI's files on the hub hold them).
 CAUSAL_MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")
-# The config.json keys of the model's shape, and the settings our GPT-2 has one way only (OpenAI's): a config with
-# another value describes another function, which these weights in our model would not compute.
+# The config.json keys of the model's shape, and the settings our GPT-2 has one way only (OpenAI's): another value
+# describes another function than our model computes.
 SHAPE_KEYS = ("n_positions", "vocab_size", "n_layer", "n_head", "n_embd")
 OPENAI_SETTINGS = {"activation_function": ("gelu_new", "gelu_pytorch_tanh"), "layer_norm_epsilon": (1e-5,),
                    "tie_word_embeddings": (True,), "scale_attn_weights": (True,),
@@ -39,8 +37,7 @@ EXPORT_VERSION = 2
 
 
 def gpt_config(hf: dict, where: str = "the Hugging Face config") -> GPTConfig:
-    """Our shape of a Hugging Face GPT-2 config (config.json's dict); a UserError naming `where` if our GPT-2 cannot
-    be it."""
+    """Our shape of a Hugging Face GPT-2 config.json's dict; a UserError naming `where` if our GPT-2 cannot be it."""
     problem = config_problem(hf)
     if problem:
         raise UserError(f"{where}: {problem}. {WHAT_LOADS}")
@@ -67,8 +64,7 @@ def config_problem(hf) -> str | None:
 
 
 def local_config(directory: Path) -> GPTConfig:
-    """The shape of the GPT-2 in a save_pretrained directory (its config.json), its weight file checked against it;
-    a UserError naming the file that is not what it should be."""
+    """The shape of a save_pretrained directory's GPT-2, its weight file checked; UserError naming a bad file."""
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise UserError(f"{directory} has no config.json, so it is not a Hugging Face model directory (save_pretrained "
@@ -112,8 +108,7 @@ def first_few(names: list[str], few: int = 3) -> str:
 
 
 def weight_shapes(directory: Path) -> tuple[Path, dict[str, tuple[int, ...]]]:
-    """The weight file from_pretrained would load from `directory`, and the shape of every tensor in it (in every
-    shard of an index), read without loading a tensor."""
+    """The weight file from_pretrained would load, and its (every shard's) tensors' shapes, no tensor loaded."""
     path = next((directory / name for name in WEIGHT_FILES if (directory / name).is_file()), None)
     if path is None:
         raise UserError(f"{directory} holds no weight file ({', '.join(WEIGHT_FILES)}); save_pretrained writes "
@@ -152,7 +147,7 @@ def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 
 def torch_file_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """A pytorch_model.bin's tensor shapes, read as our snapshots are (no code is run), as meta tensors (no memory)."""
+    """A pytorch_model.bin's tensor shapes, read as our snapshots are (no code run), as meta tensors (no memory)."""
     try:
         state = read_torch_file(path, PYTORCH_WEIGHT_FILE, map_location="meta")
     except ValueError as e:  # its message names the file and what is wrong with it
@@ -208,8 +203,7 @@ def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
 
 
 def read_export_record(directory: Path, fix: str) -> dict:
-    """The record tools/export_hf.py left in `directory`; a UserError naming it and ending with `fix` if it is
-    malformed or of another version."""
+    """The record export_hf.py left in `directory`; UserError ending with `fix` if malformed or another version."""
     record = directory / EXPORT_RECORD
     try:
         recorded = json.loads(record.read_bytes())

@@ -1,6 +1,5 @@
-"""Where a run's numbers go (docs/training.md, "The per-step line and metrics.jsonl", "wandb"): metrics.jsonl and
-wandb, from rank 0. Neither is worth a run: a full disk or a failing wandb costs lines, with one warning, never the
-training."""
+"""metrics.jsonl and wandb, from rank 0 (docs/training.md). A full disk or a failing wandb costs lines, with one
+warning, never the training."""
 
 import errno
 import json
