@@ -1,7 +1,6 @@
 """GPT-2, written from scratch, in the order data flows through it; and, with GPTConfig(arch="modern"), the same
 decoder with the parts that models trained since 2023 share (see ModernAttention and SwiGLU). Parameter names follow
-Hugging Face's GPT-2, so that weights load and export by name (training/hf.py).
-"""
+Hugging Face's GPT-2, so that weights load and export by name (training/hf.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +19,6 @@ from training.loss import linear_cross_entropy, loss_chunk_tokens
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        assert config.n_embd % config.n_head == 0, "n_embd must be a multiple of n_head"
         self.n_head = config.n_head
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # query, key, value for all heads at once
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
@@ -28,16 +26,13 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None, positions: torch.Tensor | None = None,
                 visible: torch.Tensor | None = None) -> torch.Tensor:
-        B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        q, k, v = self.c_attn(x).unflatten(-1, (3, self.n_head, -1)).permute(2, 0, 3, 1, 4)  # each (B, nh, T, hs)
         return self.c_proj(attend(q, k, v, kv_cache, positions, visible))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache | None, positions: torch.Tensor | None,
            visible: torch.Tensor | None) -> torch.Tensor:
-    """Causal attention of q, k, v (B, nh, T, hs), or of the new tokens against every cached position; returns the
-    heads' outputs side by side, (B, T, nh·hs)."""
+    """Causal attention of q, k, v (B, nh, T, hs), cached or not; returns the heads' outputs side by side, (B, T, C)."""
     if kv_cache is None:  # a whole sequence (training, evaluation)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # flash attention where the device has it
     else:  # new tokens against every cached position; visible (T, max_len) says which each one may see
@@ -46,8 +41,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache 
         # memory-efficient kernel, the one that takes a mask; a whole 124M decode step 1.0 ms instead of 2.1).
         with sdpa_kernel(SDPBackend.MATH):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
-    B, nh, T, hs = y.shape
-    return y.transpose(1, 2).contiguous().view(B, T, nh * hs)  # re-assemble all head outputs side by side
+    return y.transpose(1, 2).flatten(2)  # (B, T, nh, hs) -> (B, T, nh·hs)
 
 
 class MLP(nn.Module):
@@ -65,8 +59,7 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: the residual stream itself is never normalised."""
 
-    # --activation_checkpointing's recomputation (training/recompute.py) of residual_branches(x,
-    # positions); None: the block's activations are kept for backward.
+    # --activation_checkpointing's recomputation of residual_branches (training/recompute.py); None: keep activations
     recompute: Callable | None = None
 
     def __init__(self, config: GPTConfig):
@@ -88,8 +81,7 @@ class Block(nn.Module):
     def residual_branches(self, x: torch.Tensor, kv_cache: KVCache | None = None,
                           positions: torch.Tensor | None = None, visible: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), kv_cache, positions, visible)
-        x = x + self.mlp(self.ln_2(x))
-        return x
+        return x + self.mlp(self.ln_2(x))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -102,11 +94,9 @@ NORM_EPS = 1e-6
 
 
 def rotation_table(max_len: int, head_size: int) -> torch.Tensor:
-    """(2, max_len, head_size), fp32: the cos and sin by which rotate turns the pair of channels (i, i + hs/2) at each
-    position p: by the angle p · θ^(−2i/hs)."""
+    """(2, max_len, head_size) fp32 cos and sin: rotate turns channels (i, i + hs/2) at position p by p · θ^(−2i/hs)."""
     inv_freq = ROPE_THETA ** -(torch.arange(0, head_size, 2, dtype=torch.float32) / head_size)
-    angles = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]  # (max_len, hs/2)
-    angles = torch.cat((angles, angles), dim=-1)
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq).repeat(1, 2)  # (max_len, hs)
     return torch.stack((angles.cos(), angles.sin()))
 
 
@@ -121,7 +111,6 @@ def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
 class ModernAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        assert config.n_embd % config.n_head == 0, "n_embd must be a multiple of n_head"
         self.n_head = config.n_head
         head_size = config.n_embd // config.n_head
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
@@ -138,8 +127,7 @@ class ModernAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None, positions: torch.Tensor | None = None,
                 visible: torch.Tensor | None = None) -> torch.Tensor:
-        B, T, C = x.size()
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head) for t in self.c_attn(x).split(C, dim=2))
+        q, k, v = self.c_attn(x).unflatten(-1, (3, self.n_head, -1)).unbind(2)  # each (B, T, nh, hs)
         # Normalised in fp32 (as Qwen3 does; under autocast c_attn's output is bf16, and its gain fp32)
         q, k = self.q_norm(q.float()).type_as(v), self.k_norm(k.float()).type_as(v)
         rotation = self.rotation[:, positions]
@@ -205,8 +193,7 @@ PRESETS: dict[str, GPTConfig] = {
 
 
 def with_arch(config: GPTConfig, arch: str, attention_bias: bool | None = None) -> GPTConfig:
-    """config's shape built as `arch`, with that architecture's defaults: modern has attention's biases unless
-    attention_bias is False (an option: modern without them); gpt2 has its own biases, everywhere."""
+    """config's shape as `arch`: modern has attention's biases unless attention_bias is False; gpt2 has them all."""
     return replace(config, arch=arch, attention_bias=arch == "modern" and attention_bias is not False)
 
 
@@ -217,6 +204,7 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
+        assert config.n_embd % config.n_head == 0, "n_embd must be a multiple of n_head"
         if config.arch not in ARCHITECTURES:
             raise ValueError(f"arch {config.arch!r} is none of {', '.join(ARCHITECTURES)}")
         self.transformer = nn.ModuleDict(dict(wte=nn.Embedding(config.padded_vocab_size, config.n_embd)))  # tokens
@@ -230,37 +218,32 @@ class GPT(nn.Module):
         self.apply(self._init_weights)
 
     def tie_weights(self) -> None:
-        """GPT-2 reads a token in and writes it out with one matrix (38M parameters fewer at 124M); modern unties them:
-        an input row is a lookup, an output row a direction."""
+        # GPT-2 reads and writes a token with one matrix (38M parameters fewer at 124M); modern unties them: an input
+        # row is a lookup, an output row a direction.
         if self.config.arch == "gpt2":
             self.lm_head.weight = self.transformer.wte.weight
 
     def _init_weights(self, module: nn.Module) -> None:
-        if isinstance(module, nn.Linear) and getattr(module, "ZERO_INIT", False):
-            # modern's output projections: each block starts as the identity (modded-nanogpt's; Muon's first update
-            # of a zero matrix is as large as of any other).
+        if isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=0.02)
+        elif isinstance(module, nn.Linear) and getattr(module, "ZERO_INIT", False):
+            # modern's output projections (their biases are zeros already): each block starts as the identity
+            # (modded-nanogpt's; Muon's first update of a zero matrix is as large as of any other).
             nn.init.zeros_(module.weight)
         elif isinstance(module, nn.Linear):
-            std = 0.02
-            if getattr(module, "RESIDUAL_SCALED_INIT", False):
-                # Scaled, a block's two projections keep the residual stream's variance flat in depth (GPT-2, 2.3)
-                std *= (2 * self.config.n_layer) ** -0.5
-            nn.init.normal_(module.weight, mean=0.0, std=std)
+            # Scaled, a block's two projections keep the residual stream's variance flat in depth (GPT-2, 2.3)
+            scaled = getattr(module, "RESIDUAL_SCALED_INIT", False)
+            nn.init.normal_(module.weight, std=0.02 * (2 * self.config.n_layer) ** -0.5 if scaled else 0.02)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; by default without the lookup tables, which cost no FLOPs: GPT-2's position embeddings
         (its token embedding is also the output layer, so it does count) or modern's untied token embedding."""
-        n = sum(p.numel() for p in self.parameters())
-        padding_rows = (self.config.padded_vocab_size - self.config.vocab_size) * self.config.n_embd
-        n -= padding_rows if self.config.arch == "gpt2" else 2 * padding_rows  # (the output layer's, the input's)
-        if non_embedding:
-            n -= self.transformer.wpe.weight.numel() if self.config.arch == "gpt2" else \
-                self.config.vocab_size * self.config.n_embd
-        return n
+        cfg, tied = self.config, self.config.arch == "gpt2"
+        padding = (cfg.padded_vocab_size - cfg.vocab_size) * cfg.n_embd * (1 if tied else 2)  # (output's, input's)
+        lookup = self.transformer.wpe.weight.numel() if tied else cfg.vocab_size * cfg.n_embd
+        return sum(p.numel() for p in self.parameters()) - padding - (lookup if non_embedding else 0)
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token (PaLM paper, appendix B): 6·N for the matmuls with the N weights, plus
@@ -270,31 +253,25 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, kv_caches: list[KVCache] | None = None,
                 positions: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(logits, None) without targets; (None, mean loss) with targets, the (B, T, vocab) logits never built
-        (training/loss.py). kv_caches (one per layer, see generate): idx holds the tokens at `positions` (T,), a
-        tensor so that a CUDA graph can replay the step; each attends to every cached position up to its own."""
+        """(logits, None) without targets; (None, mean loss) with targets, the logits never built (training/loss.py).
+        With kv_caches (one per layer, see generate) idx holds the tokens at `positions` (T,), a tensor: CUDA graphs."""
         x = self.hidden_states(idx, kv_caches, positions)
         if targets is None:
             return self.logits(x), None  # (B, T, vocab)
-        B, T = idx.size()
         chunk_tokens = self.loss_chunk_tokens or loss_chunk_tokens(idx.device)
-        loss = linear_cross_entropy(x.view(B * T, -1), self.lm_head.weight, targets.reshape(B * T),
-                                    self.config.vocab_size, chunk_tokens, fp8=self.fp8_head)
-        return None, loss
+        return None, linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten(),
+                                          self.config.vocab_size, chunk_tokens, fp8=self.fp8_head)
 
     def hidden_states(self, idx: torch.Tensor, kv_caches: list[KVCache] | None = None,
                       positions: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, T, n_embd): the final LayerNorm's output, which the LM head reads (evaluation/tasks.py projects only the
-        positions it scores)."""
-        B, T = idx.size()
+        """(B, T, n_embd): the final norm's output, which the LM head reads (evaluation/tasks.py: where it scores)."""
+        T, block_size = idx.size(1), self.config.block_size
         if positions is None:
-            if T > self.config.block_size:
-                raise ValueError(f"sequence of length {T} is longer than the model's block_size "
-                                 f"{self.config.block_size}")
+            if T > block_size:
+                raise ValueError(f"sequence of length {T} is longer than the model's block_size {block_size}")
             positions = torch.arange(T, device=idx.device)
-        visible = None
-        if kv_caches is not None:  # (T, block_size): cached position j is visible to the token at position p if j <= p
-            visible = torch.arange(self.config.block_size, device=idx.device) <= positions[:, None]
+        # With caches, (T, block_size): cached position j is visible to the token at position p if j <= p
+        visible = None if kv_caches is None else torch.arange(block_size, device=idx.device) <= positions[:, None]
         x = self.transformer.wte(idx)  # (B, T, C)
         if self.config.arch == "gpt2":
             x = x + self.transformer.wpe(positions)
@@ -310,17 +287,15 @@ class GPT(nn.Module):
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, generator: torch.Generator | None = None,
                  compile: bool = False) -> torch.Tensor:
-        """Extend idx (B, T) by max_new_tokens sampled tokens, the prompt read once into key/value caches, then each
-        new token alone (DecodeStep; compile: through torch.compile). Past block_size a cached key would change its
-        position, so the caches are refilled from the last block_size tokens at each step (docs/generation.md)."""
+        """idx (B, T) and max_new_tokens sampled tokens: the prompt read once into key/value caches, then each new token
+        alone (DecodeStep, compile: torch.compiled); past block_size, a refill per step (docs/generation.md)."""
         block_size = self.config.block_size
         kv_caches = [KVCache(block_size) for _ in range(self.config.n_layer)]
         decode, filled = None, 0  # filled: the positions the caches hold
         for _ in range(max_new_tokens):
             if filled in (0, block_size):  # (re)fill the caches from the (last block_size) tokens
-                context = idx[:, -block_size:]
-                filled = context.size(1)
-                logits, _ = self(context, kv_caches=kv_caches, positions=torch.arange(filled, device=idx.device))
+                filled = min(idx.size(1), block_size)
+                logits, _ = self(idx[:, -filled:], kv_caches=kv_caches)  # at positions 0 .. filled - 1
             else:  # only the token sampled last
                 decode = decode or DecodeStep(self, kv_caches, idx[:, -1:], filled, compile)
                 logits = decode(idx[:, -1:], filled)
@@ -330,9 +305,7 @@ class GPT(nn.Module):
         return idx
 
     def crop_block_size(self, block_size: int) -> None:
-        """Shorten the context to block_size (a finetune on shorter sequences): keep the first position embeddings."""
-        if block_size > self.config.block_size:
-            raise ValueError(f"cannot crop block_size {self.config.block_size} to the longer {block_size}")
+        """Shorten the context to block_size (no longer: training/config.py), keeping the first position embeddings."""
         self.config = replace(self.config, block_size=block_size)
         if self.config.arch == "gpt2":
             self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size].detach().clone())
@@ -347,8 +320,7 @@ class KVCache:
 
     def __init__(self, max_len: int):
         self.max_len = max_len
-        self.k: torch.Tensor | None = None  # (B, nh, max_len, hs)
-        self.v: torch.Tensor | None = None
+        self.k = self.v = None  # each (B, nh, max_len, hs), from the first write
 
     def write(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (B, nh, T, hs) at positions (T,); returns the whole buffers, each (B, nh, max_len, hs)."""
@@ -362,9 +334,8 @@ class KVCache:
 
 
 class DecodeStep:
-    """One new token per row through the model with its caches: the step that generation repeats. On CUDA it is
-    captured once as a CUDA graph and replayed for every token (at batch 1 the ~300 kernels of a 124M step take less
-    time to run than to launch from Python), reading the token and position from tensors of its own."""
+    """One new token per row through the model and its caches; on CUDA captured once as a CUDA graph and replayed for
+    each token (at batch 1 a 124M step's ~300 kernels take less time to run than to launch from Python)."""
 
     def __init__(self, model: GPT, kv_caches: list[KVCache], token: torch.Tensor, position: int,
                  compile: bool = False):
@@ -401,9 +372,8 @@ def decode_forward(model: GPT, token: torch.Tensor, kv_caches: list[KVCache], po
 
 def sample_next_token(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
                       generator: torch.Generator | None) -> torch.Tensor:
-    """The next token (B, 1) from the last position's logits (B, vocab): the likeliest at temperature 0; else sampled
-    from softmax(logits / temperature) among the top_k likeliest and, within those, the nucleus (Holtzman et al.
-    2019) of top_p."""
+    """The next token (B, 1) from logits (B, vocab): the likeliest at temperature 0, else sampled from softmax(logits /
+    temperature) among the top_k likeliest and, of those, the nucleus of top_p (Holtzman et al. 2019)."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits / temperature
@@ -416,5 +386,4 @@ def sample_next_token(logits: torch.Tensor, temperature: float, top_k: int | Non
         # A token is out if the likelier ones already reach top_p; so the likeliest token is always in.
         outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
         logits.masked_fill_(outside.scatter(1, order, outside), -float("inf"))
-    probs = F.softmax(logits, dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator)
+    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)

@@ -58,8 +58,7 @@ def main(argv: list[str] | None = None) -> None:
         if dist_env.device.type == "cpu":
             keep_freed_memory()  # reuse freed activation memory instead of page-faulting it in every step
         try:
-            # Output directories that cannot be written, or that another run uses, end the run here (exit 2), before
-            # it reads or writes anything there.
+            # Output directories that cannot be written, or another run's, end the run here (exit 2), untouched.
             with (hangs_reported(cfg.dist_timeout, dist_env.rank),
                   lock_run_directories({"--log_dir": cfg.log_dir, "--snapshot_dir": cfg.snapshot_dir}, dist_env,
                                        cfg.run_lock) as run_lock):
@@ -84,8 +83,7 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None
 
     # --- data, and the text the tasks and samples are read and written with
     train_loader, val_loaders = data_loaders(cfg, plan, dist_env)
-    # The data's tokenizer: loaded now, as the tasks' files, so that one this node cannot have (a tiktoken encoding
-    # offline) says so at start-up, not at its first use.
+    # Loaded now, as the tasks' files: a tokenizer this node cannot have (tiktoken offline) fails at start-up.
     tokenizer = tokenizer_from_spec(train_loader.tokenizer) if cfg.eval_every or cfg.sample_every else None
     eval_suite = task_suite(cfg, plan, dist_env, tokenizer) if cfg.eval_every else None
 
@@ -101,16 +99,15 @@ def run(cfg: TrainConfig, dist_env: Distributed, stop: StopRequest | None = None
 
     # --- logging and evaluations
     metrics = RunLogger(cfg.log_dir, snapshots.run, master, run_lock)
-    log_start(cfg, plan, dist_env, snapshots, trainee, metrics, start_step, resumed_from)
+    log_start(cfg, plan, dist_env, snapshots, trainee, metrics, start_step, resumed_from, print0)
     evaluations = Evaluations(cfg, plan, trainee, val_loaders, eval_suite, metrics, stop, dist_env, dtype, tokenizer)
     peak = peak_flops(device, dtype)  # after the RNG restore: it leaves the global generators alone
-    log_setup(cfg, plan, trainee.raw, dist_env, dtype, peak)
     if master:
+        log_setup(cfg, plan, trainee.raw, dist_env, dtype, peak)
         log_epochs(cfg, plan, train_loader)
     divergence = DivergenceResponse(cfg, snapshots, guard, train_loader, metrics, print0)
-    loop = TrainingLoop(cfg, plan, trainee, train_loader, guard, snapshots, evaluations, divergence,
-                        peak.flops * dist_env.world_size, metrics, stop, device, dtype)
-    loop.train(start_step, print0)
+    TrainingLoop(cfg, plan, trainee, train_loader, guard, snapshots, evaluations, divergence,
+                 peak.flops * dist_env.world_size, metrics, stop, device, dtype).train(start_step, print0)
 
 
 @dataclass
@@ -132,12 +129,9 @@ class TrainingLoop:
 
     def train(self, start_step: int, print0) -> None:
         cfg, stop, snapshots, guard = self.cfg, self.stop, self.snapshots, self.guard
-        last_step = cfg.max_steps - 1
-        step = start_step
-        stopped = None  # where the run stopped on a request, if it did
+        last_step, step, stopped = cfg.max_steps - 1, start_step, None  # stopped: where a request stopped the run
         while step < cfg.max_steps:  # (not a for loop: a rollback takes the step back)
-            # --- between steps: this step's data is read now, and every rank stops here together if any was asked
-            # to (a signal) or cannot read its batches or finds a shard changed since the start
+            # --- between steps: this step's data is read now; all ranks stop here together on a signal or a bad shard
             try:
                 self.train_loader.read_ahead()
             except ShardReadError as e:
@@ -163,12 +157,11 @@ class TrainingLoop:
             step += 1
         if stopped:
             written = snapshots.save_if_due(step - 1, last_step, stopping=True, healthy=guard.skips_in_a_row == 0)
-            self.metrics.finish()
-            if stop.reason == "data":
-                raise UserError(data_failure_message(stop.failure, stopped, written, snapshots))
-            print0(f"stopping {stopped} on {stop.reason}; rerun the same command to resume")
-            return
         self.metrics.finish()
+        if stopped and stop.reason == "data":
+            raise UserError(data_failure_message(stop.failure, stopped, written, snapshots))
+        if stopped:
+            print0(f"stopping {stopped} on {stop.reason}; rerun the same command to resume")
 
     def timed_step(self, step: int) -> StepResult:
         """One optimizer step, timed and logged."""
@@ -235,9 +228,8 @@ def already_finished(resumed_from: str, start_step: int, max_steps: int) -> str:
 
 
 def log_start(cfg: TrainConfig, plan: Plan, dist_env: Distributed, snapshots: Snapshots, trainee: TrainingModel,
-              metrics: RunLogger, start_step: int, resumed_from: str | None) -> None:
+              metrics: RunLogger, start_step: int, resumed_from: str | None, print0) -> None:
     """Where the run starts, in the log and on wandb: a resume (the settings it changed) or --init_from, and the run."""
-    print0 = print if dist_env.is_master else (lambda *args, **kwargs: None)
     if metrics.metrics_path.name != "metrics.jsonl":
         print0(f"metrics go to {metrics.metrics_path}: {cfg.log_dir}/metrics.jsonl is another run's")
     if resumed_from:
@@ -387,8 +379,6 @@ class Evaluations:
 
 def log_setup(cfg: TrainConfig, plan: Plan, model: GPT, dist_env: Distributed, dtype: torch.dtype,
               peak: Peak) -> None:
-    if not dist_env.is_master:
-        return
     tokens_per_micro_step = cfg.micro_batch_size * plan.seq_len * dist_env.world_size
     name = cfg.model or ("gpt2" if cfg.init_from == "scratch" else cfg.init_from)
     print(f"model: {name} {plan.model_config} | {model.num_params():,} parameters\n"
