@@ -57,6 +57,7 @@ def test_checkpointing_gives_the_same_loss_and_gradients_and_recomputes_what_it_
         assert flops == kept_flops
 
 
+@pytest.mark.slow  # over 3 s on two busy cores: keeps `-m 'not slow'` within a minute
 def test_less_is_kept_for_backward_and_auto_micro_batch_fits_more_sequences(monkeypatch):
     from training import memory
     per_sequence = {mode: measure_activation_bytes_per_sequence(CONFIG, CONFIG.block_size, torch.float32,

@@ -105,6 +105,7 @@ def test_compiled_training_with_validation_and_sampling_matches_eager(tmp_path, 
     assert [r["val_loss"] for r in compiled.val] == pytest.approx([r["val_loss"] for r in eager.val], rel=1e-4)
 
 
+@pytest.mark.slow  # over 3 s on two busy cores: keeps `-m 'not slow'` within a minute
 def test_a_configuration_that_runs_out_of_memory_is_reported_and_the_rest_still_measured(monkeypatch, capsys):
     """On an 80 GB GPU the fp32 baseline at the CUDA defaults (B=64, T=1024) needs ~87 GiB."""
     from tools.bench import __main__ as bench

@@ -213,6 +213,7 @@ def test_deterministic_mode_is_strict_so_cuda_attention_takes_its_deterministic_
     assert not torch.is_deterministic_algorithms_warn_only_enabled()
 
 
+@pytest.mark.slow  # over 3 s on two busy cores: keeps `-m 'not slow'` within a minute
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_a_deterministic_run_trains_validates_and_samples_in_strict_mode(tmp_path, monkeypatch, gpt2_encoding,
                                                                          deterministic_off_afterwards, parallel):

@@ -183,6 +183,7 @@ def test_the_command_lines_data_flag_replaces_the_recipes_and_both_in_one_place_
         parse_args(["--config", str(recipe)])
 
 
+@pytest.mark.slow  # over 3 s on two busy cores: keeps `-m 'not slow'` within a minute
 def test_a_bad_mixture_exits_2_with_one_paragraph_and_writes_nothing(door):
     log_dir = door / "logs"
     proc = subprocess.run(train_command(["--data_mix", f"{door / 'a'}=1,{door / 'a'}=1", "--log_dir", str(log_dir)]),

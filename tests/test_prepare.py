@@ -230,6 +230,7 @@ def test_enwiki_first_documents(shared_data, gpt2_encoding, tmp_path):
     assert shard_tokens(out / "enwiki_val_000000.bin").tolist() == list(itertools.chain(*encode[18:]))
 
 
+@pytest.mark.slow  # over 3 s on two busy cores: keeps `-m 'not slow'` within a minute
 @pytest.mark.parametrize("tool", ["data.prepare", "data.fineweb"])
 def test_a_shard_size_no_header_can_count_is_exit_2_naming_the_flag(tool, tmp_path):
     result = subprocess.run([sys.executable, "-m", tool, "--input", str(tmp_path / "a.txt"), "--output_dir",

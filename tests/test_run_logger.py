@@ -82,6 +82,7 @@ def assert_wandb_mirrors(records: list[dict], metrics: list[dict]) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # RunLogger on its own
 
+@pytest.mark.slow  # over 3 s on two busy cores: keeps `-m 'not slow'` within a minute
 def test_offline_wandb_run_holds_every_logged_number_at_its_step(tmp_path):
     logger = RunLogger(tmp_path / "logs", "run")
     config = {"model": "tiny", "max_steps": 5, "max_lr": 6e-4, "wandb_run_name": None}

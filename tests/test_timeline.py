@@ -106,6 +106,7 @@ BRANCH = [sys.executable, str(ROOT / "train_gpt2.py"), "--model", "tiny", "--dev
           "--sample_every", "0", *JOB, "--max_steps", "20", "--snapshot_every", "1", "--keep_last", "2"]
 
 
+@pytest.mark.slow  # over 3 s on two busy cores: keeps `-m 'not slow'` within a minute
 def test_a_branch_killed_mid_run_resumes_its_own_line_and_never_prunes_its_parent(data, parent, tmp_path):
     run = shutil.copytree(parent, tmp_path / "run")
     branch_dir = run / "branch_0000004"
