@@ -305,7 +305,9 @@ class GPT(nn.Module):
         return idx
 
     def crop_block_size(self, block_size: int) -> None:
-        """Shorten the context to block_size (no longer: training/config.py), keeping the first position embeddings."""
+        """Shorten the context to block_size (a finetune on shorter sequences): keep the first position embeddings."""
+        if block_size > self.config.block_size:
+            raise ValueError(f"cannot crop block_size {self.config.block_size} to the longer {block_size}")
         self.config = replace(self.config, block_size=block_size)
         if self.config.arch == "gpt2":
             self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size].detach().clone())

@@ -129,7 +129,9 @@ class TrainingLoop:
 
     def train(self, start_step: int, print0) -> None:
         cfg, stop, snapshots, guard = self.cfg, self.stop, self.snapshots, self.guard
-        last_step, step, stopped = cfg.max_steps - 1, start_step, None  # stopped: where a request stopped the run
+        last_step = cfg.max_steps - 1
+        step = start_step
+        stopped = None  # where the run stopped on a request, if it did
         while step < cfg.max_steps:  # (not a for loop: a rollback takes the step back)
             # --- between steps: this step's data is read now; all ranks stop here together on a signal or a bad shard
             try:

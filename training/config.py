@@ -96,13 +96,15 @@ class TrainConfig:
     snapshot_every: int = arg(500, "snapshot every N steps (0: none on a beat); the last step and a stop always do")
     keep_last: int = arg(2, "keep this many newest snapshots")
     resume: str = arg("auto", "auto (newest valid snapshot in --snapshot_dir) | never | PATH to a snapshot")
-    dist_timeout: int = arg(600, "seconds a rank waits for the others in a collective before it exits")
+    dist_timeout: int = arg(600, "seconds a rank waits for the others in a collective before it exits (longer than any "
+                                 "snapshot write or evaluation that only some ranks do)")
     skip_zscore: float = arg(0.0, "also skip an update whose loss or grad norm is this many σ above its mean (0 = off)")
     on_divergence: str = arg("stop", "after --max_skips skipped updates in a row: stop | rollback (to the newest "
                                      "healthy snapshot)", choices=("stop", "rollback"))
     max_skips: int = arg(10, "skipped updates in a row that count as a divergence")
     max_rollbacks: int = arg(3, "with --on_divergence rollback: roll back at most this many times, then stop")
-    run_lock: bool = arg(True, "lock --log_dir and --snapshot_dir (--no-run_lock: where the filesystem has no flock)")
+    run_lock: bool = arg(True, "lock --log_dir and --snapshot_dir (--no-run_lock: only where the filesystem has no "
+                               "flock; then nothing stops two runs writing into one directory)")
 
     def mixture(self) -> tuple[tuple[str, ...], tuple[float, ...], tuple[float, ...] | None, int | None]:
         """(sources, weights, anneal_weights, anneal_step) of --data_dir or --data_mix, and --anneal_mix."""

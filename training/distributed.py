@@ -34,7 +34,11 @@ class Distributed:
 
 
 def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    if torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
 
 
 TORCHRUN_RANKS = ("RANK", "LOCAL_RANK", "WORLD_SIZE")  # what torchrun tells each worker of its place
